@@ -1,0 +1,1 @@
+"""ft_transformers: fault-tolerant transformer inference for Hugging Face Transformers."""

@@ -1,0 +1,232 @@
+"""Fault injection: `FaultSpec`, bit flips, and where flips land in a kernel call.
+
+A `FaultSpec` names a site (see `ft_transformers.sites.SITES`) and either a fixed ``bit`` flipped
+at ``count`` random positions, or a bit error rate ``ber`` (each element of the site flips one
+random bit with that probability). Kernel-level functions take it as ``inject=``;
+`inject_faults` applies it to the protected modules of a model.
+
+Inside a kernel call every site has a *logical shape* (the whole tensor the site would be if it
+were materialised), e.g. ``attn.scores`` is ``(B, Hq, M, N)``. `SiteFaults` draws the flip
+positions in that shape once per call, and `SiteFaults.apply` flips those falling inside the
+block a blocked implementation is working on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .sites import SITE_INDEX, SITES
+
+_INT_VIEW = {
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float64: torch.int64,
+}
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """What to inject.
+
+    Attributes:
+        site: one of ``attn.scores``, ``attn.rowmax``, ``attn.probs``, ``attn.rowsum``,
+            ``attn.output``, ``linear.output``.
+        bit: bit to flip, 0 = mantissa LSB of the value's storage format at the site
+            (fp32 for the attention sites, the GEMM output dtype for ``linear.output``).
+        count: number of flips per targeted call (random positions), with ``bit``.
+        ber: per-element flip probability (random bit), instead of ``bit``.
+        layers: transformer block indices (0-based) or qualified module names; ``None`` = all.
+        calls: forward-call indices (0-based) of each targeted module; ``None`` = all.
+        seed: seeds positions and bits; the same seed gives the same faults.
+    """
+
+    site: str
+    bit: int | None = None
+    count: int = 1
+    ber: float | None = None
+    layers: Sequence[int | str] | None = None
+    calls: Sequence[int] | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.site not in SITE_INDEX:
+            raise ValueError(f"unknown fault site {self.site!r}; choose one of {', '.join(SITES)}")
+        if (self.bit is None) == (self.ber is None):
+            raise ValueError("FaultSpec needs exactly one of `bit` (with `count`) or `ber`")
+        if self.bit is not None and not 0 <= int(self.bit) < 32:
+            raise ValueError(f"bit must lie in [0, 32) (0 = mantissa LSB), got {self.bit}")
+        if self.ber is not None and not 0.0 < float(self.ber) <= 1.0:
+            raise ValueError(f"ber must lie in (0, 1], got {self.ber}")
+        if int(self.count) < 1:
+            raise ValueError(f"count must be >= 1, got {self.count}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(self.layers))
+        if self.calls is not None:
+            calls = tuple(int(c) for c in self.calls)
+            if any(c < 0 for c in calls):
+                raise ValueError(f"calls must be non-negative, got {calls}")
+            object.__setattr__(self, "calls", calls)
+
+    @property
+    def is_attention(self) -> bool:
+        return self.site.startswith("attn.")
+
+
+def derive_seed(*parts: object) -> int:
+    """A stable 63-bit seed from any printable parts (independent of PYTHONHASHSEED)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def storage_bits(dtype: torch.dtype) -> int:
+    if dtype not in _INT_VIEW:
+        raise TypeError(f"cannot flip bits of a {dtype} tensor")
+    return torch.finfo(dtype).bits
+
+
+def flip_bits(x: torch.Tensor, flip: torch.Tensor, bits: torch.Tensor | int) -> torch.Tensor:
+    """Return a copy of ``x`` with ``bits`` flipped where ``flip`` is True.
+
+    Args:
+        x: floating tensor of any shape.
+        flip: bool tensor broadcastable to ``x``.
+        bits: bit index per element (int tensor broadcastable to ``x``) or one int.
+    """
+    ity = _INT_VIEW.get(x.dtype)
+    if ity is None:
+        raise TypeError(f"cannot flip bits of a {x.dtype} tensor")
+    nbits = torch.finfo(x.dtype).bits
+    bits_t = torch.as_tensor(bits, device=x.device, dtype=torch.int64)
+    # Build the xor mask in int64, then wrap it into the signed storage type (bit nbits-1 = sign).
+    mask64 = torch.bitwise_left_shift(torch.ones_like(bits_t), bits_t)
+    mask64 = torch.where(mask64 >= (1 << (nbits - 1)), mask64 - (1 << nbits), mask64)
+    mask = torch.where(flip, mask64.to(ity), torch.zeros((), dtype=ity, device=x.device))
+    return torch.bitwise_xor(x.contiguous().view(ity), mask).view(x.dtype)
+
+
+class SiteFaults:
+    """The flips of one site during one kernel call.
+
+    Args:
+        spec: the fault model (its ``site`` must be this site).
+        shape: logical shape of the site for this call.
+        seed: per-call seed (already mixed with module and call index by the caller).
+        dtype: storage dtype of the values at the site (sets the bit range).
+        device: device of the tensors `apply` will see.
+    """
+
+    def __init__(self, spec: FaultSpec, shape: Sequence[int], seed: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.spec = spec
+        self.shape = tuple(int(s) for s in shape)
+        self.seed = int(seed)
+        self.nbits = storage_bits(dtype)
+        self.device = torch.device(device)
+        self.injected = 0  # flips applied so far (host int; in BER mode counting synchronises)
+        if spec.bit is not None and spec.bit >= self.nbits:
+            raise ValueError(
+                f"bit {spec.bit} is out of range for {spec.site}, stored as {dtype} ({self.nbits} bits)"
+            )
+        self._coords: torch.Tensor | None = None
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        if spec.bit is not None and numel > 0:
+            g = torch.Generator().manual_seed(self.seed)
+            flat = torch.randint(0, numel, (int(spec.count),), generator=g).unique()
+            self._coords = torch.stack(torch.unravel_index(flat, self.shape), dim=1)  # (count, ndim)
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """(count, ndim) int64 coordinates of the flips in the logical shape (``bit`` mode)."""
+        return self._coords
+
+    def apply(self, x: torch.Tensor, dim: int = -1, start: int = 0) -> torch.Tensor:
+        """Flip the faults that fall in ``x``.
+
+        ``x`` is the slice ``[start, start + x.shape[dim])`` along ``dim`` of the site's logical
+        tensor, whole along every other dim; positions past the logical extent (padding) never
+        flip. Returns ``x`` itself when nothing lands in it.
+        """
+        dim = dim % x.dim()
+        if tuple(x.shape[:dim]) != self.shape[:dim] or tuple(x.shape[dim + 1:]) != self.shape[dim + 1:]:
+            raise ValueError(f"slice {tuple(x.shape)} does not match the site shape {self.shape} off dim {dim}")
+        width = x.shape[dim]
+        if self.spec.bit is not None:
+            if self._coords is None:
+                return x
+            c = self._coords
+            sel = (c[:, dim] >= start) & (c[:, dim] < start + width)
+            if not bool(sel.any()):
+                return x
+            c = c[sel].clone()
+            c[:, dim] -= start
+            flip = torch.zeros(x.shape, dtype=torch.bool)
+            flip[tuple(c.t())] = True
+            self.injected += int(c.shape[0])
+            return flip_bits(x, flip.to(x.device), int(self.spec.bit))
+        # BER mode: a generator per (call seed, block start) keeps the pattern reproducible.
+        g = torch.Generator().manual_seed(derive_seed(self.seed, start))
+        flip = torch.rand(x.shape, generator=g) < float(self.spec.ber)
+        valid = self.shape[dim] - start
+        if valid < width:
+            idx = [slice(None)] * x.dim()
+            idx[dim] = slice(max(valid, 0), None)
+            flip[tuple(idx)] = False
+        bits = torch.randint(0, self.nbits, x.shape, generator=g)
+        n = int(flip.sum())
+        if n == 0:
+            return x
+        self.injected += n
+        return flip_bits(x, flip.to(x.device), bits.to(x.device))
+
+
+class FaultPlan:
+    """Resolves a kernel-level ``inject=`` argument into per-site `SiteFaults`.
+
+    ``inject`` may be ``None``, a `FaultSpec`, or a sequence of them; `for_site` returns the
+    faults for one site (or ``None``) given the site's logical shape and dtype. ``seed`` is mixed
+    into every spec's own seed (the model-level injector passes module and call index).
+    """
+
+    def __init__(self, inject: FaultSpec | Sequence[FaultSpec] | None, *, seed: int | None = None) -> None:
+        if inject is None:
+            specs: tuple[FaultSpec, ...] = ()
+        elif isinstance(inject, FaultSpec):
+            specs = (inject,)
+        else:
+            specs = tuple(inject)
+            for s in specs:
+                if not isinstance(s, FaultSpec):
+                    raise TypeError(f"inject must be FaultSpec(s), got {type(s).__name__}")
+        self.specs = specs
+        self.seed = seed
+        self.sites: dict[str, SiteFaults] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def for_site(self, site: str, shape: Sequence[int], dtype: torch.dtype,
+                 device: torch.device | str) -> SiteFaults | None:
+        for spec in self.specs:
+            if spec.site == site:
+                seed = spec.seed if self.seed is None else derive_seed(spec.seed, self.seed)
+                sf = SiteFaults(spec, shape, derive_seed(seed, site), dtype, device)
+                self.sites[site] = sf
+                return sf
+        return None
+
+    @property
+    def injected(self) -> int:
+        return sum(sf.injected for sf in self.sites.values())
+
+    def check_sites(self, allowed: Sequence[str], where: str) -> None:
+        for spec in self.specs:
+            if spec.site not in allowed:
+                raise ValueError(f"{where} has no fault site {spec.site!r}; its sites are {', '.join(allowed)}")
+

@@ -1,0 +1,1 @@
+"""Triton kernels of ft_transformers (installed as ``ft_transformers.kernels``)."""

@@ -1,0 +1,1 @@
+"""Per-family adapters (installed as ``ft_transformers.patches``)."""
