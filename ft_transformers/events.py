@@ -1,0 +1,219 @@
+"""Per-module, per-step event recording and the `FTReport` built from it.
+
+A protected model owns one `EventRecorder`. Each protected module has a slot; during a model
+forward call (one generation *step*) every module adds its kernel counters into its slot of
+the step's counter tensor ``(modules, sites, kinds)``, on the module's device. At the end of the
+step the tensor is filed away, still on the device. Only `fault_report` copies the history to
+the host, so recording costs no synchronisation on the hot path.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import warnings
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .config import UncorrectableFaultError
+from .sites import COUNTER_SHAPE, KIND_INDEX, KINDS, SITES
+
+
+@dataclass(frozen=True)
+class FaultEvent:
+    """``count`` events of one ``kind`` at one ``site`` of one module during one model call.
+
+    ``step`` is the model forward-call index since protection was enabled (or the report was
+    reset): in ``generate`` that is the generation step (0 = prefill). ``layer`` is the
+    transformer block index (-1 for modules outside the blocks, e.g. ``lm_head``).
+    """
+
+    step: int
+    layer: int
+    module: str
+    site: str
+    kind: str
+    count: int
+
+
+@dataclass(frozen=True)
+class ModuleSlot:
+    index: int
+    name: str
+    layer: int
+
+
+class EventRecorder:
+    """Owns the device counter tensors of one protected model."""
+
+    def __init__(self, policy: str = "warn", record: bool = True) -> None:
+        self.policy = policy
+        self.record = record
+        self.slots: list[ModuleSlot] = []
+        self.step = 0
+        self._current: dict[torch.device, torch.Tensor] = {}
+        self._history: list[tuple[int, dict[torch.device, torch.Tensor]]] = []
+        self._pending_warn: list[tuple[int, torch.Tensor, object]] = []
+        self._warned = 0
+
+    # -- slots -------------------------------------------------------------------------------
+    def add_slot(self, name: str, layer: int) -> ModuleSlot:
+        slot = ModuleSlot(len(self.slots), name, layer)
+        self.slots.append(slot)
+        return slot
+
+    def counters(self, slot: ModuleSlot, device: torch.device) -> torch.Tensor:
+        """The (sites, kinds) int32 block of ``slot`` for the current step on ``device``."""
+        cur = self._current.get(device)
+        if cur is None:
+            cur = torch.zeros((len(self.slots), *COUNTER_SHAPE), dtype=torch.int32, device=device)
+            self._current[device] = cur
+        return cur[slot.index]
+
+    # -- steps ---------------------------------------------------------------------------------
+    def end_step(self) -> None:
+        """File the current step's counters (no host sync) and start the next step."""
+        self._poll_warnings()
+        if self._current:
+            if self.record:
+                self._history.append((self.step, self._current))
+            if self.policy == "warn":
+                self._queue_warning(self.step, self._current)
+        self._current = {}
+        self.step += 1
+
+    def _queue_warning(self, step: int, tensors: dict[torch.device, torch.Tensor]) -> None:
+        k = KIND_INDEX["uncorrectable"]
+        for dev, t in tensors.items():
+            total = t[:, :, k].sum()
+            if dev.type == "cuda":
+                host = torch.empty((), dtype=total.dtype, pin_memory=True)
+                host.copy_(total, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                self._pending_warn.append((step, host, ev))
+            else:
+                self._pending_warn.append((step, total, None))
+        self._poll_warnings()
+
+    def _poll_warnings(self, wait: bool = False) -> None:
+        keep = []
+        for step, host, ev in self._pending_warn:
+            if ev is not None and not wait and not ev.query():
+                keep.append((step, host, ev))
+                continue
+            if ev is not None:
+                ev.synchronize()
+            n = int(host)
+            if n:
+                self._warned += n
+                warnings.warn(
+                    f"ft_transformers: {n} uncorrectable fault(s) in model call {step}; "
+                    "see fault_report(model)", RuntimeWarning, stacklevel=3)
+        self._pending_warn = keep
+
+    @staticmethod
+    def raise_if_uncorrectable(counters: torch.Tensor, module: str) -> None:
+        """The ``on_uncorrectable="raise"`` check (synchronises)."""
+        n = int(counters[:, KIND_INDEX["uncorrectable"]].sum())
+        if n:
+            raise UncorrectableFaultError(f"{n} uncorrectable fault(s) in {module}")
+
+    # -- report --------------------------------------------------------------------------------
+    def events(self) -> list[FaultEvent]:
+        self._poll_warnings(wait=True)
+        out: list[FaultEvent] = []
+        entries = list(self._history)
+        if self._current:
+            entries.append((self.step, self._current))
+        for step, tensors in entries:
+            for t in tensors.values():
+                host = t.detach().cpu()
+                for idx in host.nonzero().tolist():
+                    mod, site, kind = idx
+                    slot = self.slots[mod]
+                    out.append(FaultEvent(step, slot.layer, slot.name, SITES[site], KINDS[kind],
+                                          int(host[mod, site, kind])))
+        out.sort(key=lambda e: (e.step, e.layer, e.module, SITES.index(e.site), KINDS.index(e.kind)))
+        return out
+
+    def reset(self) -> None:
+        self._poll_warnings(wait=True)
+        self._history.clear()
+        self._current = {}
+        self.step = 0
+
+
+class FTReport:
+    """What the protection saw: a list of `FaultEvent` and views of it.
+
+    ``str(report)`` is a table per layer × site; `summary` the same as a dict; `by_step` per
+    generation step × layer; `to_json` / `to_csv` export the events.
+    """
+
+    def __init__(self, events: list[FaultEvent], recorder: EventRecorder | None = None,
+                 steps: int = 0) -> None:
+        self.events = events
+        self.steps = steps
+        self._recorder = recorder
+
+    def totals(self) -> dict[str, int]:
+        tot = dict.fromkeys(KINDS, 0)
+        for e in self.events:
+            tot[e.kind] += e.count
+        return tot
+
+    def summary(self) -> dict[tuple[int, str], dict[str, int]]:
+        """``{(layer, site): {kind: count}}`` summed over steps and modules."""
+        acc: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(KINDS, 0))
+        for e in self.events:
+            acc[(e.layer, e.site)][e.kind] += e.count
+        return dict(sorted(acc.items(), key=lambda kv: (kv[0][0], SITES.index(kv[0][1]))))
+
+    def by_step(self) -> dict[tuple[int, int], dict[str, int]]:
+        """``{(step, layer): {kind: count}}`` summed over modules and sites."""
+        acc: dict[tuple[int, int], dict[str, int]] = defaultdict(lambda: dict.fromkeys(KINDS, 0))
+        for e in self.events:
+            acc[(e.step, e.layer)][e.kind] += e.count
+        return dict(sorted(acc.items()))
+
+    def reset(self) -> None:
+        """Forget every event recorded so far (and restart the step count)."""
+        if self._recorder is not None:
+            self._recorder.reset()
+        self.events = []
+        self.steps = 0
+
+    def to_json(self, path: str | Path) -> None:
+        data = {"steps": self.steps, "totals": self.totals(),
+                "events": [asdict(e) for e in self.events]}
+        Path(path).write_text(json.dumps(data, indent=1))
+
+    def to_csv(self, path: str | Path) -> None:
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "layer", "module", "site", "kind", "count"])
+            for e in self.events:
+                w.writerow([e.step, e.layer, e.module, e.site, e.kind, e.count])
+
+    def __str__(self) -> str:
+        summ = self.summary()
+        head = f"ft_transformers fault report: {self.steps} model call(s), "
+        if not summ:
+            return head + "no events"
+        tot = self.totals()
+        head += ", ".join(f"{tot[k]} {k}" for k in KINDS if tot[k]) + "\n"
+        cols = ["layer", "site", *KINDS]
+        rows = [[("-" if layer < 0 else str(layer)), site, *(str(c[k]) for k in KINDS)]
+                for (layer, site), c in summ.items()]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(cols)]
+        fmt = "  ".join("{:<%d}" % w if i < 2 else "{:>%d}" % w for i, w in enumerate(widths))
+        lines = [fmt.format(*cols), "  ".join("-" * w for w in widths)]
+        lines += [fmt.format(*r) for r in rows]
+        return head + "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"FTReport(steps={self.steps}, events={len(self.events)}, totals={self.totals()})"

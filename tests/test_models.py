@@ -1,0 +1,215 @@
+"""Whole models: efta + full protection against eager, on tiny models of the five families."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import FAMILIES, make_model, padded_batch
+
+import ft_transformers as ftt
+
+TOL = 2e-4
+
+
+def _forward(model, family, ids, mask):
+    with torch.no_grad():
+        if family == "t5":
+            dec = ids[:, :5].clone()
+            dec[:, 0] = 0
+            return model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+        if family == "bert":
+            return model(input_ids=ids, attention_mask=mask).last_hidden_state
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+def _valid(family, out, mask):
+    """Compare only positions that are real tokens (padded query rows are undefined in eager too)."""
+    if family == "t5":
+        return out
+    return out[mask.bool()]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_protected_logits_match_eager_with_left_padding(family):
+    model = make_model(family)
+    ids, mask = padded_batch(seed=1)
+    ref = _forward(model, family, ids, mask)
+    ftt.enable_fault_tolerance(model, ftt.FTConfig())
+    assert model.config._attn_implementation == "efta"
+    out = _forward(model, family, ids, mask)
+    err = (_valid(family, out, mask) - _valid(family, ref, mask)).abs().max().item()
+    assert err < TOL, f"{family}: max |efta - eager| = {err:.3g}"
+    report = ftt.fault_report(model)
+    assert report.totals()["detected"] == 0, str(report)
+    assert report.steps == 1
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2", "llama", "t5"])
+def test_greedy_generate_identical_tokens(family):
+    model = make_model(family, seed=3)
+    ids, mask = padded_batch(seed=4, lengths=(10, 6))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        ftt.enable_fault_tolerance(model)
+        out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(out, ref)
+    report = ftt.fault_report(model)
+    assert report.totals()["detected"] == 0, str(report)
+    # One model call per generated token (T5: the encoder runs inside the first call).
+    assert report.steps == 8
+
+
+def test_disable_restores_model():
+    model = make_model("gpt2")
+    ids, mask = padded_batch()
+    ref = _forward(model, "gpt2", ids, mask)
+    ftt.enable_fault_tolerance(model)
+    ftt.enable_fault_tolerance(model)  # idempotent
+    assert sum("forward" in m.__dict__ for m in model.modules()) > 0
+    ftt.disable_fault_tolerance(model)
+    assert model.config._attn_implementation == "eager"
+    assert not any("forward" in m.__dict__ or "_ftt" in m.__dict__ for m in model.modules())
+    assert torch.equal(_forward(model, "gpt2", ids, mask), ref)
+    with pytest.raises(ValueError, match="not protected"):
+        ftt.fault_report(model)
+
+
+def test_set_attn_implementation_and_from_config():
+    model = make_model("llama", attn="efta")
+    assert model.config._attn_implementation == "efta"
+    model.set_attn_implementation("eager")
+    model.set_attn_implementation("efta")
+    ids, mask = padded_batch()
+    out = _forward(model, "llama", ids, mask)
+    assert torch.isfinite(out[mask.bool()]).all()
+
+
+def _flip_matters(site, pos, mask):
+    """Whether a flip at ``pos`` of ``site`` reaches a real output (causal model, no cache)."""
+    if site == "linear.output":
+        return True
+    b, i = pos[0], pos[2]
+    if not mask[b, i]:
+        return False  # padded query row: never compared
+    if site == "attn.scores":
+        j = pos[3]
+        return bool(mask[b, j]) and j <= i  # masked scores are overwritten with -inf anyway
+    return True
+
+
+@pytest.mark.parametrize("site", ["attn.scores", "attn.rowmax", "attn.probs", "attn.rowsum", "attn.output",
+                                  "linear.output"])
+def test_single_exponent_flip_corrected_in_model(site):
+    model = make_model("llama", seed=5)
+    ids, mask = padded_batch(seed=6)
+    harmful = 0
+    for seed in range(6):
+        ftt.enable_fault_tolerance(model)
+        clean = _forward(model, "llama", ids, mask)
+        spec = ftt.FaultSpec(site=site, bit=30, count=1, layers=[1], seed=seed)
+        with ftt.inject_faults(model, spec) as log:
+            out = _forward(model, "llama", ids, mask)
+        assert log.injected >= 1
+        report = ftt.fault_report(model)
+        tot = report.totals()
+        assert tot["detected"] >= 1, str(report)
+        assert tot["detected"] == tot["corrected"] + tot["recomputed"] + tot["uncorrectable"]
+        assert tot["uncorrectable"] == 0
+        assert {e.layer for e in report.events} == {1}
+        assert all(e.step == 1 for e in report.events)
+        err = (_valid("llama", out, mask) - _valid("llama", clean, mask)).abs().max().item()
+        assert err < TOL, f"{site}: {err:.3g}\n{report}"
+
+        ftt.enable_fault_tolerance(model, ftt.FTConfig(detect=False, correct=False))
+        with ftt.inject_faults(model, spec) as log:
+            bad = _forward(model, "llama", ids, mask)
+        assert ftt.fault_report(model).totals()["detected"] == 0
+        diff = (_valid("llama", bad, mask) - _valid("llama", clean, mask)).abs().max()
+        pos = log.records[0][2].sites[site].positions[0].tolist()
+        if _flip_matters(site, pos, mask):
+            harmful += 1
+            assert not torch.isfinite(diff) or diff > 1e-2, f"{site} {pos}: unprotected flip left no trace"
+    assert harmful >= 1
+
+
+def test_fault_report_views(tmp_path):
+    model = make_model("gpt2")
+    ids, mask = padded_batch()
+    ftt.enable_fault_tolerance(model)
+    with ftt.inject_faults(model, ftt.FaultSpec(site="linear.output", bit=30, count=2, layers=[0], calls=[1])):
+        _forward(model, "gpt2", ids, mask)  # call 0: untouched
+        _forward(model, "gpt2", ids, mask)  # call 1: two flips in each Linear of block 0
+    report = ftt.fault_report(model)
+    assert report.steps == 2
+    assert {e.step for e in report.events} == {1}
+    assert {e.layer for e in report.events} == {0}
+    summ = report.summary()
+    assert (0, "linear.output") in summ and summ[(0, "linear.output")]["detected"] >= 4
+    text = str(report)
+    assert "linear.output" in text and "detected" in text
+    report.to_json(tmp_path / "r.json")
+    report.to_csv(tmp_path / "r.csv")
+    assert (tmp_path / "r.csv").read_text().count("\n") == len(report.events) + 1
+    report.reset()
+    assert ftt.fault_report(model).events == []
+
+
+def test_bad_input_errors():
+    model = make_model("llama")
+    ids, mask = padded_batch()
+    ftt.enable_fault_tolerance(model)
+    with pytest.raises(ValueError, match="output_attentions"):
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    with pytest.raises(ValueError, match="unknown fault site"):
+        ftt.FaultSpec(site="attn.nowhere", bit=3)
+    with pytest.raises(ValueError, match="bit"):
+        ftt.FaultSpec(site="attn.scores", bit=32)
+    with pytest.raises(ValueError, match="exactly one"):
+        ftt.FaultSpec(site="attn.scores")
+    with pytest.raises(ValueError, match="matches no protected module"):
+        with ftt.inject_faults(model, ftt.FaultSpec(site="attn.scores", bit=3, layers=[7])):
+            pass
+    with pytest.raises(ValueError, match="supported families"):
+        from transformers import OPTConfig, OPTForCausalLM
+
+        ftt.enable_fault_tolerance(OPTForCausalLM(OPTConfig(hidden_size=32, num_hidden_layers=1,
+                                                            ffn_dim=64, num_attention_heads=2,
+                                                            word_embed_proj_dim=32, vocab_size=64)))
+    with pytest.raises(ValueError, match="not protected"):
+        with ftt.inject_faults(make_model("gpt2"), ftt.FaultSpec(site="attn.scores", bit=3)):
+            pass
+
+
+def test_training_mode_with_dropout_is_refused():
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import gpt2_config
+
+    cfg = gpt2_config()
+    cfg.attn_pdrop = 0.1
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="efta")
+    model.train()
+    ids, mask = padded_batch()
+    with pytest.raises(RuntimeError, match="inference-only"):
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+
+
+def test_raise_policy():
+    model = make_model("gpt2")
+    ids, mask = padded_batch()
+    ftt.enable_fault_tolerance(model, ftt.FTConfig(correct=False, on_uncorrectable="raise"))
+    with pytest.raises(ftt.UncorrectableFaultError):
+        with ftt.inject_faults(model, ftt.FaultSpec(site="linear.output", bit=30, layers=[0])):
+            _forward(model, "gpt2", ids, mask)
+
+
+def test_warn_policy():
+    model = make_model("gpt2")
+    ids, mask = padded_batch()
+    ftt.enable_fault_tolerance(model, ftt.FTConfig(correct=False))
+    with pytest.warns(RuntimeWarning, match="uncorrectable"):
+        with ftt.inject_faults(model, ftt.FaultSpec(site="linear.output", bit=30, layers=[0])):
+            _forward(model, "gpt2", ids, mask)
