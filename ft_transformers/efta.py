@@ -1,0 +1,206 @@
+"""`efta_attention`: fault-tolerant fused attention (EFTA), the kernel-level public entry point.
+
+The checks, thresholds, counters and injection sites are those of ``docs/algorithms.md``. Two
+backends implement them: the Triton kernel (``ft_transformers.kernels.efta``, CUDA) and the
+PyTorch reference (`ft_transformers.efta_reference`, any device; the CPU runtime).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from .counters import FaultStats, new_counters
+from .efta_reference import broadcast_to_scores, efta_reference
+from .injection import FaultPlan, FaultSpec
+from .sites import ATTENTION_SITES
+
+__all__ = ["efta_attention"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_BACKENDS = ("auto", "triton", "reference")
+
+
+def _triton_module():
+    """``ft_transformers.kernels.efta`` if it imports and has `efta_triton_forward`, else None."""
+    try:
+        from .kernels import efta as kmod
+    except ImportError:
+        return None
+    return kmod if hasattr(kmod, "efta_triton_forward") else None
+
+
+def _resolve_backend(backend: str, device: torch.device):
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}")
+    if backend == "reference":
+        return None
+    kmod = _triton_module()
+    if backend == "triton":
+        if kmod is None:
+            raise NotImplementedError(
+                "backend='triton' needs ft_transformers.kernels.efta.efta_triton_forward, which is not "
+                "available (not implemented yet, or triton is not installed); use backend='reference'"
+            )
+        return kmod
+    return kmod if device.type == "cuda" else None
+
+
+def _validate(q, k, v, scale, bias, attn_mask, window) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D ({'(B, Hq, M, D)' if name == 'q' else '(B, Hkv, N, D)'}), "
+                             f"got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; EFTA supports float16, bfloat16 and float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (B, Hkv, N, D), got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    B, Hq, M, D = q.shape
+    if k.shape[0] != B:
+        raise ValueError(f"batch size mismatch: q has {B}, k/v have {k.shape[0]}")
+    if k.shape[3] != D:
+        raise ValueError(f"head dim mismatch: q has D={D}, k/v have D={k.shape[3]}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if scale is not None:
+        try:
+            ok = math.isfinite(float(scale))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok or isinstance(scale, bool):
+            raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    shape = (B, Hq, M, k.shape[2])
+    for name, t in (("bias", bias), ("attn_mask", attn_mask)):
+        if t is None:
+            continue
+        broadcast_to_scores(t, shape, name)
+        if name == "bias" and not t.is_floating_point():
+            raise TypeError(f"bias must be a floating tensor (additive), got {t.dtype}")
+        if name == "attn_mask" and not (t.dtype == torch.bool or t.is_floating_point()):
+            raise TypeError(f"attn_mask must be bool (True = attend) or floating (additive), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if window is not None:
+        try:
+            window = operator.index(window)
+        except TypeError:
+            raise TypeError(f"window must be a positive int or None, got {window!r}") from None
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k", k), ("v", v), ("bias", bias), ("attn_mask", attn_mask)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise ValueError(
+                    f"EFTA is inference-only (no backward), but {name} requires grad: run it under "
+                    "torch.no_grad() or torch.inference_mode(), or detach the inputs"
+                )
+
+
+def _efta_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None,
+    causal: bool,
+    bias: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    window: int | None,
+    pasa: bool,
+    detect: bool,
+    correct: bool,
+    plan: FaultPlan,
+    counters: torch.Tensor,
+    backend: str,
+) -> torch.Tensor:
+    """EFTA forward adding its events into ``counters`` (no validation beyond the backend choice).
+
+    Args:
+        q: (B, Hq, M, D); k, v: (B, Hkv, N, D); same dtype (fp16/bf16/fp32) and device.
+        bias, attn_mask: broadcastable to (B, Hq, M, N) (mask bool True = attend, or additive).
+        plan: injection plan (attention sites only).
+        counters: int32 (sites, kinds) block on q's device (e.g. a (6, 5) view into a bigger tensor).
+    Returns:
+        (B, Hq, M, D) in q's dtype.
+    """
+    if pasa:
+        raise NotImplementedError("PASA mode of EFTA is not implemented yet; use pasa=False")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    correct = bool(correct and detect)
+    kmod = _resolve_backend(backend, q.device)
+    if window is not None:
+        window = operator.index(window)
+    kwargs = dict(scale=float(scale), causal=bool(causal), bias=bias, attn_mask=attn_mask, window=window,
+                  detect=bool(detect), correct=correct, plan=plan, counters=counters)
+    if kmod is not None:
+        if backend == "triton":
+            return kmod.efta_triton_forward(q, k, v, **kwargs)
+        # "auto": shapes the kernel does not handle (e.g. head dims outside its range) take the
+        # reference path; it raises EftaUnsupported before doing any work.
+        unsupported = getattr(kmod, "EftaUnsupported", ())
+        try:
+            return kmod.efta_triton_forward(q, k, v, **kwargs)
+        except unsupported:
+            pass
+    return efta_reference(q, k, v, **kwargs)
+
+
+def efta_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    bias: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    window: int | None = None,
+    pasa: bool = False,
+    detect: bool = True,
+    correct: bool = True,
+    inject: FaultSpec | Sequence[FaultSpec] | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, FaultStats]:
+    """Fault-tolerant attention ``softmax(scale·q·kᵀ + bias + mask)·v`` (inference only).
+
+    Args:
+        q: (B, Hq, M, D) float16/bfloat16/float32.
+        k, v: (B, Hkv, N, D), q's dtype; Hq a multiple of Hkv (GQA/MQA: query head h uses kv
+            head h // (Hq/Hkv)).
+        causal: causal mask aligned bottom-right (query i sees keys j ≤ i + N − M), right for
+            decoding with a KV cache (M < N).
+        scale: score scale; default 1/sqrt(D) (T5 uses 1.0).
+        bias: additive float bias broadcastable to (B, Hq, M, N) (e.g. T5's position bias).
+        attn_mask: bool (True = attend) or additive float, broadcastable to (B, Hq, M, N).
+        window: sliding window; key j is visible only if j > i + N − M − window.
+        pasa: PASA shifted score GEMM (not implemented yet).
+        detect: verify (checksums and range checks); False = the unprotected computation.
+        correct: repair what is detected; False only counts (``detected`` + ``uncorrectable``).
+        inject: `FaultSpec` (or a list) at attention sites ``attn.*``.
+        backend: ``"auto"`` (the Triton kernel for CUDA tensors when it is available and handles
+            the shape, else the reference), ``"triton"`` or ``"reference"``.
+
+    Returns:
+        ``(out, stats)``: out (B, Hq, M, D) in q's dtype; stats a `FaultStats` ``{kind: int}``.
+        Rows with every key masked are 0.
+    """
+    _validate(q, k, v, scale, bias, attn_mask, window)
+    plan = inject if isinstance(inject, FaultPlan) else FaultPlan(inject)
+    plan.check_sites(ATTENTION_SITES, "efta_attention")
+    counters = new_counters(q.device)
+    out = _efta_forward(q, k, v, scale=scale, causal=causal, bias=bias, attn_mask=attn_mask, window=window,
+                        pasa=pasa, detect=detect, correct=correct, plan=plan, counters=counters,
+                        backend=backend)
+    return out, FaultStats(counters)

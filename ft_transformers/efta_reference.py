@@ -1,0 +1,506 @@
+"""PyTorch reference implementation of EFTA (fault-tolerant flash attention).
+
+This is the CPU runtime of the library and the oracle of the Triton kernel. It is blocked the
+way the kernel is: a Python loop over key blocks of ``block_n`` keys, every query row (all
+batches, heads and query blocks) processed at once with torch ops, the online softmax, and the
+checks of ``docs/algorithms.md`` steps 1–8 with their counters and injection sites.
+
+Shapes: q (B, Hq, M, D), k/v (B, Hkv, N, D), Hq a multiple of Hkv; query head h uses kv head
+``h // (Hq // Hkv)`` (GQA/MQA without repeating k/v: q is viewed as (B, Hkv, G·M, D)).
+
+Deviations from the letter of ``docs/algorithms.md`` (sound variants of the same checks; on
+clean inputs none of them changes a check's verdict):
+
+* Steps 1 and 7, correction: a located element is rebuilt as ``checksum − Σ(other members of its
+  group)`` instead of ``value += D1``. Both are equal in exact arithmetic, but when the fault made
+  the value huge (exponent flips reach 3e38) ``D1`` has absorbed the other members and
+  ``value + D1`` cancels catastrophically: the "corrected" value comes out as ~0, not the true one.
+* Steps 1 and 7, location: a key in the block padding (≥ N) or a column in the zero padding of D
+  counts as "out of range" (the row is recomputed).
+* Step 3: ``τ_m = min(2^-20·(1 + |m_new|), 1)``, and the 0 base of ``x`` is used only where
+  ``m_new``, ``m`` and the block max are all −inf. Uncapped, τ_m is +inf whenever ``m_new`` is
+  ±inf (a bit-30 flip turns ±1.0 into ±inf), which disables both comparisons: a max corrupted to
+  −inf passed, ``x = S − 0`` was used, and the next block's α = exp(−inf − m) = 0 silently erased
+  everything before it (a wrong output with no event). With the cap alone, base 0 for any
+  ``m_new = −inf`` would still let that through when the block max lies in [−1, 1]; with base
+  ``m_new`` there, ``x = +inf`` trips the check. In clean runs the max is exact (max x = 0, or
+  −inf for a fully masked block), so neither change can cause a false positive; the cap also keeps
+  an undetected shift of m from overflowing exp when |m| is huge.
+* Step 4: ``P = exp(x)`` is flushed to 0 where ``x < −87`` (results < 1.7e-38; within the step-4
+  range check), and ``P`` is clamped to 2^-126 before the ``log`` of the check (for x ≥ −87 every
+  P below that is a fault either way). CPU exp/log take slow paths on −inf, 0 and subnormals.
+* Non-finite inputs: −inf in q, k or v also counts as ``nonfinite_input`` (it is as bad as +inf
+  there); in ``bias`` and an additive ``attn_mask`` −inf is a mask value, so only NaN and +inf count.
+* Step 7 skips the rows flagged by step 6 (they are recomputed from scratch anyway), so one fault
+  is not counted twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .counters import add_count
+from .injection import FaultPlan, SiteFaults
+
+__all__ = ["efta_reference", "broadcast_to_scores"]
+
+U = 2.0**-24  # fp32 unit roundoff
+_NEG_INF = float("-inf")
+_TINY_P = 2.0**-125  # exp(x) for x < -87 lies below this
+_RECOMPUTE_CHUNK = 1 << 24  # elements of gathered K/V per chunk of the row recompute
+
+
+def _g(k: float) -> float:
+    """The γ_k rounding bound 1.01·k·u."""
+    return 1.01 * k * U
+
+
+def broadcast_to_scores(t: torch.Tensor | None, shape: tuple[int, int, int, int], name: str
+                        ) -> torch.Tensor | None:
+    """``t`` as a 4-D view broadcastable to ``shape`` = (B, Hq, M, N); raises ValueError if it is not."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dim() > 4:
+        raise ValueError(f"{name} must have at most 4 dims (broadcastable to (B, Hq, M, N) = {shape}), "
+                         f"got shape {tuple(t.shape)}")
+    t4 = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    for have, want in zip(t4.shape, shape, strict=True):
+        if have != 1 and have != want:
+            raise ValueError(f"{name} of shape {tuple(t.shape)} is not broadcastable to "
+                             f"(B, Hq, M, N) = {shape}")
+    return t4
+
+
+def _expand_keys(t4: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """A (…, 1) key dim broadcast to n (a view), so that key blocks can be sliced out of it."""
+    if t4 is None or t4.shape[-1] == n:
+        return t4
+    return t4.expand(*t4.shape[:-1], n)
+
+
+def _to5d(t4: torch.Tensor | None, hkv: int, groups: int) -> torch.Tensor | None:
+    """(b, h, m, n) broadcastable to (B, Hq, M, N) → (b, Hkv|1, G|1, m, n) broadcastable to the 5-D scores."""
+    if t4 is None:
+        return None
+    b, h, m, n = t4.shape
+    if h == 1:
+        return t4.unsqueeze(2)
+    return t4.reshape(b, hkv, groups, m, n)
+
+
+class _Ctx:
+    """Everything the row recompute needs (fp32, unpadded)."""
+
+    def __init__(self, qs5, k32, v32, bias5, amask5, bmask5, causal, window, n_keys):
+        self.qs5 = qs5  # (B, Hkv, G, M, D), scale folded in
+        self.k32 = k32  # (B, Hkv, N, D)
+        self.v32 = v32
+        self.bias5 = bias5  # additive, 5-D broadcastable, or None
+        self.amask5 = amask5  # additive mask
+        self.bmask5 = bmask5  # bool mask (True = attend)
+        self.causal = causal
+        self.window = window
+        self.n = n_keys
+
+    def shape5(self) -> tuple[int, ...]:
+        B, Hkv, G, M, _ = self.qs5.shape
+        return (B, Hkv, G, M, self.n)
+
+    def positional(self, mi: torch.Tensor, cols: torch.Tensor) -> torch.Tensor | None:
+        """Causal/window visibility of keys ``cols`` (C,) for query rows ``mi`` (R,) → (R, C) or None."""
+        if not self.causal and self.window is None:
+            return None
+        M = self.qs5.shape[3]
+        pos = (mi + (self.n - M)).unsqueeze(1)
+        ok = torch.ones(mi.shape[0], cols.shape[0], dtype=torch.bool, device=mi.device)
+        if self.causal:
+            ok &= cols.unsqueeze(0) <= pos
+        if self.window is not None:
+            ok &= cols.unsqueeze(0) > pos - self.window
+        return ok
+
+    def rows_scores(self, idx: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor:
+        """Raw scores (scale·q)·kᵀ of rows idx (R, 4) = (b, hkv, g, m) against k_rows (R, C, D)."""
+        q = self.qs5[idx[:, 0], idx[:, 1], idx[:, 2], idx[:, 3]]
+        return torch.bmm(k_rows, q.unsqueeze(2)).squeeze(2)
+
+    def attend_rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """Plain fp32 materialised attention of rows idx (R, 4) → (R, D); fully masked rows give 0."""
+        R = idx.shape[0]
+        D = self.qs5.shape[-1]
+        out = torch.empty(R, D, dtype=torch.float32, device=self.qs5.device)
+        chunk = max(1, _RECOMPUTE_CHUNK // max(1, self.n * D))
+        full = self.shape5()
+        cols = torch.arange(self.n, device=self.qs5.device)
+        for c0 in range(0, R, chunk):
+            ix = idx[c0:c0 + chunk]
+            b, h, g, m = ix.unbind(1)
+            kk = self.k32[b, h]
+            s = self.rows_scores(ix, kk)
+            if self.bias5 is not None:
+                s = s + self.bias5.expand(full)[b, h, g, m].float()
+            if self.amask5 is not None:
+                s = s + self.amask5.expand(full)[b, h, g, m].float()
+            if self.bmask5 is not None:
+                s = s.masked_fill(~self.bmask5.expand(full)[b, h, g, m], _NEG_INF)
+            pos = self.positional(m, cols)
+            if pos is not None:
+                s = s.masked_fill(~pos, _NEG_INF)
+            mx = s.amax(dim=1, keepdim=True)
+            mx = torch.where(mx == _NEG_INF, torch.zeros_like(mx), mx)
+            p = torch.exp(s - mx)
+            l = p.sum(dim=1, keepdim=True)
+            o = torch.bmm(p.unsqueeze(1), self.v32[b, h]).squeeze(1)
+            out[c0:c0 + chunk] = torch.where(l > 0, o / torch.where(l > 0, l, torch.ones_like(l)),
+                                             torch.zeros_like(o))
+        return out
+
+
+def _apply(sf: SiteFaults | None, x: torch.Tensor, site_shape4: tuple[int, ...], start: int) -> torch.Tensor:
+    """Inject into ``x`` (any view of a (B, Hq, M, w) slice of the site), same shape back."""
+    if sf is None:
+        return x
+    return sf.apply(x.reshape(site_shape4), dim=-1, start=start).reshape(x.shape)
+
+
+def _count(counters: torch.Tensor | None, site: str, kind: str, value) -> None:
+    if counters is not None:
+        add_count(counters, site, kind, value)
+
+
+def _group_sums(x: torch.Tensor, ngroups: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_l x[..., l·s+r] and Σ_l (l+1)·x[..., l·s+r] over the last dim → two (..., s) tensors.
+
+    The weighted sum is accumulated as the sum of the suffix sums (Σ_k Σ_{l≥k} x_l = Σ_l (l+1)·x_l),
+    which costs 2(L−1) slice additions instead of a weighted copy and two reductions.
+    """
+    xg = x.unflatten(-1, (ngroups, stride))
+    suf = xg[..., ngroups - 1, :]
+    wsum = suf
+    for i in range(ngroups - 2, -1, -1):
+        suf = suf + xg[..., i, :]
+        wsum = wsum + suf
+    return suf, wsum
+
+
+def _exp_ftz(x: torch.Tensor) -> torch.Tensor:
+    """exp(x), flushed to 0 where x < −87 (subnormal results; exp there is < 1.7e-38).
+
+    CPU exp takes a slow path for underflowing and −inf arguments (about 10× slower), and masked
+    keys are −inf. The flush is within the step-4 contract (0 ≤ P ≤ 2^-125 below −87).
+    """
+    p = torch.exp(x.clamp(min=-87.0))
+    return p.masked_fill_(x < -87.0, 0.0)
+
+
+def _locate(d1: torch.Tensor, d2: torch.Tensor, bad: torch.Tensor, ngroups: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group index l (0-based) from t = D2/D1 ≈ l+1, and where that location is valid."""
+    t = d2 / d1
+    tr = torch.round(t)
+    ok = bad & torch.isfinite(t) & ((t - tr).abs() <= 0.25) & (tr >= 1) & (tr <= ngroups)
+    loc = torch.where(ok, tr - 1, torch.zeros_like(tr)).to(torch.long)
+    return loc, ok
+
+
+def _rebuild(grp: torch.Tensor, idx: torch.Tensor, loc: torch.Tensor, csum: torch.Tensor) -> torch.Tensor:
+    """New values of located elements: checksum minus the sum of the other members of their group.
+
+    grp: (..., Lg, s) grouped values (member l of residue r at [..., l, r]); idx (K, nd) indices
+    of (..., r) of the located groups; loc (K,) member index; csum (K,) the checksums.
+    """
+    r = idx[:, -1]
+    members = grp[tuple(idx[:, :-1].t())]  # (K, Lg, s)
+    members = members.gather(2, r.view(-1, 1, 1).expand(-1, members.shape[1], 1)).squeeze(2)  # (K, Lg)
+    keep = torch.arange(members.shape[1], device=members.device).unsqueeze(0) != loc.unsqueeze(1)
+    others = torch.where(keep, members, torch.zeros_like(members)).sum(dim=1)
+    return csum - others
+
+
+@torch.no_grad()
+def efta_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    bias: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    window: int | None,
+    detect: bool,
+    correct: bool,
+    plan: FaultPlan | None,
+    counters: torch.Tensor | None,
+    block_n: int = 64,
+    stride: int = 16,
+) -> torch.Tensor:
+    """Fault-tolerant attention, blocked like the Triton kernel (inputs are assumed validated).
+
+    Args:
+        q: (B, Hq, M, D) fp16/bf16/fp32.
+        k, v: (B, Hkv, N, D), same dtype; Hq a multiple of Hkv.
+        scale: softmax scale, folded into q.
+        causal: bottom-right aligned causal mask (query i sees keys j ≤ i + N − M).
+        bias: additive float, broadcastable to (B, Hq, M, N), or None.
+        attn_mask: bool (True = attend) or additive float, broadcastable to (B, Hq, M, N), or None.
+        window: sliding window (key j visible iff j > i + N − M − window), or None.
+        detect: run the checks; False = unprotected baseline (injection still happens).
+        correct: repair what is detected; False = count ``detected`` + ``uncorrectable`` only.
+        plan: fault injection plan (attention sites), or None.
+        counters: int32 (sites, kinds) block to add the events into, or None.
+        block_n: keys per block (multiple of ``stride``).
+        stride: checksum stride s over keys and over the head dim.
+
+    Returns:
+        (B, Hq, M, D) in q's dtype. Runs under ``torch.no_grad()``: EFTA is inference-only.
+    """
+    if block_n % stride != 0 or block_n <= 0 or stride <= 0:
+        raise ValueError(f"block_n ({block_n}) must be a positive multiple of stride ({stride})")
+    correct = bool(correct and detect)
+    B, Hq, M, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    GM = G * M
+    dev = q.device
+    out_dtype = q.dtype
+    if B == 0 or Hq == 0 or M == 0 or D == 0 or N == 0:  # N == 0: every row fully masked
+        return torch.zeros(B, Hq, M, D, dtype=out_dtype, device=dev)
+    full4 = (B, Hq, M, N)
+    bias4 = _expand_keys(broadcast_to_scores(bias, full4, "bias"), N)
+    mask4 = _expand_keys(broadcast_to_scores(attn_mask, full4, "attn_mask"), N)
+    bmask4 = amask4 = None
+    if mask4 is not None:
+        if mask4.dtype == torch.bool:
+            bmask4 = mask4
+        else:
+            amask4 = mask4
+
+    if detect:
+        finite = all(bool(torch.isfinite(t).all()) for t in (q, k, v))
+        for t in (bias4, amask4):
+            if t is not None and finite:
+                finite = not bool((torch.isnan(t) | torch.isposinf(t)).any())
+        if not finite:
+            _count(counters, "attn.scores", "nonfinite_input", 1)
+            detect = correct = False
+
+    if plan:
+        sf_scores = plan.for_site("attn.scores", full4, torch.float32, dev)
+        nblocks_site = -(-N // block_n)
+        sf_rowmax = plan.for_site("attn.rowmax", (B, Hq, M, nblocks_site), torch.float32, dev)
+        sf_probs = plan.for_site("attn.probs", full4, torch.float32, dev)
+        sf_rowsum = plan.for_site("attn.rowsum", (B, Hq, M, nblocks_site), torch.float32, dev)
+        sf_output = plan.for_site("attn.output", (B, Hq, M, D), torch.float32, dev)
+    else:
+        sf_scores = sf_rowmax = sf_probs = sf_rowsum = sf_output = None
+
+    s = stride
+    L = block_n // s
+    nb = -(-N // block_n)
+    Np = nb * block_n
+    Dp = -(-D // s) * s
+    Lv = Dp // s
+    f32 = torch.float32
+
+    qs5 = (q.to(f32) * float(scale)).contiguous().view(B, Hkv, G, M, D)
+    qs = qs5.view(B, Hkv, GM, D)
+    k32 = k.to(f32).contiguous()
+    v32 = v.to(f32).contiguous()
+    kp = F.pad(k32, (0, 0, 0, Np - N)) if Np != N else k32
+    vp = F.pad(v32, (0, 0, 0, Np - N)) if Np != N else v32
+    bias5 = _to5d(bias4, Hkv, G)
+    amask5 = _to5d(amask4, Hkv, G)
+    bmask5 = _to5d(bmask4, Hkv, G)
+    ctx = _Ctx(qs5, k32, v32, bias5, amask5, bmask5, causal, window, N)
+
+    wk = torch.arange(1, L + 1, dtype=f32, device=dev)
+    wv = torch.arange(1, Lv + 1, dtype=f32, device=dev)
+    if detect:
+        k6 = kp.view(B, Hkv, nb, L, s, D)
+        kc = torch.cat([k6.sum(3), (k6 * wk.view(L, 1, 1)).sum(3)], dim=3)  # (B, Hkv, nb, 2s, D)
+        kabs = k6.abs().sum(3).amax(-1)  # (B, Hkv, nb, s): max_d Σ_l |K[l·s+r, d]|
+        qn1 = qs.abs().sum(-1, keepdim=True).mul_(2.0 * _g(D + L))  # 2·g(D+L)·‖scale·Q_i‖₁ (B, Hkv, GM, 1)
+        vpd = F.pad(vp, (0, Dp - D)) if Dp != D else vp
+        v5 = vpd.view(B, Hkv, Np, Lv, s)
+        vc1 = v5.sum(3)
+        vc2 = (v5 * wv.view(Lv, 1)).sum(3)
+        vaug = torch.cat([vp, vc1, vc2, torch.ones(B, Hkv, Np, 1, dtype=f32, device=dev)], dim=-1)
+        vmax = v5[:, :, :N].abs().sum(3).amax(2).unsqueeze(2)  # (B, Hkv, 1, s)
+    else:
+        vaug = vp
+    DA = vaug.shape[-1]
+
+    m = torch.full((B, Hkv, GM, 1), _NEG_INF, dtype=f32, device=dev)
+    l = torch.zeros(B, Hkv, GM, 1, dtype=f32, device=dev)
+    acc = torch.zeros(B, Hkv, GM, DA, dtype=f32, device=dev)
+    nvalid = torch.zeros(B, Hkv, GM, 1, dtype=torch.int32, device=dev)
+    positional = causal or window is not None
+    mrow = torch.arange(M, device=dev)
+
+    for j in range(nb):
+        j0 = j * block_n
+        w = min(N, j0 + block_n) - j0
+        kb = kp[:, :, j0:j0 + block_n]
+        # 1. GEMM I (scale folded into Q) + tensor checksums.
+        S = torch.matmul(qs, kb.transpose(-1, -2))  # (B, Hkv, GM, BN)
+        S = _apply(sf_scores, S, (B, Hq, M, block_n), j0)
+        if detect:
+            sc = torch.matmul(qs, kc[:, :, j].transpose(-1, -2))  # (B, Hkv, GM, 2s)
+            g1, g2 = _group_sums(S, L, s)
+            d1 = sc[..., :s] - g1
+            d2 = sc[..., s:] - g2
+            thr = (qn1 * kabs[:, :, j].unsqueeze(2)).nan_to_num_(nan=0.0)  # T_s (0·inf: the group is 0)
+            bad = ~(d1.abs() <= thr)  # NaN differences are faults too
+            if bool(bad.any()):
+                nbad = bad.sum()
+                _count(counters, "attn.scores", "detected", nbad)
+                if not correct:
+                    _count(counters, "attn.scores", "uncorrectable", nbad)
+                else:
+                    loc, ok = _locate(d1, d2, bad, L)
+                    ok &= loc * s + torch.arange(s, device=dev) < w  # a real key
+                    redo = bad & ~ok
+                    _count(counters, "attn.scores", "corrected", ok.sum())
+                    _count(counters, "attn.scores", "recomputed", redo.sum())
+                    S = S.clone()
+                    S4 = S.view(B, Hkv, GM, L, s)
+                    if bool(ok.any()):
+                        idx = ok.nonzero()  # (K, 4): b, hkv, row, r
+                        lk = loc[ok]
+                        new = _rebuild(S4, idx, lk, sc[..., :s][ok])
+                        S4[idx[:, 0], idx[:, 1], idx[:, 2], lk, idx[:, 3]] = new
+                    rows = redo.any(-1)
+                    if bool(rows.any()):
+                        ridx = rows.nonzero()  # (R, 3): b, hkv, row
+                        idx4 = torch.stack([ridx[:, 0], ridx[:, 1], ridx[:, 2] // M, ridx[:, 2] % M], 1)
+                        fresh = ctx.rows_scores(idx4, kb[ridx[:, 0], ridx[:, 1]])
+                        S[ridx[:, 0], ridx[:, 1], ridx[:, 2]] = fresh
+        # 2. bias, masks (-inf where masked, incl. the key padding).
+        S5 = S.view(B, Hkv, G, M, block_n)
+        if bias5 is not None or amask5 is not None or bmask5 is not None or positional or w < block_n:
+            Sv = S5[..., :w]
+            if bias5 is not None:
+                Sv += bias5[..., j0:j0 + w].to(f32)
+            if amask5 is not None:
+                Sv += amask5[..., j0:j0 + w].to(f32)
+            if bmask5 is not None:
+                Sv.masked_fill_(~bmask5[..., j0:j0 + w], _NEG_INF)
+            if positional:
+                Sv.masked_fill_(~ctx.positional(mrow, torch.arange(j0, j0 + w, device=dev)), _NEG_INF)
+            if w < block_n:
+                S5[..., w:] = _NEG_INF
+        S = S5.view(B, Hkv, GM, block_n)
+        if detect:
+            nvalid += (S > _NEG_INF).sum(-1, keepdim=True, dtype=torch.int32)
+        # 3. running max (SNVR check).
+        mb = S.amax(-1, keepdim=True)
+        m_new = torch.maximum(m, mb)
+        m_new = _apply(sf_rowmax, m_new, (B, Hq, M, 1), j)
+        all_masked = (m_new == _NEG_INF) & (mb == _NEG_INF) & (m == _NEG_INF)
+        base = torch.where(all_masked, torch.zeros_like(m_new), m_new)
+        x = S - base
+        if detect:
+            xmax = mb - base  # = max_n (S - base): subtraction rounding is monotone
+            tau = m_new.abs().add_(1.0).mul_(2.0**-20).clamp_(max=1.0)
+            bad = ~(xmax <= tau) | ((m_new != m) & (xmax < -tau))
+            if bool(bad.any()):
+                nbad = bad.sum()
+                _count(counters, "attn.rowmax", "detected", nbad)
+                if not correct:
+                    _count(counters, "attn.rowmax", "uncorrectable", nbad)
+                else:
+                    _count(counters, "attn.rowmax", "recomputed", nbad)
+                    m_new = torch.where(bad, torch.maximum(m, mb), m_new)
+                    all_masked = (m_new == _NEG_INF) & (mb == _NEG_INF) & (m == _NEG_INF)
+                    base = torch.where(all_masked, torch.zeros_like(m_new), m_new)
+                    x = S - base
+        # 4. P = exp(x) (inverse-function check).
+        P = _exp_ftz(x)
+        P = _apply(sf_probs, P, (B, Hq, M, block_n), j0)
+        if detect:
+            # P is clamped to the smallest normal before the log: for x ≥ −87 any P below it is a
+            # fault either way (|log P − x| ≥ 0.33), and log is ~4× slower on 0 and subnormals.
+            err = torch.log(P.clamp(min=2.0**-126)).sub_(x).abs_()
+            fine = err <= x.abs().mul_(64.0 * U).add_(64.0 * U)  # |log P − x| ≤ 64·u·(1 + |x|)
+            small = x < -87.0
+            if bool(small.any()):
+                fine = torch.where(small, (P >= 0) & (P <= _TINY_P), fine)
+            bad = ~fine
+            if bool(bad.any()):
+                nbad = bad.sum()
+                _count(counters, "attn.probs", "detected", nbad)
+                if not correct:
+                    _count(counters, "attn.probs", "uncorrectable", nbad)
+                else:
+                    _count(counters, "attn.probs", "corrected", nbad)
+                    P = torch.where(bad, _exp_ftz(x), P)
+        # 5. rescale and accumulate (O, and Oc = [Oc1 | Oc2 | lc] through the same α).
+        alpha = torch.exp(m - m_new)
+        alpha = torch.where((m == _NEG_INF) & (m_new == _NEG_INF), torch.ones_like(alpha), alpha)
+        l = l.mul_(alpha).add_(P.sum(-1, keepdim=True))
+        l = _apply(sf_rowsum, l, (B, Hq, M, 1), j)
+        acc = acc.mul_(alpha).add_(torch.matmul(P, vaug[:, :, j0:j0 + block_n]))
+        m = m_new
+
+    # 6. row sum check.
+    redo_rows = None
+    if detect:
+        tau_l = 2.0 * _g(block_n + 2 * nb + 4)
+        lc = acc[..., -1:]
+        nv = nvalid.to(f32)
+        fine = (l >= 1.0 - tau_l) & (l <= nv * (1.0 + tau_l)) & ((l - lc).abs() <= tau_l * l)
+        bad6 = torch.where(nvalid > 0, ~fine, l != 0)
+        if bool(bad6.any()):
+            nbad = bad6.sum()
+            _count(counters, "attn.rowsum", "detected", nbad)
+            if not correct:
+                _count(counters, "attn.rowsum", "uncorrectable", nbad)
+            else:
+                _count(counters, "attn.rowsum", "recomputed", nbad)
+                redo_rows = bad6
+    # 7. normalise, inject, unified verification.
+    lsafe = torch.where(l == 0, torch.ones_like(l), l)
+    acc = torch.where(l == 0, torch.zeros_like(acc), acc / lsafe)
+    O = acc[..., :D]
+    O = _apply(sf_output, O, (B, Hq, M, D), 0)
+    if detect:
+        oc1 = acc[..., D:D + s]
+        oc2 = acc[..., D + s:D + 2 * s]
+        Og = (F.pad(O, (0, Dp - D)) if Dp != D else O).reshape(B, Hkv, GM, Lv, s)
+        g1, g2 = _group_sums(Og.flatten(-2), Lv, s)
+        d1 = oc1 - g1
+        d2 = oc2 - g2
+        thr = 2.0 * _g(block_n + 2 * nb + Lv + 4) * vmax
+        bad = ~(d1.abs() <= thr)
+        if redo_rows is not None:
+            bad &= ~redo_rows
+        if bool(bad.any()):
+            nbad = bad.sum()
+            _count(counters, "attn.output", "detected", nbad)
+            if not correct:
+                _count(counters, "attn.output", "uncorrectable", nbad)
+            else:
+                loc, ok = _locate(d1, d2, bad, Lv)
+                ok &= loc * s + torch.arange(s, device=dev) < D  # a real column
+                redo = bad & ~ok
+                _count(counters, "attn.output", "corrected", ok.sum())
+                _count(counters, "attn.output", "recomputed", redo.sum())
+                O = O.clone()
+                if bool(ok.any()):
+                    idx = ok.nonzero()  # (K, 4): b, hkv, row, r
+                    lk = loc[ok]
+                    new = _rebuild(Og, idx, lk, oc1[ok])
+                    O[idx[:, 0], idx[:, 1], idx[:, 2], lk * s + idx[:, 3]] = new
+                rows = redo.any(-1, keepdim=True)
+                redo_rows = rows if redo_rows is None else (redo_rows | rows)
+    if redo_rows is not None and bool(redo_rows.any()):
+        ridx = redo_rows.squeeze(-1).nonzero()
+        idx4 = torch.stack([ridx[:, 0], ridx[:, 1], ridx[:, 2] // M, ridx[:, 2] % M], 1)
+        O[ridx[:, 0], ridx[:, 1], ridx[:, 2]] = ctx.attend_rows(idx4)
+    # 8. back to the input dtype.
+    return O.reshape(B, Hq, M, D).to(out_dtype)
+
