@@ -210,7 +210,7 @@ class FTReport:
         rows = [[("-" if layer < 0 else str(layer)), site, *(str(c[k]) for k in KINDS)]
                 for (layer, site), c in summ.items()]
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(cols)]
-        fmt = "  ".join("{:<%d}" % w if i < 2 else "{:>%d}" % w for i, w in enumerate(widths))
+        fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
         lines = [fmt.format(*cols), "  ".join("-" * w for w in widths)]
         lines += [fmt.format(*r) for r in rows]
         return head + "\n".join(lines)

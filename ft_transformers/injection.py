@@ -13,8 +13,8 @@ block a blocked implementation is working on.
 
 from __future__ import annotations
 
-import hashlib
 import contextlib
+import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 

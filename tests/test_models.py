@@ -183,9 +183,8 @@ def test_bad_input_errors():
 
 
 def test_training_mode_with_dropout_is_refused():
-    from transformers import AutoModelForCausalLM
-
     from tiny_models import gpt2_config
+    from transformers import AutoModelForCausalLM
 
     cfg = gpt2_config()
     cfg.attn_pdrop = 0.1
