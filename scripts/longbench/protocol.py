@@ -1,0 +1,215 @@
+"""LongBench v1 prediction protocol: prompt templates, generation budgets, prompt building.
+
+The templates and the per-task ``max_new_tokens`` are the benchmark's published ones (they are
+part of the protocol: changing a character changes the scores). Prompt building follows the
+reference harness:
+
+1. fill the task template with the row's ``context`` and ``input``;
+2. tokenise it whole; if it is longer than ``max_length`` tokens, keep the first and the last
+   ``max_length // 2`` tokens, decoded back to text (*middle* truncation: instructions sit at
+   both ends);
+3. wrap it in the model's chat template, except for the few-shot and code tasks (trec,
+   triviaqa, samsum, lsht, lcc, repobench-p), whose prompts already end where the answer starts;
+4. tokenise again (without a second BOS where the chat template already wrote one).
+
+Generation is greedy (one beam, no sampling). samsum stops at the first newline as well as at
+EOS and generates at least one token (its few-shot prompt otherwise invites "\\nDialogue: ...").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .metrics.longbench_core import LONGBENCH_E_TASKS, LONGBENCH_TASKS, TASK_METRIC, base_task
+
+__all__ = [
+    "CATEGORIES",
+    "LONGBENCH_E_TASKS",
+    "LONGBENCH_TASKS",
+    "MAX_NEW_TOKENS",
+    "NO_CHAT_TASKS",
+    "PROMPTS",
+    "TASK_METRIC",
+    "BuiltPrompt",
+    "base_task",
+    "build_prompt",
+    "middle_truncate",
+]
+
+_QA_PASSAGES = ("Answer the question based on the given passages. Only give me the answer and do not "
+                "output any other words.\n\nThe following are given passages.\n{context}\n\n"
+                "Answer the question based on the given passages. Only give me the answer and do not "
+                "output any other words.\n\nQuestion: {input}\nAnswer:")
+
+_QASPER_RULES = ("as concisely as you can, using a single phrase or sentence if possible. If the question "
+                 "cannot be answered based on the information in the article, write \"unanswerable\". "
+                 "If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". "
+                 "Do not provide any explanation.")
+
+_NARRATIVE_RULES = ("as concisely as you can, using a single phrase if possible. "
+                    "Do not provide any explanation.")
+
+#: Prompt template per task (``str.format`` with the row's fields).
+PROMPTS: dict[str, str] = {
+    "narrativeqa": (
+        "You are given a story, which can be either a novel or a movie script, and a question. "
+        f"Answer the question {_NARRATIVE_RULES}\n\nStory: {{context}}\n\n"
+        f"Now, answer the question based on the story {_NARRATIVE_RULES}\n\nQuestion: {{input}}\n\nAnswer:"
+    ),
+    "qasper": (
+        f"You are given a scientific article and a question. Answer the question {_QASPER_RULES}\n\n"
+        f"Article: {{context}}\n\n Answer the question based on the above article {_QASPER_RULES}\n\n"
+        "Question: {input}\n\nAnswer:"
+    ),
+    "multifieldqa_en": (
+        "Read the following text and answer briefly.\n\n{context}\n\n"
+        "Now, answer the following question based on the above text, only give me the answer and do "
+        "not output any other words.\n\nQuestion: {input}\nAnswer:"
+    ),
+    "multifieldqa_zh": (
+        "阅读以下文字并用中文简短回答：\n\n{context}\n\n"
+        "现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n问题：{input}\n回答："
+    ),
+    "hotpotqa": _QA_PASSAGES,
+    "2wikimqa": _QA_PASSAGES,
+    "musique": _QA_PASSAGES,
+    "dureader": ("请基于给定的文章回答下述问题。\n\n文章：{context}\n\n"
+                 "请基于上述文章回答下面的问题。\n\n问题：{input}\n回答："),
+    "gov_report": (
+        "You are given a report by a government agency. Write a one-page summary of the report.\n\n"
+        "Report:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:"
+    ),
+    "qmsum": (
+        "You are given a meeting transcript and a query containing a question or instruction. Answer the "
+        "query in one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the "
+        "above meeting transcript in one or more sentences.\n\nQuery: {input}\nAnswer:"
+    ),
+    "multi_news": (
+        "You are given several news passages. Write a one-page summary of all news. \n\n"
+        "News:\n{context}\n\nNow, write a one-page summary of all the news.\n\nSummary:"
+    ),
+    "vcsum": ("下面有一段会议记录，请你阅读后，写一段总结，总结会议的内容。\n"
+              "会议记录：\n{context}\n\n会议总结："),
+    "trec": ("Please determine the type of the question below. Here are some examples of questions.\n\n"
+             "{context}\n{input}"),
+    "triviaqa": ("Answer the question based on the given passage. Only give me the answer and do not output "
+                 "any other words. The following are some examples.\n\n{context}\n\n{input}"),
+    "samsum": ("Summarize the dialogue into a few short sentences. The following are some examples.\n\n"
+               "{context}\n\n{input}"),
+    "lsht": "请判断给定新闻的类别，下面是一些例子。\n\n{context}\n{input}",
+    "passage_count": (
+        "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please "
+        "carefully read these paragraphs and determine how many unique paragraphs there are after removing "
+        "duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n{context}\n\n"
+        "Please enter the final count of unique paragraphs after removing duplicates. The output format "
+        "should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: "
+    ),
+    "passage_retrieval_en": (
+        "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph "
+        "the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\n"
+        "Please enter the number of the paragraph that the abstract is from. The answer format must be "
+        "like \"Paragraph 1\", \"Paragraph 2\", etc.\n\nThe answer is: "
+    ),
+    "passage_retrieval_zh": (
+        "以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n"
+        "下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是\"段落1\"，\"段落2\"等格式\n\n答案是："
+    ),
+    "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
+    "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
+}
+
+#: Generation budget (new tokens) per task.
+MAX_NEW_TOKENS: dict[str, int] = {
+    "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "multifieldqa_zh": 64,
+    "hotpotqa": 32, "2wikimqa": 32, "musique": 32, "dureader": 128,
+    "gov_report": 512, "qmsum": 512, "multi_news": 512, "vcsum": 512,
+    "trec": 64, "triviaqa": 32, "samsum": 128, "lsht": 64,
+    "passage_count": 32, "passage_retrieval_en": 32, "passage_retrieval_zh": 32,
+    "lcc": 64, "repobench-p": 64,
+}
+
+#: Tasks prompted without the chat template (few-shot and code completion).
+NO_CHAT_TASKS: frozenset[str] = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
+
+#: Tasks that also stop at a newline (and generate at least one token).
+NEWLINE_STOP_TASKS: frozenset[str] = frozenset({"samsum"})
+
+#: LongBench's six task categories (for category averages).
+CATEGORIES: dict[str, tuple[str, ...]] = {
+    "Single-Doc QA": ("narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh"),
+    "Multi-Doc QA": ("hotpotqa", "2wikimqa", "musique", "dureader"),
+    "Summarization": ("gov_report", "qmsum", "multi_news", "vcsum"),
+    "Few-shot Learning": ("trec", "triviaqa", "samsum", "lsht"),
+    "Synthetic": ("passage_count", "passage_retrieval_en", "passage_retrieval_zh"),
+    "Code": ("lcc", "repobench-p"),
+}
+
+assert set(PROMPTS) == set(MAX_NEW_TOKENS) == set(LONGBENCH_TASKS) == set(TASK_METRIC)
+
+
+@dataclass
+class BuiltPrompt:
+    text: str              #: the final prompt text (after truncation and chat template)
+    input_ids: list[int]   #: its token ids, as fed to the model
+    raw_tokens: int        #: tokens of the filled template before truncation
+    truncated: bool        #: whether middle truncation cut it
+    chat: bool             #: whether the chat template was applied
+
+
+def fill_template(task: str, row: dict) -> str:
+    return PROMPTS[base_task(task)].format(context=row.get("context", ""), input=row.get("input", ""))
+
+
+def _ids(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    return list(tokenizer(text, truncation=False, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def middle_truncate(tokenizer, text: str, max_length: int) -> tuple[str, int, bool]:
+    """``(text, tokens before, truncated)``: keep the first and last ``max_length // 2`` tokens."""
+    ids = _ids(tokenizer, text)
+    if len(ids) <= max_length:
+        return text, len(ids), False
+    half = int(max_length / 2)
+    head = tokenizer.decode(ids[:half], skip_special_tokens=True)
+    tail = tokenizer.decode(ids[-half:], skip_special_tokens=True) if half > 0 else ""
+    return head + tail, len(ids), True
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def apply_chat(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def build_prompt(tokenizer, task: str, row: dict, max_length: int, *, chat: str = "auto") -> BuiltPrompt:
+    """The model input of one row (see the module docstring).
+
+    ``chat``: "auto" (the tokenizer's chat template where it has one, for the tasks that use it),
+    "always" (error when the tokenizer has none), or "never".
+    """
+    if chat not in ("auto", "always", "never"):
+        raise ValueError(f"chat must be auto|always|never, got {chat!r}")
+    text, raw, truncated = middle_truncate(tokenizer, fill_template(task, row), max_length)
+    use_chat = False
+    if base_task(task) not in NO_CHAT_TASKS and chat != "never":
+        if has_chat_template(tokenizer):
+            use_chat = True
+        elif chat == "always":
+            raise ValueError("--chat always, but the tokenizer has no chat template")
+    add_special = True
+    if use_chat:
+        text = apply_chat(tokenizer, text)
+        bos = getattr(tokenizer, "bos_token", None)
+        # A template that writes its own BOS must not get a second one from the tokenizer.
+        if bos and text.startswith(bos):
+            add_special = False
+    return BuiltPrompt(text, _ids(tokenizer, text, add_special), raw, truncated, use_chat)
+
+
+def newline_token_id(tokenizer) -> int | None:
+    """The id that a bare newline encodes to (its last token), or None if it encodes to nothing."""
+    ids = tokenizer.encode("\n", add_special_tokens=False)
+    return int(ids[-1]) if len(ids) else None
