@@ -25,16 +25,6 @@ from .injection import FaultPlan
 
 ATTN_IMPLEMENTATION = "efta"
 
-_warned_grad = False
-
-
-def _warn_no_grad() -> None:
-    global _warned_grad
-    _warned_grad = True
-    warnings.warn("attn_implementation='efta' is inference-only: gradients do not flow through it. "
-                  "Run under torch.no_grad() / torch.inference_mode().", UserWarning, stacklevel=3)
-
-
 def efta_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -61,8 +51,9 @@ def efta_attention_forward(
     if kwargs.get("s_aux") is not None:
         raise ValueError("attn_implementation='efta' does not support attention sinks")
 
-    if torch.is_grad_enabled() and query.requires_grad and not _warned_grad:
-        _warn_no_grad()
+    if torch.is_grad_enabled() and query.requires_grad:
+        warnings.warn("attn_implementation='efta' is inference-only: gradients do not flow through it. "
+                      "Run under torch.no_grad() / torch.inference_mode().", UserWarning, stacklevel=2)
     ctx = getattr(module, "_ftt", None)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     if attention_mask is not None:

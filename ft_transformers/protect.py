@@ -9,6 +9,7 @@ the state dict stay untouched, so disabling restores the model exactly.
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -83,6 +84,13 @@ class _ProtectionState:
 
 
 def _checked_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        # Protection is inference-only; compute the same values without autograd.
+        warnings.warn("ft_transformers protection is inference-only: gradients do not flow through "
+                      "checked Linear layers. Run under torch.no_grad() / torch.inference_mode().",
+                      UserWarning, stacklevel=2)
+        with torch.no_grad():
+            return _checked_forward(self, x)
     ctx: _ModuleContext = self._ftt
     plan = ctx.plan_for_call()
     counters = ctx.counters(x.device)
@@ -164,8 +172,9 @@ def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
         if "forward" in module.__dict__:
             del module.forward
     for module in model.modules():
-        if "_ftt" in module.__dict__:
-            del module._ftt
+        for attr in ("_ftt", "_ftt_vabft_checksums"):
+            if attr in module.__dict__:
+                delattr(module, attr)
     if state.original_attn and model.config._attn_implementation != state.original_attn:
         model.set_attn_implementation(state.original_attn)
     delattr(model, _STATE_ATTR)

@@ -212,3 +212,13 @@ def test_warn_policy():
     with pytest.warns(RuntimeWarning, match="uncorrectable"):
         with ftt.inject_faults(model, ftt.FaultSpec(site="linear.output", bit=30, layers=[0])):
             _forward(model, "gpt2", ids, mask)
+
+
+def test_forward_with_grad_enabled_warns_and_matches():
+    model = make_model("llama")
+    ids, mask = padded_batch()
+    ref = _forward(model, "llama", ids, mask)
+    ftt.enable_fault_tolerance(model)
+    with pytest.warns(UserWarning, match="inference-only"):
+        out = model(input_ids=ids, attention_mask=mask).logits
+    assert (out[mask.bool()] - ref[mask.bool()]).abs().max().item() < TOL

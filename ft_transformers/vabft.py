@@ -1,0 +1,475 @@
+"""V-ABFT: variance-based adaptive thresholds for checksum-verified GEMMs (seeds 003, 004; SPEC §5).
+
+For ``y = x·Wᵀ + b`` with A = x (M×K) and B = Wᵀ (K×N), the row checksum difference
+``D1[m] = Σ_n y[m,n] − (x[m]·w1 + b1)`` (``w1 = Σ_n W[n,:]``, ``b1 = Σ_n b_n``) is pure rounding
+noise when nothing went wrong. `vabft_threshold` bounds that noise per output row::
+
+    T_m = e_max·( N|μ_Am|·Σ_k|μ_Bk|
+                  + cσ·sqrt(N·μ_Am²·Σ_k σ²_Bk + N²·σ²_Am·Σ_k μ²_Bk)
+                  + cσ·sqrt(N)·σ_Am·sqrt(Σ_k σ²_Bk) )
+
+with the row statistics of A (row m of x) and of B (row k of B = column k of W): mean μ and the
+distribution-free Bhatia–Davis variance bound ``σ² ≤ (max − μ)(μ − min)``. ``e_max`` is the unit
+error of the verification (what the two computation paths may differ by, relative to the values
+summed); `default_emax` holds the calibrated table, `calibrate_emax` measures it (seed 003 §3.6).
+
+The weight side is computed once per weight version (`WeightChecksums`, `weight_checksums`);
+everything per call costs O(M·K + M·N), next to the GEMM's O(M·N·K).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DISTRIBUTIONS",
+    "WeightChecksums",
+    "calibrate_emax",
+    "checksum_residuals",
+    "default_emax",
+    "row_stats",
+    "sample_matrix",
+    "threshold_slack",
+    "vabft_threshold",
+    "weight_checksums",
+]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MODES = ("output", "accumulator")
+
+# ---------------------------------------------------------------------------------------------
+# e_max table (verification in fp32 of the values the GEMM produced; see `checksum_residuals`).
+#
+# Seed values: seed 004 §3 (Ascend 910B) bf16 8e-3, fp32 2.2e-6, fp16 1e-3; seed 003 Tables 1/2/7:
+# CPU fp32 ≈ 4e-7 (constant in K), H100 fp32 5e-9·sqrt(N) + 1.2e-7, H100 bf16 8e-3 / fp16 1e-3.
+#
+# Two measurements per entry (u = unit roundoff of the output format: 2^-24, 2^-11, 2^-8):
+#  (P) seed 003 §3.6 protocol, `calibrate_emax`: |N(1,1)| operands, max |D1| / |C1| over all rows;
+#      the seed sets e_max = max + 20 %.
+#  (S) the slack of the threshold itself, `threshold_slack`: max |D1| / T(e_max = 1) over clean
+#      GEMMs with operands (and a bias every other trial) from N(1e-6,1), N(1,1), U(-1,1),
+#      TN(0,1) and |N(1,1)| — the smallest e_max with zero false positives on that data.
+# Shapes (M, K, N): (64, 64, 256), (64, 256|1024, 256|1024), (64, 4096|8192, 1024), (8|16, 8192,
+# 4096|8192), (256, 8192, 4096) [H100 only], (256, 16|64, 16|64). CPU = this 2-core x86 machine
+# (torch 2.13 CPU, MKL/oneDNN); H100 = torch 2.11 + cuBLAS, TF32 off (the default).
+#
+# fp32: the difference is the GEMM's own fp32 accumulation error.
+#   CPU:  (P) 24,000 rows: max 3.44e-7 = 5.8u (at K = 64; 4.4u for K = 256..8192: flat in K),
+#         max + 20 % = 4.1e-7 (= seed 003's CPU 4e-7). (S) 20 trials x 9 shapes x 5 dists:
+#         max 2.7e-7 = 4.5u (N(1,1), (64, 1024, 1024)). Chosen 1e-6 = 16.8u: 2.9x the largest
+#         observed value (the observed max still creeps up with more samples: 4.4u at 4k rows,
+#         5.8u at 24k), room for other CPUs' blocking.
+#   H100: (P) 249,600 rows: max 2.6e-7 = 4.4u. (S) max 5.9e-7 = 9.8u (zero-mean TN(0,1) / U(-1,1)
+#         at (256, 8192, 4096); ≤ 3.6u at the smaller shapes), matching seed 003's fit at K = 8192
+#         (5.7e-7) with no margin. Chosen 2e-6 = 33.5u: 3.4x.
+#   Measured to K = 8192; `default_emax(..., k=K)` scales the fp32 entries by sqrt(K / 8192) above.
+# fp16 / bf16: the GEMM accumulates in fp32 and rounds once to the output format; we re-sum that
+#   output in fp32, so the difference is the output rounding (≤ u·Σ_n|y_n|). It averages out over
+#   N, so (P) gives only ~0.05–0.1u at N ≥ 256 — but up to 0.48u at N = K = 16 on the H100, and
+#   zero-mean data leaves less slack than the protocol suggests, so "max + 20 %" of (P) is no safe
+#   floor. We keep the seeds' 2u (1e-3 / 8e-3), which also reproduces seed 004's detection table:
+#   bf16  CPU (P) 0.087u (S) 0.216u; H100 (P) 0.476u (S) 0.218u  -> 8e-3 = 2.05u (≥ 4.3x (P), 9.4x (S))
+#   fp16  CPU (P) 0.086u (S) 0.192u; H100 (P) 0.458u (S) 0.226u  -> 1e-3 = 2.05u (≥ 4.5x (P), 9.1x (S))
+# TF32 / reduced-precision fp32 matmul (torch.set_float32_matmul_precision("high"/"medium"), or
+#   the backends' fp32_precision = "tf32"/"bf16"): the GEMM's inputs lose mantissa bits, so fp32
+#   takes the fp16 (TF32: 10 mantissa bits) or bf16 entry. The checksums themselves never use
+#   matmuls (see `checksum_residuals`), so these settings don't touch the verification side.
+# mode="accumulator": verification inside a fused kernel before the output is rounded (seed 003
+#   "online ABFT"): the device's fp32 entry for every dtype — to be re-calibrated against the
+#   fused kernel's own accumulation order.
+# ---------------------------------------------------------------------------------------------
+_EMAX_FP32_CPU = 1e-6
+_EMAX_FP32_CUDA = 2e-6
+_EMAX_FP16 = 1e-3  # 2·u_fp16 (u = 2^-11): seeds 003/004, measured above
+_EMAX_BF16 = 8e-3  # 2·u_bf16 (u = 2^-8):  seeds 003/004, measured above
+_EMAX_K_REF = 8192  # the fp32 entries hold for K ≤ this (measured up to it)
+
+_EMAX_TABLE: dict[tuple[str, torch.dtype], float] = {
+    ("cpu", torch.float32): _EMAX_FP32_CPU,
+    ("cpu", torch.float16): _EMAX_FP16,
+    ("cpu", torch.bfloat16): _EMAX_BF16,
+    ("cuda", torch.float32): _EMAX_FP32_CUDA,
+    ("cuda", torch.float16): _EMAX_FP16,
+    ("cuda", torch.bfloat16): _EMAX_BF16,
+}
+
+
+def _fp32_matmul_mode(device_type: str) -> str:
+    """``"ieee"``, ``"tf32"`` or ``"bf16"``: how fp32 GEMMs run on ``device_type`` right now."""
+    mod = getattr(torch.backends, "cuda" if device_type == "cuda" else "mkldnn", None)
+    prec = getattr(getattr(mod, "matmul", None), "fp32_precision", None)
+    if prec in ("tf32", "bf16", "ieee"):
+        return prec
+    global_prec = torch.get_float32_matmul_precision()  # "highest" | "high" | "medium"
+    if device_type == "cuda":
+        allow_tf32 = False
+        try:
+            allow_tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
+        except (AttributeError, RuntimeError):  # pragma: no cover - API drift
+            pass
+        # cuBLAS has no bf16-internal fp32 GEMM: "medium" runs TF32 there.
+        return "tf32" if allow_tf32 or global_prec in ("high", "medium") else "ieee"
+    return {"high": "tf32", "medium": "bf16"}.get(global_prec, "ieee")
+
+
+def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "output", *,
+                 k: int | None = None) -> float:
+    """The calibrated V-ABFT unit error ``e_max`` for GEMMs producing ``dtype`` on ``device_type``.
+
+    Args:
+        dtype: the GEMM's output dtype (float32, float16 or bfloat16).
+        device_type: ``"cpu"`` or ``"cuda"`` (other devices take the CUDA entries).
+        mode: ``"output"`` — verification of the output as stored (the PyTorch path);
+            ``"accumulator"`` — verification of the fp32 accumulator inside a fused kernel.
+        k: the GEMM's inner dimension; fp32 entries are scaled by ``sqrt(k / 8192)`` above 8192.
+    """
+    if dtype not in _DTYPES:
+        raise TypeError(f"no e_max for {dtype}; V-ABFT supports float16, bfloat16 and float32")
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    dev = "cpu" if device_type == "cpu" else "cuda"
+    eff = torch.float32 if mode == "accumulator" else dtype
+    if eff == torch.float32:
+        fp32 = _fp32_matmul_mode(dev)
+        if fp32 == "tf32":
+            eff = torch.float16  # 10 stored mantissa bits, like fp16
+        elif fp32 == "bf16":
+            eff = torch.bfloat16
+    emax = _EMAX_TABLE[(dev, eff)]
+    if eff == torch.float32 and k is not None and k > _EMAX_K_REF:
+        emax *= math.sqrt(k / _EMAX_K_REF)
+    return emax
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics and thresholds
+# ---------------------------------------------------------------------------------------------
+
+
+def row_stats(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and Bhatia–Davis variance bound ``(max − μ)(μ − min)`` of ``t`` along ``dim`` (fp32).
+
+    Args:
+        t: floating tensor; reduced in fp32.
+    Returns:
+        ``(mean, var_bound)``, each of ``t``'s shape without ``dim``; the bound is clamped at 0
+        (the fp32 mean of equal values may fall an ulp outside [min, max]).
+    """
+    t32 = t.float()
+    mean = t32.mean(dim)
+    mn, mx = torch.aminmax(t32, dim=dim)
+    return mean, ((mx - mean) * (mean - mn)).clamp_min(0.0)
+
+
+def _threshold(mu_a: torch.Tensor, var_a: torch.Tensor, n: int, sum_abs_mu_b: torch.Tensor,
+               sum_var_b: torch.Tensor, sum_mu2_b: torch.Tensor, emax: float, csigma: float) -> torch.Tensor:
+    """SPEC §5's ``T_m`` from the row statistics of A (shape (M,)) and the sums over k of B's."""
+    fn = float(n)
+    det = fn * mu_a.abs() * sum_abs_mu_b
+    var23 = torch.sqrt(fn * mu_a.square() * sum_var_b + fn * fn * var_a * sum_mu2_b)
+    var4 = math.sqrt(fn) * torch.sqrt(var_a) * torch.sqrt(sum_var_b)
+    return emax * (det + csigma * var23 + csigma * var4)
+
+
+def vabft_threshold(a: torch.Tensor, b: torch.Tensor, *, emax: float, csigma: float = 2.5) -> torch.Tensor:
+    """Per-row V-ABFT threshold of the GEMM ``a @ b``.
+
+    Args:
+        a: (M, K) floating tensor (the GEMM's left operand; for a linear layer, x).
+        b: (K, N) floating tensor (the right operand; for a linear layer, Wᵀ).
+        emax: unit error bound of the verification (`default_emax` gives the calibrated ones).
+        csigma: confidence coefficient c_σ of the variance terms.
+    Returns:
+        (M,) float32 thresholds ``T_m`` (SPEC §5), on ``a``'s device: the largest ``|D1[m]|`` the
+        rounding noise of a correct GEMM is expected to produce. Statistics are taken in fp32.
+    """
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    if a.device != b.device:
+        raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
+    if not (isinstance(emax, (int, float)) and emax > 0):
+        raise ValueError(f"emax must be a positive number, got {emax!r}")
+    if not (isinstance(csigma, (int, float)) and csigma > 0):
+        raise ValueError(f"csigma must be a positive number, got {csigma!r}")
+    mu_a, var_a = row_stats(a, dim=1)
+    mu_b, var_b = row_stats(b, dim=1)  # per k: statistics of row k of b
+    return _threshold(mu_a, var_a, b.shape[1], mu_b.abs().sum(), var_b.sum(), mu_b.square().sum(),
+                      float(emax), float(csigma))
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight-side checksums (cached per weight version)
+# ---------------------------------------------------------------------------------------------
+
+_CHUNK_ELEMS = 1 << 24  # at most 16M fp32 temporaries (64 MiB) while building the cache
+
+
+@dataclass(frozen=True)
+class WeightChecksums:
+    """Everything V-ABFT needs from one weight (and bias), computed once in fp32.
+
+    With W the logical (N, K) weight (``nn.Linear`` layout) and b the (N,) bias:
+
+    Attributes:
+        w12: (K, 2) fp32, columns ``w1 = Σ_n W[n,:]`` and ``w2 = Σ_n (n+1)·W[n,:]``.
+        b12: (2,) fp32, ``b1 = Σ_n b_n`` and ``b2 = Σ_n (n+1)·b_n`` (zeros without bias).
+        colw: (N,) fp32, the checksum weights ``n+1``.
+        sum_abs_mu: ``Σ_k |μ_Bk|`` (μ_Bk = mean_n W[n,k]).
+        sum_var: ``Σ_k σ²_Bk`` (Bhatia–Davis bounds over n).
+        sum_mu2: ``Σ_k μ_Bk²``.
+        bias_mu: mean of b (0 without bias).
+        bias_sd: sqrt of b's Bhatia–Davis variance bound (0 without bias).
+        finite: whether W and b are all finite.
+        n, k: the output and input features.
+
+    The scalars are host numbers: building the checksums reads them once (one synchronisation
+    per weight version), so that each call's threshold costs a handful of (M,)-sized ops.
+    """
+
+    w12: torch.Tensor
+    b12: torch.Tensor
+    colw: torch.Tensor
+    sum_abs_mu: float
+    sum_var: float
+    sum_mu2: float
+    bias_mu: float
+    bias_sd: float
+    finite: bool
+    n: int
+    k: int
+
+    @classmethod
+    def compute(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                weight_is_kn: bool = False) -> WeightChecksums:
+        """Build from ``weight`` ((N, K), or (K, N) with ``weight_is_kn``) and ``bias`` (N,)."""
+        w = weight.detach()
+        w_kn = w if weight_is_kn else w.t()  # (K, N): row k of B
+        k, n = w_kn.shape
+        dev = w.device
+        colw = torch.arange(1, n + 1, device=dev, dtype=torch.float32)
+        w12 = torch.empty((k, 2), device=dev, dtype=torch.float32)
+        acc = torch.zeros(6, device=dev, dtype=torch.float32)  # Σ|μ|, Σσ², Σμ², μ_b, σ_b, #non-finite
+        step = max(1, _CHUNK_ELEMS // max(n, 1))
+        for k0 in range(0, k, step):
+            blk = w_kn[k0:k0 + step].float()  # (kc, N)
+            w12[k0:k0 + step, 0] = blk.sum(1)
+            w12[k0:k0 + step, 1] = (blk * colw).sum(1)
+            mu, var = row_stats(blk, dim=1)
+            acc[0] += mu.abs().sum()
+            acc[1] += var.sum()
+            acc[2] += mu.square().sum()
+            acc[5] += (~torch.isfinite(blk)).sum()
+        if bias is not None:
+            b32 = bias.detach().float()
+            b12 = torch.stack([b32.sum(), (b32 * colw).sum()])
+            bmu, bvar = row_stats(b32, dim=0)
+            acc[3] += bmu
+            acc[4] += bvar.sqrt()
+            acc[5] += (~torch.isfinite(b32)).sum()
+        else:
+            b12 = torch.zeros(2, device=dev, dtype=torch.float32)
+        s_abs, s_var, s_mu2, bmu_f, bsd_f, nonfinite = acc.tolist()  # the one host read
+        return cls(w12=w12, b12=b12, colw=colw, sum_abs_mu=s_abs, sum_var=s_var, sum_mu2=s_mu2,
+                   bias_mu=bmu_f, bias_sd=bsd_f, finite=nonfinite == 0, n=n, k=k)
+
+    def thresholds(self, mu_a: torch.Tensor, var_a: torch.Tensor, emax: float, csigma: float) -> torch.Tensor:
+        """(M,) fp32 thresholds for rows with statistics ``mu_a``, ``var_a`` (M,), bias included.
+
+        SPEC §5's ``T_m`` plus the bias's share of the output rounding,
+        ``e_max·(N·|μ_b| + cσ·sqrt(N)·σ_b)`` (the bias as a (K+1)-th row of B met by a constant 1
+        in A; zero without bias). Same arithmetic as `vabft_threshold`, with the weight side folded
+        into host constants.
+        """
+        n = float(self.n)
+        t = torch.sqrt(mu_a.square().mul_(n * self.sum_var).add_(var_a, alpha=n * n * self.sum_mu2))
+        t.mul_(emax * csigma)
+        t.add_(mu_a.abs().mul_(emax * n * self.sum_abs_mu))
+        t.add_(var_a.sqrt().mul_(emax * csigma * math.sqrt(n * self.sum_var)))
+        return t.add_(emax * (n * abs(self.bias_mu) + csigma * math.sqrt(n) * self.bias_sd))
+
+
+_CACHE_ATTR = "_ftt_vabft_checksums"
+
+
+class _ChecksumCache(dict):
+    """``{autocast dtype or None: (weakref(weight), weakref(bias), key, WeightChecksums)}``.
+
+    Lives in the owner's ``__dict__``; pickling or copying the owner (``torch.save(module)``,
+    ``copy.deepcopy``) carries an empty cache, rebuilt on the next call.
+    """
+
+    def __reduce__(self):
+        return (_ChecksumCache, ())
+
+    def __copy__(self):
+        return _ChecksumCache()
+
+    def __deepcopy__(self, memo):
+        return _ChecksumCache()
+
+
+def _key(t: torch.Tensor | None) -> tuple:
+    if t is None:
+        return (None,)
+    return (t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape), tuple(t.stride()))
+
+
+def weight_checksums(weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_is_kn: bool = False,
+                     cache_owner: object | None = None, cast: torch.dtype | None = None) -> WeightChecksums:
+    """`WeightChecksums` of ``weight``/``bias``, cached on ``cache_owner`` (e.g. the module).
+
+    The cache entry is keyed by the identity, storage pointer, version counter (``_version``,
+    bumped by every in-place update), dtype, device, shape and strides of both tensors, so it
+    refreshes when the weight changes. Note: updates through ``.data`` bypass the version
+    counter; use ``with torch.no_grad(): weight.copy_(...)`` (as ``load_state_dict`` does).
+    The cache is an attribute ``_ftt_vabft_checksums`` of the owner (dropped when the owner is
+    pickled or copied). Without ``cache_owner`` nothing is cached. ``cast`` (the autocast dtype) builds the checksums
+    of ``weight.to(cast)`` / ``bias.to(cast)``, cached separately.
+    """
+
+    def build() -> WeightChecksums:
+        if cast is None:
+            return WeightChecksums.compute(weight, bias, weight_is_kn=weight_is_kn)
+        b_cast = None if bias is None else bias.detach().to(cast)
+        return WeightChecksums.compute(weight.detach().to(cast), b_cast, weight_is_kn=weight_is_kn)
+
+    if cache_owner is None:
+        return build()
+    key = (bool(weight_is_kn), cast, _key(weight), _key(bias))
+    slots = getattr(cache_owner, _CACHE_ATTR, None)
+    entry = slots.get(cast) if isinstance(slots, _ChecksumCache) else None
+    if entry is not None:
+        ref_w, ref_b, ekey, wc = entry
+        if ekey == key and ref_w() is weight and (ref_b() if ref_b is not None else None) is bias:
+            return wc
+    wc = build()
+    entry = (weakref.ref(weight), weakref.ref(bias) if bias is not None else None, key, wc)
+    if not isinstance(slots, _ChecksumCache):
+        slots = _ChecksumCache()
+        try:
+            object.__setattr__(cache_owner, _CACHE_ATTR, slots)
+        except (AttributeError, TypeError):  # an owner without __dict__: no cache
+            return wc
+    slots[cast] = entry
+    return wc
+
+
+def checksum_residuals(x32: torch.Tensor, y32: torch.Tensor, wc: WeightChecksums
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(D1, D2, C1)`` of the rows of ``y = x·Wᵀ + b`` as computed (all fp32, shape (M,)).
+
+    ``C1 = x·w1 + b1`` (the expected row sum), ``D1 = Σ_n y[m,n] − C1``,
+    ``D2 = Σ_n (n+1)·y[m,n] − (x·w2 + b2)``. Reductions are elementwise products summed in fp32
+    (not matmuls), so TF32 settings never touch the verification.
+
+    Args:
+        x32: (M, K) fp32 input rows. y32: (M, N) fp32 output rows. wc: the weight's checksums.
+    """
+    c = (x32.unsqueeze(1) * wc.w12.t()).sum(-1) + wc.b12  # (M, 2)
+    s1 = y32.sum(-1)
+    s2 = (y32 * wc.colw).sum(-1)
+    c1 = c[:, 0]
+    return s1 - c1, s2 - c[:, 1], c1
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration (seed 003 §3.6)
+# ---------------------------------------------------------------------------------------------
+
+
+_CAL_SHAPES = ((64, 1024, 256), (64, 4096, 1024), (64, 8192, 1024))
+DISTRIBUTIONS = ("N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)", "|N(1,1)|")
+
+
+def sample_matrix(dist: str, shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:
+    """A CPU fp32 sample of one of seed 004 §5.1's distributions (`DISTRIBUTIONS`).
+
+    ``"N(1e-6,1)"``, ``"N(1,1)"``, ``"U(-1,1)"``, ``"TN(0,1)"`` (N(0,1) truncated to [-1, 1]) and
+    ``"|N(1,1)|"`` (seed 003 §3.6's positive calibration matrices).
+    """
+    g = generator
+    if dist == "N(1e-6,1)":
+        return torch.randn(shape, generator=g) + 1e-6
+    if dist == "N(1,1)":
+        return torch.randn(shape, generator=g) + 1.0
+    if dist == "U(-1,1)":
+        return torch.rand(shape, generator=g) * 2 - 1
+    if dist == "TN(0,1)":
+        return torch.nn.init.trunc_normal_(torch.empty(shape), 0.0, 1.0, -1.0, 1.0, generator=g)
+    if dist == "|N(1,1)|":
+        return (torch.randn(shape, generator=g) + 1.0).abs()
+    raise ValueError(f"unknown distribution {dist!r}; choose one of {DISTRIBUTIONS}")
+
+
+def calibrate_emax(dtype: torch.dtype, device: torch.device | str = "cpu",
+                   shapes: Sequence[tuple[int, int, int]] = _CAL_SHAPES,
+                   trials: int = 100, seed: int = 0, margin: float = 1.2) -> dict:
+    """Measure ``e_max`` with seed 003's protocol: ``max |D1| / |C1|`` over clean GEMMs.
+
+    Each trial draws A = |N(1,1)| (M×K) and W = |N(1,1)| (N×K) (positive, so the checksum has no
+    cancellation), computes ``y = F.linear`` in ``dtype`` on ``device`` and the residuals exactly as
+    the checked linear layer does; every row is one sample. Returns ``{"max": observed max,
+    "emax": max·margin, "per_shape": {(M, K, N): max}, "samples": rows}``.
+    """
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    dev = torch.device(device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    per_shape: dict[tuple[int, int, int], float] = {}
+    samples = 0
+    for (m, k, n) in shapes:
+        worst = 0.0
+        for _ in range(trials):
+            a = sample_matrix("|N(1,1)|", (m, k), g).to(dev, dtype)
+            w = sample_matrix("|N(1,1)|", (n, k), g).to(dev, dtype)
+            y = F.linear(a, w)
+            wc = WeightChecksums.compute(w)
+            d1, _, c1 = checksum_residuals(a.float(), y.float(), wc)
+            worst = max(worst, float((d1.abs() / c1.abs()).max()))
+            samples += m
+        per_shape[(m, k, n)] = worst
+    mx = max(per_shape.values())
+    return {"max": mx, "emax": mx * margin, "per_shape": per_shape, "samples": samples}
+
+
+def threshold_slack(dtype: torch.dtype, device: torch.device | str = "cpu",
+                    shapes: Sequence[tuple[int, int, int]] = _CAL_SHAPES, trials: int = 20,
+                    distributions: Sequence[str] = DISTRIBUTIONS, csigma: float = 2.5, seed: int = 0) -> dict:
+    """The smallest ``e_max`` without a false positive: ``max |D1| / T(e_max = 1)`` over clean GEMMs.
+
+    For each distribution, ``trials`` GEMMs per shape (M, K, N) with x, W (and, every other
+    trial, a bias) drawn from it, verified exactly as the checked linear layer does. Returns
+    ``{dist: max ratio}``; a table entry ``e_max`` has slack ``e_max / ratio`` over that data.
+    """
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    dev = torch.device(device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out: dict[str, float] = {}
+    for dist in distributions:
+        worst = 0.0
+        for (m, k, n) in shapes:
+            for t in range(trials):
+                a = sample_matrix(dist, (m, k), g).to(dev, dtype)
+                w = sample_matrix(dist, (n, k), g).to(dev, dtype)
+                b = sample_matrix(dist, (n,), g).to(dev, dtype) if t % 2 else None
+                y = F.linear(a, w, b)
+                wc = WeightChecksums.compute(w, b)
+                x32 = a.float()
+                mu, var = row_stats(x32)
+                d1, _, _ = checksum_residuals(x32, y.float(), wc)
+                worst = max(worst, float((d1.abs() / wc.thresholds(mu, var, 1.0, csigma)).max()))
+        out[dist] = worst
+    return out

@@ -1,0 +1,218 @@
+"""V-ABFT thresholds, weight checksums, their cache and the e_max table (against float64 references)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ft_transformers.vabft import (
+    WeightChecksums,
+    calibrate_emax,
+    checksum_residuals,
+    default_emax,
+    row_stats,
+    vabft_threshold,
+    weight_checksums,
+)
+
+
+def _threshold_f64(a: torch.Tensor, b: torch.Tensor, emax: float, csigma: float) -> torch.Tensor:
+    """SPEC §5 written out directly in float64, row by row of A and B."""
+    a = a.double()
+    b = b.double()
+    k, n = b.shape
+    out = []
+    mu_b = [b[i].mean().item() for i in range(k)]
+    var_b = [max(0.0, (b[i].max().item() - mu_b[i]) * (mu_b[i] - b[i].min().item())) for i in range(k)]
+    s_abs_mu = sum(abs(v) for v in mu_b)
+    s_var = sum(var_b)
+    s_mu2 = sum(v * v for v in mu_b)
+    for row in a:
+        mu = row.mean().item()
+        var = max(0.0, (row.max().item() - mu) * (mu - row.min().item()))
+        t = (n * abs(mu) * s_abs_mu
+             + csigma * math.sqrt(n * mu * mu * s_var + n * n * var * s_mu2)
+             + csigma * math.sqrt(n) * math.sqrt(var) * math.sqrt(s_var))
+        out.append(emax * t)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shift", [0.0, 1.0, -3.0])
+def test_vabft_threshold_matches_float64_formula(dtype, shift):
+    g = torch.Generator().manual_seed(7)
+    a = (torch.randn(9, 40, generator=g) + shift).to(dtype)
+    b = (torch.rand(40, 23, generator=g) * 2 - 1 + 0.3 * shift).to(dtype)
+    got = vabft_threshold(a, b, emax=2.2e-6, csigma=2.5)
+    assert got.shape == (9,) and got.dtype == torch.float32
+    ref = _threshold_f64(a, b, 2.2e-6, 2.5)
+    torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=0)
+    # csigma enters the variance terms only; emax scales everything.
+    ref2 = _threshold_f64(a, b, 1e-3, 4.0)
+    torch.testing.assert_close(vabft_threshold(a, b, emax=1e-3, csigma=4.0).double(), ref2, rtol=2e-5, atol=0)
+
+
+def test_vabft_threshold_constant_rows_and_validation():
+    a = torch.full((3, 8), 2.0)
+    b = torch.full((8, 5), -1.0)
+    # σ = 0 everywhere: only the deterministic term N·|μ_A|·Σ|μ_B| = 5·2·8 remains.
+    torch.testing.assert_close(vabft_threshold(a, b, emax=1.0), torch.full((3,), 80.0))
+    with pytest.raises(ValueError, match="inner dimensions"):
+        vabft_threshold(a, torch.zeros(7, 5), emax=1.0)
+    with pytest.raises(ValueError, match="2-D"):
+        vabft_threshold(a[0], b, emax=1.0)
+    with pytest.raises(ValueError, match="emax"):
+        vabft_threshold(a, b, emax=0.0)
+    with pytest.raises(TypeError, match="floating"):
+        vabft_threshold(a.long(), b, emax=1.0)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_layer_thresholds_agree_with_vabft_threshold(with_bias):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(12, 70, generator=g) + 0.2
+    w = torch.rand(50, 70, generator=g) - 0.4
+    b = torch.randn(50, generator=g) if with_bias else None
+    mu, var = row_stats(x)
+    got = WeightChecksums.compute(w, b).thresholds(mu, var, 1e-3, 2.5)
+    ref = vabft_threshold(x, w.t(), emax=1e-3, csigma=2.5)
+    if with_bias:  # plus the bias term e_max·(N|μ_b| + cσ·sqrt(N)·σ_b), σ_b² the Bhatia–Davis bound
+        bd = b.double()
+        sd = math.sqrt((bd.max() - bd.mean()).item() * (bd.mean() - bd.min()).item())
+        ref = ref + 1e-3 * (50 * abs(bd.mean().item()) + 2.5 * math.sqrt(50) * sd)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=0)
+
+
+def test_row_stats_bhatia_davis_bounds_the_variance():
+    g = torch.Generator().manual_seed(1)
+    samples = (torch.randn(50, 300, generator=g), torch.rand(50, 300, generator=g),
+               torch.randn(50, 3, generator=g))
+    for t in samples:
+        mean, var = row_stats(t)
+        torch.testing.assert_close(mean, t.mean(-1))
+        assert bool((var >= t.var(-1, unbiased=False) * (1 - 1e-5)).all())
+    # Two-point data attains the bound exactly.
+    t = torch.tensor([[0.0, 4.0] * 10])
+    assert row_stats(t)[1].item() == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("kn", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_weight_checksums_match_float64(kn, with_bias):
+    g = torch.Generator().manual_seed(3)
+    n, k = 37, 29
+    w_nk = torch.randn(n, k, generator=g) + 0.5
+    bias = torch.randn(n, generator=g) if with_bias else None
+    w = w_nk.t().contiguous() if kn else w_nk
+    wc = WeightChecksums.compute(w, bias, weight_is_kn=kn)
+    wd = w_nk.double()
+    idx = torch.arange(1, n + 1, dtype=torch.float64)
+    assert (wc.n, wc.k) == (n, k)
+    torch.testing.assert_close(wc.w12[:, 0].double(), wd.sum(0), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(wc.w12[:, 1].double(), (idx[:, None] * wd).sum(0), rtol=1e-6, atol=1e-4)
+    mu = wd.mean(0)
+    var = ((wd.max(0).values - mu) * (mu - wd.min(0).values)).clamp_min(0)
+    assert wc.sum_abs_mu == pytest.approx(mu.abs().sum().item(), rel=1e-5)
+    assert wc.sum_var == pytest.approx(var.sum().item(), rel=1e-5)
+    assert wc.sum_mu2 == pytest.approx(mu.square().sum().item(), rel=1e-5)
+    if with_bias:
+        bd = bias.double()
+        assert wc.b12[0].item() == pytest.approx(bd.sum().item(), rel=1e-5, abs=1e-5)
+        assert wc.b12[1].item() == pytest.approx((idx * bd).sum().item(), rel=1e-5, abs=1e-4)
+        assert wc.bias_mu == pytest.approx(bd.mean().item(), rel=1e-5, abs=1e-7)
+    else:
+        assert wc.b12.abs().sum().item() == 0.0 and wc.bias_sd == 0.0 and wc.bias_mu == 0.0
+    assert wc.finite is True
+    w_bad = w.clone()
+    w_bad[0, 0] = float("inf")
+    assert WeightChecksums.compute(w_bad, bias, weight_is_kn=kn).finite is False
+
+
+def test_weight_checksum_cache_refreshes_on_inplace_update():
+    lin = torch.nn.Linear(16, 8)
+    w, b = lin.weight, lin.bias
+    first = weight_checksums(w, b, cache_owner=lin)
+    assert weight_checksums(w, b, cache_owner=lin) is first  # cache hit
+    with torch.no_grad():
+        w.mul_(2.0)  # bumps the version counter
+    second = weight_checksums(w, b, cache_owner=lin)
+    assert second is not first
+    torch.testing.assert_close(second.w12, 2.0 * first.w12)
+    with torch.no_grad():
+        b.add_(1.0)
+    third = weight_checksums(w, b, cache_owner=lin)
+    assert third is not second
+    assert third.b12[0].item() == pytest.approx(second.b12[0].item() + 8.0, rel=1e-5)
+    # A new Parameter object (e.g. after .to() or reassignment) is never served from the cache.
+    lin.weight = torch.nn.Parameter(w.detach().clone())
+    assert weight_checksums(lin.weight, b, cache_owner=lin) is not third
+    # A different dtype view (autocast) gets its own slot.
+    assert weight_checksums(lin.weight, b, cache_owner=lin, cast=torch.bfloat16).w12.dtype == torch.float32
+
+
+def test_cache_does_not_break_pickling_or_copies():
+    import copy
+    import io
+
+    lin = torch.nn.Linear(8, 4)
+    wc = weight_checksums(lin.weight, lin.bias, cache_owner=lin)
+    buf = io.BytesIO()
+    torch.save(lin, buf)  # whole-module pickling: weakrefs in the cache must not leak into it
+    buf.seek(0)
+    lin2 = torch.load(buf, weights_only=False)
+    assert len(lin2._ftt_vabft_checksums) == 0
+    lin3 = copy.deepcopy(lin)
+    assert len(lin3._ftt_vabft_checksums) == 0
+    assert weight_checksums(lin3.weight, lin3.bias, cache_owner=lin3) is not wc
+    assert weight_checksums(lin.weight, lin.bias, cache_owner=lin) is wc
+
+
+def test_checksum_residuals_vanish_on_exact_products():
+    # Small integers: every product and sum is exact in fp32, so D1 = D2 = 0 exactly.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-4, 5, (6, 11), generator=g).float()
+    w = torch.randint(-4, 5, (13, 11), generator=g).float()
+    b = torch.randint(-4, 5, (13,), generator=g).float()
+    y = torch.nn.functional.linear(x, w, b)
+    d1, d2, c1 = checksum_residuals(x, y, WeightChecksums.compute(w, b))
+    assert d1.abs().max().item() == 0.0 and d2.abs().max().item() == 0.0
+    torch.testing.assert_close(c1, y.sum(-1))
+    # One error δ at column j: D1 = δ, D2 = (j+1)·δ.
+    y[2, 5] += 3.0
+    d1, d2, _ = checksum_residuals(x, y, WeightChecksums.compute(w, b))
+    assert d1[2].item() == 3.0 and d2[2].item() == 18.0
+
+
+def test_default_emax_table():
+    assert default_emax(torch.bfloat16, "cpu") == 8e-3
+    assert default_emax(torch.float16, "cuda") == 1e-3
+    fp32 = default_emax(torch.float32, "cpu")
+    assert 2.6e-7 < fp32 <= 2.2e-6  # above this CPU's measured max (4.4u), at most seed 004's value
+    assert default_emax(torch.float32, "cpu", k=4096) == fp32
+    assert default_emax(torch.float32, "cpu", k=4 * 8192) == pytest.approx(2 * fp32)
+    assert default_emax(torch.bfloat16, "cuda", k=10**6) == 8e-3  # low precision: constant in K
+    assert default_emax(torch.bfloat16, "cuda", mode="accumulator") == default_emax(torch.float32, "cuda")
+    with pytest.raises(TypeError):
+        default_emax(torch.float64)
+    with pytest.raises(ValueError):
+        default_emax(torch.float32, mode="fused")
+    prev = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")  # TF32 allowed: fp32 GEMMs are fp16-accurate
+        assert default_emax(torch.float32, "cuda") == 1e-3
+        assert default_emax(torch.float32, "cpu") == 1e-3
+        torch.set_float32_matmul_precision("medium")  # bf16 inside fp32 GEMMs on CPU, TF32 on CUDA
+        assert default_emax(torch.float32, "cpu") == 8e-3
+        assert default_emax(torch.float32, "cuda") == 1e-3
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_calibration_protocol_stays_below_the_table(dtype):
+    res = calibrate_emax(dtype, "cpu", shapes=((32, 256, 128), (16, 1024, 256)), trials=4)
+    assert res["samples"] == 4 * (32 + 16)
+    assert 0 < res["max"] < default_emax(dtype, "cpu")
+    assert res["emax"] == pytest.approx(1.2 * res["max"])
