@@ -1,0 +1,344 @@
+"""Fault-injection campaigns: classification, trial planning, JSONL resume after a kill, reproducibility,
+reports. Everything runs on the random tiny Llama (no download), a few seconds in all."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ft_transformers.campaign as C
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what the CLI uses; keeps numerics identical to a CLI run
+    model, tok = C.load_model("tiny-llama")
+    yield model, tok
+    torch.set_num_threads(threads)
+
+
+def _config(**kw) -> C.CampaignConfig:
+    base = dict(model="tiny-llama",
+                prompts=[{"prompt": "hello world"}, {"prompt": "a b c d e f", "answer": "7"}],
+                sites=["attn.scores", "linear.output"], bits=[30, 22], trials=12, max_new_tokens=5, seed=3)
+    base.update(kw)
+    return C.CampaignConfig(**base)
+
+
+def _strip(rec: dict) -> dict:
+    """A trial record without wall-clock fields."""
+    out = {k: v for k, v in rec.items() if k != "seconds"}
+    for arm in C.ARMS:
+        if arm in out:
+            out[arm] = {k: v for k, v in out[arm].items() if k != "seconds"}
+    return out
+
+
+def _quiet(msg: str) -> None:
+    pass
+
+
+def _run(cfg, path, tiny, **kw):
+    model, tok = tiny
+    return C.run_campaign(cfg, path, model=model, tokenizer=tok, progress=False, log=_quiet, **kw)
+
+
+def _trial_lines(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()
+            if line.strip() and json.loads(line)["type"] == "trial"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory):
+    """An uninterrupted run of the campaign every resume test is compared with."""
+    path = tmp_path_factory.mktemp("ref") / "ref.jsonl"
+    return [_strip(r) for r in _run(_config(), path, tiny)], path
+
+
+# -- classification ---------------------------------------------------------------------------------
+
+CLEAN = [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(tokens=[5, 6, 7, 8]), "masked"),
+    (dict(tokens=[5, 6, 9, 8]), "sdc"),
+    (dict(tokens=[5, 6, 7]), "sdc"),                                  # early EOS is an SDC too
+    (dict(tokens=None, error="RuntimeError: boom"), "crash"),
+    (dict(tokens=[5, 6, 7, 8], finite=False), "crash"),               # NaN logits, even if argmax agrees
+    (dict(tokens=[5, 6, 7, 8], totals={"detected": 1, "corrected": 1}), "detected_corrected"),
+    (dict(tokens=[5, 6, 7, 8], totals={"detected": 2, "recomputed": 2}), "detected_corrected"),
+    (dict(tokens=[5, 6, 9, 8], totals={"detected": 1, "corrected": 1}), "sdc"),   # miscorrection is silent
+    (dict(tokens=[5, 6, 7, 8], totals={"detected": 1, "uncorrectable": 1}), "detected_uncorrectable"),
+    (dict(tokens=[5, 6, 9, 8], totals={"detected": 1, "uncorrectable": 1}), "detected_uncorrectable"),
+    (dict(tokens=[1, 2], finite=False, totals={"detected": 1, "uncorrectable": 1}), "crash"),
+    (dict(tokens=[5, 6, 7, 8], totals={"detected": 0, "nonfinite_input": 0}), "masked"),
+])
+def test_classify_hand_made_cases(kw, expected):
+    assert C.classify(clean_tokens=CLEAN, **kw) == expected
+
+
+def test_token_agreement_and_answers():
+    assert C.token_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert C.token_agreement([1, 9, 3, 4], [1, 2, 3, 4]) == 0.75
+    assert C.token_agreement([1, 2], [1, 2, 3, 4]) == 0.5
+    assert C.token_agreement(None, [1]) == 0.0
+    assert C.answer_correct("The capital is Paris.", ["paris"]) is True
+    assert C.answer_correct("Lyon", ["Paris"]) is False
+    assert C.answer_correct("x", None) is None
+
+
+def test_bit_fields_and_selectors():
+    assert C.bit_fields(torch.float32) == {"sign": (31,), "exponent": tuple(range(23, 31)),
+                                           "mantissa": tuple(range(23))}
+    assert C.bit_fields(torch.bfloat16)["exponent"] == tuple(range(7, 15))
+    assert C.bit_fields(torch.float16)["exponent"] == tuple(range(10, 15))
+    assert C.bit_class(30, torch.float32) == "exponent" and C.bit_class(22, torch.float32) == "mantissa"
+    assert C.bit_class(15, torch.float16) == "sign"
+    assert C.parse_bits(["exponent", "28-30", "3", 1]) == ["exponent", 28, 29, 30, 3, 1]
+    with pytest.raises(ValueError):
+        C.CampaignConfig(bits=[31], sites=["linear.output"], dtype="bfloat16")
+    with pytest.raises(ValueError):
+        C.CampaignConfig(bits=[3], ber=[1e-6])
+    with pytest.raises(ValueError):
+        C.CampaignConfig(sites=["attn.nowhere"])
+
+
+# -- trial planning -----------------------------------------------------------------------------------
+
+TARGETS = {0: {"attention": "m.layers.0.attn", "linear": ["m.layers.0.q", "m.layers.0.mlp"]},
+           1: {"attention": "m.layers.1.attn", "linear": ["m.layers.1.q", "m.layers.1.mlp"]},
+           -1: {"attention": None, "linear": ["lm_head"]}}
+
+
+def test_plan_is_deterministic_stratified_and_prefix_stable():
+    four = [{"prompt": f"p{i}"} for i in range(4)]
+    cfg = C.CampaignConfig(prompts=four, sites=["attn.probs", "linear.output"],
+                           bits=["exponent", "mantissa", 7], trials=60, seed=11)
+    a = [C.plan_trial(cfg, i, [4, 6, 3, 5], TARGETS) for i in range(60)]
+    b = [C.plan_trial(cfg, i, [4, 6, 3, 5], TARGETS) for i in range(60)]
+    assert a == b
+    assert len({t.trial_id for t in a}) == 60
+    combos = cfg.combos()
+    for t in a:
+        site, sel = combos[t.index % len(combos)]
+        assert t.site == site
+        if sel == 7:
+            assert t.bit == 7
+        else:
+            assert t.bit_class == sel and t.bit in C.bit_fields(torch.float32)[sel]
+        assert 0 <= t.step < [4, 6, 3, 5][t.prompt_index]
+        assert t.layer in (0, 1)  # default: the blocks only, never lm_head
+        assert t.module == (TARGETS[t.layer]["attention"] if site.startswith("attn.") else t.module)
+        assert t.fault_spec().calls == (t.step,)
+    other_cfg = C.CampaignConfig(prompts=four, sites=cfg.sites, bits=cfg.bits, seed=12)
+    other = [C.plan_trial(other_cfg, i, [4, 6, 3, 5], TARGETS)
+             for i in range(60)]
+    assert [t.seed for t in other] != [t.seed for t in a]
+    # a longer campaign begins with the same trials (extending --trials keeps what was done)
+    longer = C.CampaignConfig(prompts=four, sites=cfg.sites, bits=cfg.bits, trials=500, seed=11)
+    assert C.plan_trial(longer, 5, [4, 6, 3, 5], TARGETS) == a[5]
+    assert cfg.fingerprint() == longer.fingerprint()
+
+
+def test_plan_layers_steps_and_ber():
+    one = [{"prompt": "x"}]
+    cfg = C.CampaignConfig(prompts=one, sites=["linear.output"], bits=None, ber=[1e-3], layers=[-1],
+                           steps=[-1], seed=1)
+    t = C.plan_trial(cfg, 0, [4], TARGETS)
+    assert t.module == "lm_head" and t.step is None and t.bit is None and t.ber == 1e-3
+    assert t.fault_spec().calls is None and t.bit_class == "ber=0.001"
+    cfg = C.CampaignConfig(prompts=one, sites=["attn.scores"], bits=[30], steps=[0, 2, 9], seed=1)
+    assert {C.plan_trial(cfg, i, [4], TARGETS).step for i in range(40)} == {0, 2}  # step 9 is never reached
+    with pytest.raises(ValueError):
+        no_attn = C.CampaignConfig(prompts=one, sites=["attn.scores"], bits=[30], layers=[-1])
+        C.plan_trial(no_attn, 0, [4], TARGETS)
+
+
+# -- running a campaign --------------------------------------------------------------------------------
+
+
+def test_campaign_records_are_complete_and_consistent(reference):
+    recs, path = reference
+    assert [r["index"] for r in recs] == list(range(12))
+    classes = {r[arm]["class"] for r in recs for arm in C.ARMS}
+    assert classes <= set(C.CLASSES)
+    header, cleans, trials = C.load_campaign(path)
+    assert header["fingerprint"] == _config().fingerprint()
+    assert header["versions"]["torch"] == torch.__version__
+    assert len(cleans) == 2 and all(c["false_positives"] == 0 and c["arms_agree"] for c in cleans)
+    for r in recs:
+        # everything needed to reproduce the trial
+        for k in ("seed", "site", "bit", "layer", "module", "step", "prompt_index", "versions", "model",
+                  "campaign_seed", "max_new_tokens"):
+            assert k in r
+        up, pr = r["unprotected"], r["protected"]
+        assert up["injected"] == pr["injected"] == 1
+        assert up["flips"][0]["positions"] == pr["flips"][0]["positions"]  # the same fault in both arms
+        assert up["flips"][0]["call"] == r["step"] and up["flips"][0]["module"] == r["module"]
+        assert up["events"] == [] and up["class"] in ("masked", "sdc", "crash")
+        # protected events land exactly where the fault was injected (step = generation step)
+        for step, _layer, module, site, _kind, _n in pr["events"]:
+            assert (step, module, site) == (r["step"], r["module"], r["site"])
+        assert pr["detected_elsewhere"] == 0
+        if r["bit"] == 30:  # an exponent MSB flip is always caught and repaired
+            assert pr["class"] == "detected_corrected"
+    # the fault model actually bites on this model: some unprotected exponent flips corrupt the output
+    assert any(r["unprotected"]["class"] in ("sdc", "crash") for r in recs)
+
+
+def test_same_seed_same_trials_other_seed_other_trials(tiny, reference, tmp_path):
+    ref, _ = reference
+    again = [_strip(r) for r in _run(_config(), tmp_path / "again.jsonl", tiny)]
+    assert again == ref
+    other = _run(_config(seed=4), tmp_path / "other.jsonl", tiny)
+    assert [r["seed"] for r in other] != [r["seed"] for r in ref]
+
+
+class _Kill(KeyboardInterrupt):
+    pass
+
+
+def test_resume_after_interrupt_neither_repeats_nor_loses(tiny, reference, tmp_path):
+    ref, _ = reference
+    path = tmp_path / "c.jsonl"
+    seen = []
+
+    def kill_after_5(rec):
+        seen.append(rec["trial_id"])
+        if len(seen) == 5:
+            raise _Kill
+
+    with pytest.raises(_Kill):
+        _run(_config(), path, tiny, on_trial=kill_after_5)
+    assert len(_trial_lines(path)) == 5
+    ran = []
+    recs = _run(_config(), path, tiny, on_trial=lambda r: ran.append(r["trial_id"]))
+    assert ran == [r["trial_id"] for r in ref[5:]]  # only the missing ones ran
+    lines = _trial_lines(path)
+    assert sorted(r["trial_id"] for r in lines) == [r["trial_id"] for r in ref]  # no repeat, none lost
+    assert [_strip(r) for r in recs] == ref
+    assert sum(json.loads(x)["type"] == "clean" for x in path.read_text().splitlines()) == 2
+
+
+def test_resume_after_partial_last_line(tiny, reference, tmp_path):
+    ref, ref_path = reference
+    lines = ref_path.read_text().splitlines(keepends=True)
+    first_trial = next(i for i, x in enumerate(lines) if json.loads(x)["type"] == "trial")
+    keep = first_trial + 7
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(lines[:keep]) + lines[keep][: len(lines[keep]) // 2])  # killed mid-write
+    ran = []
+    recs = _run(_config(), path, tiny, on_trial=lambda r: ran.append(r["index"]))
+    assert ran == list(range(7, 12))
+    assert [_strip(r) for r in recs] == ref
+    assert all(line.endswith("}") for line in path.read_text().splitlines())  # no fragment left
+    assert sorted(r["index"] for r in _trial_lines(path)) == list(range(12))
+
+
+def test_extend_and_refuse_another_campaign(tiny, reference, tmp_path):
+    ref, _ = reference
+    path = tmp_path / "c.jsonl"
+    _run(_config(trials=4), path, tiny)
+    recs = _run(_config(), path, tiny)  # --trials raised: continues with trials 4..11
+    assert [_strip(r) for r in recs] == ref
+    with pytest.raises(ValueError, match="another campaign"):
+        _run(_config(bits=[29]), path, tiny)
+    with pytest.raises(ValueError, match="corrupt"):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(path.read_text().replace('"type":"trial"', '"type":"trial"}{', 1))
+        C.CampaignStore(bad).load()
+
+
+def test_ber_and_every_step(tiny, tmp_path):
+    cfg = _config(sites=["linear.output"], bits=None, ber=[2e-2], steps=[-1], trials=3)
+    recs = _run(cfg, tmp_path / "ber.jsonl", tiny)
+    for r in recs:
+        assert r["step"] is None and r["bit"] is None
+        assert r["unprotected"]["injected"] == r["protected"]["injected"] > 0
+        assert len(r["protected"]["flips"]) == cfg.max_new_tokens  # every generation step hit
+        assert r["unprotected"]["flips"][0]["positions"] is None
+
+
+def test_report_tables_plots_and_events(reference, tmp_path):
+    recs, path = reference
+    _, cleans, trials = C.load_campaign(path)
+    rows = C.summarize(trials)
+    assert {(r["site"], r["bit_class"], r["arm"]) for r in rows} == {
+        (s, b, a) for s in ("attn.scores", "linear.output") for b in ("exponent", "mantissa") for a in C.ARMS}
+    for r in rows:
+        assert r["n"] == sum(r[c] for c in C.CLASSES) == 3
+        assert 0.0 <= r["sdc_ci"][0] <= r["sdc_rate"] <= r["sdc_ci"][1] <= 1.0
+    md = C.summary_markdown(trials, cleans)
+    assert md.count("\n| attn.scores") == 4 and "False positives: 0 detection(s) in 2 clean" in md
+    files = C.write_report(path, tmp_path / "rep", "t")
+    for k in ("summary_md", "summary_json", "sdc_per_bit", "outcomes", "events_json", "events_csv",
+              "events_png"):
+        assert files[k].exists() and files[k].stat().st_size > 0, k
+    grouped = C.events_by_step_layer(trials)
+    ev = json.loads(files["events_json"].read_text())
+    assert ev["totals"]["detected"] == sum(t["protected"]["totals"]["detected"] for t in trials)
+    assert len(files["events_csv"].read_text().splitlines()) == 1 + len(grouped)
+    one = next(t for t in trials if t["protected"]["events"])
+    rep = C.trial_report(one)
+    assert rep.by_step() == C.events_by_step_layer([one])
+    files1 = C.write_report(path, tmp_path / "rep", "t", trial=one["trial_id"])
+    assert files1["events_png"].name == f"t_events_{one['trial_id']}.png"
+
+
+def test_replay_reproduces_a_stored_trial(tiny, reference):
+    recs, path = reference
+    tid = next(r["trial_id"] for r in recs if r["unprotected"]["class"] != "masked")
+    model, tok = tiny
+    stored, fresh = C.replay_trial(path, tid, model=model, tokenizer=tok)
+    assert C._comparable(stored) == C._comparable(fresh)
+    assert C.trial_from_record(stored).fault_spec() == C.trial_from_record(fresh).fault_spec()
+
+
+def test_cli_killed_with_sigkill_resumes(tmp_path):
+    """A real kill: SIGKILL the CLI mid-campaign, then `resume` continues without repeat or loss."""
+    out = tmp_path / "k.jsonl"
+    args = ["--model", "tiny-llama", "--trials", "40", "--max-new-tokens", "5", "--bits", "30", "22",
+            "--prompts", "hello world", "--seed", "9", "--no-progress"]
+    cmd = [sys.executable, str(ROOT / "scripts" / "campaign.py"), "run", "--out", str(out), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            if out.exists() and len(_trial_lines_safe(out)) >= 4:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "campaign finished before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    n_before = len(_trial_lines_safe(out))
+    assert 4 <= n_before < 40
+    assert C.main(["resume", str(out), "--no-progress"]) == 0
+    lines = _trial_lines(out)
+    assert sorted(r["index"] for r in lines) == list(range(40))  # no repeat, none lost
+    ref = tmp_path / "ref.jsonl"
+    assert C.main(["run", "--out", str(ref), *args]) == 0
+    resumed = [_strip(r) for r in sorted(lines, key=lambda r: r["index"])]
+    assert resumed == [_strip(r) for r in _trial_lines(ref)]
+
+
+def _trial_lines_safe(path) -> list[dict]:
+    out = []
+    for line in Path(path).read_text().splitlines(keepends=True):
+        if line.endswith("\n") and '"type":"trial"' in line:
+            out.append(json.loads(line))
+    return out
