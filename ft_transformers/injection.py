@@ -139,7 +139,15 @@ class SiteFaults:
             numel *= s
         if spec.bit is not None and numel > 0:
             g = torch.Generator().manual_seed(self.seed)
-            flat = torch.randint(0, numel, (int(spec.count),), generator=g).unique()
+            want = min(int(spec.count), numel)
+            picked: list[int] = []
+            seen: set[int] = set()
+            while len(picked) < want:  # distinct positions, in draw order
+                for i in torch.randint(0, numel, (want - len(picked),), generator=g).tolist():
+                    if i not in seen and len(picked) < want:
+                        seen.add(i)
+                        picked.append(i)
+            flat = torch.tensor(picked, dtype=torch.int64)
             self._coords = torch.stack(torch.unravel_index(flat, self.shape), dim=1)  # (count, ndim)
 
     @property

@@ -132,3 +132,9 @@ def test_pasa_optimal_beta_matches_seed():
     # seed 002, Appendix C: fp16, block 128, from 1-2^-4, 1-2^-5, 1-2^-6
     got = [optimal_beta(128, torch.float16, 1 - 2.0**-i) for i in (4, 5, 6)]
     assert got == pytest.approx([0.937500, 0.968994, 0.984497], abs=1e-6)
+
+
+def test_count_gives_distinct_positions():
+    spec = FaultSpec(site="attn.scores", bit=3, count=6)
+    sf = SiteFaults(spec, (2, 3), seed=0, dtype=torch.float32, device="cpu")
+    assert len({tuple(p) for p in sf.positions.tolist()}) == 6  # all of a 6-element site
