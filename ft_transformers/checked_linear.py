@@ -29,6 +29,7 @@ injection.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -53,6 +54,7 @@ _BACKENDS = ("auto", "triton", "reference")
 _CPU_SHORTCUTS = True
 
 
+@functools.cache
 def _triton_forward():
     """``checked_linear_triton_forward`` of ``ft_transformers.kernels.checked_gemm``, or None."""
     try:

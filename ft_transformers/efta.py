@@ -7,6 +7,8 @@ PyTorch reference (`ft_transformers.efta_reference`, any device; the CPU runtime
 
 from __future__ import annotations
 
+import functools
+
 import math
 import operator
 from collections.abc import Sequence
@@ -24,6 +26,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BACKENDS = ("auto", "triton", "reference")
 
 
+@functools.cache
 def _triton_module():
     """``ft_transformers.kernels.efta`` if it imports and has `efta_triton_forward`, else None."""
     try:
