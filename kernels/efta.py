@@ -1,0 +1,879 @@
+"""EFTA: fault-tolerant flash-attention forward, one fused Triton kernel.
+
+Implements ``docs/algorithms.md`` (steps 1–8) with the same checks, thresholds, counters and
+injection sites as the PyTorch reference (`ft_transformers.efta_reference`, the oracle), including
+its documented deviations (stable rebuild ``checksum − Σ others`` instead of ``value += D1``,
+location restricted to real keys / head-dim columns, ``τ_m`` capped at 1, the all-−inf base rule,
+step 7 skipping the rows step 6 already flagged, −inf in q/k/v counting as non-finite).
+
+Layout of one program (query block × (batch, head)), tutorial style:
+
+* Q block (BLOCK_M × D) stays in SRAM; K/V blocks of BLOCK_N keys are streamed; online softmax
+  in fp32. GQA in the kernel (kv head = h // (Hq/Hkv)); causal and sliding window bottom-right
+  aligned, with key blocks that are fully masked for the whole query block skipped; bool or
+  additive masks and an additive bias read through (possibly zero) strides; key padding at N.
+* **Step 1** (GEMM I checksums, stride s = 16): ``Kc1 = Σ_l K[l·16+r]`` is reduced from the K tile
+  in fp32 registers (reshape (L, 16, D) + sum). The checksum GEMM ``Q·Kc1ᵀ`` keeps fp32 accuracy
+  by splitting the fp32 checksum operand into slices of the input dtype (fp16: hi + lo = 22 bits,
+  with a per-tile power-of-two scale so the slices neither overflow nor go subnormal; bf16:
+  hi + mid + lo = 24 bits; fp32 inputs: one IEEE fp32 dot): 2 resp. 3 extra tensor-core dots of
+  N = 16 next to the main GEMM. ``Kc2 = Σ_l (l+1)·K[l·16+r]`` and ``Sc2`` serve only to locate a
+  fault, so they are computed only in the (rare) branch where some group failed: same D2, same
+  counters, a third less checksum work on the clean path.
+* **GEMM II checksums**: ``[Vc1 | Vc2]`` (interleaved into one N = 32 operand, same splitting) go
+  through the same ``P`` and the same α rescale as ``O``; they have to be carried.
+* **Steps 3–5**: SNVR row-max check, per-element inverse check of ``P = exp(x)`` via ``log``,
+  row sum ``l`` (fp32 sum of P) and its independent twin ``lc`` (a differently ordered grouped
+  reduction of the same P), ``O += P·V`` with P rounded to the input dtype (as flash attention
+  does), ``Oc1/Oc2 += P·Vc`` with the *same* rounded P, all rescaled by the same α.
+* **Steps 6–7** after the loop: row-sum range check, normalisation, unified output verification;
+  single faults are rebuilt from the checksum, other rows are flagged.
+* **Recompute**: flagged rows (step 6, or step 1/7 groups that cannot be located) are recomputed.
+  Step 1 recomputes the row's scores for that key block in place (one more ``Q·Kᵀ``); steps 6/7
+  run a second, plain (unchecked, uninjected) flash pass over the key blocks for the whole query
+  block, only when some row of that block is flagged, and take the flagged rows from it.
+
+The same source with ``DETECT=False`` compiles to plain flash attention (the baseline); injection
+stays available there.
+
+Thresholds: exactly the contract's (``Bounds`` below, one place), except that on CUDA the bounds
+covering tensor-core accumulation (T_s, τ_l, T_o) get a guard factor ``gemm_slack`` (2 by default,
+``FTT_EFTA_GEMM_SLACK`` overrides; 1 in the interpreter, so interpreted counters equal the
+reference's bit for bit).
+
+Non-finite inputs are found without an extra pass over q/k/v: q when its block is loaded, a bias or
+additive mask tile when it is loaded, K and V lazily (a non-finite K makes every step-1 group fail,
+so K is inspected only in that rare branch; V's running max Σ|V| propagates NaN/inf and is
+inspected once after the loop). Keys that no program visits (outside every row's sliding window)
+are not inspected.
+
+Interpreter (``TRITON_INTERPRET=1``, CPU tensors): one fixed small config; a few helpers take an
+``INTERP`` switch (tl.log instead of the PTX ``lg2.approx``, NaN-propagating maxima written with
+tl.max because the interpreter runs custom reductions element by element, bf16 dots in fp32).
+
+Counters: atomics into the caller's (6, 5) int32 block (any strides), site rows as in
+``ft_transformers.sites``: step 1 → ``attn.scores``, 3 → ``attn.rowmax``, 4 → ``attn.probs``,
+6 → ``attn.rowsum``, 7 → ``attn.output``; non-finite inputs count one ``nonfinite_input`` at
+``attn.scores`` per call (found in the tiles the kernel reads, so no extra pass over q/k/v).
+
+Injection: the five attention sites, at the points the contract names, fp32 values, bits 0–31.
+Bit mode: positions from ``plan.for_site`` (logical shapes (B, Hq, M, N), (B, Hq, M, nblocks),
+(B, Hq, M, D)) are handed to the kernel as a small int32 table sorted by (batch, head); each
+program xors the ones in its tile. BER mode: Philox (``tl.randint4x``) per logical element. While
+anything is injected the kernel uses a fixed config with BLOCK_N = 64 (the reference's block, so
+``attn.rowmax``/``attn.rowsum`` positions mean the same block) and visits every key block (no
+skipping), so faults land exactly where they land in the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # pragma: no cover - exercised only where triton is missing
+    raise ImportError("ft_transformers.kernels.efta needs triton") from exc
+
+from ..injection import FaultPlan
+from ..sites import ATTENTION_SITES, COUNTER_SHAPE
+
+__all__ = ["efta_triton_forward", "Bounds", "BOUNDS", "EftaUnsupported", "interpreting"]
+
+
+class EftaUnsupported(ValueError):
+    """The Triton kernel cannot run this call (the caller may fall back to the reference)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Rounding-bound constants (docs/algorithms.md), in one place.
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Constants of the checks' thresholds.
+
+    ``g(k) = gamma·k·u``. ``gemm_slack`` multiplies every bound that covers tensor-core
+    accumulation (T_s of step 1, τ_l of step 6, T_o of step 7): the contract's values assume
+    IEEE round-to-nearest sequential fp32 sums; Hopper's MMA accumulates k-chunks with truncation
+    (not IEEE), so on CUDA the bounds get a guard factor. 1.0 in the interpreter (numpy is IEEE),
+    so interpreted runs use exactly the reference's thresholds. Override with the environment
+    variable ``FTT_EFTA_GEMM_SLACK``.
+    """
+
+    u: float = 2.0**-24  # fp32 unit roundoff
+    gamma: float = 1.01  # g(k) = gamma·k·u
+    snvr_rel: float = 2.0**-20  # step 3: τ_m = min(snvr_rel·(1 + |m_new|), snvr_cap)
+    snvr_cap: float = 1.0
+    exp_ulps: float = 64.0  # step 4: |log P − x| ≤ exp_ulps·u·(1 + |x|)
+    exp_xmin: float = -87.0  # step 4: below it, P must lie in [0, exp_pmax]
+    exp_pmax: float = 2.0**-125
+    gemm_slack_cuda: float = 2.0
+    gemm_slack_interp: float = 1.0
+
+    def gemm_slack(self, interpreted: bool) -> float:
+        env = os.environ.get("FTT_EFTA_GEMM_SLACK")
+        if env:
+            return float(env)
+        return self.gemm_slack_interp if interpreted else self.gemm_slack_cuda
+
+
+BOUNDS = Bounds()
+
+STRIDE = 16  # checksum stride s (keys and head dim); tl.dot's minimum N
+INJECT_BLOCK_N = 64  # = efta_reference's block_n: rowmax/rowsum positions index blocks of this size
+_SITE_MODE_NONE, _SITE_MODE_BIT, _SITE_MODE_BER = 0, 1, 2
+_HDR = 6  # ints per site in the injection table header
+
+# counter slot of an event inside the kernel = site row · 5 + kind column (ft_transformers.sites)
+_SCORES, _ROWMAX, _PROBS, _ROWSUM, _OUTPUT = (tl.constexpr(5 * i) for i in range(5))
+_DET, _COR, _REC, _UNC, _NONF = (tl.constexpr(i) for i in range(5))
+_HDR_K = tl.constexpr(_HDR)
+
+
+def interpreting() -> bool:
+    """True when this module's kernels run through Triton's CPU interpreter: ``TRITON_INTERPRET=1``
+    was set before triton itself was imported (triton decides at import, for its own library too)."""
+    try:
+        import triton.language.standard as std
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - very old or very new triton
+        return False
+    return isinstance(_efta_fwd, InterpretedFunction) and isinstance(std.cdiv, InterpretedFunction)
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers (jit)
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, acc, F32: tl.constexpr):
+    """acc + a·b; F32: both operands in fp32 with IEEE products (fp32 inputs; bf16 in the interpreter)."""
+    if F32:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _split_dot(a, b, bmax, PARTS: tl.constexpr, SCALE: tl.constexpr, F32: tl.constexpr):
+    """a·b in fp32 where b is an fp32 checksum operand: b is split into PARTS slices of a's dtype.
+
+    fp16 (PARTS=2, SCALE): b is scaled by a power of two so that bmax (an upper bound of |b|, at
+    most 8× above its max) lands in [2^14, 2^15), then hi + lo (22 significant bits; no overflow,
+    and what goes subnormal is < 2^-25 of the max). bf16 (PARTS=3): hi + mid + lo (24 bits; bf16
+    has fp32's range). fp32 (PARTS=1): one IEEE fp32 dot.
+    """
+    if PARTS == 1:
+        z = _dot(a, b, tl.zeros((a.shape[0], b.shape[1]), tl.float32), True)
+    else:
+        ic = 1.0
+        if SCALE:
+            ebits = (bmax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+            f = tl.minimum(tl.maximum(268 - ebits, 1), 253)  # 2^(141 − e) as an exponent field
+            b = b * (f << 23).to(tl.float32, bitcast=True)
+            ic = ((254 - f) << 23).to(tl.float32, bitcast=True)
+        part = b.to(a.dtype)
+        rest = b - part.to(tl.float32)
+        z = _dot(a, part, tl.zeros((a.shape[0], b.shape[1]), tl.float32), F32)
+        part2 = rest.to(a.dtype)
+        z = _dot(a, part2, z, F32)
+        if PARTS == 3:
+            rest2 = rest - part2.to(tl.float32)
+            z = _dot(a, rest2.to(a.dtype), z, F32)
+        z = z * ic
+    return z
+
+
+@triton.jit
+def _log(x, INTERP: tl.constexpr):
+    """Natural log for the step-4 check. On the GPU one MUFU lg2.approx (abs. error ≤ 2^-22 near 1,
+    rel. 2^-22 elsewhere: far inside 64·u·(1 + |x|)); tl.log would be a ~25-instruction libdevice call."""
+    if INTERP:
+        y = tl.log(x)
+    else:
+        y = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1) * 0.6931471805599453
+    return y
+
+
+@triton.jit
+def _max_nan(a, b):
+    """max that propagates NaN (like torch.amax / torch.maximum)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _rowmax(s, INTERP: tl.constexpr):
+    """NaN-propagating row max (like torch.amax). The interpreter runs custom reductions element by
+    element in Python, so there it is tl.max (NaN-ignoring) plus an explicit NaN test."""
+    if INTERP:
+        mb = tl.max(s, axis=1)
+        mb = tl.where(tl.max((s != s).to(tl.int32), axis=1) > 0, float("nan"), mb)
+    else:
+        mb = tl.reduce(s, 1, _max_nan)
+    return mb
+
+
+@triton.jit
+def _colmax(x, INTERP: tl.constexpr):
+    """NaN-propagating max over axis 0 (see _rowmax)."""
+    if INTERP:
+        mx = tl.max(x, axis=0)
+        mx = tl.where(tl.max((x != x).to(tl.int32), axis=0) > 0, float("nan"), mx)
+    else:
+        mx = tl.reduce(x, 0, _max_nan)
+    return mx
+
+
+@triton.jit
+def _bump(cnt, SLOT: tl.constexpr, val):
+    """cnt[SLOT] += val (cnt: the program's (32,) int32 event counts, slot = site·5 + kind)."""
+    return cnt + tl.where(tl.arange(0, 32) == SLOT, val, 0)
+
+
+@triton.jit
+def _inject(x, Inj, SITE: tl.constexpr, MODE: tl.constexpr, bh, rr, cc, nrows, ncols):
+    """Flip bits of the fp32 values x at the site's logical coordinates (bh, rr, cc) of (B·Hq, nrows,
+    ncols); rr and cc broadcast to x's shape (a tile: rows[:, None], cols[None, :]; a per-row vector:
+    rows, and the block index as a scalar)."""
+    hdr = Inj + SITE * _HDR_K
+    xi = x.to(tl.int32, bitcast=True)
+    if MODE == 1:  # positions, sorted by bh (CSR)
+        bit = tl.load(hdr + 1)
+        csr = tl.load(hdr + 4)
+        pos = tl.load(hdr + 5)
+        p0 = tl.load(Inj + csr + bh)
+        p1 = tl.load(Inj + csr + bh + 1)
+        for p in range(p0, p1):
+            pi = tl.load(Inj + pos + 2 * p)
+            pj = tl.load(Inj + pos + 2 * p + 1)
+            xi = xi ^ tl.where((rr == pi) & (cc == pj), 1 << bit, 0)
+    else:  # BER: each element flips with probability ber, one random bit (Philox)
+        seed = tl.load(hdr + 2)
+        ber = tl.load(hdr + 3).to(tl.float32, bitcast=True)
+        lin = (bh * nrows + rr) * ncols + cc
+        r0, r1, _, _ = tl.randint4x(seed, lin)
+        hit = (tl.uint_to_uniform_float(r0) < ber) & (rr < nrows) & (cc < ncols)
+        xi = xi ^ tl.where(hit, 1 << (r1 % 32).to(tl.int32), 0)
+    return xi.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bias_mask(s, offs_m, offs_n, b, h, M, N, window,
+               Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
+               HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, CHECK_NF: tl.constexpr):
+    """Step 2: S += bias (+ additive mask), −inf where masked (bool mask, causal, window, padding).
+
+    Returns (S, nf) with nf = 1 when a loaded bias / additive-mask value is NaN or +inf.
+    """
+    nf = tl.full([], 0, tl.int32)
+    inb = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    add = tl.zeros(s.shape, tl.float32)  # bias + additive mask: NaN or +inf in either makes this so
+    if HAS_BIAS:
+        bt = tl.load(Bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
+                     mask=inb, other=0.0).to(tl.float32)
+        s = s + bt
+        add = add + bt
+    if MASK_KIND == 2:  # additive
+        mt = tl.load(Mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn,
+                     mask=inb, other=0.0).to(tl.float32)
+        s = s + mt
+        add = add + mt
+    if CHECK_NF:
+        if HAS_BIAS or MASK_KIND == 2:
+            nf = tl.max(tl.max(((add > 3.4028234663852886e38) | (add != add)).to(tl.int32), axis=1), axis=0)
+    if MASK_KIND == 1:  # bool, True = attend
+        mt = tl.load(Mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn,
+                     mask=inb, other=0)
+        s = tl.where(mt != 0, s, -float("inf"))
+    if CAUSAL:
+        s = tl.where(offs_n[None, :] <= offs_m[:, None] + (N - M), s, -float("inf"))
+    if HAS_WINDOW:
+        s = tl.where(offs_n[None, :] > offs_m[:, None] + (N - M - window), s, -float("inf"))
+    s = tl.where(offs_n[None, :] < N, s, -float("inf"))
+    return s, nf
+
+
+@triton.jit
+def _plain_pass(q, Kb, Vb, skn, skd, svn, svd, b, h, offs_m, offs_d, M, N, D, scale, window, lo, hi,
+                Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
+                DOT_F32: tl.constexpr, EVEN_D: tl.constexpr):
+    """Plain flash attention of the program's rows over key blocks [lo, hi): the recompute path
+    (no checks, no injection). Returns the normalised (BLOCK_M, BLOCK_D) fp32 output."""
+    m_i = tl.full((q.shape[0],), -float("inf"), tl.float32)
+    l_i = tl.zeros((q.shape[0],), tl.float32)
+    acc = tl.zeros((q.shape[0], BLOCK_D), tl.float32)
+    offs_j = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < D
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_j
+        kv_ok = offs_n[:, None] < N
+        if not EVEN_D:
+            kv_ok = kv_ok & d_ok[None, :]
+        k = tl.load(Kb + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
+        v = tl.load(Vb + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_ok, other=0.0)
+        s = _dot(q, tl.trans(k), tl.zeros((q.shape[0], BLOCK_N), tl.float32), DOT_F32) * scale
+        s, _ = _bias_mask(s, offs_m, offs_n, b, h, M, N, window, Bias, sbb, sbh, sbm, sbn,
+                          Mask, smb, smh, smm, smn, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, False)
+        mb = tl.max(s, axis=1)
+        m_new = tl.maximum(m_i, mb)
+        base = tl.where(m_new == -float("inf"), 0.0, m_new)
+        p = tl.exp(s - base[:, None])
+        alpha = tl.where((m_i == -float("inf")) & (m_new == -float("inf")), 1.0, tl.exp(m_i - m_new))
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_F32)
+        m_i = m_new
+    return tl.where(l_i[:, None] == 0, 0.0, acc / l_i[:, None])
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["call_id"])
+def _efta_fwd(
+    Q, K, V, Out, Cnt, Flag, Bias, Mask, Inj,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+    sbb, sbh, sbm, sbn, smb, smh, smm, smn, cst0, cst1,
+    Hq, M, N, D, GROUP, scale, window, call_id,
+    gu, exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap,
+    M_KEY, N_KEY,  # autotune keys only (bucketed M, N)
+    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MASK_KIND: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
+    INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr, INJ_L: tl.constexpr,
+    INJ_O: tl.constexpr, NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
+    DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    L: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
+    LVP: tl.constexpr = BLOCK_D // 16  # head-dim groups (padded D)
+    FLT_MAX: tl.constexpr = 3.4028234663852886e38
+
+    start_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    bh = tl.program_id(2) * Hq + tl.program_id(1)  # index into the sites' (B·Hq, ...) shapes
+    hk = h // GROUP
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_j = tl.arange(0, BLOCK_N)
+    row_ok = offs_m < M
+    d_ok = offs_d < D
+    # masks only along rows/keys when D is a power of two: loads stay vectorised and pipelined
+    io_ok = row_ok[:, None]
+    if not EVEN_D:
+        io_ok = io_ok & d_ok[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=io_ok, other=0.0)
+    Kb = K + b * skb + hk * skh
+    Vb = V + b * svb + hk * svh
+
+    nblocks = tl.cdiv(N, BLOCK_N)
+    # key blocks visible to some row of this query block (bottom-right aligned causal / window)
+    lo = 0
+    hi = N
+    if CAUSAL:
+        hi = tl.minimum(N, tl.minimum(start_m * BLOCK_M + BLOCK_M, M) + (N - M))
+    if HAS_WINDOW:
+        lo = tl.maximum(start_m * BLOCK_M + (N - M) - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    scan_lo = lo
+    scan_hi = hi
+    if NO_SKIP:  # injecting: visit every block, like the reference
+        scan_lo = 0
+        scan_hi = N
+
+    m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    # checksum state
+    lc = tl.zeros((BLOCK_M,), tl.float32)
+    occ = tl.zeros((BLOCK_M, 32), tl.float32)  # [Oc1 | Oc2] interleaved: column 2r = Oc1[r], 2r+1 = Oc2[r]
+    nvalid = tl.zeros((BLOCK_M,), tl.int32)
+    vmax = tl.zeros((16,), tl.float32)
+    cnt = tl.zeros((32,), tl.int32)
+    nf = tl.full([], 0, tl.int32)
+    wl = (tl.arange(0, L) + 1).to(tl.float32)
+    wv = (tl.arange(0, LVP) + 1).to(tl.float32)
+    if DETECT:
+        qa = tl.sum(tl.abs(q.to(tl.float32)), axis=1)
+        nf = nf | tl.max((~(qa <= FLT_MAX)).to(tl.int32))
+        # 2·g(D+L)·‖scale·Q_i‖₁  (T_s = qn1 · max_d Σ_l |K[l·s+r, d]|)
+        qn1 = (2.0 * gu * (D + L) * scale) * qa
+
+    for start_n in range(scan_lo, scan_hi, BLOCK_N):
+        jblk = start_n // BLOCK_N
+        offs_n = start_n + offs_j
+        kv_ok = offs_n[:, None] < N
+        if not EVEN_D:
+            kv_ok = kv_ok & d_ok[None, :]
+        k = tl.load(Kb + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
+        v = tl.load(Vb + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_ok, other=0.0)
+
+        # ---- 1. GEMM I ----
+        s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_F32) * scale
+        if INJ_S != 0:
+            s = _inject(s, Inj, 0, INJ_S, bh, offs_m[:, None], offs_n[None, :], M, N)
+        if DETECT:
+            kg = tl.reshape(k.to(tl.float32), (L, 16, BLOCK_D))
+            kc1 = tl.sum(kg, axis=0)  # (16, BLOCK_D); Kc2 is only needed to locate (below)
+            kabs_rd = tl.sum(tl.abs(kg), axis=0)
+            kabs = tl.max(kabs_rd, axis=1)  # (16,) max_d Σ_l |K[l·s+r, d]|
+            vg = tl.reshape(v.to(tl.float32), (BLOCK_N, LVP, 16))
+            vc1 = tl.sum(vg, axis=1)  # (BLOCK_N, 16)
+            vc2 = tl.sum(vg * wv[None, :, None], axis=1)
+            vc = tl.reshape(tl.join(vc1, vc2), (BLOCK_N, 32))  # one N = 32 operand for GEMM II
+            vabs = tl.sum(tl.abs(vg), axis=1)
+            vtile = _colmax(vabs, INTERP)  # (16,) NaN-propagating: non-finite V shows up in vmax
+            vmax = _max_nan(vmax, vtile)
+            chk = nf == 0
+            kmax = tl.max(kabs, axis=0)  # ≥ max |Kc1|: sets the fp16 split's scale
+
+            sc1 = _split_dot(q, tl.trans(kc1), kmax, PARTS, SCALE_CS, DOT_F32) * scale
+            sg = tl.reshape(s, (BLOCK_M, L, 16))
+            d1 = sc1 - tl.sum(sg, axis=1)
+            thr = qn1[:, None] * kabs[None, :]
+            thr = tl.where(thr == thr, thr, 0.0)  # 0·inf
+            bad = ~(tl.abs(d1) <= thr) & row_ok[:, None] & chk
+            nbad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
+            if nbad > 0:
+                # non-finite K makes every group fail: that is an input problem, not a fault
+                nf = nf | tl.max(tl.max((~(kabs_rd <= FLT_MAX)).to(tl.int32), axis=1), axis=0)
+                chk = nf == 0
+                nbad = nbad * chk.to(tl.int32)
+                bad = bad & chk
+            if nbad > 0:
+                cnt = _bump(cnt, _SCORES + _DET, nbad)
+                if CORRECT:
+                    # weighted checksum, only now: Sc2 = Q·Kc2ᵀ, D2 = Sc2 − Σ_l (l+1)·S[i, l·s+r]
+                    kc2 = tl.sum(kg * wl[:, None, None], axis=0)
+                    sc2 = _split_dot(q, tl.trans(kc2), kmax * L, PARTS, SCALE_CS, DOT_F32) * scale
+                    d2 = sc2 - tl.sum(sg * wl[None, :, None], axis=1)
+                    t = d2 / d1
+                    tr = tl.floor(t + 0.5)
+                    r16 = tl.arange(0, 16)
+                    ok = bad & (tl.abs(t - tr) <= 0.25) & (tr >= 1.0) & (tr <= L)
+                    loc = tl.where(ok, tr - 1.0, 0.0).to(tl.int32)
+                    ok = ok & (start_n + loc * 16 + r16[None, :] < N)  # a real key
+                    redo = bad & ~ok
+                    cnt = _bump(cnt, _SCORES + _COR, tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0))
+                    cnt = _bump(cnt, _SCORES + _REC, tl.sum(tl.sum(redo.to(tl.int32), axis=1), axis=0))
+                    # rebuild located elements: Sc1 − Σ(other members of the group)
+                    member = tl.arange(0, L)[None, :, None] == loc[:, None, :]
+                    others = tl.sum(tl.where(member, 0.0, sg), axis=1)
+                    sg = tl.where(member & ok[:, None, :], (sc1 - others)[:, None, :], sg)
+                    s = tl.reshape(sg, (BLOCK_M, BLOCK_N))
+                    redo_row = tl.max(redo.to(tl.int32), axis=1) > 0
+                    if tl.sum(redo_row.to(tl.int32), axis=0) > 0:  # recompute those rows' scores
+                        s_re = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_F32) * scale
+                        s = tl.where(redo_row[:, None], s_re, s)
+                else:
+                    cnt = _bump(cnt, _SCORES + _UNC, nbad)
+
+        # ---- 2. bias and masks ----
+        s, nfb = _bias_mask(s, offs_m, offs_n, b, h, M, N, window, Bias, sbb, sbh, sbm, sbn,
+                            Mask, smb, smh, smm, smn, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT)
+        if DETECT:
+            nf = nf | nfb
+            chk = nf == 0
+            nvalid += tl.sum((s > -float("inf")).to(tl.int32), axis=1)
+
+        # ---- 3. running max (SNVR) ----
+        mb = _rowmax(s, INTERP)
+        m_new = _max_nan(m_i, mb)
+        if INJ_M != 0:
+            m_new = _inject(m_new, Inj, 1, INJ_M, bh, offs_m, jblk, M, nblocks)
+        all_inf = (m_new == -float("inf")) & (mb == -float("inf")) & (m_i == -float("inf"))
+        base = tl.where(all_inf, 0.0, m_new)
+        if DETECT:
+            xmax = mb - base
+            tau = tl.minimum(snvr_rel * (1.0 + tl.abs(m_new)), snvr_cap)
+            badm = (~(xmax <= tau) | ((m_new != m_i) & (xmax < -tau))) & row_ok & chk
+            nbm = tl.sum(badm.to(tl.int32), axis=0)
+            if nbm > 0:
+                cnt = _bump(cnt, _ROWMAX + _DET, nbm)
+                if CORRECT:
+                    cnt = _bump(cnt, _ROWMAX + _REC, nbm)
+                    m_new = tl.where(badm, _max_nan(m_i, mb), m_new)
+                    all_inf = (m_new == -float("inf")) & (mb == -float("inf")) & (m_i == -float("inf"))
+                    base = tl.where(all_inf, 0.0, m_new)
+                else:
+                    cnt = _bump(cnt, _ROWMAX + _UNC, nbm)
+        x = s - base[:, None]
+
+        # ---- 4. P = exp(x), inverse-function check ----
+        p = tl.exp(x)
+        if INJ_P != 0:
+            p = _inject(p, Inj, 2, INJ_P, bh, offs_m[:, None], offs_n[None, :], M, N)
+        if DETECT:
+            err = tl.abs(_log(tl.maximum(p, 1.1754943508222875e-38), INTERP) - x)
+            fine = err <= exp_tol * (1.0 + tl.abs(x))
+            fine = tl.where(x < exp_xmin, (p >= 0.0) & (p <= exp_pmax), fine)
+            badp = ~fine & row_ok[:, None] & chk
+            nbp = tl.sum(tl.sum(badp.to(tl.int32), axis=1), axis=0)
+            if nbp > 0:
+                cnt = _bump(cnt, _PROBS + _DET, nbp)
+                if CORRECT:
+                    cnt = _bump(cnt, _PROBS + _COR, nbp)
+                    p = tl.where(badp, tl.exp(x), p)
+                else:
+                    cnt = _bump(cnt, _PROBS + _UNC, nbp)
+
+        # ---- 5. rescale, row sum, GEMM II (+ checksum columns) ----
+        alpha = tl.where((m_i == -float("inf")) & (m_new == -float("inf")), 1.0, tl.exp(m_i - m_new))
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if INJ_L != 0:
+            l_i = _inject(l_i, Inj, 3, INJ_L, bh, offs_m, jblk, M, nblocks)
+        pd = p.to(v.dtype)
+        acc = _dot(pd, v, acc * alpha[:, None], DOT_F32)
+        if DETECT:
+            lc = lc * alpha + tl.sum(tl.sum(tl.reshape(p, (BLOCK_M, L, 16)), axis=2), axis=1)
+            occ = occ * alpha[:, None] + _split_dot(pd, vc, tl.max(vtile, axis=0) * LVP, PARTS, SCALE_CS,
+                                                    DOT_F32)
+        m_i = m_new
+
+    # ---- 6. row sum check ----
+    redo_rows = row_ok & False
+    if DETECT:
+        nf = nf | tl.max((~(vmax <= FLT_MAX)).to(tl.int32), axis=0)  # non-finite V
+        chk = nf == 0
+        tau_l = 2.0 * gu * (BLOCK_N + 2 * nblocks + 4)
+        fine = (l_i >= 1.0 - tau_l) & (l_i <= nvalid.to(tl.float32) * (1.0 + tau_l)) \
+            & (tl.abs(l_i - lc) <= tau_l * l_i)
+        bad6 = tl.where(nvalid > 0, ~fine, l_i != 0.0) & row_ok & chk
+        n6 = tl.sum(bad6.to(tl.int32), axis=0)
+        cnt = _bump(cnt, _ROWSUM + _DET, n6)
+        if CORRECT:
+            cnt = _bump(cnt, _ROWSUM + _REC, n6)
+            redo_rows = bad6
+        else:
+            cnt = _bump(cnt, _ROWSUM + _UNC, n6)
+
+    # ---- 7. normalise, inject, unified verification ----
+    lzero = l_i[:, None] == 0.0
+    o = tl.where(lzero, 0.0, acc / l_i[:, None])
+    if INJ_O != 0:
+        o = _inject(o, Inj, 4, INJ_O, bh, offs_m[:, None], offs_d[None, :], M, D)
+    if DETECT:
+        o1, o2 = tl.split(tl.reshape(tl.where(lzero, 0.0, occ / l_i[:, None]), (BLOCK_M, 16, 2)))
+        og = tl.reshape(o, (BLOCK_M, LVP, 16))
+        d1 = o1 - tl.sum(og, axis=1)
+        d2 = o2 - tl.sum(og * wv[None, :, None], axis=1)
+        lv = tl.cdiv(D, 16)
+        thr = (2.0 * gu * (BLOCK_N + 2 * nblocks + lv + 4)) * vmax
+        bad = ~(tl.abs(d1) <= thr[None, :]) & (row_ok & ~redo_rows)[:, None] & chk
+        nbad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
+        if nbad > 0:
+            cnt = _bump(cnt, _OUTPUT + _DET, nbad)
+            if CORRECT:
+                t = d2 / d1
+                tr = tl.floor(t + 0.5)
+                r16 = tl.arange(0, 16)
+                ok = bad & (tl.abs(t - tr) <= 0.25) & (tr >= 1.0) & (tr <= lv)
+                loc = tl.where(ok, tr - 1.0, 0.0).to(tl.int32)
+                ok = ok & (loc * 16 + r16[None, :] < D)  # a real column
+                redo = bad & ~ok
+                cnt = _bump(cnt, _OUTPUT + _COR, tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0))
+                cnt = _bump(cnt, _OUTPUT + _REC, tl.sum(tl.sum(redo.to(tl.int32), axis=1), axis=0))
+                member = tl.arange(0, LVP)[None, :, None] == loc[:, None, :]
+                others = tl.sum(tl.where(member, 0.0, og), axis=1)
+                og = tl.where(member & ok[:, None, :], (o1 - others)[:, None, :], og)
+                o = tl.reshape(og, (BLOCK_M, BLOCK_D))
+                redo_rows = redo_rows | (tl.max(redo.to(tl.int32), axis=1) > 0)
+            else:
+                cnt = _bump(cnt, _OUTPUT + _UNC, nbad)
+        if CORRECT:
+            if tl.sum(redo_rows.to(tl.int32), axis=0) > 0:  # recompute flagged rows from scratch
+                o_re = _plain_pass(q, Kb, Vb, skn, skd, svn, svd, b, h, offs_m, offs_d, M, N, D, scale,
+                                   window, lo, hi, Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
+                                   BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DOT_F32, EVEN_D)
+                o = tl.where(redo_rows[:, None], o_re, o)
+        # events
+        slots = tl.arange(0, 32)
+        tl.atomic_add(Cnt + (slots // 5) * cst0 + (slots % 5) * cst1, cnt, mask=cnt != 0)
+        if nf != 0:  # non-finite input: one event per call (Flag holds the last call id that counted)
+            prev = tl.atomic_max(Flag, call_id)
+            if prev < call_id:
+                tl.atomic_add(Cnt + _NONF * cst1, 1)  # attn.scores row
+
+    # ---- 8. store in the input dtype ----
+    tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
+             o.to(Out.dtype.element_ty), mask=io_ok)
+
+
+_INTERP = interpreting()
+
+
+# ------------------------------------------------------------------------------------------------
+# Configs (one place) and the autotuned launcher
+# ------------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages)
+CONFIGS_PREFILL = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)]  # D > 64: BLOCK_N = 64 only
+CONFIGS_DECODE = [(16, 64, 4, 3), (16, 128, 4, 3)]  # M ≤ 16 (decode, q_len 1)
+CONFIG_INJECT = (64, INJECT_BLOCK_N, 4, 2)  # fixed config while injecting (BLOCK_N = reference's)
+CONFIG_INTERPRET = (32, INJECT_BLOCK_N, 4, 1)  # TRITON_INTERPRET=1: small and fixed (the interpreter is slow)
+
+
+def _cfg(c):
+    return triton.Config({"BLOCK_M": c[0], "BLOCK_N": c[1]}, num_warps=c[2], num_stages=c[3])
+
+
+def _prune(configs, named_args, **kwargs):
+    args = {**named_args, **kwargs}
+    m_key, d = args["M_KEY"], args["BLOCK_D"]
+    if m_key <= 16:
+        keep = [c for c in configs if c.kwargs["BLOCK_M"] == 16]
+    else:
+        keep = [c for c in configs if c.kwargs["BLOCK_M"] > 16 and c.kwargs["BLOCK_M"] <= max(64, m_key)]
+        if d > 64:  # register pressure: the checked kernel holds S, O and checksum state
+            keep = [c for c in keep if c.kwargs["BLOCK_N"] == 64] or keep
+    return keep or configs[:1]
+
+
+_efta_fwd_tuned = triton.autotune(
+    configs=[_cfg(c) for c in CONFIGS_PREFILL + CONFIGS_DECODE],
+    key=["M_KEY", "N_KEY", "BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT", "CORRECT"],
+    prune_configs_by={"early_config_prune": _prune},
+    restore_value=["Cnt", "Flag"],
+)(_efta_fwd)
+
+
+def _forced_config():
+    env = os.environ.get("FTT_EFTA_CONFIG")  # "BLOCK_M,BLOCK_N,num_warps,num_stages"
+    if not env:
+        return None
+    vals = tuple(int(x) for x in env.split(","))
+    if len(vals) != 4:
+        raise ValueError(f"FTT_EFTA_CONFIG must be 'BLOCK_M,BLOCK_N,num_warps,num_stages', got {env!r}")
+    return vals
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side
+# ------------------------------------------------------------------------------------------------
+
+_FLAGS: dict[torch.device, torch.Tensor] = {}
+_CALL_ID = [0]
+
+
+def _nonfinite_flag(device: torch.device) -> tuple[torch.Tensor, int]:
+    """Per-device int32 cell + a fresh call id: the first program of a call that finds non-finite
+    inputs raises the cell to the call id (atomic max) and is the only one to count the event."""
+    flag = _FLAGS.get(device)
+    if flag is None:
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        _FLAGS[device] = flag
+    _CALL_ID[0] += 1
+    if _CALL_ID[0] >= 2**31 - 1:  # wrap: reset the cell (stream-ordered, no sync)
+        flag.zero_()
+        _CALL_ID[0] = 1
+    return flag, _CALL_ID[0]
+
+
+def _seed32(seed: int) -> int:
+    return (seed ^ (seed >> 31) ^ (seed >> 62)) & 0x7FFFFFFF
+
+
+def _injection_table(plan: FaultPlan | None, B: int, Hq: int, M: int, N: int, D: int, nblocks: int,
+                     device: torch.device) -> tuple[torch.Tensor | None, list[int]]:
+    """int32 table: header (6 ints per site: mode, bit, seed, ber bits, csr offset, positions
+    offset), then per bit-mode site a CSR over b·Hq + h (B·Hq + 1 offsets) and (row, col) pairs."""
+    modes = [_SITE_MODE_NONE] * len(ATTENTION_SITES)
+    if not plan:
+        return None, modes
+    shapes = [(B, Hq, M, N), (B, Hq, M, nblocks), (B, Hq, M, N), (B, Hq, M, nblocks), (B, Hq, M, D)]
+    header = [0] * (_HDR * len(ATTENTION_SITES))
+    body: list[int] = []
+    base = len(header)
+    for si, site in enumerate(ATTENTION_SITES):
+        sf = plan.for_site(site, shapes[si], torch.float32, device)
+        if sf is None:
+            continue
+        if sf.spec.bit is not None:
+            pos = sf.positions
+            if pos is None or pos.numel() == 0:
+                continue
+            modes[si] = _SITE_MODE_BIT
+            pos = pos.to(torch.int64).cpu()
+            bh = pos[:, 0] * Hq + pos[:, 1]
+            order = torch.argsort(bh, stable=True)
+            counts = torch.bincount(bh, minlength=B * Hq)
+            csr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+            pairs = pos[order][:, 2:4].reshape(-1)
+            hdr = [_SITE_MODE_BIT, int(sf.spec.bit), 0, 0, base + len(body), base + len(body) + csr.numel()]
+            body += csr.tolist() + pairs.tolist()
+            sf.injected += int(pos.shape[0])
+        else:
+            modes[si] = _SITE_MODE_BER
+            ber_bits = struct.unpack("<i", struct.pack("<f", float(sf.spec.ber)))[0]
+            hdr = [_SITE_MODE_BER, 0, _seed32(sf.seed), ber_bits, 0, 0]
+        header[si * _HDR:(si + 1) * _HDR] = hdr
+    if not any(modes):
+        return None, modes
+    table = torch.tensor(header + body, dtype=torch.int32)
+    return table.to(device), modes
+
+
+def _as4d(t: torch.Tensor, shape: tuple[int, int, int, int], name: str) -> torch.Tensor:
+    if t.dim() > 4:
+        raise ValueError(f"{name} must have at most 4 dims, got shape {tuple(t.shape)}")
+    t4 = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    try:
+        return t4.expand(shape)
+    except RuntimeError as exc:
+        raise ValueError(f"{name} of shape {tuple(t.shape)} is not broadcastable to {shape}") from exc
+
+
+def _pow2_bucket(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def efta_triton_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None,
+    causal: bool,
+    bias: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    window: int | None,
+    detect: bool,
+    correct: bool,
+    plan: FaultPlan | None,
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """EFTA forward through the fused Triton kernel; events are added into ``counters``.
+
+    Args:
+        q: (B, Hq, M, D); k, v: (B, Hkv, N, D); one dtype among fp16/bf16/fp32; D a multiple of
+            16 in [16, 128]; CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1``.
+        scale: score scale (applied to the fp32 GEMM I result); None = 1/sqrt(D).
+        causal, window: bottom-right aligned causal mask / sliding window (None = off).
+        bias: additive float broadcastable to (B, Hq, M, N), or None.
+        attn_mask: bool (True = attend) or additive float, broadcastable likewise, or None.
+        detect, correct: run the checks / repair what they find (correct implies detect).
+        plan: fault injection plan (attention sites), or None.
+        counters: int32 (6, 5) block on q's device (any strides) the events are added into.
+
+    Returns:
+        (B, Hq, M, D) in q's dtype.
+
+    Raises:
+        EftaUnsupported (a ValueError): head dim, dtype or device the kernel does not handle.
+    """
+    interp = _INTERP
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise EftaUnsupported("q, k, v must be 4-D (B, H, S, D)")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise EftaUnsupported(f"EFTA Triton kernel supports one dtype among float16, bfloat16, float32 for "
+                              f"q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, Hq, M, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise EftaUnsupported(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (16 <= D <= 128 and D % STRIDE == 0):
+        raise EftaUnsupported(f"EFTA Triton kernel needs a head dim that is a multiple of 16 in [16, 128], "
+                              f"got {D}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise EftaUnsupported(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    dev = q.device
+    if dev.type != "cuda" and not (interp and dev.type == "cpu"):
+        why = ("" if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else
+               " (TRITON_INTERPRET=1 is set, but triton was imported before it was: set it before anything "
+               "imports triton)")
+        raise EftaUnsupported("EFTA Triton kernel needs CUDA tensors (or CPU tensors with "
+                              f"TRITON_INTERPRET=1), got {dev}{why}")
+    if k.device != dev or v.device != dev:
+        raise EftaUnsupported("q, k, v must be on one device")
+    if tuple(counters.shape) != COUNTER_SHAPE or counters.dtype != torch.int32 or counters.device != dev:
+        raise ValueError(f"counters must be an int32 {COUNTER_SHAPE} tensor on {dev}")
+    if window is not None and int(window) < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if bias is not None and not bias.is_floating_point():
+        raise ValueError(f"bias must be a floating tensor, got {bias.dtype}")
+    if scale is None:
+        scale = D**-0.5
+    correct = bool(correct and detect)
+
+    out = torch.empty((B, Hq, M, D), dtype=q.dtype, device=dev)
+    if out.numel() == 0:
+        return out
+    if N == 0:
+        return out.zero_()
+
+    shape4 = (B, Hq, M, N)
+    has_bias = bias is not None
+    bias4 = _as4d(bias, shape4, "bias") if has_bias else q
+    mask_kind = 0
+    mask4 = q
+    if attn_mask is not None:
+        mask4 = _as4d(attn_mask, shape4, "attn_mask")
+        if mask4.dtype == torch.bool:
+            mask_kind = 1
+            mask4 = mask4.view(torch.uint8)
+        elif mask4.is_floating_point():
+            mask_kind = 2
+        else:
+            raise ValueError(f"attn_mask must be bool or floating, got {attn_mask.dtype}")
+    for name, t in (("bias", bias), ("attn_mask", attn_mask)):
+        if t is not None and t.device != dev:
+            raise ValueError(f"{name} is on {t.device} but q is on {dev}")
+
+    # injection: a fixed config with the reference's key block, every block visited
+    inj, modes = _injection_table(plan, B, Hq, M, N, D, -(-N // INJECT_BLOCK_N), dev)
+    no_skip = any(modes)
+    if no_skip:
+        cfg = CONFIG_INJECT if not interp else CONFIG_INTERPRET
+    elif interp:
+        cfg = CONFIG_INTERPRET
+    else:
+        cfg = _forced_config()  # None: autotune
+    if inj is None:
+        inj = counters  # unused
+
+    flag, call_id = _nonfinite_flag(dev)
+    parts = {torch.float16: 2, torch.bfloat16: 3, torch.float32: 1}[q.dtype]
+    dot_f32 = q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
+    slack = BOUNDS.gemm_slack(interp)
+    block_d = max(16, triton.next_power_of_2(D))
+
+    args = (
+        q, k, v, out, counters, flag, bias4, mask4, inj,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        *(bias4.stride() if has_bias else (0, 0, 0, 0)),
+        *(mask4.stride() if mask_kind else (0, 0, 0, 0)),
+        *counters.stride(),
+        Hq, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id,
+        BOUNDS.gamma * BOUNDS.u * slack, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_xmin, BOUNDS.exp_pmax,
+        BOUNDS.snvr_rel, BOUNDS.snvr_cap,
+        min(_pow2_bucket(M), 256), _pow2_bucket(N),
+    )
+    meta = dict(
+        BLOCK_D=block_d, CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_BIAS=has_bias,
+        MASK_KIND=mask_kind, DETECT=bool(detect), CORRECT=correct,
+        INJ_S=modes[0], INJ_M=modes[1], INJ_P=modes[2], INJ_L=modes[3], INJ_O=modes[4],
+        NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
+        EVEN_D=D == block_d,
+    )
+    if cfg is not None:
+        grid = (triton.cdiv(M, cfg[0]), Hq, B)
+        _efta_fwd[grid](*args, **meta, BLOCK_M=cfg[0], BLOCK_N=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+    else:
+        def grid(meta_):
+            return (triton.cdiv(M, meta_["BLOCK_M"]), Hq, B)
+
+        _efta_fwd_tuned[grid](*args, **meta)
+    return out

@@ -1,0 +1,361 @@
+#!/usr/bin/env python
+"""Attention forward benchmark on a CUDA GPU: PyTorch SDPA vs our Triton kernel, with and without EFTA.
+
+Variants, timed side by side at every shape with ``triton.testing.do_bench`` (or CUDA graphs with
+``--cudagraph``):
+
+* ``sdpa_flash``   — ``F.scaled_dot_product_attention`` under ``SDPBackend.FLASH_ATTENTION``
+* ``sdpa_cudnn``   — the same under ``SDPBackend.CUDNN_ATTENTION``
+* ``ours_off``     — our fused kernel with the checks compiled out (plain flash attention)
+* ``efta_detect``  — EFTA, detection only (``correct=False``)
+* ``efta_correct`` — EFTA, detection + correction (the default protection)
+
+Shapes: prefill with (H, D) ∈ {(16, 64), (32, 128)}, S = 512 … 16384 and B·S = 16384, causal and
+not; decode (q_len 1) with kv length 1k … 32k, batch 1 and 16; fp16 and bf16. ``--quick`` runs a
+small subset. TFLOP/s count 4·B·H·M·N·D (halved for causal prefill). At each shape every variant
+is also checked against ``sdpa_flash`` (max abs error), and the EFTA variants report how many
+faults they "detected" on these clean inputs over all timed calls (false positives; must be 0).
+Decode shapes are memory bound: they are reported (and plotted) in GB/s of q/k/v/o traffic.
+
+Writes ``<out>/bench_attention.csv`` (one row per shape × variant) and, if matplotlib is there,
+``<out>/bench_attention.png``; ``--plot-from CSV`` redraws the plot from a CSV on any machine.
+
+    python scripts/bench_attention.py --out bench_out            # full run
+    python scripts/bench_attention.py --out bench_out --quick    # a few shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import platform
+import sys
+import time
+from functools import partial
+
+VARIANTS = ("sdpa_flash", "sdpa_cudnn", "ours_off", "efta_detect", "efta_correct")
+OURS = {"ours_off": (False, False), "efta_detect": (True, False), "efta_correct": (True, True)}
+HD_SETTINGS = ((16, 64), (32, 128))
+TOKENS = 16384
+
+
+def shapes(quick: bool):
+    """(kind, B, H, M, N, D, causal) tuples."""
+    out = []
+    seqs = (1024, 4096) if quick else (512, 1024, 2048, 4096, 8192, 16384)
+    for H, D in HD_SETTINGS:
+        for causal in (False, True):
+            for S in seqs:
+                out.append(("prefill", TOKENS // S, H, S, S, D, causal))
+    kvs = (4096,) if quick else (1024, 2048, 4096, 8192, 16384, 32768)
+    for H, D in HD_SETTINGS:
+        for B in (1, 16):
+            for N in kvs:
+                out.append(("decode", B, H, 1, N, D, True))
+    return out
+
+
+def flops(B, H, M, N, D, causal) -> float:
+    f = 4.0 * B * H * M * N * D
+    return f * 0.5 if causal and M == N else f
+
+
+def nbytes(B, H, M, N, D, itemsize) -> float:
+    """HBM traffic lower bound: read q, k, v once, write o."""
+    return float(itemsize) * B * H * D * (2 * M + 2 * N)
+
+
+def versions() -> str:
+    import torch
+    import triton
+
+    lines = [f"python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}"]
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        lines.append(f"device {torch.cuda.get_device_name(0)} (sm_{p.major}{p.minor}, "
+                     f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB), "
+                     f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+    try:
+        import transformers
+
+        lines.append(f"transformers {transformers.__version__}")
+    except ImportError:
+        pass
+    return "\n".join(lines)
+
+
+def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
+    """Time every variant at one shape; returns a list of row dicts.
+
+    ``args.timer`` (optional) replaces do_bench: ``timer(fn) -> ms`` (used for a CPU dry run).
+    """
+    import torch
+    import torch.nn.functional as F
+    from ft_transformers.kernels import efta as K
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from ft_transformers.counters import new_counters
+    from ft_transformers.injection import FaultPlan
+
+    g = torch.Generator(device=device).manual_seed(B * 7919 + N)
+    q = torch.randn(B, H, M, D, device=device, dtype=dtype, generator=g)
+    k = torch.randn(B, H, N, D, device=device, dtype=dtype, generator=g)
+    v = torch.randn(B, H, N, D, device=device, dtype=dtype, generator=g)
+    scale = 1.0 / math.sqrt(D)
+    # SDPA's is_causal is top-left aligned; for q_len 1 bottom-right causal means "see every key"
+    sdpa_causal = causal and M == N
+    backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+    plan = FaultPlan(None)
+    timer = getattr(args, "timer", None)
+    if timer is None:
+        timer = do_bench_cudagraph if args.cudagraph else partial(do_bench, warmup=args.warmup, rep=args.rep)
+
+    ref = None
+    rows = []
+    for variant in VARIANTS:
+        row = dict(kind=kind, dtype=str(dtype).replace("torch.", ""), B=B, H=H, M=M, N=N, D=D, causal=causal,
+                   variant=variant, ms=float("nan"), tflops=float("nan"), gbps=float("nan"),
+                   max_abs_err=float("nan"),
+                   detected_clean=0, calls=0, config="", error="")
+        try:
+            if variant in backends:
+                be = backends[variant]
+
+                def fn(be=be):
+                    with sdpa_kernel(be):
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal, scale=scale)
+            else:
+                detect, correct = OURS[variant]
+                counters = new_counters(device)
+                ncalls = [0]
+
+                def fn(detect=detect, correct=correct, counters=counters, ncalls=ncalls):
+                    ncalls[0] += 1
+                    return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None,
+                                                 attn_mask=None, window=None, detect=detect, correct=correct,
+                                                 plan=plan, counters=counters)
+            with torch.no_grad():
+                out = fn()  # compile / autotune outside the timing
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if variant == "sdpa_flash":
+                    ref = out.float()
+                if ref is not None:
+                    row["max_abs_err"] = (out.float() - ref).abs().max().item()
+                ms = timer(fn)
+            row["ms"] = ms
+            row["tflops"] = flops(B, H, M, N, D, causal) / (ms * 1e-3) / 1e12
+            row["gbps"] = nbytes(B, H, M, N, D, q.element_size()) / (ms * 1e-3) / 1e9
+            if variant in OURS:
+                row["calls"] = ncalls[0]
+                row["detected_clean"] = int(counters[:, 0].sum().item())
+                best = getattr(K._efta_fwd_tuned, "best_config", None)
+                forced = os.environ.get("FTT_EFTA_CONFIG")
+                row["config"] = forced or (str(best.all_kwargs()) if best is not None else "")
+        except Exception as exc:  # a backend that does not take this shape
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        rows.append(row)
+    # ratios (time relative to sdpa_flash and to our unchecked kernel)
+    by = {r["variant"]: r["ms"] for r in rows}
+    for r in rows:
+        r["x_vs_flash"] = r["ms"] / by["sdpa_flash"] if by.get("sdpa_flash") else float("nan")
+        r["x_vs_ours_off"] = r["ms"] / by["ours_off"] if by.get("ours_off") else float("nan")
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _warm(combo):
+    """Compile (and autotune) our three variants for one (kind, dtype, H, D, causal) in a worker
+    process: fills Triton's on-disk cache so the main process does not compile one by one."""
+    kind, dtype_name, H, D, causal = combo
+    import torch
+    from ft_transformers.kernels import efta as K
+
+    from ft_transformers.counters import new_counters
+    from ft_transformers.injection import FaultPlan
+
+    t0 = time.time()
+    try:
+        dtype = getattr(torch, dtype_name)
+        B, M, N = (1, 512, 512) if kind == "prefill" else (1, 1, 1024)  # same specialisation as the runs
+        q = torch.randn(B, H, M, D, device="cuda", dtype=dtype)
+        k = torch.randn(B, H, N, D, device="cuda", dtype=dtype)
+        v = torch.randn(B, H, N, D, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            for detect, correct in OURS.values():
+                K.efta_triton_forward(q, k, v, scale=D**-0.5, causal=causal, bias=None, attn_mask=None,
+                                      window=None, detect=detect, correct=correct, plan=FaultPlan(None),
+                                      counters=new_counters("cuda"))
+        torch.cuda.synchronize()
+        return combo, time.time() - t0, ""
+    except Exception as exc:
+        return combo, time.time() - t0, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+
+
+def precompile(combos, jobs: int) -> None:
+    import multiprocessing as mp
+
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        for combo, secs, err in pool.imap_unordered(_warm, combos):
+            print(f"  compiled {combo} in {secs:.0f} s {err}", flush=True)
+    print(f"precompiled {len(combos)} kernel families with {jobs} processes in {time.time() - t0:.0f} s",
+          flush=True)
+
+
+FIELDS = ["kind", "dtype", "B", "H", "M", "N", "D", "causal", "variant", "ms", "tflops", "gbps", "x_vs_flash",
+          "x_vs_ours_off", "max_abs_err", "detected_clean", "calls", "config", "error"]
+
+
+def print_shape(rows) -> None:
+    r0 = rows[0]
+    head = (f"{r0['kind']:7s} {r0['dtype']:8s} B={r0['B']:<3d} H={r0['H']:<2d} M={r0['M']:<5d} "
+            f"N={r0['N']:<5d} D={r0['D']:<3d} {'causal' if r0['causal'] else 'full  '}")
+    parts = []
+    for r in rows:
+        if r["error"]:
+            parts.append(f"{r['variant']}=n/a")
+        else:
+            fp = f" fp={r['detected_clean']}/{r['calls']}" if r["variant"] in OURS else ""
+            rate = f"{r['tflops']:.0f}TF" if r["kind"] == "prefill" else f"{r['gbps']:.0f}GB/s"
+            parts.append(f"{r['variant']}={r['ms']:.3f}ms {rate} x{r['x_vs_flash']:.2f} "
+                         f"err={r['max_abs_err']:.1e}{fp}")
+    print(head + " | " + " | ".join(parts), flush=True)
+
+
+def plot(csv_path: str, png_path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (the CSV has everything; --plot-from redraws it elsewhere)")
+        return
+    with open(csv_path) as f:
+        rows = [r for r in csv.DictReader(f) if not r["error"]]
+    dtypes = sorted({r["dtype"] for r in rows})
+    panels = []
+    for dt in dtypes:
+        for H, D in HD_SETTINGS:
+            for causal in ("False", "True"):
+                panels.append(("prefill", dt, str(H), str(D), causal))
+            panels.append(("decode", dt, str(H), str(D), None))
+    ncol = 3
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6 * ncol, 4 * nrow), squeeze=False)
+    for ax, (kind, dt, H, D, causal) in zip(axes.flat, panels, strict=False):
+        sel = [r for r in rows if r["kind"] == kind and r["dtype"] == dt and r["H"] == H and r["D"] == D
+               and (causal is None or r["causal"] == causal)]
+        for variant in VARIANTS:
+            for B in sorted({r["B"] for r in sel}, key=int) if kind == "decode" else [None]:
+                metric = "tflops" if kind == "prefill" else "gbps"
+                pts = sorted((int(r["N"]), float(r[metric])) for r in sel
+                             if r["variant"] == variant and (B is None or r["B"] == B))
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "-" if B in (None, "1") else "--",
+                            marker="o", label=variant if B is None else f"{variant} B={B}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length" if kind == "prefill" else "kv length (q_len 1)")
+        ax.set_ylabel("TFLOP/s" if kind == "prefill" else "GB/s (q, k, v read once, o written)")
+        mode = "" if causal is None else (" causal" if causal == "True" else " full")
+        ax.set_title(f"{kind} {dt} H={H} D={D}{mode}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    print(f"plot: {png_path}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench_out", help="output directory (CSV + PNG)")
+    ap.add_argument("--quick", action="store_true", help="a small subset of shapes (fp16 only)")
+    ap.add_argument("--dtypes", default="float16,bfloat16")
+    ap.add_argument("--kinds", default="prefill,decode")
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    ap.add_argument("--cudagraph", action="store_true", help="time with CUDA graphs (no launch overhead)")
+    ap.add_argument("--plot-from", default=None, help="only redraw the plot from this CSV")
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                    help="processes compiling our kernels in parallel before timing (0: compile in line)")
+    args = ap.parse_args(argv)
+
+    os.makedirs(args.out, exist_ok=True)
+    png = os.path.join(args.out, "bench_attention.png")
+    if args.plot_from:
+        plot(args.plot_from, png)
+        return 0
+
+    import torch
+
+    print(versions(), flush=True)
+    if not torch.cuda.is_available():
+        print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
+        return 2
+    from ft_transformers.kernels import efta as K
+
+    print(f"EFTA bounds: {K.BOUNDS}, gemm slack on CUDA = {K.BOUNDS.gemm_slack(False)}; "
+          f"forced config: {os.environ.get('FTT_EFTA_CONFIG') or 'none (autotune)'}", flush=True)
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    if args.quick:
+        dtypes = dtypes[:1]
+    kinds = set(args.kinds.split(","))
+    csv_path = os.path.join(args.out, "bench_attention.csv")
+    t0 = time.time()
+    if args.jobs > 0 and not os.environ.get("FTT_EFTA_CONFIG"):
+        combos = sorted({(kind, str(dt).replace("torch.", ""), H, D, causal)
+                         for dt in dtypes for kind, B, H, M, N, D, causal in shapes(args.quick) if kind in kinds})
+        try:
+            precompile(combos, args.jobs)
+        except Exception as exc:  # the timing loop compiles whatever is missing
+            print(f"precompile failed ({type(exc).__name__}: {exc}); compiling in line", flush=True)
+    fp_total = calls_total = 0
+    all_rows = []
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for dtype in dtypes:
+            for kind, B, H, M, N, D, causal in shapes(args.quick):
+                if kind not in kinds:
+                    continue
+                rows = bench_shape(kind, B, H, M, N, D, causal, dtype, args)
+                print_shape(rows)
+                for r in rows:
+                    w.writerow({k: r.get(k, "") for k in FIELDS})
+                    if r["variant"] in ("efta_detect", "efta_correct"):
+                        fp_total += r["detected_clean"]
+                        calls_total += r["calls"]
+                f.flush()
+                all_rows += rows
+    print(f"\nwrote {csv_path} ({len(all_rows)} rows, {time.time() - t0:.0f} s)")
+
+    # summary: geometric-mean slowdowns
+    def gmean(xs):
+        xs = [x for x in xs if x == x and x > 0]
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+    for kind in ("prefill", "decode"):
+        for variant in VARIANTS[1:]:
+            sel = [r for r in all_rows if r["kind"] == kind and r["variant"] == variant and not r["error"]]
+            if sel:
+                xf = gmean([r["x_vs_flash"] for r in sel])
+                xo = gmean([r["x_vs_ours_off"] for r in sel])
+                print(f"{kind:7s} {variant:13s} time vs sdpa_flash x{xf:.2f}, vs ours_off x{xo:.2f} "
+                      f"(geomean over {len(sel)} shapes)")
+    print(f"false positives on clean inputs (EFTA variants): {fp_total} detections in {calls_total} calls")
+    bad = [r for r in all_rows if r["variant"] in OURS and not r["error"]
+           and not r["max_abs_err"] <= (2e-3 if r["dtype"] == "float16" else 1.6e-2)]
+    print(f"shapes where our output differs from sdpa_flash beyond fp16 2e-3 / bf16 1.6e-2: {len(bad)}")
+    plot(csv_path, png)
+    return 1 if fp_total or bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

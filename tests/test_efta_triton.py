@@ -1,0 +1,492 @@
+"""The fused Triton EFTA kernel (``ft_transformers.kernels.efta``).
+
+Oracles: a float64 materialised softmax attention written here, and the PyTorch reference
+(`ft_transformers.efta_reference`) for counters under injection (same checks, same thresholds,
+same injection sites: the counters must agree exactly for the exponent flips used here).
+
+Without CUDA the kernel runs under the Triton interpreter (``TRITON_INTERPRET=1``, set below
+before triton is imported) on CPU tensors, with small shapes (the interpreter is slow). With CUDA
+the same tests run compiled on the GPU, and the ``gpu``-marked tests add real shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from ft_transformers.kernels import efta as K  # noqa: E402
+
+from ft_transformers.counters import FaultStats, new_counters  # noqa: E402
+from ft_transformers.injection import FaultPlan, FaultSpec  # noqa: E402
+from ft_transformers.sites import ATTENTION_SITES  # noqa: E402
+
+try:
+    from ft_transformers.efta_reference import efta_reference
+except ImportError:  # pragma: no cover - the reference is part of the package
+    efta_reference = None
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Triton picks interpreter or compiler when *it* is imported. In a pytest session where another
+# module imported triton first (transformers does), this file cannot switch it any more: then it
+# runs itself in a fresh interpreter process instead (test_interpreted_in_subprocess).
+SUBPROCESS = DEV == "cpu" and not K.interpreting()
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_available(request):
+    if SUBPROCESS and request.node.originalname != "test_interpreted_in_subprocess":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1: covered by test_interpreted_in_subprocess")
+
+
+def test_interpreted_in_subprocess():
+    if not SUBPROCESS:
+        pytest.skip("this session runs the kernel directly")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", __file__],
+                          env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+EXP_BITS = (27, 28, 29, 30)
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def ref_attention(q, k, v, *, scale=None, causal=False, bias=None, attn_mask=None, window=None):
+    """float64 softmax(scale·q·kᵀ + bias + mask)·v, GQA by repetition; fully masked rows → 0."""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    B, Hq, M, D = q.shape
+    N = k.shape[2]
+    G = Hq // k.shape[1]
+    k = k.repeat_interleave(G, dim=1)
+    v = v.repeat_interleave(G, dim=1)
+    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D) if scale is None else scale)
+    if bias is not None:
+        s = s + bias.double().cpu()
+    if attn_mask is not None:
+        am = attn_mask.cpu()
+        s = s.masked_fill(~am, -math.inf) if am.dtype == torch.bool else s + am.double()
+    i = torch.arange(M).unsqueeze(1) + (N - M)
+    j = torch.arange(N).unsqueeze(0)
+    ok = torch.ones(M, N, dtype=torch.bool)
+    if causal:
+        ok &= j <= i
+    if window is not None:
+        ok &= j > i - window
+    s = s.masked_fill(~ok, -math.inf)
+    p = torch.softmax(s, dim=-1)
+    p = p.masked_fill((s == -math.inf).all(dim=-1, keepdim=True), 0.0)
+    return p @ v
+
+
+def rand_qkv(B, Hq, Hkv, M, N, D, dtype=torch.float32, seed=0, dist="normal", device=DEV):
+    g = torch.Generator().manual_seed(seed)
+
+    def one(*shape):
+        x = torch.randn(*shape, generator=g)
+        if dist == "normal1":
+            x = x + 1.0
+        elif dist == "uniform":
+            x = torch.rand(*shape, generator=g) * 2.0 - 1.0
+        return x.to(dtype).to(device)
+
+    return one(B, Hq, M, D), one(B, Hkv, N, D), one(B, Hkv, N, D)
+
+
+def kernel(q, k, v, *, scale=None, causal=False, bias=None, attn_mask=None, window=None, detect=True,
+           correct=True, inject=None, counters=None):
+    """Run the kernel; returns (out, FaultStats, plan)."""
+    plan = inject if isinstance(inject, FaultPlan) else FaultPlan(inject)
+    counters = new_counters(q.device) if counters is None else counters
+    with torch.no_grad():
+        out = K.efta_triton_forward(
+            q, k, v, scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, causal=causal, bias=bias,
+            attn_mask=attn_mask, window=window, detect=detect, correct=correct, plan=plan, counters=counters)
+    return out, FaultStats(counters), plan
+
+
+def reference(q, k, v, *, scale=None, causal=False, bias=None, attn_mask=None, window=None, detect=True,
+              correct=True, inject=None):
+    """The PyTorch reference on CPU copies; returns (out, FaultStats)."""
+    if efta_reference is None:
+        pytest.skip("ft_transformers.efta_reference is not available")
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    counters = new_counters("cpu")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = efta_reference(
+        q.cpu(), k.cpu(), v.cpu(), scale=scale, causal=causal, bias=cpu(bias), attn_mask=cpu(attn_mask),
+        window=window, detect=detect, correct=correct, plan=FaultPlan(inject), counters=counters)
+    return out, FaultStats(counters)
+
+
+def maxdiff(a, b) -> float:
+    d = (a.double().cpu() - b.double().cpu()).abs().max().item()
+    return math.inf if math.isnan(d) else d
+
+
+def counts(stats: FaultStats) -> list[list[int]]:
+    return stats.counters.cpu().tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# clean calls against float64
+# ------------------------------------------------------------------------------------------------
+
+
+def _case(name):
+    """(shape (B, Hq, Hkv, M, N, D), kwargs) of a named case (masks built on DEV)."""
+    if name == "causal":
+        return (1, 2, 2, 40, 40, 32), dict(causal=True)
+    if name == "causal_prefix_gqa":  # M < N (prefill with a cache), GQA 2:1
+        return (1, 2, 1, 24, 70, 64), dict(causal=True)
+    if name == "decode":  # q_len 1
+        return (2, 2, 2, 1, 70, 64), dict(causal=True)
+    if name == "cross_gqa":  # cross-attention, M != N, GQA 4:2, D = 16
+        return (1, 4, 2, 20, 50, 16), dict()
+    if name == "bool_mask":  # left padding; batch 1 row 3 fully masked
+        keep = torch.ones(2, 1, 20, 70, dtype=torch.bool)
+        keep[1, :, :, :30] = False
+        keep[1, :, 3, :] = False
+        return (2, 2, 1, 20, 70, 32), dict(attn_mask=keep.to(DEV))
+    if name == "additive_mask":  # -inf and dtype-min entries, 2-D (broadcast)
+        g = torch.Generator().manual_seed(3)
+        am = torch.zeros(20, 70)
+        am[torch.rand(20, 70, generator=g) < 0.3] = torch.finfo(torch.float32).min
+        am[:, 5:9] = -math.inf
+        return (1, 2, 2, 20, 70, 32), dict(attn_mask=am.to(DEV))
+    if name == "bias_t5":  # additive position bias, scale 1
+        g = torch.Generator().manual_seed(4)
+        return (1, 2, 2, 20, 40, 32), dict(bias=torch.randn(1, 2, 20, 40, generator=g).to(DEV), scale=1.0)
+    if name == "window":  # sliding window + causal, D = 48 (padded to 64 in the kernel)
+        return (1, 2, 2, 30, 70, 48), dict(causal=True, window=20)
+    raise ValueError(name)
+
+
+CASES = ["causal", "causal_prefix_gqa", "decode", "cross_gqa", "bool_mask", "additive_mask", "bias_t5",
+         "window"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64(case, dtype):
+    (B, Hq, Hkv, M, N, D), kw = _case(case)
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, dtype, seed=CASES.index(case))
+    out, stats, _ = kernel(q, k, v, **kw)
+    assert out.dtype == dtype and out.shape == (B, Hq, M, D)
+    err = maxdiff(out, ref_attention(q, k, v, **kw))
+    assert err <= TOL[dtype], f"{case} {dtype}: max err {err:.3g} > {TOL[dtype]}"
+    assert all(val == 0 for val in stats.values()), stats.by_site()  # clean: no false positives
+    # checks off: the plain flash-attention baseline gives the same output
+    bare, bstats, _ = kernel(q, k, v, detect=False, **kw)
+    assert maxdiff(bare, out) <= TOL[dtype]
+    assert all(val == 0 for val in bstats.values())
+
+
+def test_noncontiguous_inputs_and_counter_view():
+    """HF passes (B, S, H, D) tensors transposed; counters may be a view into a bigger block."""
+    B, Hq, Hkv, M, N, D = 1, 2, 1, 20, 70, 32
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, M, Hq, D, generator=g).to(DEV).transpose(1, 2)
+    k = torch.randn(B, N, Hkv, D, generator=g).to(DEV).transpose(1, 2)
+    v = torch.randn(B, N, Hkv, D, generator=g).to(DEV).transpose(1, 2)
+    big = torch.zeros(3, 6, 5, dtype=torch.int32, device=DEV)
+    out, stats, _ = kernel(q, k, v, causal=True, counters=big[1],
+                           inject=FaultSpec(site="attn.probs", bit=30, count=3, seed=1))
+    assert maxdiff(out, ref_attention(q, k, v, causal=True)) <= TOL[torch.float32]
+    assert stats["detected"] == stats["corrected"] == 3
+    assert big[0].sum().item() == 0 and big[2].sum().item() == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# injection
+# ------------------------------------------------------------------------------------------------
+
+INJ_SHAPE = (1, 2, 1, 24, 100, 64)  # two key blocks of 64, the last one padded; GQA 2:1
+
+
+@pytest.fixture(scope="module")
+def inj_data():
+    if SUBPROCESS:  # module-scoped fixtures run before the autouse skip
+        pytest.skip("triton was imported before TRITON_INTERPRET=1: covered by test_interpreted_in_subprocess")
+    B, Hq, Hkv, M, N, D = INJ_SHAPE
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, seed=42)
+    clean, stats, _ = kernel(q, k, v)
+    assert stats["detected"] == 0
+    return q, k, v, clean
+
+
+@pytest.mark.parametrize("site", ATTENTION_SITES)
+def test_injection_corrected(site, inj_data):
+    """Each exponent flip (bits 27–30) is found and repaired; counters equal the reference's."""
+    q, k, v, clean = inj_data
+    harmful = total = 0
+    for bit in EXP_BITS:
+        for seed in range(2):
+            spec = FaultSpec(site=site, bit=bit, count=1, seed=seed)
+            out, stats, plan = kernel(q, k, v, inject=spec)
+            assert plan.injected == 1
+            assert maxdiff(out, clean) <= 2e-4, (site, bit, seed, stats.by_site())
+            assert stats["detected"] >= 1, (site, bit, seed)
+            assert stats["detected"] == stats["corrected"] + stats["recomputed"], stats.by_site()
+            assert stats["uncorrectable"] == 0 and stats["nonfinite_input"] == 0
+            _, rstats = reference(q, k, v, inject=spec)
+            assert counts(stats) == counts(rstats), (site, bit, seed, stats.by_site(), rstats.by_site())
+            bare, bstats, _ = kernel(q, k, v, inject=spec, detect=False)
+            assert all(val == 0 for val in bstats.values())
+            total += 1
+            harmful += maxdiff(bare, clean) > 1e-3
+    assert harmful >= total // 2, f"{site}: only {harmful}/{total} unprotected flips changed the output"
+
+
+def test_detect_false_flips_visible(inj_data):
+    """Flips that can never be harmless change the unprotected output."""
+    q, k, v, clean = inj_data
+    for site in ("attn.probs", "attn.output"):  # P ≤ 1, |O| < 2: bit 30 makes them ≥ 2
+        for seed in range(3):
+            bare, _, _ = kernel(q, k, v, inject=FaultSpec(site=site, bit=30, seed=seed), detect=False)
+            assert maxdiff(bare, clean) > 1e-3, (site, seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_injection_low_precision(dtype):
+    B, Hq, Hkv, M, N, D = INJ_SHAPE
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, dtype, seed=7)
+    clean, stats, _ = kernel(q, k, v, causal=True)
+    assert stats["detected"] == 0
+    for site in ATTENTION_SITES:
+        for bit, seed in ((30, 0), (28, 1)):
+            spec = FaultSpec(site=site, bit=bit, seed=seed)
+            out, stats, _ = kernel(q, k, v, causal=True, inject=spec)
+            assert maxdiff(out, clean) <= TOL[dtype] / 4, (site, bit, seed)
+            assert stats["detected"] == stats["corrected"] + stats["recomputed"]
+            _, rstats = reference(q, k, v, causal=True, inject=spec)
+            assert counts(stats) == counts(rstats), (site, bit, seed, stats.by_site(), rstats.by_site())
+
+
+@pytest.mark.parametrize("site", ATTENTION_SITES)
+def test_correct_false_counts_uncorrectable(site, inj_data):
+    q, k, v, _ = inj_data
+    for seed in range(2):
+        spec = FaultSpec(site=site, bit=30, seed=seed)
+        out, stats, _ = kernel(q, k, v, inject=spec, correct=False)
+        assert stats["detected"] >= 1
+        assert stats["uncorrectable"] == stats["detected"]
+        assert stats["corrected"] == 0 and stats["recomputed"] == 0
+        ref_out, rstats = reference(q, k, v, inject=spec, correct=False)
+        # the injected site's events agree exactly; what the unrepaired fault does downstream
+        # (e.g. a wrong l scaling O) can sit at the rounding threshold and differ by one
+        row = ATTENTION_SITES.index(site)
+        assert counts(stats)[row] == counts(rstats)[row], (site, seed, stats.by_site(), rstats.by_site())
+        assert torch.equal(torch.isnan(out.cpu()), torch.isnan(ref_out))
+
+
+def test_multiple_faults_match_reference(inj_data):
+    q, k, v, clean = inj_data
+    for site, count in (("attn.scores", 20), ("attn.rowmax", 6), ("attn.probs", 20), ("attn.rowsum", 6),
+                        ("attn.output", 20)):
+        spec = FaultSpec(site=site, bit=29, count=count, seed=3)
+        out, stats, _ = kernel(q, k, v, inject=spec)
+        _, rstats = reference(q, k, v, inject=spec)
+        assert counts(stats) == counts(rstats), (site, stats.by_site(), rstats.by_site())
+        assert maxdiff(out, clean) <= 2e-4, site
+
+
+def test_masked_and_decode_injection():
+    """Masks, GQA, window and decode-shaped calls: faults repaired, counters equal the reference's."""
+    B, Hq, Hkv, M, N, D = 2, 4, 2, 3, 150, 64
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, seed=11)
+    keep = torch.ones(B, 1, 1, N, dtype=torch.bool)
+    keep[1, ..., :40] = False  # left padding
+    kw = dict(causal=True, attn_mask=keep.to(DEV), window=100)
+    clean, stats, _ = kernel(q, k, v, **kw)
+    assert stats["detected"] == 0
+    assert maxdiff(clean, ref_attention(q, k, v, **kw)) <= TOL[torch.float32]
+    for site in ATTENTION_SITES:
+        for bit, seed in ((28, 0), (30, 1)):
+            spec = FaultSpec(site=site, bit=bit, seed=seed)
+            out, stats, _ = kernel(q, k, v, inject=spec, **kw)
+            assert maxdiff(out, clean) <= 2e-4, (site, bit, seed)
+            assert stats["detected"] == stats["corrected"] + stats["recomputed"]
+            _, rstats = reference(q, k, v, inject=spec, **kw)
+            assert counts(stats) == counts(rstats), (site, bit, seed, stats.by_site(), rstats.by_site())
+
+
+@pytest.mark.parametrize("site", ATTENTION_SITES)
+def test_ber_mode(site, inj_data):
+    q, k, v, clean = inj_data
+    ber = {"attn.scores": 2e-3, "attn.probs": 2e-3, "attn.rowmax": 0.15, "attn.rowsum": 0.15,
+           "attn.output": 4e-3}[site]
+    spec = FaultSpec(site=site, ber=ber, seed=5)
+    out, stats, _ = kernel(q, k, v, inject=spec)
+    assert stats["detected"] >= 1, site
+    assert stats["detected"] == stats["corrected"] + stats["recomputed"]
+    assert maxdiff(out, clean) <= 1e-3, stats.by_site()  # low mantissa flips stay below the thresholds
+    bare, bstats, _ = kernel(q, k, v, inject=spec, detect=False)
+    assert maxdiff(bare, clean) > 0.0 and bstats["detected"] == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# non-finite inputs, errors
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["q_nan", "k_inf", "v_nan", "q_neginf", "bias_nan", "mask_posinf"])
+def test_nonfinite_inputs(where):
+    q, k, v = rand_qkv(1, 2, 2, 10, 70, 32, seed=12, device="cpu")
+    bias = torch.zeros(1, 2, 10, 70)
+    mask = torch.zeros(1, 1, 10, 70)
+    mask[..., 5] = -math.inf  # a legitimate masked key
+    if where == "q_nan":
+        q[0, 1, 3, 4] = math.nan
+    elif where == "k_inf":
+        k[0, 0, 12, 0] = math.inf
+    elif where == "v_nan":
+        v[0, 1, 50, 2] = math.nan
+    elif where == "q_neginf":
+        q[0, 0, 0, 0] = -math.inf
+    elif where == "bias_nan":
+        bias[0, 0, 2, 2] = math.nan
+    elif where == "mask_posinf":
+        mask[0, 0, 1, 7] = math.inf
+    plain = ref_attention(q, k, v, bias=bias, attn_mask=mask)
+    q, k, v, bias, mask = (t.to(DEV) for t in (q, k, v, bias, mask))
+    for _ in range(2):  # counted once per call, every call
+        out, stats, _ = kernel(q, k, v, bias=bias, attn_mask=mask)
+        assert stats["nonfinite_input"] == 1
+        assert stats["detected"] == 0 and stats["corrected"] == 0 and stats["recomputed"] == 0
+    assert torch.equal(torch.isnan(out.cpu()), torch.isnan(plain))
+    fin = ~torch.isnan(plain)
+    assert (out.cpu().double()[fin] - plain[fin]).abs().max() < 1e-5
+
+
+def test_neginf_bias_is_not_nonfinite():
+    q, k, v = rand_qkv(1, 2, 2, 10, 70, 32, seed=13)
+    bias = torch.zeros(1, 1, 10, 70, device=DEV)
+    bias[..., :3] = -math.inf
+    out, stats, _ = kernel(q, k, v, bias=bias)
+    assert stats["nonfinite_input"] == 0 and stats["detected"] == 0
+    assert maxdiff(out, ref_attention(q, k, v, bias=bias)) <= TOL[torch.float32]
+
+
+def test_unsupported_raise_value_error():
+    q, k, v = rand_qkv(1, 2, 2, 8, 16, 32)
+    for D in (8, 24, 144):
+        qq, kk, vv = rand_qkv(1, 2, 2, 8, 16, D)
+        with pytest.raises(ValueError, match="head dim"):
+            kernel(qq, kk, vv)
+    with pytest.raises(ValueError, match="dtype"):
+        kernel(q.double(), k.double(), v.double())
+    with pytest.raises(ValueError, match="dtype"):
+        kernel(q.half(), k, v)
+    with pytest.raises(ValueError, match="multiple"):
+        kernel(rand_qkv(1, 3, 2, 8, 16, 32)[0], k, v)
+    assert issubclass(K.EftaUnsupported, ValueError)
+
+
+def test_public_api_triton_backend():
+    """`efta_attention(..., backend="triton")` reaches this kernel."""
+    from ft_transformers.efta import efta_attention
+
+    q, k, v = rand_qkv(1, 2, 1, 16, 40, 32, seed=21)
+    with torch.no_grad():
+        out, stats = efta_attention(q, k, v, causal=True, backend="triton",
+                                    inject=FaultSpec(site="attn.output", bit=30, seed=2))
+    assert maxdiff(out, ref_attention(q, k, v, causal=True)) <= TOL[torch.float32]
+    assert stats["detected"] == stats["corrected"] + stats["recomputed"] >= 1
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: real shapes (skipped without CUDA)
+# ------------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape,kw", [
+    ((2, 16, 16, 1024, 1024, 64), dict(causal=True)),
+    ((2, 16, 16, 1024, 1024, 64), dict()),
+    ((1, 32, 8, 2048, 2048, 128), dict(causal=True)),  # GQA 4:1
+    ((16, 32, 32, 1, 4096, 128), dict(causal=True)),  # decode
+    ((4, 16, 16, 7, 3000, 64), dict(causal=True, window=1024)),  # chunked prefill, sliding window
+    ((2, 8, 8, 512, 512, 64), dict(bias=True, scale=1.0)),  # T5-style bias
+], ids=["causal1k", "full1k", "gqa2k_d128", "decode4k", "window", "t5bias"])
+def test_gpu_matches_fp32_attention(shape, kw, dtype):
+    B, Hq, Hkv, M, N, D = shape
+    kw = dict(kw)
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, dtype, seed=1, device="cuda")
+    if kw.get("bias") is True:
+        kw["bias"] = torch.randn(1, Hq, M, N, device="cuda")
+    G = Hq // Hkv
+    # fp32 SDPA on GPU as the oracle (same masks)
+    i = torch.arange(M, device="cuda").unsqueeze(1) + (N - M)
+    j = torch.arange(N, device="cuda").unsqueeze(0)
+    ok = torch.ones(M, N, dtype=torch.bool, device="cuda")
+    if kw.get("causal"):
+        ok &= j <= i
+    if kw.get("window") is not None:
+        ok &= j > i - kw["window"]
+    add = torch.zeros(M, N, device="cuda").masked_fill(~ok, -math.inf)
+    if kw.get("bias") is not None:
+        add = add + kw["bias"]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1), attn_mask=add,
+        scale=kw.get("scale"))
+    for detect, correct in ((True, True), (True, False), (False, False)):
+        out, stats, _ = kernel(q, k, v, detect=detect, correct=correct, **kw)
+        err = maxdiff(out, ref)
+        assert err <= TOL[dtype], (detect, correct, err)
+        assert stats["detected"] == 0, (detect, correct, stats.by_site())  # no false positives
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_no_false_positives():
+    det = calls = 0
+    for seed in range(6):
+        for dist in ("normal", "normal1", "uniform"):
+            for shape, causal in (((4, 16, 16, 512, 512, 64), True), ((1, 16, 4, 1, 8192, 128), True),
+                                  ((2, 8, 8, 300, 1500, 128), False)):
+                dtype = (torch.float16, torch.bfloat16)[seed % 2]
+                q, k, v = rand_qkv(*shape, dtype, seed=100 * seed + calls, dist=dist, device="cuda")
+                q = (q.float() * (1.0, 4.0, 0.25)[seed % 3]).to(dtype)
+                _, stats, _ = kernel(q, k, v, causal=causal)
+                det += stats["detected"]
+                calls += 1
+    assert det == 0, f"{det} false positives in {calls} calls"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("site", ATTENTION_SITES)
+def test_gpu_injection_matches_reference(site):
+    B, Hq, Hkv, M, N, D = 1, 8, 4, 256, 700, 128
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, torch.float16, seed=9, device="cuda")
+    clean, stats, _ = kernel(q, k, v, causal=True)
+    assert stats["detected"] == 0
+    for bit in EXP_BITS:
+        for seed in range(3):
+            spec = FaultSpec(site=site, bit=bit, seed=seed)
+            out, stats, _ = kernel(q, k, v, causal=True, inject=spec)
+            assert maxdiff(out, clean) <= 1e-3, (bit, seed, stats.by_site())
+            assert stats["detected"] >= 1 and stats["detected"] == stats["corrected"] + stats["recomputed"]
+            _, rstats = reference(q, k, v, causal=True, inject=spec)
+            assert counts(stats) == counts(rstats), (bit, seed, stats.by_site(), rstats.by_site())
