@@ -14,10 +14,10 @@ import os
 import sys
 
 import torch
+from ft_transformers.kernels import efta as K
 
 from ft_transformers.counters import new_counters
 from ft_transformers.injection import FaultPlan
-from ft_transformers.kernels import efta as K
 
 CASES = {  # (B, Hq, Hkv, M, N, D, causal)
     "gqa": (2, 4, 2, 48, 80, 64, True),
