@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import ft_transformers as ftt
 from ft_transformers.counters import FaultStats, new_counters
 from ft_transformers.injection import FaultPlan, FaultSpec, flip_bits
-from ft_transformers.vabft import default_emax
+from ft_transformers.vabft import default_emax, sample_matrix
 
 _cl = importlib.import_module("ft_transformers.checked_linear")
 _forward = _cl._checked_linear_forward
@@ -32,15 +32,7 @@ def shortcuts(request, monkeypatch):
 
 
 def _draw(dist: str, shape, g: torch.Generator) -> torch.Tensor:
-    if dist == "N(1e-6,1)":
-        return torch.randn(shape, generator=g) + 1e-6
-    if dist == "N(1,1)":
-        return torch.randn(shape, generator=g) + 1.0
-    if dist == "U(-1,1)":
-        return torch.rand(shape, generator=g) * 2 - 1
-    if dist == "TN(0,1)":
-        return torch.nn.init.trunc_normal_(torch.empty(shape), 0.0, 1.0, -1.0, 1.0, generator=g)
-    raise ValueError(dist)
+    return sample_matrix(dist, shape, g)
 
 
 DISTS = ["N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)"]
