@@ -234,7 +234,7 @@ def _verify(x2d: torch.Tensor, y2d: torch.Tensor, weight: torch.Tensor, bias: to
         valid = torch.zeros_like(valid)
     add_count(counters, SITE, "nonfinite_input", (~valid).to(torch.int32))
 
-    d1, d2, c1 = checksum_residuals(x32, y2d.float(), wc)
+    d1, d2, c1 = checksum_residuals(x32, y2d.float(), wc, scale2=1.0 / n)
     bad = ~(d1.abs() <= thr) & valid  # NaN/inf D1 counts as faulty
     add_count(counters, SITE, "detected", bad)
     if not correct:
@@ -244,7 +244,7 @@ def _verify(x2d: torch.Tensor, y2d: torch.Tensor, weight: torch.Tensor, bias: to
         return y2d
 
     # Locate single errors: t = D2/D1 ≈ n+1.
-    t = d2 / d1
+    t = d2 / d1 * n  # D2 came scaled by 1/N
     j = torch.round(t)
     loc = bad & torch.isfinite(t) & ((t - j).abs() <= LOCATE_TOL) & (j >= 1) & (j <= n)
     col = torch.where(loc, j - 1, torch.zeros_like(j)).to(torch.int64)  # (M,)

@@ -366,7 +366,7 @@ def weight_checksums(weight: torch.Tensor, bias: torch.Tensor | None = None, *, 
     return wc
 
 
-def checksum_residuals(x32: torch.Tensor, y32: torch.Tensor, wc: WeightChecksums
+def checksum_residuals(x32: torch.Tensor, y32: torch.Tensor, wc: WeightChecksums, scale2: float = 1.0
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(D1, D2, C1)`` of the rows of ``y = x·Wᵀ + b`` as computed (all fp32, shape (M,)).
 
@@ -376,12 +376,15 @@ def checksum_residuals(x32: torch.Tensor, y32: torch.Tensor, wc: WeightChecksums
 
     Args:
         x32: (M, K) fp32 input rows. y32: (M, N) fp32 output rows. wc: the weight's checksums.
+        scale2: D2 is returned times this factor, computed with weights (n+1)·scale2. With
+            ``1/N`` the weighted sum cannot overflow fp32 where the plain sum does not (a flip
+            of a high exponent bit makes y ~1e38; (n+1)·y would be inf and the error unlocatable).
     """
     c = (x32.unsqueeze(1) * wc.w12.t()).sum(-1) + wc.b12  # (M, 2)
     s1 = y32.sum(-1)
-    s2 = (y32 * wc.colw).sum(-1)
+    s2 = (y32 * (wc.colw * scale2)).sum(-1)
     c1 = c[:, 0]
-    return s1 - c1, s2 - c[:, 1], c1
+    return s1 - c1, s2 - c[:, 1] * scale2, c1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,7 +59,10 @@ def _generate(model, tok, input_ids: torch.Tensor, max_new_tokens: int) -> tuple
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                              max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=tok.pad_token_id or tok.eos_token_id)
-    text = tok.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True).strip()
+    new = out[0, input_ids.shape[1]:]
+    text = tok.decode(new, skip_special_tokens=True).strip()
+    if not text:  # e.g. a corrupted run that emits only special or blank tokens: show what came out
+        text = f"[{len(new)} tokens, none printable: {tok.decode(new[:12])!r}...]"
     return text, time.perf_counter() - t0
 
 
