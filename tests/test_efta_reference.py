@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from nonfinite_cases import NONFINITE_CASES, nonfinite_case
 
 from ft_transformers.counters import FaultStats, new_counters
 from ft_transformers.efta import _efta_forward, efta_attention
@@ -366,24 +367,9 @@ def test_ber_mode(site, inj_data):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where", ["q_nan", "k_inf", "v_nan", "q_neginf", "bias_nan", "mask_posinf"])
+@pytest.mark.parametrize("where", NONFINITE_CASES)
 def test_nonfinite_inputs(where):
-    q, k, v = rand_qkv(1, 2, 2, 10, 70, 32, seed=12)
-    bias = torch.zeros(1, 2, 10, 70)
-    mask = torch.zeros(1, 1, 10, 70)
-    mask[..., 5] = -math.inf  # a legitimate masked key
-    if where == "q_nan":
-        q[0, 1, 3, 4] = math.nan
-    elif where == "k_inf":
-        k[0, 0, 12, 0] = math.inf
-    elif where == "v_nan":
-        v[0, 1, 50, 2] = math.nan
-    elif where == "q_neginf":
-        q[0, 0, 0, 0] = -math.inf
-    elif where == "bias_nan":
-        bias[0, 0, 2, 2] = math.nan
-    elif where == "mask_posinf":
-        mask[0, 0, 1, 7] = math.inf
+    q, k, v, bias, mask = nonfinite_case(where, *rand_qkv(1, 2, 2, 10, 70, 32, seed=12))
     out, stats = run(q, k, v, bias=bias, attn_mask=mask)
     assert stats["nonfinite_input"] == 1
     assert stats["detected"] == 0 and stats["corrected"] == 0 and stats["recomputed"] == 0
