@@ -61,15 +61,16 @@ def efta_attention_forward(
         causal = False
     if ctx is None:
         # "efta" without enable_fault_tolerance: default checks, events not recorded.
-        detect, correct, pasa = True, True, False
+        detect, correct, pasa, pasa_beta = True, True, False, None
         plan, counters = FaultPlan(None), new_counters(query.device)
     else:
-        detect, correct, pasa = ctx.detect, ctx.correct, ctx.pasa
+        detect, correct, pasa, pasa_beta = ctx.detect, ctx.correct, ctx.pasa, ctx.pasa_beta
         plan, counters = ctx.plan_for_call(), ctx.counters(query.device)
     out = _efta_forward(
         query, key, value,
         scale=scaling, causal=causal, bias=position_bias, attn_mask=attention_mask, window=None,
         pasa=pasa, detect=detect, correct=correct, plan=plan, counters=counters, backend="auto",
+        pasa_beta=pasa_beta,
     )
     if ctx is not None:
         ctx.after_call(counters)

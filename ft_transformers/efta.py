@@ -132,6 +132,7 @@ def _efta_forward(
     plan: FaultPlan,
     counters: torch.Tensor,
     backend: str,
+    pasa_beta: float | None = None,
 ) -> torch.Tensor:
     """EFTA forward adding its events into ``counters`` (no validation beyond the backend choice).
 
@@ -140,11 +141,15 @@ def _efta_forward(
         bias, attn_mask: broadcastable to (B, Hq, M, N) (mask bool True = attend, or additive).
         plan: injection plan (attention sites only).
         counters: int32 (sites, kinds) block on q's device (e.g. a (6, 5) view into a bigger tensor).
+        pasa: PASA shifted FP16 score GEMM (``docs/pasa.md``); fp16/bf16 inputs only.
+        pasa_beta: PASA shift factor; None = optimal for fp16 and the backend's key block.
     Returns:
         (B, Hq, M, D) in q's dtype.
     """
-    if pasa:
-        raise NotImplementedError("PASA mode of EFTA is not implemented yet; use pasa=False")
+    if pasa and q.dtype == torch.float32:
+        raise NotImplementedError(
+            "PASA runs the score GEMM in FP16 and is implemented for float16/bfloat16 inputs; float32 "
+            "inputs have no FP16 overflow to avoid: use pasa=False (or run the model in fp16/bf16)")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     correct = bool(correct and detect)
@@ -153,6 +158,17 @@ def _efta_forward(
         window = operator.index(window)
     kwargs = dict(scale=float(scale), causal=bool(causal), bias=bias, attn_mask=attn_mask, window=window,
                   detect=bool(detect), correct=correct, plan=plan, counters=counters)
+    if pasa:
+        # The Triton kernel opts in to PASA with a module attribute PASA_SUPPORTED = True and then
+        # takes the keywords pasa=True, pasa_beta=... (docs/pasa.md, "kernel interface").
+        if kmod is not None and getattr(kmod, "PASA_SUPPORTED", False):
+            kwargs.update(pasa=True, pasa_beta=pasa_beta)
+        elif backend == "triton":
+            raise NotImplementedError(
+                "PASA is not implemented in the Triton EFTA kernel yet; use backend='reference' "
+                "(or 'auto', which takes the reference path for pasa=True)")
+        else:
+            return efta_reference(q, k, v, pasa=True, pasa_beta=pasa_beta, **kwargs)
     if kmod is not None:
         if backend == "triton":
             return kmod.efta_triton_forward(q, k, v, **kwargs)
@@ -163,6 +179,7 @@ def _efta_forward(
             return kmod.efta_triton_forward(q, k, v, **kwargs)
         except unsupported:
             pass
+    kwargs.update(pasa=bool(pasa), pasa_beta=pasa_beta)
     return efta_reference(q, k, v, **kwargs)
 
 
@@ -194,7 +211,9 @@ def efta_attention(
         bias: additive float bias broadcastable to (B, Hq, M, N) (e.g. T5's position bias).
         attn_mask: bool (True = attend) or additive float, broadcastable to (B, Hq, M, N).
         window: sliding window; key j is visible only if j > i + N − M − window.
-        pasa: PASA shifted score GEMM (not implemented yet).
+        pasa: PASA (seed 002): each key block shifted by β times its mean, FP16 score GEMM with FP16
+            accumulation, softmax state in fp32, β optimal for fp16 and the key block
+            (``docs/pasa.md``). fp16/bf16 inputs only (float32: NotImplementedError).
         detect: verify (checksums and range checks); False = the unprotected computation.
         correct: repair what is detected; False only counts (``detected`` + ``uncorrectable``).
         inject: `FaultSpec` (or a list) at attention sites ``attn.*``.

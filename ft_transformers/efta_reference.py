@@ -40,12 +40,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pasa as _pasa
 from .counters import add_count
 from .injection import FaultPlan, SiteFaults
 
-__all__ = ["efta_reference", "broadcast_to_scores"]
+__all__ = ["efta_reference", "broadcast_to_scores", "PASA_PRECISIONS"]
 
 U = 2.0**-24  # fp32 unit roundoff
+U16 = 2.0**-11  # fp16 unit roundoff
+_FP16_ETA = 2.0**-25  # fp16 absolute rounding error bound in the subnormal range
+PASA_PRECISIONS = ("fp32", "fp16")
 _NEG_INF = float("-inf")
 _TINY_P = 2.0**-125  # exp(x) for x < -87 lies below this
 _RECOMPUTE_CHUNK = 1 << 24  # elements of gathered K/V per chunk of the row recompute
@@ -186,6 +190,20 @@ def _group_sums(x: torch.Tensor, ngroups: int, stride: int) -> tuple[torch.Tenso
     return suf, wsum
 
 
+def _g16(k: float) -> float:
+    """The γ_k rounding bound 1.01·k·u for fp16 (u = 2^-11)."""
+    return 1.01 * k * U16
+
+
+def _round16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to fp16 and held in fp32 (the fp16 softmax state of PASA)."""
+    return x.to(torch.float16).to(torch.float32)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def _exp_ftz(x: torch.Tensor) -> torch.Tensor:
     """exp(x), flushed to 0 where x < −87 (subnormal results; exp there is < 1.7e-38).
 
@@ -237,6 +255,11 @@ def efta_reference(
     counters: torch.Tensor | None,
     block_n: int = 64,
     stride: int = 16,
+    pasa: bool = False,
+    pasa_beta: float | None = None,
+    pasa_precision: str = "fp32",
+    pasa_mean: str = "keys",
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Fault-tolerant attention, blocked like the Triton kernel (inputs are assumed validated).
 
@@ -254,9 +277,24 @@ def efta_reference(
         counters: int32 (sites, kinds) block to add the events into, or None.
         block_n: keys per block (multiple of ``stride``).
         stride: checksum stride s over keys and over the head dim.
+        pasa: PASA mode (seed 002, ``docs/pasa.md``): every key block is shifted by β times its
+            mean (`pasa.shift_keys`, scale folded in), the score GEMM is FP16 with FP16
+            accumulation (`pasa.fp16_matmul`), and the global pseudo-average with the Δm'
+            corrections keeps the blocks in one frame. The checks run on the shifted keys.
+            fp16/bf16 inputs (bf16 q and k are rounded to fp16, as the seed prescribes); float32
+            inputs raise NotImplementedError.
+        pasa_beta: shift factor β in (0, 1); None = `pasa.optimal_beta(block_n, float16)`.
+        pasa_precision: ``"fp32"``: the online-softmax state (m, l, O) in fp32 (default);
+            ``"fp16"``: every step rounded to fp16 as well, P·V an FP16 GEMM (the seed's full
+            low-precision allocation; unchecked only: needs ``detect=False``).
+        pasa_mean: how the block pseudo-average ``rowmean(S'_j)`` is formed: ``"keys"`` (default),
+            ``q·mean(K'_j)`` in fp32 (`pasa.block_pseudo_average`); ``"scores"``, the mean of the
+            fp16 scores themselves (the seed's Algorithm 1 line 13 to the letter; γ = β/(1−β)
+            amplifies their rounding error, see ``docs/pasa.md``).
+        out_dtype: dtype of the result; None = q's dtype.
 
     Returns:
-        (B, Hq, M, D) in q's dtype. Runs under ``torch.no_grad()``: EFTA is inference-only.
+        (B, Hq, M, D) in ``out_dtype``. Runs under ``torch.no_grad()``: EFTA is inference-only.
     """
     if block_n % stride != 0 or block_n <= 0 or stride <= 0:
         raise ValueError(f"block_n ({block_n}) must be a positive multiple of stride ({stride})")
@@ -266,7 +304,28 @@ def efta_reference(
     G = Hq // Hkv
     GM = G * M
     dev = q.device
-    out_dtype = q.dtype
+    if out_dtype is None:
+        out_dtype = q.dtype
+    f16 = torch.float16
+    if pasa:
+        if q.dtype == torch.float32:
+            raise NotImplementedError(
+                "PASA runs the score GEMM in FP16 and is implemented for float16/bfloat16 inputs; "
+                "float32 inputs have no FP16 overflow to avoid: use pasa=False")
+        if pasa_precision not in PASA_PRECISIONS:
+            raise ValueError(f"pasa_precision must be one of {PASA_PRECISIONS}, got {pasa_precision!r}")
+        if pasa_mean not in ("keys", "scores"):
+            raise ValueError(f"pasa_mean must be 'keys' or 'scores', got {pasa_mean!r}")
+        if pasa_precision == "fp16" and detect:
+            raise ValueError("pasa_precision='fp16' (fp16 softmax state) has no fp16-level check "
+                             "thresholds yet: run it with detect=False, or use pasa_precision='fp32'")
+        beta = _pasa.optimal_beta(block_n, f16) if pasa_beta is None else pasa_beta
+        _pasa._check_beta(beta)
+        q = q.to(f16)  # bf16 → fp16 (seed 002, §2.2); values beyond ±65504 become inf
+        k = k.to(f16)
+    elif pasa_precision not in PASA_PRECISIONS:
+        raise ValueError(f"pasa_precision must be one of {PASA_PRECISIONS}, got {pasa_precision!r}")
+    half_state = pasa and pasa_precision == "fp16"
     if B == 0 or Hq == 0 or M == 0 or D == 0 or N == 0:  # N == 0: every row fully masked
         return torch.zeros(B, Hq, M, D, dtype=out_dtype, device=dev)
     full4 = (B, Hq, M, N)
@@ -312,6 +371,19 @@ def efta_reference(
     v32 = v.to(f32).contiguous()
     kp = F.pad(k32, (0, 0, 0, Np - N)) if Np != N else k32
     vp = F.pad(v32, (0, 0, 0, Np - N)) if Np != N else v32
+    if pasa:
+        # Scores are q·K'ᵀ with the unscaled fp16 q and the shifted, scaled fp16 keys K'; the
+        # checks see exactly those operands (q16 is exact in fp32, so is K').
+        q16 = q.contiguous().view(B, Hkv, GM, D)
+        kp16 = _pasa.shift_keys(k, float(beta), float(scale), block_n)
+        if Np != N:
+            kp16 = F.pad(kp16, (0, 0, 0, Np - N))  # padding keys score 0 (masked anyway)
+        qs = q16.to(f32)
+        kp = kp16.to(f32)
+        vp16 = vp.to(f16) if half_state else None
+        sbar_all = _pasa.block_pseudo_average(qs, kp16[:, :, :N], block_n) if pasa_mean == "keys" else None
+        f_avg = None
+        rnd = _round16 if half_state else _identity
     bias5 = _to5d(bias4, Hkv, G)
     amask5 = _to5d(amask4, Hkv, G)
     bmask5 = _to5d(bmask4, Hkv, G)
@@ -323,7 +395,14 @@ def efta_reference(
         k6 = kp.view(B, Hkv, nb, L, s, D)
         kc = torch.cat([k6.sum(3), (k6 * wk.view(L, 1, 1)).sum(3)], dim=3)  # (B, Hkv, nb, 2s, D)
         kabs = k6.abs().sum(3).amax(-1)  # (B, Hkv, nb, s): max_d Σ_l |K[l·s+r, d]|
-        qn1 = qs.abs().sum(-1, keepdim=True).mul_(2.0 * _g(D + L))  # 2·g(D+L)·‖scale·Q_i‖₁ (B, Hkv, GM, 1)
+        if pasa:
+            # fp16 accumulation: one fp16 rounding per k-chunk on top of the fp32 checksum side,
+            # plus the fp16 subnormal floor (docs/pasa.md, "checks").
+            nchunk = -(-D // _pasa.FP16_CHUNK)
+            qn1 = qs.abs().sum(-1, keepdim=True).mul_(_g16(nchunk) + 2.0 * _g(D + L))
+            s_floor = L * nchunk * _FP16_ETA
+        else:
+            qn1 = qs.abs().sum(-1, keepdim=True).mul_(2.0 * _g(D + L))  # 2·g(D+L)·‖scale·Q_i‖₁ (B, Hkv, GM, 1)
         vpd = F.pad(vp, (0, Dp - D)) if Dp != D else vp
         v5 = vpd.view(B, Hkv, Np, Lv, s)
         vc1 = v5.sum(3)
@@ -346,7 +425,11 @@ def efta_reference(
         w = min(N, j0 + block_n) - j0
         kb = kp[:, :, j0:j0 + block_n]
         # 1. GEMM I (scale folded into Q) + tensor checksums.
-        S = torch.matmul(qs, kb.transpose(-1, -2))  # (B, Hkv, GM, BN)
+        if pasa:  # FP16 GEMM, FP16 accumulation, on the shifted keys (scale folded into K')
+            kb16 = kp16[:, :, j0:j0 + block_n]
+            S = _pasa.fp16_matmul(q16, kb16.transpose(-1, -2)).to(f32)
+        else:
+            S = torch.matmul(qs, kb.transpose(-1, -2))  # (B, Hkv, GM, BN)
         S = _apply(sf_scores, S, (B, Hq, M, block_n), j0)
         if detect:
             sc = torch.matmul(qs, kc[:, :, j].transpose(-1, -2))  # (B, Hkv, GM, 2s)
@@ -354,6 +437,8 @@ def efta_reference(
             d1 = sc[..., :s] - g1
             d2 = sc[..., s:] - g2
             thr = (qn1 * kabs[:, :, j].unsqueeze(2)).nan_to_num_(nan=0.0)  # T_s (0·inf: the group is 0)
+            if pasa:
+                thr = thr.add_(s_floor)
             bad = ~(d1.abs() <= thr)  # NaN differences are faults too
             if bool(bad.any()):
                 nbad = bad.sum()
@@ -371,14 +456,34 @@ def efta_reference(
                     if bool(ok.any()):
                         idx = ok.nonzero()  # (K, 4): b, hkv, row, r
                         lk = loc[ok]
-                        new = _rebuild(S4, idx, lk, sc[..., :s][ok])
+                        if pasa:  # recompute the element with the GEMM's own arithmetic (same bits)
+                            col = lk * s + idx[:, 3]
+                            qe = q16[idx[:, 0], idx[:, 1], idx[:, 2]].unsqueeze(1)  # (K, 1, D)
+                            ke = kb16[idx[:, 0], idx[:, 1], col].unsqueeze(2)  # (K, D, 1)
+                            new = _pasa.fp16_matmul(qe, ke).view(-1).to(f32)
+                        else:
+                            new = _rebuild(S4, idx, lk, sc[..., :s][ok])
                         S4[idx[:, 0], idx[:, 1], idx[:, 2], lk, idx[:, 3]] = new
                     rows = redo.any(-1)
                     if bool(rows.any()):
                         ridx = rows.nonzero()  # (R, 3): b, hkv, row
-                        idx4 = torch.stack([ridx[:, 0], ridx[:, 1], ridx[:, 2] // M, ridx[:, 2] % M], 1)
-                        fresh = ctx.rows_scores(idx4, kb[ridx[:, 0], ridx[:, 1]])
+                        if pasa:  # fp32 accumulation: also repairs a genuine fp16 overflow of the row
+                            fresh = torch.bmm(kb[ridx[:, 0], ridx[:, 1]],
+                                              qs[ridx[:, 0], ridx[:, 1], ridx[:, 2]].unsqueeze(2)).squeeze(2)
+                        else:
+                            idx4 = torch.stack([ridx[:, 0], ridx[:, 1], ridx[:, 2] // M, ridx[:, 2] % M], 1)
+                            fresh = ctx.rows_scores(idx4, kb[ridx[:, 0], ridx[:, 1]])
                         S[ridx[:, 0], ridx[:, 1], ridx[:, 2]] = fresh
+        if pasa:
+            # PASA frame (Algorithm 1, lines 13–15): block mean of S' over the real keys, global
+            # pseudo-average, Δm' corrections; S' enters the frame of F̄_j, the state moves there.
+            sbar = rnd(S[..., :w].mean(-1, keepdim=True) if sbar_all is None else sbar_all[..., j:j + 1])
+            f_new = rnd(_pasa.pseudo_average_update(f_avg, sbar, j))
+            dprev, dcur = _pasa.frame_corrections(f_avg, f_new, sbar, float(beta))
+            dprev, dcur = rnd(dprev), rnd(dcur)
+            f_avg = f_new
+            S = rnd(S + dcur)
+            m = rnd(m + dprev)  # −inf (no state yet) stays −inf
         # 2. bias, masks (-inf where masked, incl. the key padding).
         S5 = S.view(B, Hkv, G, M, block_n)
         if bias5 is not None or amask5 is not None or bmask5 is not None or positional or w < block_n:
@@ -419,7 +524,11 @@ def efta_reference(
                     base = torch.where(all_masked, torch.zeros_like(m_new), m_new)
                     x = S - base
         # 4. P = exp(x) (inverse-function check).
+        if half_state:
+            x = _round16(x)
         P = _exp_ftz(x)
+        if half_state:
+            P = _round16(P)
         P = _apply(sf_probs, P, (B, Hq, M, block_n), j0)
         if detect:
             # P is clamped to the smallest normal before the log: for x ≥ −87 any P below it is a
@@ -441,6 +550,14 @@ def efta_reference(
         # 5. rescale and accumulate (O, and Oc = [Oc1 | Oc2 | lc] through the same α).
         alpha = torch.exp(m - m_new)
         alpha = torch.where((m == _NEG_INF) & (m_new == _NEG_INF), torch.ones_like(alpha), alpha)
+        if half_state:  # every state update rounded to fp16, P·V an FP16 GEMM with FP16 accumulation
+            alpha = _round16(alpha)
+            l = _round16(_round16(l * alpha) + _round16(P.sum(-1, keepdim=True)))
+            l = _apply(sf_rowsum, l, (B, Hq, M, 1), j)
+            pv = _pasa.fp16_matmul(P.to(f16), vp16[:, :, j0:j0 + block_n]).to(f32)
+            acc = _round16(_round16(acc * alpha) + pv)
+            m = m_new
+            continue
         l = l.mul_(alpha).add_(P.sum(-1, keepdim=True))
         l = _apply(sf_rowsum, l, (B, Hq, M, 1), j)
         acc = acc.mul_(alpha).add_(torch.matmul(P, vaug[:, :, j0:j0 + block_n]))
@@ -465,6 +582,8 @@ def efta_reference(
     # 7. normalise, inject, unified verification.
     lsafe = torch.where(l == 0, torch.ones_like(l), l)
     acc = torch.where(l == 0, torch.zeros_like(acc), acc / lsafe)
+    if half_state:
+        acc = _round16(acc)
     O = acc[..., :D]
     O = _apply(sf_output, O, (B, Hq, M, D), 0)
     if detect:

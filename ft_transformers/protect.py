@@ -35,6 +35,7 @@ class _ModuleContext:
         self.detect = cfg.detect and protected
         self.correct = cfg.correct and protected
         self.pasa = cfg.pasa
+        self.pasa_beta = cfg.pasa_beta
         self.layout = layout
         self.calls = 0
 
