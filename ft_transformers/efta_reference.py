@@ -320,7 +320,8 @@ def efta_reference(
             raise ValueError("pasa_precision='fp16' (fp16 softmax state) has no fp16-level check "
                              "thresholds yet: run it with detect=False, or use pasa_precision='fp32'")
         beta = _pasa.optimal_beta(block_n, f16) if pasa_beta is None else pasa_beta
-        _pasa._check_beta(beta)
+        gamma = _pasa.recovery_factor(block_n, beta)  # = β/(1−β) at the optimal β
+        gamma_last = _pasa.recovery_factor(N - (N - 1) // block_n * block_n, beta) if N else gamma
         q = q.to(f16)  # bf16 → fp16 (seed 002, §2.2); values beyond ±65504 become inf
         k = k.to(f16)
     elif pasa_precision not in PASA_PRECISIONS:
@@ -479,7 +480,7 @@ def efta_reference(
             # pseudo-average, Δm' corrections; S' enters the frame of F̄_j, the state moves there.
             sbar = rnd(S[..., :w].mean(-1, keepdim=True) if sbar_all is None else sbar_all[..., j:j + 1])
             f_new = rnd(_pasa.pseudo_average_update(f_avg, sbar, j))
-            dprev, dcur = _pasa.frame_corrections(f_avg, f_new, sbar, float(beta))
+            dprev, dcur = _pasa.frame_corrections(f_avg, f_new, sbar, gamma, gamma_last if w < block_n else None)
             dprev, dcur = rnd(dprev), rnd(dcur)
             f_avg = f_new
             S = rnd(S + dcur)

@@ -26,6 +26,7 @@ import torch
 __all__ = [
     "optimal_beta",
     "invariance",
+    "recovery_factor",
     "shift_coefficients",
     "shifting_matrix",
     "shift_keys",
@@ -83,6 +84,31 @@ def invariance(beta: float) -> float:
     """
     _check_beta(beta)
     return beta / (1.0 - beta)
+
+
+def recovery_factor(n: int, beta: float, dtype: torch.dtype = torch.float16) -> float:
+    """The γ that recovers a block's scores with the shifting matrix *as rounded to* ``dtype``.
+
+    The rounded matrix is ``M = a·I − b·J`` (b = fl(β/n), a = fl(1 − β/n) + b), so the shifted
+    scores are ``S' = a·S − b·n·rowmean(S)`` and ``S ≈ S' + f·rowmean(S')`` with
+    ``f = b·n/(a·(a − b·n)) + (1 − a)/a`` (seed 002, eqs. 20 and 24; the residual
+    ``(1 − a)/a·(S' − rowmean(S'))`` is the part no per-row constant can carry). At the optimal β of
+    `optimal_beta` for this n, f equals `invariance` β/(1 − β) (that is the optimal accuracy
+    condition). A short last key block (fewer keys than the block size the β was chosen for) has
+    its own f, which differs from β/(1 − β) by ~1%: used blindly, that error times the block's
+    mean score (thousands, when the keys carry a large bias) lands in the block's offset.
+
+    Args:
+        n: keys in the block (the size of its shifting matrix).
+        beta: shift factor in (0, 1).
+        dtype: storage format of the shifting matrix.
+    Returns:
+        f as a Python float.
+    """
+    if n < 1:
+        raise ValueError(f"the block must hold at least one key, got n={n}")
+    _check_beta(beta)
+    return _rounded_invariance(float(beta), n, dtype)
 
 
 def _check_beta(beta: float) -> None:
@@ -227,16 +253,26 @@ def pseudo_average_update(f_prev: torch.Tensor | None, sbar: torch.Tensor, j: in
     return (f_prev * j + sbar) / (j + 1)
 
 
-def frame_corrections(f_prev: torch.Tensor | None, f_new: torch.Tensor, sbar: torch.Tensor, beta: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def frame_corrections(f_prev: torch.Tensor | None, f_new: torch.Tensor, sbar: torch.Tensor, gamma: float,
+                      gamma_block: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The maximum corrections of Algorithm 1 line 15: ``(Δm'_{j−1}, Δm'_j)``.
 
-    Frame of block j: scores ``S − γ·F̄_j`` (γ = β/(1 − β)); block j's shifted scores enter it as
-    ``S' + Δm'_j`` with ``Δm'_j = γ·(S̄'_j − F̄_j)``, and state kept in the previous frame moves
-    by ``Δm'_{j−1} = γ·(F̄_{j−1} − F̄_j)``. All (…, 1); for the first block ``f_prev`` is None and
-    ``Δm'_{j−1}`` is 0 (there is no state yet).
+    Frame of block j: scores ``S − γ·F̄_j`` (γ = `recovery_factor` of a full block, which is
+    β/(1 − β) at the optimal β); block j's shifted scores enter it as ``S' + Δm'_j`` with
+    ``Δm'_j = γ·(S̄'_j − F̄_j) + (γ_j − γ)·S̄'_j`` (γ_j: the block's own factor; the second
+    term is 0 except for a short last block), and state kept in the previous frame moves by
+    ``Δm'_{j−1} = γ·(F̄_{j−1} − F̄_j)``.
+
+    Args:
+        f_prev: (…, 1) F̄_{j−1}, or None for the first block (then Δm'_{j−1} = 0: no state yet).
+        f_new: (…, 1) F̄_j from `pseudo_average_update`.
+        sbar: (…, 1) S̄'_j, the block's pseudo-average (`block_pseudo_average`).
+        gamma: γ of a full block; gamma_block: γ_j of this block (None: a full block).
+    Returns:
+        ``(Δm'_{j−1}, Δm'_j)``, both (…, 1).
     """
-    g = invariance(beta)
-    dcur = (sbar - f_new) * g
-    dprev = torch.zeros_like(f_new) if f_prev is None else (f_prev - f_new) * g
+    dcur = (sbar - f_new) * gamma
+    if gamma_block is not None and gamma_block != gamma:
+        dcur = dcur + sbar * (gamma_block - gamma)
+    dprev = torch.zeros_like(f_new) if f_prev is None else (f_prev - f_new) * gamma
     return dprev, dcur
