@@ -56,9 +56,9 @@ _CPU_SHORTCUTS = True
 
 @functools.cache
 def _triton_forward():
-    """``checked_linear_triton_forward`` of ``ft_transformers.kernels.checked_gemm``, or None."""
+    """``checked_linear_triton_forward`` of ``ft_transformers.kernels.abft_gemm``, or None."""
     try:
-        from .kernels import checked_gemm as _kmod  # noqa: PLC0415 (optional, imported on demand)
+        from .kernels import abft_gemm as _kmod  # noqa: PLC0415 (optional, imported on demand)
     except ImportError:
         return None
     return getattr(_kmod, "checked_linear_triton_forward", None)
@@ -73,7 +73,7 @@ def _resolve_backend(backend: str, device: torch.device):
     if backend == "triton":
         if fwd is None:
             raise NotImplementedError(
-                "backend='triton' needs ft_transformers.kernels.checked_gemm.checked_linear_triton_forward, "
+                "backend='triton' needs ft_transformers.kernels.abft_gemm.checked_linear_triton_forward, "
                 "which is not available (not implemented yet, or triton is not installed); "
                 "use backend='reference'"
             )

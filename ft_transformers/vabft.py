@@ -19,10 +19,14 @@ everything per call costs O(M·K + M·N), next to the GEMM's O(M·N·K).
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import re
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,7 +35,11 @@ __all__ = [
     "WeightChecksums",
     "calibrate_emax",
     "checksum_residuals",
+    "clean_residuals",
     "default_emax",
+    "device_name",
+    "device_slug",
+    "load_emax_table",
     "row_stats",
     "sample_matrix",
     "threshold_slack",
@@ -88,6 +96,9 @@ _EMAX_FP32_CUDA = 2e-6
 _EMAX_FP16 = 1e-3  # 2·u_fp16 (u = 2^-11): seeds 003/004, measured above
 _EMAX_BF16 = 8e-3  # 2·u_bf16 (u = 2^-8):  seeds 003/004, measured above
 _EMAX_K_REF = 8192  # the fp32 entries hold for K ≤ this (measured up to it)
+# Fused-kernel (accumulator) fallback on a CUDA device without a table: tensor-core fp32
+# accumulation is not IEEE round-to-nearest, so take 10x the fp32 (cuBLAS SGEMM) entry.
+_EMAX_ACC_CUDA = 2e-5
 
 _EMAX_TABLE: dict[tuple[str, torch.dtype], float] = {
     ("cpu", torch.float32): _EMAX_FP32_CPU,
@@ -117,32 +128,103 @@ def _fp32_matmul_mode(device_type: str) -> str:
     return {"high": "tf32", "medium": "bf16"}.get(global_prec, "ieee")
 
 
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+EMAX_TABLE_DIR = Path(__file__).with_name("emax_tables")
+
+
+def device_slug(name: str) -> str:
+    """File-name form of a device name: ``"NVIDIA H100 80GB HBM3"`` → ``"nvidia_h100_80gb_hbm3"``."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "unknown"
+
+
+def device_name(device_type: str, index: int | None = None) -> str:
+    """The name the e_max tables are keyed by: ``"cpu"`` for every CPU, the CUDA device's name else."""
+    if device_type == "cpu":
+        return "cpu"
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.cuda.current_device() if index is None else index)
+    return device_type
+
+
+@functools.cache
+def load_emax_table(name: str) -> dict | None:
+    """The calibrated table ``emax_tables/<device_slug(name)>.json`` shipped with the package, or None.
+
+    Written by ``scripts/calibrate_emax.py``: ``{"device", "emax": {mode: {dtype name: value}},
+    "k_ref", "k_scaling": {mode: "sqrt" | "linear"}, "measured": ..., ...}``.
+    """
+    path = EMAX_TABLE_DIR / f"{device_slug(name)}.json"
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as fh:
+        table = json.load(fh)
+    emax = table.get("emax", {})
+    for mode in _MODES:
+        for dt in _DTYPE_NAMES.values():
+            v = emax.get(mode, {}).get(dt)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"{path}: emax[{mode}][{dt}] must be a positive number, got {v!r}")
+    return table
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _table_for(device_type: str) -> dict | None:
+    if device_type == "cpu":
+        return load_emax_table("cpu")
+    if device_type == "cuda" and torch.cuda.is_available():
+        return load_emax_table(_cuda_name(torch.cuda.current_device()))
+    return None
+
+
 def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "output", *,
                  k: int | None = None) -> float:
     """The calibrated V-ABFT unit error ``e_max`` for GEMMs producing ``dtype`` on ``device_type``.
 
+    Looks up the device's table (``ft_transformers/emax_tables/<device>.json``, written by
+    ``scripts/calibrate_emax.py``: ``cpu.json`` for CPUs, the CUDA device name otherwise) and falls
+    back to the built-in constants above when there is none (or it lacks the entry).
+
     Args:
         dtype: the GEMM's output dtype (float32, float16 or bfloat16).
-        device_type: ``"cpu"`` or ``"cuda"`` (other devices take the CUDA entries).
+        device_type: ``"cpu"`` or ``"cuda"`` (other devices take the CUDA fallback entries).
         mode: ``"output"`` — verification of the output as stored (the PyTorch path);
-            ``"accumulator"`` — verification of the fp32 accumulator inside a fused kernel.
-        k: the GEMM's inner dimension; fp32 entries are scaled by ``sqrt(k / 8192)`` above 8192.
+            ``"accumulator"`` — verification of the fp32 accumulator inside the fused kernel
+            (`ft_transformers.kernels.abft_gemm`), per input dtype.
+        k: the GEMM's inner dimension; fp32-level entries grow above the table's ``k_ref``
+            (``sqrt(k / k_ref)``, or linearly where the table says so).
     """
     if dtype not in _DTYPES:
         raise TypeError(f"no e_max for {dtype}; V-ABFT supports float16, bfloat16 and float32")
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
     dev = "cpu" if device_type == "cpu" else "cuda"
-    eff = torch.float32 if mode == "accumulator" else dtype
-    if eff == torch.float32:
+    eff = dtype
+    if mode == "output" and dtype == torch.float32:
         fp32 = _fp32_matmul_mode(dev)
         if fp32 == "tf32":
             eff = torch.float16  # 10 stored mantissa bits, like fp16
         elif fp32 == "bf16":
             eff = torch.bfloat16
-    emax = _EMAX_TABLE[(dev, eff)]
-    if eff == torch.float32 and k is not None and k > _EMAX_K_REF:
-        emax *= math.sqrt(k / _EMAX_K_REF)
+    table = _table_for(dev)
+    entry = None
+    if table is not None:
+        entry = table.get("emax", {}).get(mode, {}).get(_DTYPE_NAMES[eff])
+    k_ref, scaling = _EMAX_K_REF, "sqrt"
+    if entry is not None:
+        emax = float(entry)
+        k_ref = int(table.get("k_ref", _EMAX_K_REF))
+        scaling = table.get("k_scaling", {}).get(mode, "sqrt")
+    else:
+        emax = _EMAX_TABLE[(dev, torch.float32 if mode == "accumulator" else eff)]
+        if mode == "accumulator" and dev == "cuda":
+            emax = _EMAX_ACC_CUDA
+    fp32_level = mode == "accumulator" or eff == torch.float32
+    if fp32_level and k is not None and k > k_ref:
+        emax *= (k / k_ref) if scaling == "linear" else math.sqrt(k / k_ref)
     return emax
 
 
@@ -397,82 +479,120 @@ DISTRIBUTIONS = ("N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)", "|N(1,1)|")
 
 
 def sample_matrix(dist: str, shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:
-    """A CPU fp32 sample of one of seed 004 §5.1's distributions (`DISTRIBUTIONS`).
+    """An fp32 sample of one of seed 004 §5.1's distributions (`DISTRIBUTIONS`), on the generator's device.
 
     ``"N(1e-6,1)"``, ``"N(1,1)"``, ``"U(-1,1)"``, ``"TN(0,1)"`` (N(0,1) truncated to [-1, 1]) and
     ``"|N(1,1)|"`` (seed 003 §3.6's positive calibration matrices).
     """
     g = generator
+    dev = g.device
     if dist == "N(1e-6,1)":
-        return torch.randn(shape, generator=g) + 1e-6
+        return torch.randn(shape, generator=g, device=dev) + 1e-6
     if dist == "N(1,1)":
-        return torch.randn(shape, generator=g) + 1.0
+        return torch.randn(shape, generator=g, device=dev) + 1.0
     if dist == "U(-1,1)":
-        return torch.rand(shape, generator=g) * 2 - 1
+        return torch.rand(shape, generator=g, device=dev) * 2 - 1
     if dist == "TN(0,1)":
-        return torch.nn.init.trunc_normal_(torch.empty(shape), 0.0, 1.0, -1.0, 1.0, generator=g)
+        return torch.nn.init.trunc_normal_(torch.empty(shape, device=dev), 0.0, 1.0, -1.0, 1.0, generator=g)
     if dist == "|N(1,1)|":
-        return (torch.randn(shape, generator=g) + 1.0).abs()
+        return (torch.randn(shape, generator=g, device=dev) + 1.0).abs()
     raise ValueError(f"unknown distribution {dist!r}; choose one of {DISTRIBUTIONS}")
+
+
+def _use_kernel(dev: torch.device) -> bool:
+    """Whether accumulator-side residuals come from the fused Triton kernel on ``dev``."""
+    if dev.type == "cuda":
+        return True
+    try:
+        from .kernels import abft_gemm  # noqa: PLC0415
+    except ImportError:
+        return False
+    return dev.type == "cpu" and abft_gemm.interpreting()
+
+
+def clean_residuals(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, mode: str = "output",
+                    csigma: float = 2.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(D1, C1, T1)`` (each (M,), fp32) of one clean checked GEMM ``y = a·wᵀ + b``.
+
+    ``T1`` is the threshold with ``e_max = 1`` (so ``|D1| / T1`` is the smallest e_max that passes).
+    ``mode="output"``: the PyTorch path (``F.linear`` in a's dtype, verified on the rounded output).
+    ``mode="accumulator"``: the fused kernel's own quantities on CUDA (or CPU under the Triton
+    interpreter); elsewhere emulated by verifying ``F.linear`` of the fp32-upcast operands (an fp32
+    accumulator of the same products, rounded nowhere).
+
+    Args:
+        a: (M, K); w: (N, K); b: (N,) or None; one dtype among fp16/bf16/fp32, one device.
+    """
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    if mode == "accumulator" and _use_kernel(a.device):
+        from .kernels.abft_gemm import gemm_residuals  # noqa: PLC0415
+
+        r = gemm_residuals(a, w, b, mode="accumulator", emax=1.0, csigma=csigma)
+        return r["d1"], r["c1"], r["thr"]
+    if mode == "accumulator":
+        y = F.linear(a.float(), w.float(), None if b is None else b.float())
+    else:
+        y = F.linear(a, w, b)
+    wc = WeightChecksums.compute(w, b)
+    x32 = a.float()
+    mu, var = row_stats(x32)
+    d1, _, c1 = checksum_residuals(x32, y.float(), wc)
+    return d1, c1, wc.thresholds(mu, var, 1.0, csigma)
 
 
 def calibrate_emax(dtype: torch.dtype, device: torch.device | str = "cpu",
                    shapes: Sequence[tuple[int, int, int]] = _CAL_SHAPES,
-                   trials: int = 100, seed: int = 0, margin: float = 1.2) -> dict:
+                   trials: int = 100, seed: int = 0, margin: float = 1.2, mode: str = "output") -> dict:
     """Measure ``e_max`` with seed 003's protocol: ``max |D1| / |C1|`` over clean GEMMs.
 
     Each trial draws A = |N(1,1)| (M×K) and W = |N(1,1)| (N×K) (positive, so the checksum has no
-    cancellation), computes ``y = F.linear`` in ``dtype`` on ``device`` and the residuals exactly as
-    the checked linear layer does; every row is one sample. Returns ``{"max": observed max,
-    "emax": max·margin, "per_shape": {(M, K, N): max}, "samples": rows}``.
+    cancellation), computes the checked GEMM in ``dtype`` on ``device`` and its residuals exactly as
+    the verification does (`clean_residuals`, ``mode`` "output" or "accumulator"); every row is one
+    sample. Returns ``{"max": observed max, "emax": max·margin, "per_shape": {(M, K, N): max},
+    "samples": rows}``.
     """
-    import torch.nn.functional as F  # noqa: PLC0415
-
     dev = torch.device(device)
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=dev).manual_seed(seed)
     per_shape: dict[tuple[int, int, int], float] = {}
     samples = 0
     for (m, k, n) in shapes:
-        worst = 0.0
+        worst = torch.zeros((), device=dev)
         for _ in range(trials):
             a = sample_matrix("|N(1,1)|", (m, k), g).to(dev, dtype)
             w = sample_matrix("|N(1,1)|", (n, k), g).to(dev, dtype)
-            y = F.linear(a, w)
-            wc = WeightChecksums.compute(w)
-            d1, _, c1 = checksum_residuals(a.float(), y.float(), wc)
-            worst = max(worst, float((d1.abs() / c1.abs()).max()))
+            d1, c1, _ = clean_residuals(a, w, mode=mode)
+            worst = torch.maximum(worst, (d1.abs() / c1.abs()).max())
             samples += m
-        per_shape[(m, k, n)] = worst
+        per_shape[(m, k, n)] = float(worst)
     mx = max(per_shape.values())
     return {"max": mx, "emax": mx * margin, "per_shape": per_shape, "samples": samples}
 
 
 def threshold_slack(dtype: torch.dtype, device: torch.device | str = "cpu",
                     shapes: Sequence[tuple[int, int, int]] = _CAL_SHAPES, trials: int = 20,
-                    distributions: Sequence[str] = DISTRIBUTIONS, csigma: float = 2.5, seed: int = 0) -> dict:
+                    distributions: Sequence[str] = DISTRIBUTIONS, csigma: float = 2.5, seed: int = 0,
+                    mode: str = "output") -> dict:
     """The smallest ``e_max`` without a false positive: ``max |D1| / T(e_max = 1)`` over clean GEMMs.
 
     For each distribution, ``trials`` GEMMs per shape (M, K, N) with x, W (and, every other
-    trial, a bias) drawn from it, verified exactly as the checked linear layer does. Returns
-    ``{dist: max ratio}``; a table entry ``e_max`` has slack ``e_max / ratio`` over that data.
+    trial, a bias) drawn from it, verified exactly as the checked linear layer (``mode="output"``)
+    or the fused kernel (``mode="accumulator"``) does. Returns ``{dist: max ratio}``; a table entry
+    ``e_max`` has slack ``e_max / ratio`` over that data.
     """
-    import torch.nn.functional as F  # noqa: PLC0415
-
     dev = torch.device(device)
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=dev).manual_seed(seed)
     out: dict[str, float] = {}
     for dist in distributions:
-        worst = 0.0
+        worst = torch.zeros((), device=dev)
         for (m, k, n) in shapes:
             for t in range(trials):
                 a = sample_matrix(dist, (m, k), g).to(dev, dtype)
                 w = sample_matrix(dist, (n, k), g).to(dev, dtype)
                 b = sample_matrix(dist, (n,), g).to(dev, dtype) if t % 2 else None
-                y = F.linear(a, w, b)
-                wc = WeightChecksums.compute(w, b)
-                x32 = a.float()
-                mu, var = row_stats(x32)
-                d1, _, _ = checksum_residuals(x32, y.float(), wc)
-                worst = max(worst, float((d1.abs() / wc.thresholds(mu, var, 1.0, csigma)).max()))
-        out[dist] = worst
+                d1, _, t1 = clean_residuals(a, w, b, mode=mode, csigma=csigma)
+                worst = torch.maximum(worst, (d1.abs() / t1).max())
+        out[dist] = float(worst)
     return out

@@ -1,0 +1,740 @@
+"""V-ABFT checked GEMM ``y = x·Wᵀ + b`` as a Triton kernel that verifies in its FP32 accumulators.
+
+Contract: ``docs/algorithms.md`` ("V-ABFT checked linear") with the verification moved *before* the
+output is rounded (seed 003, "online ABFT"): the row checksum is compared with the row sums of the
+fp32 accumulator tiles, so the threshold's unit error is fp32-level (``default_emax(..., mode=
+"accumulator")``, ~1e-6 instead of 2u of fp16/bf16). Same checks, same counters, same injection site
+as the PyTorch path (`ft_transformers.checked_linear`, which stays the fallback and the oracle).
+
+Design (two launches, no host synchronisation):
+
+1. ``_gemm_kernel`` — a grouped-order tiled GEMM over (BLOCK_M × BLOCK_N) output tiles with one
+   extra column of programs (``pid_n == T``, T = number of N tiles) when checking:
+
+   * GEMM programs: fp32 accumulator ``acc`` (tensor cores for fp16/bf16, IEEE fp32 FMAs for fp32),
+     bias added in fp32, rounded to y's dtype, flips of site ``linear.output`` applied to the
+     *rounded* value (so bit positions mean what they mean on the reference path). The epilogue
+     then reduces the tile's rows into two partial sums ``Σ_n v[m,n]`` and ``Σ_n (n+1)/N·v[m,n]``
+     (v = acc, or the flipped rounded value where a flip landed) and stores them in a (T, M, 2)
+     fp32 buffer: two FMAs per output element, no atomics, a fixed summation order.
+   * Checksum programs (one per row block): stream the x rows once and compute, in plain fp32 on the
+     CUDA cores (no split operands, no extra tensor-core dot), the checksums ``x·w1`` and ``x·w2``
+     (``w1 = Σ_n W[n,:]``, ``w2 = Σ_n (n+1)·W[n,:]``: the cached `WeightChecksums.w12`) and the
+     row statistics of x (max, min, sum) for the V-ABFT threshold. They cost about a quarter of one
+     GEMM tile per row block, i.e. ~1/(4T) of the GEMM, and run concurrently with it.
+
+   Why not append ``w1``/``w2`` as extra output columns of the same GEMM: the checksum operand must
+   keep fp32 accuracy, which in fp16/bf16 means splitting it into 2–3 slices of the input dtype
+   (a second copy of every weight with extra columns, or a register-built split operand; the
+   latter is what gives the EFTA kernel its wgmma false alarms on the H100). Here the checksum math
+   is ordinary fp32 arithmetic on loaded values, and the tensor-core dot is the plain GEMM's.
+
+2. ``_verify_kernel`` (one program per BLOCK_R rows): ``D1 = Σ_T partials − (x·w1 + b1)``, the
+   per-row threshold ``T_m`` from x's statistics and the weight's cached constants (SPEC §5),
+   ``|D1| > T_m`` or non-finite → ``detected``; ``t = D2/D1 ≈ n+1`` locates a single error, which
+   is repaired by recomputing that element (one fp32 dot ``x[m]·W[n] + b[n]``) and re-verified →
+   ``corrected``; other faulty rows are recomputed in the kernel (``x[m]·Wᵀ + b``), at most
+   ``capacity`` (16) rows per call, claimed through one atomic on a per-call slot counter →
+   ``recomputed``; the rest → ``uncorrectable``. Counters are atomics into the caller's (6, 5)
+   int32 block. Non-finite x (found by the checksum programs) or W/b (known when the weight
+   checksums were built) count one ``nonfinite_input`` and switch the call's checks off, as on
+   the reference path.
+
+Block sizes: the ``CONFIGS_*`` lists below are the only place; ``_pick_config`` times the
+candidates once per (dtype, layout, flags, M bucket, N, K) on CUDA and caches the winner (set
+``FTT_ABFT_GEMM_CONFIG=BM,BN,BK,warps,stages`` to force one). While injecting, a fixed config is used
+(flip positions are bucketed per row block). Under ``TRITON_INTERPRET=1`` (CPU tensors) one small
+fixed config runs, and dots of fp16/bf16 operands are taken in fp32 (exact products, fp32 sums:
+the GPU's semantics).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # pragma: no cover - exercised only where triton is missing
+    raise ImportError("ft_transformers.kernels.abft_gemm needs triton") from exc
+
+from ..injection import FaultPlan
+from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
+
+__all__ = [
+    "AbftGemmUnsupported",
+    "CONFIGS_LARGE",
+    "CONFIGS_SMALL",
+    "checked_gemm",
+    "checked_linear_triton_forward",
+    "gemm_residuals",
+    "interpreting",
+]
+
+SITE = "linear.output"
+RECOMPUTE_ROWS = 16  # = checked_linear.RECOMPUTE_ROWS (kept equal by a test)
+LOCATE_TOL = 0.25
+MODES = ("accumulator", "output")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_STATS_W = 8  # fp32 per row in the stats buffer: c1, c2, max, min, sum, (pad)
+
+_SITE_ROW = tl.constexpr(SITE_INDEX[SITE])
+_DET, _COR, _REC, _UNC, _NONF = (tl.constexpr(KIND_INDEX[k]) for k in
+                                 ("detected", "corrected", "recomputed", "uncorrectable", "nonfinite_input"))
+
+
+class AbftGemmUnsupported(ValueError):
+    """The Triton kernel cannot run this call (wrong device, dtype or layout)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Configs (the one place): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+# ------------------------------------------------------------------------------------------------
+
+CONFIGS_LARGE = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]
+CONFIGS_MID = [(64, 128, 64, 4, 4), (64, 256, 64, 8, 3)]  # 16 < M ≤ 64
+CONFIGS_SMALL = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3)]  # M ≤ 16 (decode)
+CONFIGS_FP32 = [(64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (32, 64, 32, 4, 3)]  # IEEE fp32 FMAs
+CONFIG_INJECT = (64, 64, 32, 4, 3)  # fixed while injecting (positions bucketed per row block)
+CONFIG_INTERPRET = (16, 32, 32, 4, 1)
+GROUP_M = 8
+VERIFY_ROWS = 32  # rows per verify program (≥ 16: its recompute uses tl.dot)
+VERIFY_BLOCK = (64, 64)  # (BLOCK_N, BLOCK_K) of the verify kernel's repair/recompute loops
+_TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mma(a, b, acc, F32: tl.constexpr):
+    """acc + a·b; F32: operands in fp32 with IEEE products (fp32 inputs, or the interpreter)."""
+    if F32:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _checksum_rows(X, W12, S, Flag, offs_m, offs_am, m_ok, K, sxm, sxk, call_id,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x·w1, x·w2 and the row statistics (max, min, sum) of x for one row block, plain fp32."""
+    offs_k = tl.arange(0, BLOCK_K)
+    c1 = tl.zeros((BLOCK_M,), tl.float32)
+    c2 = tl.zeros((BLOCK_M,), tl.float32)
+    sm = tl.zeros((BLOCK_M,), tl.float32)
+    mx = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    mn = tl.full((BLOCK_M,), float("inf"), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        xt = tl.load(X + offs_am[:, None] * sxm + kk[None, :] * sxk, mask=k_ok[None, :], other=0.0)
+        xt = xt.to(tl.float32)
+        w1 = tl.load(W12 + kk * 2, mask=k_ok, other=0.0)
+        w2 = tl.load(W12 + kk * 2 + 1, mask=k_ok, other=0.0)
+        c1 += tl.sum(xt * w1[None, :], axis=1)
+        c2 += tl.sum(xt * w2[None, :], axis=1)
+        sm += tl.sum(xt, axis=1)
+        mx = tl.maximum(mx, tl.max(tl.where(k_ok[None, :], xt, -float("inf")), axis=1))
+        mn = tl.minimum(mn, tl.min(tl.where(k_ok[None, :], xt, float("inf")), axis=1))
+    # NaN makes the sum NaN (max/min may ignore it); ±inf shows in max/min
+    nf = ~(tl.abs(sm) < float("inf")) | (mx == float("inf")) | (mn == -float("inf"))
+    if tl.max((nf & m_ok).to(tl.int32), axis=0) > 0:
+        tl.atomic_max(Flag, call_id)
+    srow = S + offs_m * 8
+    tl.store(srow + 0, c1, mask=m_ok)
+    tl.store(srow + 1, c2, mask=m_ok)
+    tl.store(srow + 2, mx, mask=m_ok)
+    tl.store(srow + 3, mn, mask=m_ok)
+    tl.store(srow + 4, sm, mask=m_ok)
+
+
+@triton.jit
+def _gemm_tile(X, W, Y, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, m_ok,
+               M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               HAS_BIAS: tl.constexpr, DETECT: tl.constexpr, VERIFY_OUTPUT: tl.constexpr,
+               INJ: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile: fp32 GEMM + bias, rounding, injection, row partial sums, store."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_bn = offs_n % N
+    a_ptrs = X + offs_am[:, None] * sxm + offs_k[None, :] * sxk
+    b_ptrs = W + offs_k[:, None] * swk + offs_bn[None, :] * swn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            rem = K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < rem, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < rem, other=0.0)
+        acc = _mma(a, b, acc, DOT_F32)
+        a_ptrs += BLOCK_K * sxk
+        b_ptrs += BLOCK_K * swk
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    yv = acc.to(Y.dtype.element_ty)
+    if INJ:
+        # flips at site linear.output, on the rounded value: the (row, col, bit) triples of this
+        # row block (CSR over the row blocks of the fixed injection config)
+        p0 = tl.load(Inj + pid_m)
+        p1 = tl.load(Inj + pid_m + 1)
+        xm = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+        for p in range(p0, p1):
+            r = tl.load(Inj + num_pid_m + 1 + 3 * p)
+            c = tl.load(Inj + num_pid_m + 2 + 3 * p)
+            bit = tl.load(Inj + num_pid_m + 3 + 3 * p)
+            xm = xm ^ tl.where((offs_m[:, None] == r) & (offs_n[None, :] == c), 1 << bit, 0)
+        hit = xm != 0
+        if Y.dtype.element_ty == tl.float32:
+            yf = (yv.to(tl.int32, bitcast=True) ^ xm).to(tl.float32, bitcast=True)
+        else:
+            yf = (yv.to(tl.int16, bitcast=True) ^ xm.to(tl.int16)).to(Y.dtype.element_ty, bitcast=True)
+        yv = tl.where(hit, yf, yv)
+    if DETECT:
+        if VERIFY_OUTPUT:
+            v = yv.to(tl.float32)
+        elif INJ:
+            v = tl.where(hit, yv.to(tl.float32), acc)
+        else:
+            v = acc
+        v = tl.where(n_ok[None, :], v, 0.0)
+        colw = (offs_n + 1).to(tl.float32) * inv_n
+        s1 = tl.sum(v, axis=1)
+        s2 = tl.sum(v * colw[None, :], axis=1)
+        prow = P + (pid_n * M + offs_m) * 2
+        tl.store(prow, s1, mask=m_ok)
+        tl.store(prow + 1, s2, mask=m_ok)
+    tl.store(Y + offs_m[:, None] * sym + offs_n[None, :] * syn, yv, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["call_id"])
+def _gemm_kernel(X, W, Y, Bias, W12, P, S, Inj, Flag, Ws,
+                 M, N, K, sxm, sxk, swn, swk, sym, syn,
+                 inv_n, call_id,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DETECT: tl.constexpr,
+                 VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr, DOT_F32: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """Grouped-order grid over the output tiles (+ one checksum program per row block when DETECT)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    ncols = num_pid_n + (1 if DETECT else 0)
+    in_group = GROUP * ncols
+    group_id = pid // in_group
+    first_m = group_id * GROUP
+    gsize = tl.minimum(num_pid_m - first_m, GROUP)
+    pid_m = first_m + ((pid % in_group) % gsize)
+    pid_n = (pid % in_group) // gsize
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_am = offs_m % M  # wrapped rows: in-bounds loads without a mask, never stored
+    if DETECT:
+        if pid == 0:
+            tl.store(Ws, 0)  # per-call recompute slot counter (read by the verify kernel)
+        if pid_n == num_pid_n:
+            _checksum_rows(X, W12, S, Flag, offs_m, offs_am, m_ok, K, sxm, sxk, call_id, BLOCK_M, BLOCK_K)
+        else:
+            _gemm_tile(X, W, Y, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, m_ok,
+                       M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n,
+                       BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K)
+    else:
+        _gemm_tile(X, W, Y, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, m_ok,
+                   M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n,
+                   BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K)
+
+
+@triton.jit(do_not_specialize=["call_id", "w_finite", "T"])
+def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
+                   M, N, K, T, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
+                   inv_n, fn, inv_k, call_id, w_finite, capacity,
+                   th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
+                   DOT_F32: tl.constexpr):
+    """Compare checksums of BLOCK_R rows, count, repair located single errors, recompute the rest."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < M
+    s1 = tl.zeros((BLOCK_R,), tl.float32)
+    s2 = tl.zeros((BLOCK_R,), tl.float32)
+    for t in range(0, T):
+        prow = P + (t * M + rows) * 2
+        s1 += tl.load(prow, mask=r_ok, other=0.0)
+        s2 += tl.load(prow + 1, mask=r_ok, other=0.0)
+    srow = S + rows * 8
+    c1 = tl.load(srow + 0, mask=r_ok, other=0.0) + tl.load(B12)
+    c2 = tl.load(srow + 1, mask=r_ok, other=0.0) + tl.load(B12 + 1)
+    mx = tl.load(srow + 2, mask=r_ok, other=0.0)
+    mn = tl.load(srow + 3, mask=r_ok, other=0.0)
+    mu = tl.load(srow + 4, mask=r_ok, other=0.0) * inv_k
+    var = tl.maximum((mx - mu) * (mu - mn), 0.0)
+    # T_m (SPEC §5, WeightChecksums.thresholds): host-folded weight constants
+    thr = th_var23 * tl.sqrt(mu * mu * th_v2 + var * th_v3) + th_det * tl.abs(mu) + th_var4 * tl.sqrt(var) + th_bias
+    # checks on for this call: no non-finite x seen by the checksum programs, finite W and b
+    # (tl.where, not `&`, to combine with the scalar: the interpreter mis-types bool & 0-d bool)
+    ok = (tl.load(Flag) != call_id) & (w_finite != 0)
+    d1 = s1 - c1
+    bad = tl.where(ok, ~(tl.abs(d1) <= thr) & r_ok, False)
+    if DEBUG:
+        drow = Dbg + rows * 4
+        tl.store(drow + 0, d1, mask=r_ok)
+        tl.store(drow + 1, c1, mask=r_ok)
+        tl.store(drow + 2, thr, mask=r_ok)
+    n_bad = tl.sum(bad.to(tl.int32), axis=0)
+    n_fix = n_bad * 0
+    n_rec = n_bad * 0
+    n_unc = n_bad
+    if CORRECT:
+        d2 = s2 - c2 * inv_n
+        tq = d2 / d1 * fn
+        j = tl.floor(tq + 0.5)
+        loc = bad & (tl.abs(tq) < float("inf")) & (tl.abs(tq - j) <= 0.25) & (j >= 1.0) & (j <= fn)
+        col = tl.where(loc, j - 1.0, 0.0).to(tl.int32)
+        fixed = loc & (rows < 0)
+        offs_k = tl.arange(0, BLOCK_K)
+        if tl.sum(loc.to(tl.int32), axis=0) > 0:
+            # repair: y[m, col] = fp32 dot x[m]·W[col] + b[col]; re-verify with the repaired value
+            val = tl.zeros((BLOCK_R,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                lm = loc[:, None] & (kk[None, :] < K)
+                xa = tl.load(X + rows[:, None] * sxm + kk[None, :] * sxk, mask=lm, other=0.0).to(tl.float32)
+                wa = tl.load(W + col[:, None] * swn + kk[None, :] * swk, mask=lm, other=0.0).to(tl.float32)
+                val += tl.sum(xa * wa, axis=1)
+            if HAS_BIAS:
+                val += tl.load(Bias + col, mask=loc, other=0.0).to(tl.float32)
+            yptr = Y + rows * sym + col * syn
+            newv = val.to(Y.dtype.element_ty)
+            tl.store(yptr, newv, mask=loc)
+            # re-verify the repaired row as stored (like the reference): re-sum it in fp32 with the
+            # located element replaced (excluded, not subtracted: a flipped value may be ~1e38 and
+            # would swamp the others), against the output-side threshold
+            offs_j = tl.arange(0, BLOCK_N)
+            rs = newv.to(tl.float32)
+            for n0 in range(0, N, BLOCK_N):
+                cols = n0 + offs_j
+                lm2 = loc[:, None] & (cols[None, :] < N) & (cols[None, :] != col[:, None])
+                rs += tl.sum(tl.load(Y + rows[:, None] * sym + cols[None, :] * syn, mask=lm2, other=0.0)
+                             .to(tl.float32), axis=1)
+            fixed = loc & (tl.abs(rs - c1) <= thr * reverify_scale)
+        need = bad & ~fixed
+        n_need = tl.sum(need.to(tl.int32), axis=0)
+        n_fix = tl.sum(fixed.to(tl.int32), axis=0)
+        n_unc = n_need
+        if n_need > 0:
+            base = tl.atomic_add(Ws, n_need)  # fixed capacity per call: claim slots
+            rank = tl.cumsum(need.to(tl.int32), axis=0) - 1
+            take = need & (base + rank < capacity)
+            n_rec = tl.sum(take.to(tl.int32), axis=0)
+            n_unc = n_need - n_rec
+            if n_rec > 0:
+                # recompute the taken rows: x[m]·Wᵀ + b, the GEMM's own arithmetic, no injection
+                offs_j = tl.arange(0, BLOCK_N)
+                for n0 in range(0, N, BLOCK_N):
+                    cols = n0 + offs_j
+                    c_ok = cols < N
+                    acc = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)
+                    for k0 in range(0, K, BLOCK_K):
+                        kk = k0 + offs_k
+                        xa = tl.load(X + rows[:, None] * sxm + kk[None, :] * sxk,
+                                     mask=take[:, None] & (kk[None, :] < K), other=0.0)
+                        wb = tl.load(W + kk[:, None] * swk + cols[None, :] * swn,
+                                     mask=(kk[:, None] < K) & c_ok[None, :], other=0.0)
+                        acc = _mma(xa, wb, acc, DOT_F32)
+                    if HAS_BIAS:
+                        acc += tl.load(Bias + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+                    tl.store(Y + rows[:, None] * sym + cols[None, :] * syn, acc.to(Y.dtype.element_ty),
+                             mask=take[:, None] & c_ok[None, :])
+    cbase = Cnt + _SITE_ROW * scn0
+    if n_bad > 0:
+        tl.atomic_add(cbase + _DET * scn1, n_bad)
+    if n_fix > 0:
+        tl.atomic_add(cbase + _COR * scn1, n_fix)
+    if n_rec > 0:
+        tl.atomic_add(cbase + _REC * scn1, n_rec)
+    if n_unc > 0:
+        tl.atomic_add(cbase + _UNC * scn1, n_unc)
+    if pid == 0:
+        if ok.to(tl.int32) == 0:
+            tl.atomic_add(cbase + _NONF * scn1, 1)
+
+
+def interpreting() -> bool:
+    """True when this module's kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` was
+    set before triton was imported)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(_gemm_kernel, InterpretedFunction)
+
+
+_INTERP = interpreting()
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side
+# ------------------------------------------------------------------------------------------------
+
+_FLAGS: dict[torch.device, torch.Tensor] = {}
+_CALL_ID = [0]
+
+
+def _nonfinite_flag(device: torch.device) -> tuple[torch.Tensor, int]:
+    """Per-device int32 cell + a fresh call id: a checksum program that sees non-finite x raises the
+    cell to the call id (atomic max); the verify kernel compares. Never needs a reset (but wraps)."""
+    flag = _FLAGS.get(device)
+    if flag is None:
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        _FLAGS[device] = flag
+    _CALL_ID[0] += 1
+    if _CALL_ID[0] >= 2**31 - 1:
+        flag.zero_()
+        _CALL_ID[0] = 1
+    return flag, _CALL_ID[0]
+
+
+@dataclass
+class _Launch:
+    """Everything one call needs, resolved on the host (no device reads)."""
+
+    x: torch.Tensor  # (M, K)
+    w: torch.Tensor  # (N, K) or (K, N) storage
+    b: torch.Tensor | None
+    y: torch.Tensor  # (M, N)
+    swn: int
+    swk: int
+
+
+def _bucket(m: int) -> int:
+    return 16 if m <= 16 else 64 if m <= 64 else 1 << min(max(int(m - 1).bit_length(), 7), 13)
+
+
+def _candidates(dtype: torch.dtype, m: int) -> list[tuple[int, int, int, int, int]]:
+    if dtype == torch.float32:
+        return CONFIGS_FP32
+    if m <= 16:
+        return CONFIGS_SMALL
+    if m <= 64:
+        return CONFIGS_MID
+    return CONFIGS_LARGE
+
+
+def _forced_config() -> tuple[int, int, int, int, int] | None:
+    env = os.environ.get("FTT_ABFT_GEMM_CONFIG")
+    if not env:
+        return None
+    vals = tuple(int(v) for v in env.split(","))
+    if len(vals) != 5:
+        raise ValueError(f"FTT_ABFT_GEMM_CONFIG must be 'BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages', got {env!r}")
+    return vals  # type: ignore[return-value]
+
+
+def _inj_table(plan: FaultPlan | None, m: int, n: int, dtype: torch.dtype, device: torch.device,
+               block_m: int) -> torch.Tensor | None:
+    """int32 [CSR over row blocks (num_blocks + 1) | (row, col, bit) triples], or None.
+
+    Positions and bits are those `SiteFaults.apply` would flip on the reference path (bit mode: the
+    drawn positions; BER mode: the same generator draws over the whole (M, N) output)."""
+    if not plan:
+        return None
+    sf = plan.for_site(SITE, (m, n), dtype, device)
+    if sf is None:
+        return None
+    if sf.spec.bit is not None:
+        pos = sf.positions
+        if pos is None or pos.numel() == 0:
+            return None
+        rows, cols = pos[:, 0].to(torch.int64), pos[:, 1].to(torch.int64)
+        bits = torch.full_like(rows, int(sf.spec.bit))
+    else:
+        from ..injection import derive_seed  # noqa: PLC0415
+
+        g = torch.Generator().manual_seed(derive_seed(sf.seed, 0))
+        flip = torch.rand((m, n), generator=g) < float(sf.spec.ber)
+        allbits = torch.randint(0, sf.nbits, (m, n), generator=g)
+        idx = flip.nonzero()
+        if idx.numel() == 0:
+            return None
+        rows, cols = idx[:, 0], idx[:, 1]
+        bits = allbits[rows, cols]
+    sf.injected += int(rows.numel())
+    nblk = -(-m // block_m)
+    order = torch.argsort(rows, stable=True)
+    rows, cols, bits = rows[order], cols[order], bits[order]
+    counts = torch.bincount(rows // block_m, minlength=nblk)
+    csr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+    trip = torch.stack([rows, cols, bits], dim=1).reshape(-1)
+    return torch.cat([csr, trip]).to(torch.int32).to(device)
+
+
+def _threshold_consts(wc, emax: float, csigma: float) -> tuple[float, ...]:
+    """Host constants of `WeightChecksums.thresholds`: (det, v2, v3, var23, var4, bias)."""
+    n = float(wc.n)
+    return (emax * n * wc.sum_abs_mu, n * wc.sum_var, n * n * wc.sum_mu2, emax * csigma,
+            emax * csigma * math.sqrt(n * wc.sum_var),
+            emax * (n * abs(wc.bias_mu) + csigma * math.sqrt(n) * wc.bias_sd))
+
+
+def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, S, inj, flag, ws, call_id, detect, verify_output, dot_f32):
+    bm, bn, bk, warps, stages = cfg
+    m, k = L.x.shape
+    n = L.y.shape[1]
+    t = triton.cdiv(n, bn)
+    grid = (triton.cdiv(m, bm) * (t + (1 if detect else 0)),)
+    _gemm_kernel[grid](
+        L.x, L.w, L.y, bias if bias is not None else L.y, w12, P, S, inj if inj is not None else ws, flag, ws,
+        m, n, k, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1),
+        1.0 / n, call_id,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, HAS_BIAS=bias is not None, DETECT=detect,
+        VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0,
+        num_warps=warps, num_stages=stages,
+    )
+
+
+def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, kn: bool):
+    """The block sizes for this call: forced, interpreter, or timed once per shape key (CUDA)."""
+    forced = _forced_config()
+    if forced is not None:
+        return forced
+    if _INTERP:
+        return CONFIG_INTERPRET
+    m, k = L.x.shape
+    n = L.y.shape[1]
+    key = (L.x.dtype, kn, bias is not None, detect, verify_output, _bucket(m), n, k)
+    cfg = _TUNE_CACHE.get(key)
+    if cfg is not None:
+        return cfg
+    cands = _candidates(L.x.dtype, m)
+    if len(cands) == 1:
+        _TUNE_CACHE[key] = cands[0]
+        return cands[0]
+    dev = L.x.device
+    bn_min = min(c[1] for c in cands)
+    P = torch.empty((triton.cdiv(n, bn_min), m, 2), dtype=torch.float32, device=dev)
+    S = torch.empty((m, _STATS_W), dtype=torch.float32, device=dev)
+    ws = torch.zeros(2, dtype=torch.int32, device=dev)
+    w12 = torch.zeros((k, 2), dtype=torch.float32, device=dev)
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    y_scratch = torch.empty_like(L.y)
+    Ls = _Launch(L.x, L.w, L.b, y_scratch, L.swn, L.swk)
+    best, best_t = None, float("inf")
+    for c in cands:
+        def run(c=c):
+            _launch_gemm(c, Ls, bias=bias, w12=w12, P=P, S=S, inj=None, flag=flag, ws=ws, call_id=0,
+                         detect=detect, verify_output=verify_output, dot_f32=dot_f32)
+        try:
+            ms = triton.testing.do_bench(run, warmup=5, rep=20)
+        except Exception:  # noqa: BLE001 - a config that does not fit (shared memory, registers)
+            continue
+        if ms < best_t:
+            best, best_t = c, ms
+    if best is None:
+        raise RuntimeError(f"no Triton config of the checked GEMM ran for {key}")
+    _TUNE_CACHE[key] = best
+    return best
+
+
+def _check_device(t: torch.Tensor) -> None:
+    dev = t.device
+    if dev.type == "cuda":
+        return
+    if dev.type == "cpu" and _INTERP:
+        return
+    hint = ""
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        hint = (" (TRITON_INTERPRET=1 is set, but triton was imported before it was: set it before anything "
+                "imports triton)")
+    raise AbftGemmUnsupported("the Triton checked GEMM needs CUDA tensors (or CPU tensors with "
+                              f"TRITON_INTERPRET=1), got {dev}{hint}; use backend='reference'")
+
+
+def checked_gemm(
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    weight_is_kn: bool = False,
+    wc=None,
+    emax: float | None = None,
+    csigma: float = 2.5,
+    detect: bool = True,
+    correct: bool = True,
+    plan: FaultPlan | None = None,
+    counters: torch.Tensor | None = None,
+    mode: str = "accumulator",
+    debug: torch.Tensor | None = None,
+    capacity: int = RECOMPUTE_ROWS,
+) -> torch.Tensor:
+    """The checked GEMM on 2-D operands; events are added into ``counters``.
+
+    Args:
+        x2d: (M, K) fp16/bf16/fp32, CUDA (or CPU under ``TRITON_INTERPRET=1``), any strides.
+        weight: (N, K) (``nn.Linear``) or, with ``weight_is_kn``, (K, N) (GPT-2 ``Conv1D``); x's dtype.
+        bias: (N,) or None.
+        wc: the weight's `WeightChecksums` (of exactly ``weight``/``bias``); None builds them.
+        emax: threshold unit error; None = ``default_emax(dtype, device, mode, k=K)``.
+        detect / correct: verify / repair (``correct=False`` counts ``detected`` + ``uncorrectable``).
+        plan: faults at ``linear.output`` (logical shape (M, N), y's dtype), or None.
+        counters: (6, 5) int32 counter block on x's device (required when ``detect``).
+        mode: ``"accumulator"`` (verify the fp32 accumulators, default) or ``"output"`` (verify the
+            rounded output, like the PyTorch path; for studies and calibration).
+        debug: optional (M, 4) fp32 tensor receiving per row ``D1``, ``C1``, ``T_m``.
+        capacity: rows recomputed per call at most.
+    Returns:
+        y (M, N) in x's dtype.
+    """
+    from ..vabft import WeightChecksums, default_emax  # noqa: PLC0415
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for name, t in (("x", x2d), ("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise AbftGemmUnsupported(f"{name} has dtype {t.dtype}; the checked GEMM supports float16, bfloat16 "
+                                      "and float32")
+    if x2d.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"x must be 2-D (M, K) and weight 2-D, got {tuple(x2d.shape)} and {tuple(weight.shape)}")
+    k_w, n = weight.shape if weight_is_kn else weight.shape[::-1]
+    m, k = x2d.shape
+    if k != k_w:
+        raise ValueError(f"x has K = {k} columns but weight {tuple(weight.shape)} has in_features = {k_w}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    if weight.dtype != x2d.dtype or (bias is not None and bias.dtype != x2d.dtype):
+        raise TypeError("x, weight and bias must share one dtype")
+    _check_device(x2d)
+    if weight.device != x2d.device or (bias is not None and bias.device != x2d.device):
+        raise ValueError("x, weight and bias must be on one device")
+    dev = x2d.device
+    y = torch.empty((m, n), dtype=x2d.dtype, device=dev)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:  # nothing to multiply (or to verify): the bias, plus any injected flips
+        y.copy_(bias.expand(m, n) if bias is not None else torch.zeros((), dtype=y.dtype, device=dev))
+        sf = plan.for_site(SITE, (m, n), y.dtype, dev) if plan else None
+        return sf.apply(y, dim=-1, start=0) if sf is not None else y
+    correct = bool(correct and detect)
+    if detect and (counters is None or tuple(counters.shape) != COUNTER_SHAPE or counters.dtype != torch.int32
+                   or counters.device != dev):
+        raise ValueError(f"counters must be an int32 {COUNTER_SHAPE} tensor on {dev}")
+    swn, swk = (weight.stride(1), weight.stride(0)) if weight_is_kn else (weight.stride(0), weight.stride(1))
+    L = _Launch(x2d, weight, bias, y, swn, swk)
+    dot_f32 = x2d.dtype == torch.float32 or _INTERP
+    verify_output = mode == "output"
+    if plan:
+        cfg = _forced_config() or (CONFIG_INTERPRET if _INTERP else CONFIG_INJECT)
+        inj = _inj_table(plan, m, n, y.dtype, dev, cfg[0])
+    else:
+        inj = None
+    if inj is None:
+        cfg = _pick_config(L, bias=bias, detect=detect, verify_output=verify_output, dot_f32=dot_f32,
+                           kn=weight_is_kn)
+    flag, call_id = _nonfinite_flag(dev)
+    if not detect:
+        _launch_gemm(cfg, L, bias=bias, w12=y, P=y, S=y, inj=inj, flag=flag, ws=flag, call_id=call_id,
+                     detect=False, verify_output=False, dot_f32=dot_f32)
+        return y
+    if wc is None:
+        wc = WeightChecksums.compute(weight, bias, weight_is_kn=weight_is_kn)
+    if emax is None:
+        emax = default_emax(y.dtype, dev.type, mode, k=k)
+    t = triton.cdiv(n, cfg[1])
+    P = torch.empty((t, m, 2), dtype=torch.float32, device=dev)
+    S = torch.empty((m, _STATS_W), dtype=torch.float32, device=dev)
+    ws = torch.empty(2, dtype=torch.int32, device=dev)
+    _launch_gemm(cfg, L, bias=bias, w12=wc.w12, P=P, S=S, inj=inj, flag=flag, ws=ws, call_id=call_id,
+                 detect=True, verify_output=verify_output, dot_f32=dot_f32)
+    th = _threshold_consts(wc, float(emax), float(csigma))
+    # a repaired row is re-verified as stored (rounded): with the output-side unit error
+    reverify = 1.0 if verify_output else max(1.0, default_emax(y.dtype, dev.type, "output", k=k) / float(emax))
+    vbn, vbk = VERIFY_BLOCK
+    _verify_kernel[(triton.cdiv(m, VERIFY_ROWS),)](
+        x2d, weight, y, bias if bias is not None else y, wc.b12, P, S, flag, ws, counters,
+        debug if debug is not None else P,
+        m, n, k, t, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1),
+        counters.stride(0), counters.stride(1),
+        1.0 / n, float(n), 1.0 / k, call_id, int(bool(wc.finite)), int(capacity), *th, reverify,
+        BLOCK_R=VERIFY_ROWS, BLOCK_N=vbn, BLOCK_K=vbk, HAS_BIAS=bias is not None, CORRECT=correct,
+        DEBUG=debug is not None, DOT_F32=dot_f32, num_warps=4,
+    )
+    return y
+
+
+def gemm_residuals(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   weight_is_kn: bool = False, mode: str = "accumulator", emax: float = 1.0,
+                   csigma: float = 2.5, plan: FaultPlan | None = None) -> dict[str, torch.Tensor]:
+    """Run the kernel without repair and return its verification quantities (calibration, studies).
+
+    Returns ``{"y": (M, N), "d1": (M,), "c1": (M,), "thr": (M,), "counters": (6, 5)}``: ``d1`` the
+    checksum difference, ``c1`` the expected row sum ``x·w1 + b1``, ``thr`` the threshold with the
+    given ``emax`` (1.0 gives ``T_m / e_max``), all fp32 as the kernel computed them.
+    """
+    from ..counters import new_counters  # noqa: PLC0415
+
+    dbg = torch.zeros((x2d.shape[0], 4), dtype=torch.float32, device=x2d.device)
+    cnt = new_counters(x2d.device)
+    y = checked_gemm(x2d, weight, bias, weight_is_kn=weight_is_kn, emax=emax, csigma=csigma, detect=True,
+                     correct=False, plan=plan, counters=cnt, mode=mode, debug=dbg)
+    return {"y": y, "d1": dbg[:, 0], "c1": dbg[:, 1], "thr": dbg[:, 2], "counters": cnt}
+
+
+def checked_linear_triton_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    weight_is_kn: bool,
+    emax: float | None,
+    csigma: float,
+    detect: bool,
+    correct: bool,
+    plan: FaultPlan | None,
+    counters: torch.Tensor | None,
+    cache_owner: object | None = None,
+    mode: str = "accumulator",
+) -> torch.Tensor:
+    """`ft_transformers.checked_linear`'s Triton backend: x (..., K) → y (..., N), events into ``counters``.
+
+    Same arguments as the reference forward (`checked_linear._checked_linear_forward`); the weight
+    checksums are cached on ``cache_owner`` (per autocast dtype). Under autocast the operands are
+    cast like autocast would and the kernel runs on the cast tensors.
+    """
+    from ..checked_linear import _autocast_dtype  # noqa: PLC0415
+    from ..counters import new_counters  # noqa: PLC0415
+    from ..vabft import weight_checksums  # noqa: PLC0415
+
+    _check_device(x)
+    cast = _autocast_dtype(x.device.type)
+    w_src, b_src = weight, bias
+    if cast is not None:
+        x = x.to(cast)
+        weight = weight.to(cast)
+        bias = bias.to(cast) if bias is not None else None
+    k = weight.shape[0] if weight_is_kn else weight.shape[1]
+    n = weight.shape[1] if weight_is_kn else weight.shape[0]
+    lead = tuple(x.shape[:-1])
+    x2d = x.reshape(-1, k)
+    wc = None
+    if detect and x2d.shape[0] > 0 and n > 0 and k > 0:
+        wc = weight_checksums(w_src, b_src, weight_is_kn=weight_is_kn, cache_owner=cache_owner, cast=cast)
+        if counters is None:
+            counters = new_counters(x.device)
+    y = checked_gemm(x2d, weight, bias, weight_is_kn=weight_is_kn, wc=wc, emax=emax, csigma=csigma,
+                     detect=detect and wc is not None, correct=correct, plan=plan, counters=counters, mode=mode)
+    return y.reshape(*lead, n)

@@ -1,0 +1,168 @@
+"""Throughput of the fused V-ABFT checked GEMM against cuBLAS and the PyTorch checked path.
+
+Side by side in one run, per shape (M, N, K) and dtype (fp16, bf16), all on one CUDA device:
+
+* ``cublas``       — ``torch.nn.functional.linear`` (the unprotected layer),
+* ``fused``        — `ft_transformers.kernels.abft_gemm` with verification in the fp32 accumulators,
+* ``triton_plain`` — the same Triton GEMM with the checks compiled out (the kernel's own speed),
+* ``torch_checked``— the PyTorch checked path (`checked_linear(..., backend="reference")`).
+
+Shapes: M = N = K squares ≥ 2048 (the issue's ≥ 0.90× cuBLAS target), decode shapes M = 1…16 at
+real model widths (Qwen2-0.5B 896→4864 and 4864→896, SmolLM2-135M 576→1536), and transformer-layer
+shapes (batch·seq = 4096 tokens through Qwen2-0.5B / Llama-7B projections). Times are medians of
+``triton.testing.do_bench`` (L2 flushed between runs); TFLOP/s = 2·M·N·K / time. Writes CSV, a
+markdown table headed by device and versions, and a plot of throughput relative to cuBLAS.
+
+    python scripts/bench_linear.py --out docs/bench_linear          # full
+    python scripts/bench_linear.py --quick --out /tmp/bench         # a few shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+SQUARES = [2048, 4096, 8192]
+DECODE = [(m, n, k) for (n, k) in ((4864, 896), (896, 4864), (1536, 576)) for m in (1, 4, 16)]
+LAYERS = [(4096, 896 * 3, 896), (4096, 4864, 896), (4096, 896, 4864), (4096, 4096 * 3, 4096),
+          (4096, 11008, 4096), (4096, 4096, 11008)]
+
+
+def shapes(quick: bool) -> list[tuple[str, int, int, int]]:
+    out = [("square", s, s, s) for s in (SQUARES[:2] if quick else SQUARES)]
+    out += [("decode", m, n, k) for (m, n, k) in (DECODE[::3] if quick else DECODE)]
+    out += [("layer", m, n, k) for (m, n, k) in (LAYERS[:2] if quick else LAYERS)]
+    return out
+
+
+def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_torch_checked: bool
+              ) -> tuple[dict[str, float], int, float]:
+    """Times (ms) of each method on ``F.linear(x, w, b)``; the fused call's event count and max error."""
+    import triton.testing
+    from ft_transformers.kernels import abft_gemm
+
+    import ft_transformers as ftt
+    from ft_transformers.counters import new_counters
+    from ft_transformers.vabft import weight_checksums
+
+    owner = torch.nn.Module()  # holds the cached weight checksums, like a real layer
+    cnt = new_counters(x.device)
+
+    def fused():
+        return abft_gemm.checked_linear_triton_forward(
+            x, w, b, weight_is_kn=False, emax=None, csigma=2.5, detect=True, correct=True, plan=None,
+            counters=cnt, cache_owner=owner)
+
+    def plain():
+        return abft_gemm.checked_linear_triton_forward(
+            x, w, b, weight_is_kn=False, emax=None, csigma=2.5, detect=False, correct=False, plan=None,
+            counters=cnt, cache_owner=owner)
+
+    def cublas():
+        return F.linear(x, w, b)
+
+    def torch_checked():
+        return ftt.checked_linear(x, w, b, backend="reference")[0]
+
+    with torch.no_grad():
+        weight_checksums(w, b, cache_owner=owner)
+        ref = x.double() @ w.double().t() + b.double()
+        y = fused()
+        err = float((y.double() - ref).abs().max() / ref.abs().max())
+        events = int(cnt.sum())
+        fns = {"cublas": cublas, "fused": fused, "triton_plain": plain}
+        if with_torch_checked:
+            fns["torch_checked"] = torch_checked
+        times = {name: triton.testing.do_bench(fn, warmup=10, rep=rep) for name, fn in fns.items()}
+    return times, events, err
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("docs/bench_linear"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dtypes", default="float16,bfloat16")
+    ap.add_argument("--no-torch-checked", action="store_true", help="skip the PyTorch checked path")
+    ap.add_argument("--rep", type=int, default=50, help="do_bench rep (ms)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_linear.py needs a CUDA device (the Triton kernel is compiled for it)")
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows: list[dict] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for dt_name in args.dtypes.split(","):
+        dt = getattr(torch, dt_name)
+        for (kind, m, n, k) in shapes(args.quick):
+            g = torch.Generator(device=dev).manual_seed(0)
+            x = torch.randn(m, k, device=dev, generator=g).to(dt)
+            w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt)
+            b = torch.randn(n, device=dev, generator=g).to(dt)
+            times, events, err = bench_one(x, w, b, args.rep, not args.no_torch_checked)
+            flops = 2.0 * m * n * k
+            row = {"kind": kind, "dtype": dt_name, "M": m, "N": n, "K": k, "events": events, "rel_err": err}
+            for name, ms in times.items():
+                row[f"{name}_us"] = round(ms * 1e3, 2)
+                row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
+            row["fused_vs_cublas"] = round(times["cublas"] / times["fused"], 3)
+            row["plain_vs_cublas"] = round(times["cublas"] / times["triton_plain"], 3)
+            row["fused_vs_plain"] = round(times["triton_plain"] / times["fused"], 3)
+            if "torch_checked" in times:
+                row["torch_checked_vs_cublas"] = round(times["cublas"] / times["torch_checked"], 3)
+            rows.append(row)
+            print(f"{dt_name:8s} {kind:6s} M={m:5d} N={n:5d} K={k:5d}  cuBLAS {row['cublas_tflops']:6.1f} TF/s  "
+                  f"fused {row['fused_tflops']:6.1f} ({row['fused_vs_cublas']:.3f}x)  plain "
+                  f"{row['plain_vs_cublas']:.3f}x  torch-checked "
+                  f"{row.get('torch_checked_vs_cublas', float('nan')):.3f}x"
+                  f"  events {events}  err {err:.1e}", flush=True)
+    keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
+    with open(args.out.with_suffix(".csv"), "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=keys)
+        wr.writeheader()
+        wr.writerows(rows)
+    head = (f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
+            f"CUDA {torch.version.cuda}, Python {platform.python_version()}. Throughput relative to cuBLAS "
+            "(`F.linear`), higher is better; medians of `triton.testing.do_bench`.\n\n")
+    lines = ["| dtype | kind | M | N | K | cuBLAS TFLOP/s | fused TFLOP/s | fused / cuBLAS | Triton plain / cuBLAS "
+             "| fused / plain | PyTorch checked / cuBLAS |", "|" + " --- |" * 11]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['kind']} | {r['M']} | {r['N']} | {r['K']} | {r['cublas_tflops']} | "
+                     f"{r['fused_tflops']} | {r['fused_vs_cublas']:.3f} | {r['plain_vs_cublas']:.3f} | "
+                     f"{r['fused_vs_plain']:.3f} | {r.get('torch_checked_vs_cublas', '')} |")
+    args.out.with_suffix(".md").write_text(head + "\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.45), 4))
+        labels = [f"{r['dtype'][:4]} {r['M']}x{r['N']}x{r['K']}" for r in rows]
+        xs = range(len(rows))
+        wdt = 0.27
+        ax.bar([i - wdt for i in xs], [r["fused_vs_cublas"] for r in rows], wdt, label="fused checked")
+        ax.bar(list(xs), [r["plain_vs_cublas"] for r in rows], wdt, label="Triton plain")
+        ax.bar([i + wdt for i in xs], [r.get("torch_checked_vs_cublas", 0) for r in rows], wdt,
+               label="PyTorch checked")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(0.9, color="r", lw=0.8, ls="--", label="0.90 target")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels, rotation=70, fontsize=7)
+        ax.set_ylabel("throughput / cuBLAS")
+        ax.set_title(f"checked linear vs cuBLAS on {torch.cuda.get_device_name()}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(args.out.with_suffix(".png"), dpi=120)
+    except ImportError:
+        pass
+    return rows
+
+
+if __name__ == "__main__":
+    main()

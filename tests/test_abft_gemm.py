@@ -1,0 +1,332 @@
+"""The fused Triton V-ABFT checked GEMM (``ft_transformers.kernels.abft_gemm``).
+
+Oracles: float64 ``torch.matmul`` for the values, the PyTorch checked path (``backend="reference"``)
+for the counters under injection (same site, positions and bits: for high exponent bits both paths
+must count the same), and float64 checksums for the kernel's verification quantities.
+
+Without CUDA the kernel runs under the Triton interpreter (``TRITON_INTERPRET=1``, set before triton
+is imported) on small shapes; when another module imported triton first (transformers does), the
+file re-runs itself in a fresh process. ``gpu``-marked tests use real shapes on CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from ft_transformers.kernels import abft_gemm as G  # noqa: E402
+
+import ft_transformers as ftt  # noqa: E402
+from ft_transformers.counters import FaultStats, new_counters  # noqa: E402
+from ft_transformers.injection import FaultPlan, FaultSpec  # noqa: E402
+from ft_transformers.vabft import WeightChecksums, sample_matrix  # noqa: E402
+
+_cl = importlib.import_module("ft_transformers.checked_linear")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SUBPROCESS = DEV == "cpu" and not G.interpreting()
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DISTS = ["N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)"]
+ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+HIGH_BIT = {torch.float32: (27, 28, 29, 30), torch.float16: (12, 13, 14), torch.bfloat16: (11, 12, 13, 14)}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_available(request):
+    if SUBPROCESS and request.node.originalname != "test_interpreted_in_subprocess":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1: covered by test_interpreted_in_subprocess")
+
+
+def test_interpreted_in_subprocess():
+    if not SUBPROCESS:
+        pytest.skip("this session runs the kernel directly")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", __file__],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
+
+
+def _rand(shape, dtype, seed, scale=1.0, dist=None):
+    g = torch.Generator().manual_seed(seed)
+    t = sample_matrix(dist, shape, g) if dist else torch.randn(shape, generator=g)
+    return (t * scale).to(dtype).to(DEV)
+
+
+def _ref64(x, w, b=None, kn=False):
+    w64 = w.double().cpu()
+    y = x.double().cpu() @ (w64 if kn else w64.t())
+    return y + b.double().cpu() if b is not None else y
+
+
+def _run(x, w, b=None, *, kn=False, plan=None, correct=True, detect=True, mode="accumulator", emax=None):
+    cnt = new_counters(x.device)
+    with torch.no_grad():
+        y = G.checked_gemm(x, w, b, weight_is_kn=kn, plan=plan, counters=cnt, correct=correct, detect=detect,
+                           mode=mode, emax=emax)
+    return y, dict(FaultStats(cnt))
+
+
+ZERO = {"detected": 0, "corrected": 0, "recomputed": 0, "uncorrectable": 0, "nonfinite_input": 0}
+
+
+# --------------------------------------------------------------------------- clean values
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kn", [False, True], ids=["linear", "conv1d"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_matches_float64_matmul(dtype, kn, with_bias):
+    m, k, n = 37, 80, 50  # ragged: every tile edge is masked
+    x = _rand((m, k), dtype, 1)
+    w = _rand((k, n) if kn else (n, k), dtype, 2, scale=k**-0.5)
+    b = _rand((n,), dtype, 3) if with_bias else None
+    y, st = _run(x, w, b, kn=kn)
+    ref = _ref64(x, w, b, kn)
+    assert y.shape == (m, n) and y.dtype == dtype
+    tol = 2 * ULP[dtype]
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    assert st == ZERO
+    # detect=False is the plain GEMM: same values
+    y0, st0 = _run(x, w, b, kn=kn, detect=False)
+    assert torch.equal(y0, y) and st0 == ZERO
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_clean_calls_raise_no_detection_four_distributions(dtype):
+    """Default (table) e_max in accumulator mode: no detection on clean data, with and without bias."""
+    total = {k: 0 for k in ZERO}
+    calls = 0
+    scale = 1e-2 if dtype == torch.float16 else 1.0
+    for i, dist in enumerate(DISTS):
+        for j, (m, k, n) in enumerate([(32, 96, 48), (16, 256, 64), (48, 64, 96)]):
+            x = _rand((m, k), dtype, 10 * i + j, scale, dist)
+            w = _rand((n, k), dtype, 100 + 10 * i + j, scale, dist)
+            b = _rand((n,), dtype, 200 + i + j, scale, dist) if j % 2 else None
+            _, st = _run(x, w, b)
+            calls += 1
+            for key in total:
+                total[key] += st[key]
+    assert calls == 12 and total == ZERO, total
+
+
+def test_checksums_and_residuals_against_float64():
+    """The kernel's C1 is x·(Σ_n W[n,:]) + Σ b; its accumulator-side D1 is fp32-level small, far below
+    the output-side D1 (which contains the fp16 rounding of every output)."""
+    m, k, n = 24, 128, 96
+    x = _rand((m, k), torch.float16, 5)
+    w = _rand((n, k), torch.float16, 6, 0.1)
+    b = _rand((n,), torch.float16, 7)
+    acc = G.gemm_residuals(x, w, b, mode="accumulator")
+    out = G.gemm_residuals(x, w, b, mode="output")
+    c1_64 = x.double().cpu() @ w.double().cpu().sum(0) + b.double().cpu().sum()
+    torch.testing.assert_close(acc["c1"].double().cpu(), c1_64, rtol=1e-5, atol=1e-4)
+    y64 = _ref64(x, w, b)
+    d1_out_64 = out["y"].double().cpu().sum(1) - c1_64  # output rounding, measured in float64
+    torch.testing.assert_close(out["d1"].double().cpu(), d1_out_64, rtol=1e-3, atol=2e-4)
+    assert acc["d1"].abs().max() < 2e-4 * y64.abs().sum(1).max()
+    assert acc["d1"].abs().max() < 0.05 * out["d1"].abs().max()
+    assert (acc["thr"] > 0).all() and torch.equal(acc["thr"], out["thr"])
+
+
+# --------------------------------------------------------------------------- injection
+
+
+_ITY = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_single_exponent_flips_detected_corrected_like_reference(dtype):
+    """Single 0→1 flips of high exponent bits at linear.output through the public API: the Triton
+    backend finds, locates and repairs them, and counts exactly like the reference path (same
+    positions, same bits)."""
+    bsz, seq, k, n = 2, 9, 64, 40
+    checked = 0
+    for bit in HIGH_BIT[dtype]:
+        for seed in range(8):
+            x = _rand((bsz, seq, k), dtype, 300 + seed)
+            w = _rand((n, k), dtype, 400 + seed, k**-0.5)
+            b = _rand((n,), dtype, 500 + seed)
+            spec = FaultSpec(site="linear.output", bit=bit, count=1, seed=seed)
+            with torch.no_grad():
+                clean = F.linear(x, w, b)
+                r, c = FaultPlan(spec).for_site("linear.output", (bsz * seq, n), dtype, DEV).positions[0].tolist()
+                if (clean.reshape(-1, n)[r, c].view(_ITY[dtype]) >> bit) & 1:
+                    continue  # a 1→0 flip (shrinks the value); seed 004 measures 0→1
+                y_t, st_t = ftt.checked_linear(x, w, b, inject=spec, backend="triton")
+                y_r, st_r = ftt.checked_linear(x, w, b, inject=spec, backend="reference")
+            st_t, st_r = dict(st_t), dict(st_r)
+            assert st_t == st_r, (bit, seed, st_t, st_r)
+            assert st_t["detected"] == 1 and st_t["corrected"] + st_t["recomputed"] == 1, st_t
+            torch.testing.assert_close(y_t.float(), clean.float(), rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
+            checked += 1
+    assert checked >= len(HIGH_BIT[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_many_flips_capacity_and_flags_like_reference(dtype):
+    """Rows with several flips are recomputed (at most 16 per call), the rest uncorrectable, like the
+    reference (which may miss a small 1→0 flip that the accumulator check finds and corrects)."""
+    m, k, n = 40, 32, 6
+    bit = 28 if dtype == torch.float32 else 12
+    x = _rand((m, k), dtype, 11, 4.0)
+    w = _rand((n, k), dtype, 12)
+    spec = FaultSpec(site="linear.output", bit=bit, count=90, seed=3)
+    for kw in ({}, {"correct": False}, {"detect": False}):
+        with torch.no_grad():
+            y_t, st_t = ftt.checked_linear(x, w, inject=spec, backend="triton", **kw)
+            y_r, st_r = ftt.checked_linear(x, w, inject=spec, backend="reference", **kw)
+        st_t, st_r = dict(st_t), dict(st_r)
+        assert st_t["detected"] >= st_r["detected"], (kw, st_t, st_r)
+        assert st_t["detected"] == st_t["corrected"] + st_t["recomputed"] + st_t["uncorrectable"]
+        if not kw:
+            assert st_t["recomputed"] == st_r["recomputed"] == 16
+            assert st_t["uncorrectable"] == st_r["uncorrectable"] > 0
+            assert st_t["corrected"] - st_r["corrected"] == st_t["detected"] - st_r["detected"]
+        else:  # nothing repaired: the same flipped output (up to the GEMMs' rounding)
+            assert st_t["corrected"] == st_t["recomputed"] == 0
+            torch.testing.assert_close(y_t.float(), y_r.float(), rtol=max(4 * ULP[dtype], 1e-4), atol=1e-3)
+    assert st_t == ZERO
+
+
+def test_accumulator_mode_catches_low_bits_the_output_mode_misses():
+    """bf16 bit-8 flips (×4 or ÷4 of one element) hidden in output-side rounding noise are found in
+    the accumulators."""
+    m, k, n = 64, 128, 64
+    x = _rand((m, k), torch.bfloat16, 21)
+    w = _rand((n, k), torch.bfloat16, 22, k**-0.5)
+    spec = FaultSpec(site="linear.output", bit=8, count=12, seed=5)
+    _, st_acc = _run(x, w, plan=FaultPlan(spec))
+    _, st_out = _run(x, w, plan=FaultPlan(spec), mode="output", emax=8e-3)
+    assert st_acc["detected"] > st_out["detected"]
+    assert st_acc["detected"] == st_acc["corrected"] + st_acc["recomputed"] + st_acc["uncorrectable"]
+
+
+def test_ber_mode_matches_reference_positions():
+    x = _rand((8, 48), torch.float32, 31, 8.0)
+    w = _rand((24, 48), torch.float32, 32)
+    spec = FaultSpec(site="linear.output", ber=0.01, seed=4)
+    with torch.no_grad():
+        y_t, _ = ftt.checked_linear(x, w, inject=spec, backend="triton", detect=False)
+        y_r, _ = ftt.checked_linear(x, w, inject=spec, backend="reference", detect=False)
+        c_t, _ = ftt.checked_linear(x, w, backend="triton", detect=False)
+    flipped_t = (y_t.view(torch.int32) ^ c_t.view(torch.int32)) != 0
+    flipped_r = (y_r.view(torch.int32) ^ F.linear(x, w).view(torch.int32)) != 0
+    assert flipped_t.any() and torch.equal(flipped_t, flipped_r)
+    ratio = y_t[flipped_t].abs() / c_t[flipped_t].abs()  # same bits: same factor on both paths
+    torch.testing.assert_close(ratio, y_r[flipped_r].abs() / F.linear(x, w)[flipped_r].abs(), rtol=1e-3, atol=0)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@pytest.mark.parametrize("where", ["x-nan", "x-inf", "w-inf"])
+def test_nonfinite_inputs_count_once_and_skip_checks(where):
+    x = _rand((20, 32), torch.float32, 41)
+    w = _rand((24, 32), torch.float32, 42)
+    if where == "x-nan":
+        x[3, 5] = float("nan")
+    elif where == "x-inf":
+        x[17, 0] = float("-inf")
+    else:
+        w[2, 7] = float("inf")
+    y, st = _run(x, w)
+    assert st == dict(ZERO, nonfinite_input=1)
+    torch.testing.assert_close(y.cpu(), F.linear(x, w).cpu(), equal_nan=True, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = _rand((4, 8), torch.float32, 0)
+    w = _rand((5, 8), torch.float32, 1)
+    cnt = new_counters(DEV)
+    with pytest.raises(G.AbftGemmUnsupported, match="float16, bfloat16"):
+        G.checked_gemm(x.double(), w.double(), None, counters=cnt)
+    with pytest.raises(TypeError, match="share one dtype"):
+        G.checked_gemm(x.half(), w, None, counters=cnt)
+    with pytest.raises(ValueError, match="in_features"):
+        G.checked_gemm(x[:, :7], w, None, counters=cnt)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        G.checked_gemm(x, w, torch.zeros(4, device=DEV), counters=cnt)
+    with pytest.raises(ValueError, match="counters"):
+        G.checked_gemm(x, w, None, counters=torch.zeros(3, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="mode"):
+        G.checked_gemm(x, w, None, counters=cnt, mode="fused")
+    with pytest.raises(ValueError, match="2-D"):
+        G.checked_gemm(x[None], w, None, counters=cnt)
+    # the public entry point validates before dispatching to the kernel
+    with pytest.raises(ValueError, match="in_features"):
+        ftt.checked_linear(torch.randn(3, 7, device=DEV), w, backend="triton")
+    assert G.RECOMPUTE_ROWS == _cl.RECOMPUTE_ROWS
+
+
+def test_degenerate_shapes():
+    w = _rand((6, 8), torch.float32, 1)
+    y, st = _run(torch.zeros((0, 8), device=DEV), w)
+    assert y.shape == (0, 6) and st == ZERO
+    b = _rand((6,), torch.float32, 2)
+    y, st = _run(torch.zeros((3, 0), device=DEV), torch.zeros((6, 0), device=DEV), b)
+    assert torch.equal(y, b.expand(3, 6)) and st == ZERO
+
+
+def test_autocast_and_cached_weight_checksums():
+    lin = torch.nn.Linear(48, 24).to(DEV)
+    x = _rand((5, 48), torch.float32, 3)
+    cnt = new_counters(DEV)
+    with torch.no_grad():
+        y = G.checked_linear_triton_forward(x, lin.weight, lin.bias, weight_is_kn=False, emax=None, csigma=2.5,
+                                            detect=True, correct=True, plan=None, counters=cnt, cache_owner=lin)
+        wc = lin._ftt_vabft_checksums[None][-1]
+        assert isinstance(wc, WeightChecksums)
+        torch.testing.assert_close(y, lin(x), rtol=1e-5, atol=1e-5)
+        lin.weight.mul_(2.0)  # in-place update: the cache must refresh
+        y2 = G.checked_linear_triton_forward(x, lin.weight, lin.bias, weight_is_kn=False, emax=None, csigma=2.5,
+                                             detect=True, correct=True, plan=None, counters=cnt, cache_owner=lin)
+        torch.testing.assert_close(y2, lin(x), rtol=1e-5, atol=1e-5)
+    assert int(cnt.sum()) == 0
+
+
+# --------------------------------------------------------------------------- GPU, real shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_real_shapes_clean_and_flips(dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    calls = 0
+    total = {k: 0 for k in ZERO}
+    scale = 1e-2 if dtype == torch.float16 else 1.0
+    for dist in DISTS:
+        for (m, k, n) in [(1, 896, 4864), (16, 4864, 896), (512, 2048, 2048), (2048, 4096, 1024)]:
+            x = (sample_matrix(dist, (m, k), g) * scale).to(dtype)
+            w = (sample_matrix(dist, (n, k), g) * scale / k**0.5).to(dtype)
+            b = (sample_matrix(dist, (n,), g) * scale).to(dtype)
+            y, st = _run(x, w, b)
+            calls += 1
+            for key in total:
+                total[key] += st[key]
+            ref = x.double() @ w.double().t() + b.double()
+            err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 4 * ULP[dtype], (dist, m, k, n, err)
+    assert total == ZERO, f"false positives over {calls} calls: {total}"
+    for bit in HIGH_BIT[dtype]:
+        x = torch.randn(4, 256, 1024, device="cuda", generator=g).to(dtype)
+        w = (torch.randn(2048, 1024, device="cuda", generator=g) / 32).to(dtype)
+        spec = FaultSpec(site="linear.output", bit=bit, count=8, seed=bit)
+        with torch.no_grad():
+            y_t, st_t = ftt.checked_linear(x, w, inject=spec, backend="triton")
+            y_r, st_r = ftt.checked_linear(x, w, inject=spec, backend="reference")
+        assert dict(st_t) == dict(st_r), (bit, dict(st_t), dict(st_r))
+        assert st_t["detected"] >= 4 and st_t["uncorrectable"] == 0
+        clean = F.linear(x, w)
+        torch.testing.assert_close(y_t.float(), clean.float(), rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
