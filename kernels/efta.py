@@ -20,8 +20,9 @@ Layout of one program (query block × (batch, head)), tutorial style:
   N = 16 next to the main GEMM. ``Kc2 = Σ_l (l+1)·K[l·16+r]`` and ``Sc2`` serve only to locate a
   fault, so they are computed only in the (rare) branch where some group failed: same D2, same
   counters, a third less checksum work on the clean path.
-* **GEMM II checksums**: ``[Vc1 | Vc2]`` (interleaved into one N = 32 operand, same splitting) go
-  through the same ``P`` and the same α rescale as ``O``; they have to be carried.
+* **GEMM II checksums**: ``Vc1`` and ``Vc2`` (two N = 16 operands, same splitting) go through the
+  same ``P`` and the same α rescale as ``O``; they have to be carried. They are computed
+  transposed (``Vcᵀ·Pᵀ``, M = 16: mma.sync), see the comment at ``oc1``.
 * **Steps 3–5**: SNVR row-max check, per-element inverse check of ``P = exp(x)`` via ``log``,
   row sum ``l`` (fp32 sum of P) and its independent twin ``lc`` (a differently ordered grouped
   reduction of the same P), ``O += P·V`` with P rounded to the input dtype (as flash attention
@@ -163,16 +164,32 @@ def _dot(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
-def _split_dot(a, b, bmax, PARTS: tl.constexpr, SCALE: tl.constexpr, F32: tl.constexpr):
-    """a·b in fp32 where b is an fp32 checksum operand: b is split into PARTS slices of a's dtype.
+def _lo_dot(x, y, acc, F32: tl.constexpr, LEFT: tl.constexpr):
+    """acc + x·y (LEFT: x is the slice, y the low-precision operand) or acc + y·x (not LEFT)."""
+    if LEFT:
+        acc = _dot(x, y, acc, F32)
+    else:
+        acc = _dot(y, x, acc, F32)
+    return acc
+
+
+@triton.jit
+def _split_dot(a, b, bmax, PARTS: tl.constexpr, SCALE: tl.constexpr, F32: tl.constexpr,
+               LEFT: tl.constexpr = False):
+    """a·b in fp32 where b is an fp32 checksum operand, split into PARTS slices of a's dtype;
+    LEFT: b·a instead (b on the left).
 
     fp16 (PARTS=2, SCALE): b is scaled by a power of two so that bmax (an upper bound of |b|, at
     most 8× above its max) lands in [2^14, 2^15), then hi + lo (22 significant bits; no overflow,
     and what goes subnormal is < 2^-25 of the max). bf16 (PARTS=3): hi + mid + lo (24 bits; bf16
     has fp32's range). fp32 (PARTS=1): one IEEE fp32 dot.
     """
+    if LEFT:
+        shape: tl.constexpr = (b.shape[0], a.shape[1])
+    else:
+        shape: tl.constexpr = (a.shape[0], b.shape[1])
     if PARTS == 1:
-        z = _dot(a, b, tl.zeros((a.shape[0], b.shape[1]), tl.float32), True)
+        z = _lo_dot(b, a, tl.zeros(shape, tl.float32), True, LEFT)
     else:
         ic = 1.0
         if SCALE:
@@ -182,12 +199,12 @@ def _split_dot(a, b, bmax, PARTS: tl.constexpr, SCALE: tl.constexpr, F32: tl.con
             ic = ((254 - f) << 23).to(tl.float32, bitcast=True)
         part = b.to(a.dtype)
         rest = b - part.to(tl.float32)
-        z = _dot(a, part, tl.zeros((a.shape[0], b.shape[1]), tl.float32), F32)
+        z = _lo_dot(part, a, tl.zeros(shape, tl.float32), F32, LEFT)
         part2 = rest.to(a.dtype)
-        z = _dot(a, part2, z, F32)
+        z = _lo_dot(part2, a, z, F32, LEFT)
         if PARTS == 3:
             rest2 = rest - part2.to(tl.float32)
-            z = _dot(a, rest2.to(a.dtype), z, F32)
+            z = _lo_dot(rest2.to(a.dtype), a, z, F32, LEFT)
         z = z * ic
     return z
 
@@ -399,7 +416,11 @@ def _efta_fwd(
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     # checksum state
     lc = tl.zeros((BLOCK_M,), tl.float32)
-    occ = tl.zeros((BLOCK_M, 32), tl.float32)  # [Oc1 | Oc2] interleaved: column 2r = Oc1[r], 2r+1 = Oc2[r]
+    # GEMM II checksums, transposed: Oc1ᵀ = Vc1ᵀ·Pᵀ and Oc2ᵀ = Vc2ᵀ·Pᵀ (16, BLOCK_M), carried through the
+    # same α rescale as O. (Transposed, the dot has M = 16 and compiles to mma.sync; as P·Vc, a wgmma
+    # with a register-built operand accumulated across the loop, it gave wrong sums on the H100.)
+    oc1 = tl.zeros((16, BLOCK_M), tl.float32)
+    oc2 = tl.zeros((16, BLOCK_M), tl.float32)
     nvalid = tl.zeros((BLOCK_M,), tl.int32)
     vmax = tl.zeros((16,), tl.float32)
     cnt = tl.zeros((32,), tl.int32)
@@ -433,7 +454,6 @@ def _efta_fwd(
             vg = tl.reshape(v.to(tl.float32), (BLOCK_N, LVP, 16))
             vc1 = tl.sum(vg, axis=1)  # (BLOCK_N, 16)
             vc2 = tl.sum(vg * wv[None, :, None], axis=1)
-            vc = tl.reshape(tl.join(vc1, vc2), (BLOCK_N, 32))  # one N = 32 operand for GEMM II
             vabs = tl.sum(tl.abs(vg), axis=1)
             vtile = _colmax(vabs, INTERP)  # (16,) NaN-propagating: non-finite V shows up in vmax
             vmax = _max_nan(vmax, vtile)
@@ -539,8 +559,10 @@ def _efta_fwd(
         acc = _dot(pd, v, acc * alpha[:, None], DOT_F32)
         if DETECT:
             lc = lc * alpha + tl.sum(tl.sum(tl.reshape(p, (BLOCK_M, L, 16)), axis=2), axis=1)
-            occ = occ * alpha[:, None] + _split_dot(pd, vc, tl.max(vtile, axis=0) * LVP, PARTS, SCALE_CS,
-                                                    DOT_F32)
+            vcmax = tl.max(vtile, axis=0)  # ≥ max |Vc1|; ·LVP ≥ max |Vc2|
+            pt = tl.trans(pd)
+            oc1 = oc1 * alpha[None, :] + _split_dot(pt, tl.trans(vc1), vcmax, PARTS, SCALE_CS, DOT_F32, True)
+            oc2 = oc2 * alpha[None, :] + _split_dot(pt, tl.trans(vc2), vcmax * LVP, PARTS, SCALE_CS, DOT_F32, True)
         m_i = m_new
 
     # ---- 6. row sum check ----
@@ -566,7 +588,8 @@ def _efta_fwd(
     if INJ_O != 0:
         o = _inject(o, Inj, 4, INJ_O, bh, offs_m[:, None], offs_d[None, :], M, D)
     if DETECT:
-        o1, o2 = tl.split(tl.reshape(tl.where(lzero, 0.0, occ / l_i[:, None]), (BLOCK_M, 16, 2)))
+        o1 = tl.where(lzero, 0.0, tl.trans(oc1) / l_i[:, None])
+        o2 = tl.where(lzero, 0.0, tl.trans(oc2) / l_i[:, None])
         og = tl.reshape(o, (BLOCK_M, LVP, 16))
         d1 = o1 - tl.sum(og, axis=1)
         d2 = o2 - tl.sum(og * wv[None, :, None], axis=1)
