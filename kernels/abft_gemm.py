@@ -42,7 +42,8 @@ Design (two launches, no host synchronisation):
 
 Block sizes: the ``CONFIGS_*`` lists below are the only place; ``_pick_config`` times the
 candidates once per (dtype, layout, flags, M bucket, N, K) on CUDA and caches the winner (set
-``FTT_ABFT_GEMM_CONFIG=BM,BN,BK,warps,stages`` to force one). While injecting, a fixed config is used
+``FTT_ABFT_GEMM_CONFIG=BM,BN,BK,warps,stages`` to force one, ``FTT_ABFT_GEMM_TUNE=0`` to take each
+list's first entry without timing). While injecting, a fixed config is used
 (flip positions are bucketed per row block). Under ``TRITON_INTERPRET=1`` (CPU tensors) one small
 fixed config runs, and dots of fp16/bf16 operands are taken in fp32 (exact products, fp32 sums:
 the GPU's semantics).
@@ -518,7 +519,7 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, kn: bool):
     if cfg is not None:
         return cfg
     cands = _candidates(L.x.dtype, m)
-    if len(cands) == 1:
+    if len(cands) == 1 or os.environ.get("FTT_ABFT_GEMM_TUNE", "1") == "0":
         _TUNE_CACHE[key] = cands[0]
         return cands[0]
     dev = L.x.device
