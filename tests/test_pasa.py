@@ -29,8 +29,9 @@ from ft_transformers.pasa import (
 FP16_MAX_ROUNDS_TO_INF = 65520.0  # |x| ≥ 65504 + half an ulp rounds to inf in fp16
 
 
-def ref64(q, k, v, scale=None, causal=False, mask=None):
-    """softmax(scale·q·kᵀ)·v in float64 (GQA by repeating k/v; bool mask True = attend)."""
+def ref64(q, k, v, scale=None, causal=False, mask=None, bias=None, window=None):
+    """softmax(scale·q·kᵀ + bias)·v in float64 (GQA by repeating k/v; bool mask True = attend;
+    causal and window aligned bottom-right)."""
     q, k, v = q.double(), k.double(), v.double()
     G = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(G, 1)
@@ -38,8 +39,12 @@ def ref64(q, k, v, scale=None, causal=False, mask=None):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = q @ k.transpose(-1, -2) * scale
     M, N = s.shape[-2:]
+    if bias is not None:
+        s = s + bias.double()
     if causal:
         s = s.masked_fill(torch.ones(M, N, dtype=torch.bool).triu(N - M + 1), -math.inf)
+    if window is not None:  # key j visible iff j > i + N - M - window
+        s = s.masked_fill(torch.ones(M, N, dtype=torch.bool).tril(N - M - window), -math.inf)
     if mask is not None:
         s = s.masked_fill(~mask, -math.inf)
     return torch.softmax(s, -1) @ v
@@ -217,6 +222,12 @@ def test_pasa_masks_gqa_short_blocks():
         out, stats = efta_attention(q, k, v, pasa=True, causal=causal, attn_mask=mask)
         assert stats["detected"] == 0
         assert rmse(out, ref) < 1e-3
+    # additive bias (T5-style position bias) and a sliding window (Qwen2)
+    bias = torch.randn(1, 4, 20, 150, generator=gen)
+    ref = ref64(q, k, v, causal=True, bias=bias, window=40)
+    out, stats = efta_attention(q, k, v, pasa=True, causal=True, bias=bias, window=40)
+    assert stats["detected"] == 0
+    assert rmse(out, ref) < 1e-3
 
 
 # --------------------------------------------------------------------------------------------
