@@ -35,11 +35,9 @@ def _triton_module():
     return kmod if hasattr(kmod, "efta_triton_forward") else None
 
 
-# dtypes for which backend="auto" picks the Triton kernel on CUDA. The kernel's fp16/bf16 checksum
-# path raised false alarms (and, in some configs, illegal memory accesses) on the H100 in its first
-# GPU run (2026-11-23); until that is fixed and measured, "auto" keeps those dtypes on the reference
-# path. backend="triton" still runs the kernel for any dtype.
-_AUTO_TRITON_DTYPES = (torch.float32,)
+# dtypes for which backend="auto" picks the Triton kernel on CUDA: all three since the fp16/bf16
+# checksum path was fixed and its GPU tests passed on the H100 (docs/triton_efta_gpu.md).
+_AUTO_TRITON_DTYPES = _DTYPES
 
 
 def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = torch.float32):
