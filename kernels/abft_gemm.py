@@ -103,6 +103,7 @@ CONFIGS_FP32 = [(64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (32, 64, 32, 4, 3)]  # 
 CONFIG_INJECT = (64, 64, 32, 4, 3)  # fixed while injecting (positions bucketed per row block)
 CONFIG_INTERPRET = (16, 32, 32, 4, 1)
 GROUP_M = 8
+CS_K_CHUNK = 512  # columns of x per checksum program (K is split over several per row block)
 VERIFY_ROWS = 32  # rows per verify program (≥ 16: its recompute uses tl.dot)
 VERIFY_BLOCK = (64, 64)  # (BLOCK_N, BLOCK_K) of the verify kernel's repair/recompute loops
 _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
@@ -124,37 +125,47 @@ def _mma(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
-def _checksum_rows(X, W12, S, Flag, offs_m, offs_am, m_ok, K, sxm, sxk, call_id,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x·w1, x·w2 and the row statistics (max, min, sum) of x for one row block, plain fp32."""
-    offs_k = tl.arange(0, BLOCK_K)
-    c1 = tl.zeros((BLOCK_M,), tl.float32)
-    c2 = tl.zeros((BLOCK_M,), tl.float32)
-    sm = tl.zeros((BLOCK_M,), tl.float32)
-    mx = tl.full((BLOCK_M,), -float("inf"), tl.float32)
-    mn = tl.full((BLOCK_M,), float("inf"), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+def _checksum_rows(X, W12, S, Flag, split, offs_m, offs_am, m_ok, M, K, k_chunk, sxm, sxk, call_id,
+                   BLOCK_M: tl.constexpr, CS_BK: tl.constexpr):
+    """x·w1, x·w2 and the row statistics (max, min, sum) of x over one K chunk of one row block.
+
+    Plain fp32, accumulated elementwise in (BLOCK_M, CS_BK) tiles and reduced once after the loop
+    (no reductions inside the loop: cheaper, and clear of a Triton pass that asserts on them)."""
+    offs_k = tl.arange(0, CS_BK)
+    k_lo = split * k_chunk
+    k_hi = tl.minimum(K, k_lo + k_chunk)
+    c1 = tl.zeros((BLOCK_M, CS_BK), tl.float32)
+    c2 = tl.zeros((BLOCK_M, CS_BK), tl.float32)
+    sm = tl.zeros((BLOCK_M, CS_BK), tl.float32)
+    mx = tl.full((BLOCK_M, CS_BK), -float("inf"), tl.float32)
+    mn = tl.full((BLOCK_M, CS_BK), float("inf"), tl.float32)
+    for k0 in range(k_lo, k_hi, CS_BK):
         kk = k0 + offs_k
-        k_ok = kk < K
+        k_ok = kk < k_hi
         xt = tl.load(X + offs_am[:, None] * sxm + kk[None, :] * sxk, mask=k_ok[None, :], other=0.0)
         xt = xt.to(tl.float32)
         w1 = tl.load(W12 + kk * 2, mask=k_ok, other=0.0)
         w2 = tl.load(W12 + kk * 2 + 1, mask=k_ok, other=0.0)
-        c1 += tl.sum(xt * w1[None, :], axis=1)
-        c2 += tl.sum(xt * w2[None, :], axis=1)
-        sm += tl.sum(xt, axis=1)
-        mx = tl.maximum(mx, tl.max(tl.where(k_ok[None, :], xt, -float("inf")), axis=1))
-        mn = tl.minimum(mn, tl.min(tl.where(k_ok[None, :], xt, float("inf")), axis=1))
+        c1 += xt * w1[None, :]
+        c2 += xt * w2[None, :]
+        sm += xt
+        mx = tl.maximum(mx, tl.where(k_ok[None, :], xt, -float("inf")))
+        mn = tl.minimum(mn, tl.where(k_ok[None, :], xt, float("inf")))
+    c1r = tl.sum(c1, axis=1)
+    c2r = tl.sum(c2, axis=1)
+    smr = tl.sum(sm, axis=1)
+    mxr = tl.max(mx, axis=1)
+    mnr = tl.min(mn, axis=1)
     # NaN makes the sum NaN (max/min may ignore it); ±inf shows in max/min
-    nf = ~(tl.abs(sm) < float("inf")) | (mx == float("inf")) | (mn == -float("inf"))
+    nf = ~(tl.abs(smr) < float("inf")) | (mxr == float("inf")) | (mnr == -float("inf"))
     if tl.max((nf & m_ok).to(tl.int32), axis=0) > 0:
         tl.atomic_max(Flag, call_id)
-    srow = S + offs_m * 8
-    tl.store(srow + 0, c1, mask=m_ok)
-    tl.store(srow + 1, c2, mask=m_ok)
-    tl.store(srow + 2, mx, mask=m_ok)
-    tl.store(srow + 3, mn, mask=m_ok)
-    tl.store(srow + 4, sm, mask=m_ok)
+    srow = S + (split * M + offs_m) * 8
+    tl.store(srow + 0, c1r, mask=m_ok)
+    tl.store(srow + 1, c2r, mask=m_ok)
+    tl.store(srow + 2, mxr, mask=m_ok)
+    tl.store(srow + 3, mnr, mask=m_ok)
+    tl.store(srow + 4, smr, mask=m_ok)
 
 
 @triton.jit
@@ -219,19 +230,20 @@ def _gemm_tile(X, W, Y, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, 
     tl.store(Y + offs_m[:, None] * sym + offs_n[None, :] * syn, yv, mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["call_id"])
+@triton.jit(do_not_specialize=["call_id", "n_split"])
 def _gemm_kernel(X, W, Y, Bias, W12, P, S, Inj, Flag, Ws,
                  M, N, K, sxm, sxk, swn, swk, sym, syn,
-                 inv_n, call_id,
+                 inv_n, call_id, k_chunk, n_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DETECT: tl.constexpr,
                  VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr, DOT_F32: tl.constexpr,
-                 EVEN_K: tl.constexpr):
-    """Grouped-order grid over the output tiles (+ one checksum program per row block when DETECT)."""
+                 EVEN_K: tl.constexpr, CS_BK: tl.constexpr):
+    """Grouped-order grid over the output tiles (+ n_split checksum programs per row block, each
+    over k_chunk columns of x, when DETECT)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    ncols = num_pid_n + (1 if DETECT else 0)
+    ncols = num_pid_n + (n_split if DETECT else 0)
     in_group = GROUP * ncols
     group_id = pid // in_group
     first_m = group_id * GROUP
@@ -244,8 +256,9 @@ def _gemm_kernel(X, W, Y, Bias, W12, P, S, Inj, Flag, Ws,
     if DETECT:
         if pid == 0:
             tl.store(Ws, 0)  # per-call recompute slot counter (read by the verify kernel)
-        if pid_n == num_pid_n:
-            _checksum_rows(X, W12, S, Flag, offs_m, offs_am, m_ok, K, sxm, sxk, call_id, BLOCK_M, BLOCK_K)
+        if pid_n >= num_pid_n:
+            _checksum_rows(X, W12, S, Flag, pid_n - num_pid_n, offs_m, offs_am, m_ok, M, K, k_chunk, sxm, sxk,
+                           call_id, BLOCK_M, CS_BK)
         else:
             _gemm_tile(X, W, Y, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, m_ok,
                        M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n,
@@ -256,9 +269,9 @@ def _gemm_kernel(X, W, Y, Bias, W12, P, S, Inj, Flag, Ws,
                    BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K)
 
 
-@triton.jit(do_not_specialize=["call_id", "w_finite", "T"])
+@triton.jit(do_not_specialize=["call_id", "w_finite", "T", "n_split"])
 def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
-                   M, N, K, T, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
+                   M, N, K, T, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
                    inv_n, fn, inv_k, call_id, w_finite, capacity,
                    th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -274,12 +287,19 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
         prow = P + (t * M + rows) * 2
         s1 += tl.load(prow, mask=r_ok, other=0.0)
         s2 += tl.load(prow + 1, mask=r_ok, other=0.0)
-    srow = S + rows * 8
-    c1 = tl.load(srow + 0, mask=r_ok, other=0.0) + tl.load(B12)
-    c2 = tl.load(srow + 1, mask=r_ok, other=0.0) + tl.load(B12 + 1)
-    mx = tl.load(srow + 2, mask=r_ok, other=0.0)
-    mn = tl.load(srow + 3, mask=r_ok, other=0.0)
-    mu = tl.load(srow + 4, mask=r_ok, other=0.0) * inv_k
+    c1 = tl.zeros((BLOCK_R,), tl.float32) + tl.load(B12)
+    c2 = tl.zeros((BLOCK_R,), tl.float32) + tl.load(B12 + 1)
+    sm = tl.zeros((BLOCK_R,), tl.float32)
+    mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
+    mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
+    for sp in range(0, n_split):
+        srow = S + (sp * M + rows) * 8
+        c1 += tl.load(srow + 0, mask=r_ok, other=0.0)
+        c2 += tl.load(srow + 1, mask=r_ok, other=0.0)
+        mx = tl.maximum(mx, tl.load(srow + 2, mask=r_ok, other=0.0))
+        mn = tl.minimum(mn, tl.load(srow + 3, mask=r_ok, other=0.0))
+        sm += tl.load(srow + 4, mask=r_ok, other=0.0)
+    mu = sm * inv_k
     var = tl.maximum((mx - mu) * (mu - mn), 0.0)
     # T_m (SPEC §5, WeightChecksums.thresholds): host-folded weight constants
     thr = th_var23 * tl.sqrt(mu * mu * th_v2 + var * th_v3) + th_det * tl.abs(mu) + th_var4 * tl.sqrt(var) + th_bias
@@ -489,18 +509,30 @@ def _threshold_consts(wc, emax: float, csigma: float) -> tuple[float, ...]:
             emax * (n * abs(wc.bias_mu) + csigma * math.sqrt(n) * wc.bias_sd))
 
 
+def _split(k: int) -> tuple[int, int]:
+    """(k_chunk, n_split): the checksum programs of a row block each take ≤ CS_K_CHUNK columns of x."""
+    n_split = max(1, triton.cdiv(k, CS_K_CHUNK))
+    return triton.cdiv(triton.cdiv(k, n_split), 64) * 64, n_split  # chunks start 64-aligned
+
+
+def _cs_bk(bm: int) -> int:
+    """Column width of the checksum programs' fp32 tiles (5 of them live across the loop)."""
+    return max(16, min(64, 4096 // bm))
+
+
 def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, S, inj, flag, ws, call_id, detect, verify_output, dot_f32):
     bm, bn, bk, warps, stages = cfg
     m, k = L.x.shape
     n = L.y.shape[1]
     t = triton.cdiv(n, bn)
-    grid = (triton.cdiv(m, bm) * (t + (1 if detect else 0)),)
+    k_chunk, n_split = _split(k)
+    grid = (triton.cdiv(m, bm) * (t + (n_split if detect else 0)),)
     _gemm_kernel[grid](
         L.x, L.w, L.y, bias if bias is not None else L.y, w12, P, S, inj if inj is not None else ws, flag, ws,
         m, n, k, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1),
-        1.0 / n, call_id,
+        1.0 / n, call_id, k_chunk, n_split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, HAS_BIAS=bias is not None, DETECT=detect,
-        VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0,
+        VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0, CS_BK=_cs_bk(bm),
         num_warps=warps, num_stages=stages,
     )
 
@@ -525,7 +557,7 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, kn: bool):
     dev = L.x.device
     bn_min = min(c[1] for c in cands)
     P = torch.empty((triton.cdiv(n, bn_min), m, 2), dtype=torch.float32, device=dev)
-    S = torch.empty((m, _STATS_W), dtype=torch.float32, device=dev)
+    S = torch.empty((_split(k)[1], m, _STATS_W), dtype=torch.float32, device=dev)
     ws = torch.zeros(2, dtype=torch.int32, device=dev)
     w12 = torch.zeros((k, 2), dtype=torch.float32, device=dev)
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -657,7 +689,8 @@ def checked_gemm(
         emax = default_emax(y.dtype, dev.type, mode, k=k)
     t = triton.cdiv(n, cfg[1])
     P = torch.empty((t, m, 2), dtype=torch.float32, device=dev)
-    S = torch.empty((m, _STATS_W), dtype=torch.float32, device=dev)
+    n_split = _split(k)[1]
+    S = torch.empty((n_split, m, _STATS_W), dtype=torch.float32, device=dev)
     ws = torch.empty(2, dtype=torch.int32, device=dev)
     _launch_gemm(cfg, L, bias=bias, w12=wc.w12, P=P, S=S, inj=inj, flag=flag, ws=ws, call_id=call_id,
                  detect=True, verify_output=verify_output, dot_f32=dot_f32)
@@ -668,7 +701,7 @@ def checked_gemm(
     _verify_kernel[(triton.cdiv(m, VERIFY_ROWS),)](
         x2d, weight, y, bias if bias is not None else y, wc.b12, P, S, flag, ws, counters,
         debug if debug is not None else P,
-        m, n, k, t, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1),
+        m, n, k, t, n_split, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1),
         counters.stride(0), counters.stride(1),
         1.0 / n, float(n), 1.0 / k, call_id, int(bool(wc.finite)), int(capacity), *th, reverify,
         BLOCK_R=VERIFY_ROWS, BLOCK_N=vbn, BLOCK_K=vbk, HAS_BIAS=bias is not None, CORRECT=correct,

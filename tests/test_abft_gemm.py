@@ -86,8 +86,9 @@ ZERO = {"detected": 0, "corrected": 0, "recomputed": 0, "uncorrectable": 0, "non
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kn", [False, True], ids=["linear", "conv1d"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-def test_matches_float64_matmul(dtype, kn, with_bias):
-    m, k, n = 37, 80, 50  # ragged: every tile edge is masked
+@pytest.mark.parametrize("mkn", [(37, 80, 50), (9, 1100, 20)], ids=["ragged", "ksplit"])
+def test_matches_float64_matmul(dtype, kn, with_bias, mkn):
+    m, k, n = mkn  # ragged: every tile edge is masked; K > 512: several checksum programs per row block
     x = _rand((m, k), dtype, 1)
     w = _rand((k, n) if kn else (n, k), dtype, 2, scale=k**-0.5)
     b = _rand((n,), dtype, 3) if with_bias else None
