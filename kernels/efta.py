@@ -12,8 +12,13 @@ Layout of one program (query block × (batch, head)), tutorial style:
   in fp32. GQA in the kernel (kv head = h // (Hq/Hkv)); causal and sliding window bottom-right
   aligned, with key blocks that are fully masked for the whole query block skipped; bool or
   additive masks and an additive bias read through (possibly zero) strides; key padding at N.
-* **Step 1** (GEMM I checksums, stride s = 16): ``Kc1 = Σ_l K[l·16+r]`` is reduced from the K tile
-  in fp32 registers (reshape (L, 16, D) + sum). The checksum GEMM ``Q·Kc1ᵀ`` keeps fp32 accuracy
+* **Checksum tables** (prefill): a pre-pass (`_efta_checksums`, one program per key block) reduces
+  every key block once — ``Kc1``, ``max_d Σ_l |K|``, ``Vc1ᵀ``, ``Vc2ᵀ``, ``max_n Σ_l |V|``, already
+  split into input-dtype slices — and the main loop loads them like K and V. Decode (M ≤ 16, one
+  query block) reduces them in the loop instead (same helpers, no extra pass over the cache).
+  The checked kernel uses key blocks of 64 (``CS_BLOCK_N``, the reference's block).
+* **Step 1** (GEMM I checksums, stride s = 16): ``Kc1 = Σ_l K[l·16+r]`` (fp32 sums of the K
+  tile). The checksum GEMM ``Q·Kc1ᵀ`` keeps fp32 accuracy
   by splitting the fp32 checksum operand into slices of the input dtype (fp16: hi + lo = 22 bits,
   with a per-tile power-of-two scale so the slices neither overflow nor go subnormal; bf16:
   hi + mid + lo = 24 bits; fp32 inputs: one IEEE fp32 dot): 2 resp. 3 extra tensor-core dots of
@@ -27,6 +32,10 @@ Layout of one program (query block × (batch, head)), tutorial style:
   row sum ``l`` (fp32 sum of P) and its independent twin ``lc`` (a differently ordered grouped
   reduction of the same P), ``O += P·V`` with P rounded to the input dtype (as flash attention
   does), ``Oc1/Oc2 += P·Vc`` with the *same* rounded P, all rescaled by the same α.
+* **One test per key block**: the clean path of steps 1–4 only raises flags; a single block-wide
+  "any flag?" reduction guards one branch that counts and repairs in the contract's order (step 1,
+  then steps 3–4 redone on the repaired scores), so the loop has one barrier and one rarely taken
+  branch per key block instead of three.
 * **Steps 6–7** after the loop: row-sum range check, normalisation, unified output verification;
   single faults are rebuilt from the checksum, other rows are flagged.
 * **Recompute**: flagged rows (step 6, or step 1/7 groups that cannot be located) are recomputed.
@@ -43,10 +52,9 @@ covering tensor-core accumulation (T_s, τ_l, T_o) get a guard factor ``gemm_sla
 reference's bit for bit).
 
 Non-finite inputs are found without an extra pass over q/k/v: q when its block is loaded, a bias or
-additive mask tile when it is loaded, K and V lazily (a non-finite K makes every step-1 group fail,
-so K is inspected only in that rare branch; V's running max Σ|V| propagates NaN/inf and is
-inspected once after the loop). Keys that no program visits (outside every row's sliding window)
-are not inspected.
+additive mask tile when it is loaded, K with its block checksums, and V through its running max
+Σ|V| (NaN-propagating, inspected once after the loop). Keys that no program visits (outside every
+row's sliding window) are not inspected.
 
 Interpreter (``TRITON_INTERPRET=1``, CPU tensors): one fixed small config; a few helpers take an
 ``INTERP`` switch (tl.log instead of the PTX ``lg2.approx``, NaN-propagating maxima written with
@@ -128,6 +136,7 @@ BOUNDS = Bounds()
 
 STRIDE = 16  # checksum stride s (keys and head dim); tl.dot's minimum N
 INJECT_BLOCK_N = 64  # = efta_reference's block_n: rowmax/rowsum positions index blocks of this size
+CS_BLOCK_N = 64  # key block of the checked kernel (its checksum tables and counters match the reference's)
 _SITE_MODE_NONE, _SITE_MODE_BIT, _SITE_MODE_BER = 0, 1, 2
 _HDR = 6  # ints per site in the injection table header
 
@@ -164,49 +173,73 @@ def _dot(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
-def _lo_dot(x, y, acc, F32: tl.constexpr, LEFT: tl.constexpr):
-    """acc + x·y (LEFT: x is the slice, y the low-precision operand) or acc + y·x (not LEFT)."""
-    if LEFT:
-        acc = _dot(x, y, acc, F32)
-    else:
-        acc = _dot(y, x, acc, F32)
-    return acc
+def _split(b, bmax, DT: tl.constexpr, PARTS: tl.constexpr, SCALE: tl.constexpr):
+    """Split the fp32 checksum operand b into PARTS slices of the input dtype DT: b ≈ ic·(p0 + p1 + p2).
 
-
-@triton.jit
-def _split_dot(a, b, bmax, PARTS: tl.constexpr, SCALE: tl.constexpr, F32: tl.constexpr,
-               LEFT: tl.constexpr = False):
-    """a·b in fp32 where b is an fp32 checksum operand, split into PARTS slices of a's dtype;
-    LEFT: b·a instead (b on the left).
-
-    fp16 (PARTS=2, SCALE): b is scaled by a power of two so that bmax (an upper bound of |b|, at
-    most 8× above its max) lands in [2^14, 2^15), then hi + lo (22 significant bits; no overflow,
-    and what goes subnormal is < 2^-25 of the max). bf16 (PARTS=3): hi + mid + lo (24 bits; bf16
-    has fp32's range). fp32 (PARTS=1): one IEEE fp32 dot.
+    fp16 (PARTS=2, SCALE): b is first scaled by a power of two so that bmax (an upper bound of |b|,
+    at most 8× above its max) lands in [2^14, 2^15); hi + lo keep 22 significant bits, nothing
+    overflows, and what goes subnormal is < 2^-25 of the max. bf16 (PARTS=3): hi + mid + lo, 24 bits
+    (bf16 has fp32's range, no scaling). fp32 (PARTS=1): b itself. Unused slices are zeros.
+    Returns (p0, p1, p2, ic) with ic the inverse scale (a scalar).
     """
-    if LEFT:
-        shape: tl.constexpr = (b.shape[0], a.shape[1])
-    else:
-        shape: tl.constexpr = (a.shape[0], b.shape[1])
+    ic = 1.0
     if PARTS == 1:
-        z = _lo_dot(b, a, tl.zeros(shape, tl.float32), True, LEFT)
+        p0 = b
+        p1 = tl.zeros(b.shape, tl.float32)
+        p2 = p1
     else:
-        ic = 1.0
         if SCALE:
             ebits = (bmax.to(tl.int32, bitcast=True) >> 23) & 0xFF
             f = tl.minimum(tl.maximum(268 - ebits, 1), 253)  # 2^(141 − e) as an exponent field
             b = b * (f << 23).to(tl.float32, bitcast=True)
             ic = ((254 - f) << 23).to(tl.float32, bitcast=True)
-        part = b.to(a.dtype)
-        rest = b - part.to(tl.float32)
-        z = _lo_dot(part, a, tl.zeros(shape, tl.float32), F32, LEFT)
-        part2 = rest.to(a.dtype)
-        z = _lo_dot(part2, a, z, F32, LEFT)
+        p0 = b.to(DT)
+        rest = b - p0.to(tl.float32)
+        p1 = rest.to(DT)
         if PARTS == 3:
-            rest2 = rest - part2.to(tl.float32)
-            z = _lo_dot(rest2.to(a.dtype), a, z, F32, LEFT)
-        z = z * ic
+            p2 = (rest - p1.to(tl.float32)).to(DT)
+        else:
+            p2 = tl.zeros(b.shape, DT)
+    return p0, p1, p2, ic
+
+
+@triton.jit
+def _parts_dot(a, p0, p1, p2, PARTS: tl.constexpr, F32: tl.constexpr, LEFT: tl.constexpr):
+    """Σ_i a·p_i in fp32 (LEFT: Σ_i p_i·a), the slices of `_split` (not yet multiplied by ic)."""
+    if LEFT:
+        z = _dot(p0, a, tl.zeros((p0.shape[0], a.shape[1]), tl.float32), F32 or PARTS == 1)
+        if PARTS >= 2:
+            z = _dot(p1, a, z, F32)
+        if PARTS == 3:
+            z = _dot(p2, a, z, F32)
+    else:
+        z = _dot(a, p0, tl.zeros((a.shape[0], p0.shape[1]), tl.float32), F32 or PARTS == 1)
+        if PARTS >= 2:
+            z = _dot(a, p1, z, F32)
+        if PARTS == 3:
+            z = _dot(a, p2, z, F32)
     return z
+
+
+@triton.jit
+def _k_checksums(k, L: tl.constexpr):
+    """GEMM I checksums of a key block k (L·16, BLOCK_D): Kc1 = Σ_l K[l·16+r] (16, BLOCK_D) fp32,
+    kabs[r] = max_d Σ_l |K[l·16+r, d]| (16,), and 1 if the block holds a non-finite value, else 0."""
+    kg = tl.reshape(k.to(tl.float32), (L, 16, k.shape[1]))
+    kabs_rd = tl.sum(tl.abs(kg), axis=0)
+    knf = tl.max(tl.max((~(kabs_rd <= 3.4028234663852886e38)).to(tl.int32), axis=1), axis=0)
+    return tl.sum(kg, axis=0), tl.max(kabs_rd, axis=1), knf
+
+
+@triton.jit
+def _v_checksums(v, LVP: tl.constexpr, INTERP: tl.constexpr):
+    """GEMM II checksums of a value block v (BLOCK_N, LVP·16), over the head dim, transposed:
+    Vc1ᵀ[r, n] = Σ_l V[n, l·16+r] and Vc2ᵀ[r, n] = Σ_l (l+1)·V[n, l·16+r] (16, BLOCK_N) fp32, and
+    vtile[r] = max_n Σ_l |V[n, l·16+r]| (16,), NaN-propagating (a non-finite V shows up there)."""
+    wv = (tl.arange(0, LVP) + 1).to(tl.float32)
+    vg = tl.reshape(v.to(tl.float32), (v.shape[0], LVP, 16))
+    vtile = _colmax(tl.sum(tl.abs(vg), axis=1), INTERP)
+    return tl.trans(tl.sum(vg, axis=1)), tl.trans(tl.sum(vg * wv[None, :, None], axis=1)), vtile
 
 
 @triton.jit
@@ -321,6 +354,71 @@ def _bias_mask(s, offs_m, offs_n, b, h, M, N, window,
 
 
 @triton.jit
+def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
+                   Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj,
+                   exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap,
+                   HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
+                   INJ_M: tl.constexpr, INJ_P: tl.constexpr, INTERP: tl.constexpr, REPAIR: tl.constexpr):
+    """Steps 2–4 for one key block: bias and masks, running max (SNVR check), P = exp(x) (inverse
+    check). s: (BLOCK_M, BLOCK_N) scores after step 1; m_i: (BLOCK_M,) running max.
+
+    Without REPAIR (the clean path) the checks only raise flags; with REPAIR (taken when some flag of
+    the block is raised) they count and repair exactly as the contract orders them, step 3 before
+    step 4. Returns (S masked, m_new, P, rows with a raised flag (BLOCK_M,) bool, cnt, nf).
+    """
+    s, nfb = _bias_mask(s, offs_m, offs_n, b, h, M, N, window, Bias, sbb, sbh, sbm, sbn,
+                        Mask, smb, smh, smm, smn, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT)
+    nf = nf | nfb
+    chk = nf == 0
+    # ---- 3. running max (SNVR) ----
+    mb = _rowmax(s, INTERP)
+    m_new = _max_nan(m_i, mb)
+    if INJ_M != 0:
+        m_new = _inject(m_new, Inj, 1, INJ_M, bh, offs_m, jblk, M, nblocks)
+    all_inf = (m_new == -float("inf")) & (mb == -float("inf")) & (m_i == -float("inf"))
+    base = tl.where(all_inf, 0.0, m_new)
+    bad_row = row_ok & False
+    if DETECT:
+        xmax = mb - base
+        tau = tl.minimum(snvr_rel * (1.0 + tl.abs(m_new)), snvr_cap)
+        badm = (~(xmax <= tau) | ((m_new != m_i) & (xmax < -tau))) & row_ok & chk
+        bad_row = badm
+        if REPAIR:
+            nbm = tl.sum(badm.to(tl.int32), axis=0)
+            if nbm > 0:
+                cnt = _bump(cnt, _ROWMAX + _DET, nbm)
+                if CORRECT:
+                    cnt = _bump(cnt, _ROWMAX + _REC, nbm)
+                    m_new = tl.where(badm, _max_nan(m_i, mb), m_new)
+                    all_inf = (m_new == -float("inf")) & (mb == -float("inf")) & (m_i == -float("inf"))
+                    base = tl.where(all_inf, 0.0, m_new)
+                else:
+                    cnt = _bump(cnt, _ROWMAX + _UNC, nbm)
+    x = s - base[:, None]
+    # ---- 4. P = exp(x), inverse-function check ----
+    p = tl.exp(x)
+    if INJ_P != 0:
+        p = _inject(p, Inj, 2, INJ_P, bh, offs_m[:, None], offs_n[None, :], M, N)
+    if DETECT:
+        err = tl.abs(_log(tl.maximum(p, 1.1754943508222875e-38), INTERP) - x)
+        fine = err <= exp_tol * (1.0 + tl.abs(x))
+        fine = tl.where(x < exp_xmin, (p >= 0.0) & (p <= exp_pmax), fine)
+        badp = ~fine & row_ok[:, None] & chk
+        bad_row = bad_row | (tl.max(badp.to(tl.int32), axis=1) > 0)
+        if REPAIR:
+            nbp = tl.sum(tl.sum(badp.to(tl.int32), axis=1), axis=0)
+            if nbp > 0:
+                cnt = _bump(cnt, _PROBS + _DET, nbp)
+                if CORRECT:
+                    cnt = _bump(cnt, _PROBS + _COR, nbp)
+                    p = tl.where(badp, tl.exp(x), p)
+                else:
+                    cnt = _bump(cnt, _PROBS + _UNC, nbp)
+    return s, m_new, p, bad_row, cnt, nf
+
+
+@triton.jit
 def _plain_pass(q, Kb, Vb, skn, skd, svn, svd, b, h, offs_m, offs_d, M, N, D, scale, window, lo, hi,
                 Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
@@ -354,6 +452,73 @@ def _plain_pass(q, Kb, Vb, skn, skd, svn, svd, b, h, offs_m, offs_d, M, N, D, sc
     return tl.where(l_i[:, None] == 0, 0.0, acc / l_i[:, None])
 
 
+@triton.jit
+def _load_parts(ptr, stride, PARTS: tl.constexpr):
+    """The PARTS slices stored at ptr, ptr + stride, ptr + 2·stride (unused slices: the first again)."""
+    p0 = tl.load(ptr)
+    p1 = p0
+    p2 = p0
+    if PARTS >= 2:
+        p1 = tl.load(ptr + stride)
+    if PARTS == 3:
+        p2 = tl.load(ptr + 2 * stride)
+    return p0, p1, p2
+
+
+@triton.jit
+def _efta_checksums(K, V, KC, VC, KA, VA, SC, skb, skh, skn, skd, svb, svh, svn, svd, Hkv, N, D,
+                    BLOCK_D: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr, INTERP: tl.constexpr,
+                    EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pre-pass: the checksums of every key block, once per call instead of once per query block.
+
+    Program (key block j, kv head, batch) → row cb = (b·Hkv + hk)·nblocks + j of the tables:
+    KC (rows, PARTS, 16, BLOCK_D) the slices of Kc1 (`_split`, input dtype), VC (rows, 2, PARTS, 16,
+    BLOCK_N) the slices of Vc1ᵀ and Vc2ᵀ, KA (rows, 16) max_d Σ_l |K|, VA (rows, 16) max_n Σ_l |V|,
+    SC (rows, 4) fp32: the inverse scales of Kc1, Vc1, Vc2 and 1.0 if the key block is non-finite.
+    """
+    L: tl.constexpr = BLOCK_N // 16
+    LVP: tl.constexpr = BLOCK_D // 16
+    j = tl.program_id(0)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    cb = (b * Hkv + hk) * tl.num_programs(0) + j
+    offs_j = tl.arange(0, BLOCK_N)
+    offs_n = j * BLOCK_N + offs_j
+    offs_d = tl.arange(0, BLOCK_D)
+    r16 = tl.arange(0, 16)
+    kv_ok = offs_n[:, None] < N
+    if not EVEN_D:
+        kv_ok = kv_ok & (offs_d < D)[None, :]
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_ok, other=0.0)
+    kc1, kabs, knf = _k_checksums(k, L)
+    k0, k1, k2, kic = _split(kc1, tl.max(kabs, axis=0), k.dtype, PARTS, SCALE_CS)
+    kp = KC + cb * (PARTS * 16 * BLOCK_D) + r16[:, None] * BLOCK_D + offs_d[None, :]
+    tl.store(kp, k0)
+    if PARTS >= 2:
+        tl.store(kp + 16 * BLOCK_D, k1)
+    if PARTS == 3:
+        tl.store(kp + 32 * BLOCK_D, k2)
+    v1t, v2t, vtile = _v_checksums(v, LVP, INTERP)
+    vcmax = tl.max(vtile, axis=0)  # ≥ max |Vc1|; ·LVP ≥ max |Vc2|
+    vp = VC + cb * (2 * PARTS * 16 * BLOCK_N) + r16[:, None] * BLOCK_N + offs_j[None, :]
+    a0, a1, a2, aic = _split(v1t, vcmax, v.dtype, PARTS, SCALE_CS)
+    c0, c1, c2, cic = _split(v2t, vcmax * LVP, v.dtype, PARTS, SCALE_CS)
+    tl.store(vp, a0)
+    tl.store(vp + PARTS * 16 * BLOCK_N, c0)
+    if PARTS >= 2:
+        tl.store(vp + 16 * BLOCK_N, a1)
+        tl.store(vp + (PARTS + 1) * 16 * BLOCK_N, c1)
+    if PARTS == 3:
+        tl.store(vp + 32 * BLOCK_N, a2)
+        tl.store(vp + (PARTS + 2) * 16 * BLOCK_N, c2)
+    tl.store(KA + cb * 16 + r16, kabs)
+    tl.store(VA + cb * 16 + r16, vtile)
+    four = tl.arange(0, 4)
+    sc = tl.where(four == 0, kic, tl.where(four == 1, aic, tl.where(four == 2, cic, knf.to(tl.float32))))
+    tl.store(SC + cb * 4 + four, sc)
+
+
 # ------------------------------------------------------------------------------------------------
 # The kernel
 # ------------------------------------------------------------------------------------------------
@@ -361,18 +526,18 @@ def _plain_pass(q, Kb, Vb, skn, skd, svn, svd, b, h, offs_m, offs_d, M, N, D, sc
 
 @triton.jit(do_not_specialize=["call_id"])
 def _efta_fwd(
-    Q, K, V, Out, Cnt, Flag, Bias, Mask, Inj,
+    Q, K, V, Out, Cnt, Flag, Bias, Mask, Inj, KC, VC, KA, VA, SC,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     sbb, sbh, sbm, sbn, smb, smh, smm, smn, cst0, cst1,
-    Hq, M, N, D, GROUP, scale, window, call_id,
+    Hq, Hkv, M, N, D, GROUP, scale, window, call_id,
     gu, exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap,
     M_KEY, N_KEY,  # autotune keys only (bucketed M, N)
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
     MASK_KIND: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
     INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr, INJ_L: tl.constexpr,
     INJ_O: tl.constexpr, NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
-    DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr, CS_PRE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     L: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
     LVP: tl.constexpr = BLOCK_D // 16  # head-dim groups (padded D)
@@ -427,6 +592,8 @@ def _efta_fwd(
     nf = tl.full([], 0, tl.int32)
     wl = (tl.arange(0, L) + 1).to(tl.float32)
     wv = (tl.arange(0, LVP) + 1).to(tl.float32)
+    r16 = tl.arange(0, 16)
+    cs_row = (b * Hkv + hk) * nblocks  # first row of this (batch, kv head) in the checksum tables
     if DETECT:
         qa = tl.sum(tl.abs(q.to(tl.float32)), axis=1)
         nf = nf | tl.max((~(qa <= FLT_MAX)).to(tl.int32))
@@ -447,108 +614,74 @@ def _efta_fwd(
         if INJ_S != 0:
             s = _inject(s, Inj, 0, INJ_S, bh, offs_m[:, None], offs_n[None, :], M, N)
         if DETECT:
-            kg = tl.reshape(k.to(tl.float32), (L, 16, BLOCK_D))
-            kc1 = tl.sum(kg, axis=0)  # (16, BLOCK_D); Kc2 is only needed to locate (below)
-            kabs_rd = tl.sum(tl.abs(kg), axis=0)
-            kabs = tl.max(kabs_rd, axis=1)  # (16,) max_d Σ_l |K[l·s+r, d]|
-            vg = tl.reshape(v.to(tl.float32), (BLOCK_N, LVP, 16))
-            vc1 = tl.sum(vg, axis=1)  # (BLOCK_N, 16)
-            vc2 = tl.sum(vg * wv[None, :, None], axis=1)
-            vabs = tl.sum(tl.abs(vg), axis=1)
-            vtile = _colmax(vabs, INTERP)  # (16,) NaN-propagating: non-finite V shows up in vmax
+            cb = cs_row + jblk  # this key block's row in the checksum tables
+            if CS_PRE:  # from the pre-pass (`_efta_checksums`)
+                kabs = tl.load(KA + cb * 16 + r16)
+                k0, k1, k2 = _load_parts(KC + cb * (PARTS * 16 * BLOCK_D) + offs_d[:, None] + r16[None, :] * BLOCK_D,
+                                         16 * BLOCK_D, PARTS)
+                kic = tl.load(SC + cb * 4)
+                knf = (tl.load(SC + cb * 4 + 3) != 0).to(tl.int32)
+                vtile = tl.load(VA + cb * 16 + r16)
+            else:  # in the kernel (decode: each key block is visited by one query block)
+                kc1, kabs, knf = _k_checksums(k, L)
+                k0, k1, k2, kic = _split(tl.trans(kc1), tl.max(kabs, axis=0), k.dtype,
+                                         PARTS, SCALE_CS)
+                v1t, v2t, vtile = _v_checksums(v, LVP, INTERP)
+            sc1 = _parts_dot(q, k0, k1, k2, PARTS, DOT_F32, False) * (kic * scale)
+            nf = nf | knf  # a non-finite key is an input problem, not a fault
             vmax = _max_nan(vmax, vtile)
             chk = nf == 0
-            kmax = tl.max(kabs, axis=0)  # ≥ max |Kc1|: sets the fp16 split's scale
-
-            sc1 = _split_dot(q, tl.trans(kc1), kmax, PARTS, SCALE_CS, DOT_F32) * scale
             sg = tl.reshape(s, (BLOCK_M, L, 16))
             d1 = sc1 - tl.sum(sg, axis=1)
             thr = qn1[:, None] * kabs[None, :]
             thr = tl.where(thr == thr, thr, 0.0)  # 0·inf
             bad = ~(tl.abs(d1) <= thr) & row_ok[:, None] & chk
-            nbad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
-            if nbad > 0:
-                # non-finite K makes every group fail: that is an input problem, not a fault
-                nf = nf | tl.max(tl.max((~(kabs_rd <= FLT_MAX)).to(tl.int32), axis=1), axis=0)
-                chk = nf == 0
-                nbad = nbad * chk.to(tl.int32)
-                bad = bad & chk
-            if nbad > 0:
-                cnt = _bump(cnt, _SCORES + _DET, nbad)
-                if CORRECT:
-                    # weighted checksum, only now: Sc2 = Q·Kc2ᵀ, D2 = Sc2 − Σ_l (l+1)·S[i, l·s+r]
-                    kc2 = tl.sum(kg * wl[:, None, None], axis=0)
-                    sc2 = _split_dot(q, tl.trans(kc2), kmax * L, PARTS, SCALE_CS, DOT_F32) * scale
-                    d2 = sc2 - tl.sum(sg * wl[None, :, None], axis=1)
-                    t = d2 / d1
-                    tr = tl.floor(t + 0.5)
-                    r16 = tl.arange(0, 16)
-                    ok = bad & (tl.abs(t - tr) <= 0.25) & (tr >= 1.0) & (tr <= L)
-                    loc = tl.where(ok, tr - 1.0, 0.0).to(tl.int32)
-                    ok = ok & (start_n + loc * 16 + r16[None, :] < N)  # a real key
-                    redo = bad & ~ok
-                    cnt = _bump(cnt, _SCORES + _COR, tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0))
-                    cnt = _bump(cnt, _SCORES + _REC, tl.sum(tl.sum(redo.to(tl.int32), axis=1), axis=0))
-                    # rebuild located elements: Sc1 − Σ(other members of the group)
-                    member = tl.arange(0, L)[None, :, None] == loc[:, None, :]
-                    others = tl.sum(tl.where(member, 0.0, sg), axis=1)
-                    sg = tl.where(member & ok[:, None, :], (sc1 - others)[:, None, :], sg)
-                    s = tl.reshape(sg, (BLOCK_M, BLOCK_N))
-                    redo_row = tl.max(redo.to(tl.int32), axis=1) > 0
-                    if tl.sum(redo_row.to(tl.int32), axis=0) > 0:  # recompute those rows' scores
-                        s_re = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_F32) * scale
-                        s = tl.where(redo_row[:, None], s_re, s)
-                else:
-                    cnt = _bump(cnt, _SCORES + _UNC, nbad)
 
-        # ---- 2. bias and masks ----
-        s, nfb = _bias_mask(s, offs_m, offs_n, b, h, M, N, window, Bias, sbb, sbh, sbm, sbn,
-                            Mask, smb, smh, smm, smn, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT)
+        # ---- 2.–4. bias and masks, running max, exp (clean path: the checks only raise flags) ----
+        sm, m_new, p, bad_row, cnt, nf = _softmax_steps(
+            s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
+            Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap,
+            HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P, INTERP, False)
         if DETECT:
-            nf = nf | nfb
+            # One block-wide test per key block; the repairs live in one rarely taken branch, which
+            # counts and repairs in the contract's order (step 1, then 3 and 4 on the repaired scores).
+            bad_row = bad_row | (tl.max(bad.to(tl.int32), axis=1) > 0)
+            if tl.max(bad_row.to(tl.int32), axis=0) > 0:
+                nbad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
+                if nbad > 0:
+                    cnt = _bump(cnt, _SCORES + _DET, nbad)
+                    if CORRECT:
+                        # weighted checksum, only now: Sc2 = Q·Kc2ᵀ, D2 = Sc2 − Σ_l (l+1)·S[i, l·s+r]
+                        kc2 = tl.sum(tl.reshape(k.to(tl.float32), (L, 16, BLOCK_D)) * wl[:, None, None], axis=0)
+                        c0, c1, c2, cic = _split(tl.trans(kc2), tl.max(kabs, axis=0) * L, k.dtype, PARTS, SCALE_CS)
+                        sc2 = _parts_dot(q, c0, c1, c2, PARTS, DOT_F32, False) * (cic * scale)
+                        d2 = sc2 - tl.sum(sg * wl[None, :, None], axis=1)
+                        t = d2 / d1
+                        tr = tl.floor(t + 0.5)
+                        ok = bad & (tl.abs(t - tr) <= 0.25) & (tr >= 1.0) & (tr <= L)
+                        loc = tl.where(ok, tr - 1.0, 0.0).to(tl.int32)
+                        ok = ok & (start_n + loc * 16 + r16[None, :] < N)  # a real key
+                        redo = bad & ~ok
+                        cnt = _bump(cnt, _SCORES + _COR, tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0))
+                        cnt = _bump(cnt, _SCORES + _REC, tl.sum(tl.sum(redo.to(tl.int32), axis=1), axis=0))
+                        # rebuild located elements: Sc1 − Σ(other members of the group)
+                        member = tl.arange(0, L)[None, :, None] == loc[:, None, :]
+                        others = tl.sum(tl.where(member, 0.0, sg), axis=1)
+                        sg = tl.where(member & ok[:, None, :], (sc1 - others)[:, None, :], sg)
+                        s = tl.reshape(sg, (BLOCK_M, BLOCK_N))
+                        redo_row = tl.max(redo.to(tl.int32), axis=1) > 0
+                        if tl.sum(redo_row.to(tl.int32), axis=0) > 0:  # recompute those rows' scores
+                            s_re = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_F32) * scale
+                            s = tl.where(redo_row[:, None], s_re, s)
+                    else:
+                        cnt = _bump(cnt, _SCORES + _UNC, nbad)
+                sm, m_new, p, bad_row, cnt, nf = _softmax_steps(
+                    s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
+                    Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin, exp_pmax,
+                    snvr_rel, snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P,
+                    INTERP, True)
             chk = nf == 0
-            nvalid += tl.sum((s > -float("inf")).to(tl.int32), axis=1)
-
-        # ---- 3. running max (SNVR) ----
-        mb = _rowmax(s, INTERP)
-        m_new = _max_nan(m_i, mb)
-        if INJ_M != 0:
-            m_new = _inject(m_new, Inj, 1, INJ_M, bh, offs_m, jblk, M, nblocks)
-        all_inf = (m_new == -float("inf")) & (mb == -float("inf")) & (m_i == -float("inf"))
-        base = tl.where(all_inf, 0.0, m_new)
-        if DETECT:
-            xmax = mb - base
-            tau = tl.minimum(snvr_rel * (1.0 + tl.abs(m_new)), snvr_cap)
-            badm = (~(xmax <= tau) | ((m_new != m_i) & (xmax < -tau))) & row_ok & chk
-            nbm = tl.sum(badm.to(tl.int32), axis=0)
-            if nbm > 0:
-                cnt = _bump(cnt, _ROWMAX + _DET, nbm)
-                if CORRECT:
-                    cnt = _bump(cnt, _ROWMAX + _REC, nbm)
-                    m_new = tl.where(badm, _max_nan(m_i, mb), m_new)
-                    all_inf = (m_new == -float("inf")) & (mb == -float("inf")) & (m_i == -float("inf"))
-                    base = tl.where(all_inf, 0.0, m_new)
-                else:
-                    cnt = _bump(cnt, _ROWMAX + _UNC, nbm)
-        x = s - base[:, None]
-
-        # ---- 4. P = exp(x), inverse-function check ----
-        p = tl.exp(x)
-        if INJ_P != 0:
-            p = _inject(p, Inj, 2, INJ_P, bh, offs_m[:, None], offs_n[None, :], M, N)
-        if DETECT:
-            err = tl.abs(_log(tl.maximum(p, 1.1754943508222875e-38), INTERP) - x)
-            fine = err <= exp_tol * (1.0 + tl.abs(x))
-            fine = tl.where(x < exp_xmin, (p >= 0.0) & (p <= exp_pmax), fine)
-            badp = ~fine & row_ok[:, None] & chk
-            nbp = tl.sum(tl.sum(badp.to(tl.int32), axis=1), axis=0)
-            if nbp > 0:
-                cnt = _bump(cnt, _PROBS + _DET, nbp)
-                if CORRECT:
-                    cnt = _bump(cnt, _PROBS + _COR, nbp)
-                    p = tl.where(badp, tl.exp(x), p)
-                else:
-                    cnt = _bump(cnt, _PROBS + _UNC, nbp)
+            nvalid += tl.sum((sm > -float("inf")).to(tl.int32), axis=1)
 
         # ---- 5. rescale, row sum, GEMM II (+ checksum columns) ----
         alpha = tl.where((m_i == -float("inf")) & (m_new == -float("inf")), 1.0, tl.exp(m_i - m_new))
@@ -559,10 +692,19 @@ def _efta_fwd(
         acc = _dot(pd, v, acc * alpha[:, None], DOT_F32)
         if DETECT:
             lc = lc * alpha + tl.sum(tl.sum(tl.reshape(p, (BLOCK_M, L, 16)), axis=2), axis=1)
-            vcmax = tl.max(vtile, axis=0)  # ≥ max |Vc1|; ·LVP ≥ max |Vc2|
+            if CS_PRE:
+                vbase = VC + cb * (2 * PARTS * 16 * BLOCK_N) + r16[:, None] * BLOCK_N + offs_j[None, :]
+                a0, a1, a2 = _load_parts(vbase, 16 * BLOCK_N, PARTS)
+                c0, c1, c2 = _load_parts(vbase + PARTS * 16 * BLOCK_N, 16 * BLOCK_N, PARTS)
+                aic = tl.load(SC + cb * 4 + 1)
+                cic = tl.load(SC + cb * 4 + 2)
+            else:
+                vcmax = tl.max(vtile, axis=0)  # ≥ max |Vc1|; ·LVP ≥ max |Vc2|
+                a0, a1, a2, aic = _split(v1t, vcmax, v.dtype, PARTS, SCALE_CS)
+                c0, c1, c2, cic = _split(v2t, vcmax * LVP, v.dtype, PARTS, SCALE_CS)
             pt = tl.trans(pd)
-            oc1 = oc1 * alpha[None, :] + _split_dot(pt, tl.trans(vc1), vcmax, PARTS, SCALE_CS, DOT_F32, True)
-            oc2 = oc2 * alpha[None, :] + _split_dot(pt, tl.trans(vc2), vcmax * LVP, PARTS, SCALE_CS, DOT_F32, True)
+            oc1 = oc1 * alpha[None, :] + _parts_dot(pt, a0, a1, a2, PARTS, DOT_F32, True) * aic
+            oc2 = oc2 * alpha[None, :] + _parts_dot(pt, c0, c1, c2, PARTS, DOT_F32, True) * cic
         m_i = m_new
 
     # ---- 6. row sum check ----
@@ -602,7 +744,6 @@ def _efta_fwd(
             if CORRECT:
                 t = d2 / d1
                 tr = tl.floor(t + 0.5)
-                r16 = tl.arange(0, 16)
                 ok = bad & (tl.abs(t - tr) <= 0.25) & (tr >= 1.0) & (tr <= lv)
                 loc = tl.where(ok, tr - 1.0, 0.0).to(tl.int32)
                 ok = ok & (loc * 16 + r16[None, :] < D)  # a real column
@@ -662,7 +803,9 @@ def _prune(configs, named_args, **kwargs):
         keep = [c for c in configs if c.kwargs["BLOCK_M"] > 16 and c.kwargs["BLOCK_M"] <= max(64, m_key)]
         if d > 64:  # register pressure: the checked kernel holds S, O and checksum state
             keep = [c for c in keep if c.kwargs["BLOCK_N"] == 64] or keep
-    return keep or configs[:1]
+    if args["DETECT"]:  # the checksum tables are laid out for key blocks of CS_BLOCK_N
+        keep = [c for c in keep if c.kwargs["BLOCK_N"] == CS_BLOCK_N]
+    return keep or [c for c in configs if c.kwargs["BLOCK_N"] == CS_BLOCK_N][:1]
 
 
 _efta_fwd_tuned = triton.autotune(
@@ -872,14 +1015,31 @@ def efta_triton_forward(
     dot_f32 = q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
     slack = BOUNDS.gemm_slack(interp)
     block_d = max(16, triton.next_power_of_2(D))
+    if detect and cfg is not None and cfg[1] != CS_BLOCK_N:
+        raise ValueError(f"the checked kernel runs key blocks of {CS_BLOCK_N}; FTT_EFTA_CONFIG asks for {cfg[1]}")
+
+    # checksum tables: computed once per key block by the pre-pass when several query blocks (prefill)
+    # would otherwise each recompute them; decode (M ≤ 16, one query block) computes them in the loop
+    cs_pre = bool(detect) and M > 16
+    tables: tuple[torch.Tensor, ...] = (counters,) * 5  # unused placeholders
+    if cs_pre:
+        rows = B * Hkv * -(-N // CS_BLOCK_N)
+        tables = (torch.empty((rows, parts, 16, block_d), dtype=q.dtype, device=dev),
+                  torch.empty((rows, 2, parts, 16, CS_BLOCK_N), dtype=q.dtype, device=dev),
+                  torch.empty((rows, 16), dtype=torch.float32, device=dev),
+                  torch.empty((rows, 16), dtype=torch.float32, device=dev),
+                  torch.empty((rows, 4), dtype=torch.float32, device=dev))
+        _efta_checksums[(-(-N // CS_BLOCK_N), Hkv, B)](
+            k, v, *tables, *k.stride(), *v.stride(), Hkv, N, D, BLOCK_D=block_d, PARTS=parts,
+            SCALE_CS=q.dtype == torch.float16, INTERP=interp, EVEN_D=D == block_d, BLOCK_N=CS_BLOCK_N, num_warps=4)
 
     args = (
-        q, k, v, out, counters, flag, bias4, mask4, inj,
+        q, k, v, out, counters, flag, bias4, mask4, inj, *tables,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *(bias4.stride() if has_bias else (0, 0, 0, 0)),
         *(mask4.stride() if mask_kind else (0, 0, 0, 0)),
         *counters.stride(),
-        Hq, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id,
+        Hq, Hkv, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id,
         BOUNDS.gamma * BOUNDS.u * slack, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_xmin, BOUNDS.exp_pmax,
         BOUNDS.snvr_rel, BOUNDS.snvr_cap,
         min(_pow2_bucket(M), 256), _pow2_bucket(N),
@@ -889,7 +1049,7 @@ def efta_triton_forward(
         MASK_KIND=mask_kind, DETECT=bool(detect), CORRECT=correct,
         INJ_S=modes[0], INJ_M=modes[1], INJ_P=modes[2], INJ_L=modes[3], INJ_O=modes[4],
         NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
-        EVEN_D=D == block_d,
+        EVEN_D=D == block_d, CS_PRE=cs_pre,
     )
     if cfg is not None:
         grid = (triton.cdiv(M, cfg[0]), Hq, B)
