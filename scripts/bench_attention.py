@@ -9,12 +9,15 @@ Variants, timed side by side at every shape with ``triton.testing.do_bench`` (or
 * ``ours_off``     — our fused kernel with the checks compiled out (plain flash attention)
 * ``efta_detect``  — EFTA, detection only (``correct=False``)
 * ``efta_correct`` — EFTA, detection + correction (the default protection)
+* ``decoupled``    — the unfused baseline as seed 000 describes it: materialised fp32 scores,
+  checksum ABFT on both GEMMs, the softmax computed twice and compared (PyTorch ops)
 
 Shapes: prefill with (H, D) ∈ {(16, 64), (32, 128)}, S = 512 … 16384 and B·S = 16384, causal and
-not; decode (q_len 1) with kv length 1k … 32k, batch 1 and 16; fp16 and bf16. ``--quick`` runs a
-small subset. TFLOP/s count 4·B·H·M·N·D (halved for causal prefill). At each shape every variant
-is also checked against ``sdpa_flash`` (max abs error), and the EFTA variants report how many
-faults they "detected" on these clean inputs over all timed calls (false positives; must be 0).
+not; one long prefill (B = 1, S = 32k), where the decoupled baseline runs out of memory; decode
+(q_len 1) with kv length 1k … 32k, batch 1 and 16; fp16 and bf16. ``--quick`` runs a small subset.
+TFLOP/s count 4·B·H·M·N·D (halved for causal prefill). At each shape every variant is also checked
+against ``sdpa_flash`` (max abs error), and the EFTA variants report how many faults they
+"detected" on these clean inputs over all timed calls (false positives; must be 0).
 Decode shapes are memory bound: they are reported (and plotted) in GB/s of q/k/v/o traffic.
 
 Writes ``<out>/bench_attention.csv`` (one row per shape × variant) and, if matplotlib is there,
@@ -35,7 +38,7 @@ import sys
 import time
 from functools import partial
 
-VARIANTS = ("sdpa_flash", "sdpa_cudnn", "ours_off", "efta_detect", "efta_correct")
+VARIANTS = ("sdpa_flash", "sdpa_cudnn", "ours_off", "efta_detect", "efta_correct", "decoupled")
 OURS = {"ours_off": (False, False), "efta_detect": (True, False), "efta_correct": (True, True)}
 HD_SETTINGS = ((16, 64), (32, 128))
 TOKENS = 16384
@@ -49,6 +52,8 @@ def shapes(quick: bool):
         for causal in (False, True):
             for S in seqs:
                 out.append(("prefill", TOKENS // S, H, S, S, D, causal))
+            if not quick:
+                out.append(("prefill", 1, H, 2 * TOKENS, 2 * TOKENS, D, causal))
     kvs = (4096,) if quick else (1024, 2048, 4096, 8192, 16384, 32768)
     for H, D in HD_SETTINGS:
         for B in (1, 16):
@@ -86,6 +91,43 @@ def versions() -> str:
     return "\n".join(lines)
 
 
+def decoupled_attention(q, k, v, scale: float, causal: bool, counters):
+    """Unfused fault-tolerant attention, the seed's decoupled baseline (PyTorch ops).
+
+    q (B, H, M, D), k/v (B, H, N, D); bottom-right causal. S = Q·Kᵀ is materialised (in the input
+    dtype, as eager attention does; softmax in fp32) and verified by its row checksum
+    ``Σ_j S[i, j] = q_i·Σ_j k_j``; the softmax is computed twice and
+    the copies compared; O = P·V is verified by ``Σ_d O[i, d] = P_i·Σ_d V[:, d]``. Rows that fail
+    add to ``counters`` (int32 (3,) on the device: scores, softmax, output); nothing syncs.
+    Returns (B, H, M, D) in q's dtype.
+    """
+    import torch
+
+    u = 2.0**-24
+    M, N, D = q.shape[-2], k.shape[-2], q.shape[-1]
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # (B, H, M, N)
+    q32 = q.float()
+    k32 = k.float()
+    sc = torch.matmul(q32, k32.sum(-2, keepdim=True).transpose(-1, -2)).squeeze(-1) * scale
+    u_out = torch.finfo(q.dtype).eps / 2  # S is rounded to the input dtype
+    thr = 2.02 * (D + N) * u * scale * q32.abs().sum(-1) * k32.abs().sum(-2).amax(-1, keepdim=True) \
+        + 2.02 * u_out * s.abs().sum(-1)
+    counters[0] += ((s.sum(-1) - sc).abs() > thr).sum().to(torch.int32)
+    if causal:
+        i = torch.arange(M, device=q.device)[:, None] + (N - M)
+        s = s.masked_fill(torch.arange(N, device=q.device)[None, :] > i, float("-inf"))
+    p = torch.softmax(s, -1)
+    p2 = torch.softmax(s, -1)  # duplicated softmax
+    counters[1] += (p != p2).any(-1).sum().to(torch.int32)
+    pd = p.to(v.dtype)
+    o = torch.matmul(pd, v)
+    v32 = v.float()
+    oc = torch.matmul(pd.float(), v32.sum(-1, keepdim=True)).squeeze(-1)
+    thr_o = 2.02 * (N + D) * u * v32.abs().sum(-1).amax(-1, keepdim=True) + 2.02 * u_out * o.float().abs().sum(-1)
+    counters[2] += ((o.float().sum(-1) - oc).abs() > thr_o).sum().to(torch.int32)
+    return o
+
+
 def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
     """Time every variant at one shape; returns a list of row dicts.
 
@@ -121,7 +163,14 @@ def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
                    max_abs_err=float("nan"),
                    detected_clean=0, calls=0, config="", error="")
         try:
-            if variant in backends:
+            if variant == "decoupled":
+                counters = torch.zeros(3, dtype=torch.int32, device=device)
+                ncalls = [0]
+
+                def fn(counters=counters, ncalls=ncalls):
+                    ncalls[0] += 1
+                    return decoupled_attention(q, k, v, scale, causal, counters)
+            elif variant in backends:
                 be = backends[variant]
 
                 def fn(be=be):
@@ -149,6 +198,9 @@ def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
             row["ms"] = ms
             row["tflops"] = flops(B, H, M, N, D, causal) / (ms * 1e-3) / 1e12
             row["gbps"] = nbytes(B, H, M, N, D, q.element_size()) / (ms * 1e-3) / 1e9
+            if variant == "decoupled":
+                row["calls"] = ncalls[0]
+                row["detected_clean"] = int(counters.sum().item())
             if variant in OURS:
                 row["calls"] = ncalls[0]
                 row["detected_clean"] = int(counters[:, 0].sum().item())
@@ -273,6 +325,38 @@ def plot(csv_path: str, png_path: str) -> None:
     print(f"plot: {png_path}")
 
 
+def targets(rows) -> None:
+    """Print the issue's target ratios from one run's rows (throughput ratios: > 1 = ours faster)."""
+    import statistics
+
+    shapes_ = {}
+    for r in rows:
+        if not r["error"]:
+            shapes_.setdefault((r["kind"], r["dtype"], r["B"], r["H"], r["M"], r["N"], r["D"], r["causal"]),
+                               {})[r["variant"]] = r["ms"]
+    pre = [v for k, v in shapes_.items() if k[0] == "prefill"]
+    dec = [v for k, v in shapes_.items() if k[0] == "decode"]
+
+    def ratios(sel, num, den):
+        return [v[num] / v[den] for v in sel if num in v and den in v]
+
+    def line(name, xs, goal):
+        if xs:
+            print(f"  {name}: median {statistics.median(xs):.2f}, min {min(xs):.2f}, max {max(xs):.2f} "
+                  f"over {len(xs)} shapes (target {goal})")
+
+    print("targets (ratios from this run):")
+    line("prefill throughput ours_off / sdpa_flash", ratios(pre, "sdpa_flash", "ours_off"), ">= 1.05 median")
+    line("prefill throughput ours_off / sdpa_cudnn", ratios(pre, "sdpa_cudnn", "ours_off"), ">= 0.75")
+    line("prefill time efta_correct / ours_off", ratios(pre, "efta_correct", "ours_off"),
+         "<= 1.10 median, <= 1.15 worst")
+    line("decode throughput ours_off / sdpa_flash", ratios(dec, "sdpa_flash", "ours_off"), ">= 0.9")
+    line("decode throughput efta_correct / sdpa_flash", ratios(dec, "sdpa_flash", "efta_correct"), "-")
+    line("speed-up efta_correct over decoupled", ratios(pre + dec, "decoupled", "efta_correct"), ">= 5 everywhere")
+    oom = [k for k, v in shapes_.items() if "efta_correct" in v and "decoupled" not in v]
+    print(f"  shapes where EFTA ran and the decoupled baseline did not: {oom or 'none'}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out", help="output directory (CSV + PNG)")
@@ -349,6 +433,7 @@ def main(argv=None) -> int:
                 xo = gmean([r["x_vs_ours_off"] for r in sel])
                 print(f"{kind:7s} {variant:13s} time vs sdpa_flash x{xf:.2f}, vs ours_off x{xo:.2f} "
                       f"(geomean over {len(sel)} shapes)")
+    targets(all_rows)
     print(f"false positives on clean inputs (EFTA variants): {fp_total} detections in {calls_total} calls")
     bad = [r for r in all_rows if r["variant"] in OURS and not r["error"]
            and not r["max_abs_err"] <= (2e-3 if r["dtype"] == "float16" else 1.6e-2)]
