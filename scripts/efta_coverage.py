@@ -1,29 +1,53 @@
-"""Detection / correction rates of EFTA (reference path, fp32) per injection site and bit.
+"""EFTA coverage campaign: detection / correction per injection site and bit, and false positives.
 
-For every (site, bit) it runs ``--n`` calls with one flip each (different seeds), protected and
-unprotected, and prints a table:
+Three parts, each optional:
 
-- ``det``: calls with ``detected ≥ 1``;
-- ``corr`` / ``reco``: calls whose faults were all corrected in place / needed a recompute;
-- ``exact``: protected output within ``--tol`` of the clean output;
-- ``harm``: unprotected (``detect=False``) output off by more than ``--harm`` (or non-finite);
-- ``esc``: harmful flips the protected call did *not* detect (escapes; should be 0);
-- ``sdc``: protected output off by more than ``--harm`` (silent corruption left; should be 0).
+1. **False positives** (``--clean-calls``): clean ``efta_attention`` calls on fresh inputs drawn in
+   turn from the four distributions of seed 004 §5.1 (N(1e-6,1), N(1,1), U(-1,1), truncated
+   N(0,1)); counts the calls that raised any event (must be 0).
+2. **Real activations** (``--model``): a protected model run (``minilm`` = the embedded
+   all-MiniLM-L6-v2 over a few sentences, ``smollm2`` = the embedded SmolLM2 generating, or a
+   local path / hub id) with the attention checks on; counts attention calls and detections.
+3. **Injections** (``--n`` per row): at each attention site, single bit flips either at fixed bits
+   (``--bits``) or at a random bit of a class (``--classes sign,exponent,mantissa``: bit 31, bits
+   23–30, bits 0–22 of the fp32 value), each call protected and unprotected. Per row:
 
-Usage: ``python scripts/efta_coverage.py [--n 200] [--bits 0,10,16,20,22,27,28,29,30,31]``
+   - ``det``: calls with ``detected ≥ 1``; ``corr`` / ``reco``: calls whose faults were all corrected
+     in place / needed a recompute;
+   - ``exact``: protected output within ``--tol`` of the clean output; ``err``: the largest
+     protected-vs-clean difference left (the residual error after correction);
+   - ``harm``: unprotected output off by more than ``--harm`` (or non-finite);
+   - ``esc``: harmful flips the protected call did *not* detect; ``sdc``: protected output off by
+     more than ``--harm`` (silent corruption left). Both should be 0.
+
+``--backend auto`` uses the Triton kernel on CUDA and the reference on CPU. Writes ``--json``
+(everything) and ``--csv`` (the injection table) if given; progress bars on stderr.
+
+    python scripts/efta_coverage.py --n 200 --clean-calls 200                      # CPU, reference
+    python3 scripts/efta_coverage.py --device cuda --dtype float16 --n 1000 \\
+        --classes sign,exponent,mantissa --clean-calls 100000 --model minilm      # GPU campaign
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import math
+import platform
 import time
+import zlib
 
 import torch
+from tqdm import tqdm
 
 from ft_transformers.efta import efta_attention
 from ft_transformers.injection import FaultPlan, FaultSpec
 from ft_transformers.sites import ATTENTION_SITES
+from ft_transformers.vabft import sample_matrix
+
+CLASSES = {"sign": (31, 31), "exponent": (23, 30), "mantissa": (0, 22)}
+DISTS = ("N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)")
 
 
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -31,72 +55,172 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return math.inf if math.isnan(d) else d
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=200, help="injections per (site, bit)")
-    ap.add_argument("--bits", default="0,10,16,20,22,27,28,29,30,31")
-    ap.add_argument("--shape", default="2,4,2,64,200,64", help="B,Hq,Hkv,M,N,D")
-    ap.add_argument("--no-causal", action="store_true")
-    ap.add_argument("--tol", type=float, default=2e-4)
-    ap.add_argument("--harm", type=float, default=1e-3)
-    ap.add_argument("--clean-calls", type=int, default=200)
-    args = ap.parse_args()
-    B, Hq, Hkv, M, N, D = (int(x) for x in args.shape.split(","))
-    bits = [int(b) for b in args.bits.split(",")]
-    causal = not args.no_causal
-    torch.manual_seed(0)
-    t0 = time.time()
+def _qkv(shape, dist: str, g: torch.Generator, dtype: torch.dtype):
+    B, Hq, Hkv, M, N, D = shape
+    return (sample_matrix(dist, (B, Hq, M, D), g).to(dtype), sample_matrix(dist, (B, Hkv, N, D), g).to(dtype),
+            sample_matrix(dist, (B, Hkv, N, D), g).to(dtype))
 
-    # false positives on clean calls (fresh data each call)
-    fp = 0
-    for i in range(args.clean_calls):
-        g = torch.Generator().manual_seed(10_000 + i)
-        q = torch.randn(B, Hq, M, D, generator=g) + (i % 2)
-        k = torch.randn(B, Hkv, N, D, generator=g)
-        v = torch.randn(B, Hkv, N, D, generator=g)
+
+def clean_calls(n: int, shape, causal: bool, dtype, device, backend: str, progress: bool) -> dict:
+    """``n`` clean calls over the four distributions; returns counts per distribution."""
+    g = torch.Generator(device=device).manual_seed(10_000)
+    per = {d: {"calls": 0, "calls_with_events": 0, "events": 0} for d in DISTS}
+    for i in tqdm(range(n), desc="clean calls", disable=not progress):
+        dist = DISTS[i % len(DISTS)]
+        q, k, v = _qkv(shape, dist, g, dtype)
         with torch.no_grad():
-            _, st = efta_attention(q, k, v, causal=causal, backend="reference")
-        fp += st["detected"] > 0
-    print(f"clean calls: {args.clean_calls}, calls with a false positive: {fp}")
+            _, st = efta_attention(q, k, v, causal=causal, backend=backend)
+        ev = st["detected"] + st["nonfinite_input"]
+        per[dist]["calls"] += 1
+        per[dist]["calls_with_events"] += ev > 0
+        per[dist]["events"] += ev
+    return per
 
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(B, Hq, M, D, generator=g)
-    k = torch.randn(B, Hkv, N, D, generator=g)
-    v = torch.randn(B, Hkv, N, D, generator=g)
+
+def model_calls(name: str, device: str, dtype: torch.dtype) -> dict:
+    """Protected run of a real model; attention calls and attention events."""
+    import ft_transformers as ftt
+    from ft_transformers import embedded
+
+    if name == "minilm":
+        from transformers import AutoModel, AutoTokenizer
+
+        path = embedded.minilm_dir()
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModel.from_pretrained(path, attn_implementation="efta", dtype=dtype).to(device).eval()
+        ftt.enable_fault_tolerance(model, ftt.FTConfig(linear=False))
+        texts = [f"Sentence number {i} about {w} and the weather in spring." for i, w in
+                 enumerate(["cats", "rivers", "compilers", "soft errors", "graphs", "music", "tea", "ships"] * 8)]
+        with torch.no_grad():
+            for i in range(0, len(texts), 8):
+                batch = tok(texts[i:i + 8], return_tensors="pt", padding=True).to(device)
+                model(**batch)
+        layers = model.config.num_hidden_layers
+    else:
+        model, tok = embedded.load_causal_lm(name, dtype=dtype, attn_implementation="efta", device=device)
+        ftt.enable_fault_tolerance(model, ftt.FTConfig(linear=False))
+        msgs = ["What is the capital of France?", "Explain soft errors in one sentence.",
+                "Write a haiku about GPUs."]
+        with torch.no_grad():
+            for m in msgs:
+                ids = tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
+                                              return_tensors="pt", return_dict=True).to(device)
+                model.generate(**ids, max_new_tokens=32, do_sample=False)
+        layers = model.config.num_hidden_layers
+    rep = ftt.fault_report(model)
+    events = [e for e in rep.events if e.site.startswith("attn.")]
+    return {"model": name, "attention_layers": layers, "model_calls": rep.steps,
+            "attention_calls": layers * rep.steps,
+            "attention_events": sum(e.count for e in events if e.kind in ("detected", "nonfinite_input"))}
+
+
+def injections(args, shape, causal, dtype, device) -> list[dict]:
+    g = torch.Generator(device=device).manual_seed(1)
+    q, k, v = _qkv(shape, "N(1e-6,1)", g, dtype)
     with torch.no_grad():
-        clean, st = efta_attention(q, k, v, causal=causal, backend="reference")
-    assert st["detected"] == 0
-    print(f"shape B,Hq,Hkv,M,N,D = {B},{Hq},{Hkv},{M},{N},{D}  causal={causal}  fp32  "
-          f"{args.n} single-bit injections per row\n")
-    hdr = (f"{'site':<12} {'bit':>3} | {'det':>6} {'corr':>6} {'reco':>6} {'exact':>6} | "
-           f"{'harm':>6} {'esc':>4} {'sdc':>4}")
-    print(hdr)
-    print("-" * len(hdr))
+        clean, st = efta_attention(q, k, v, causal=causal, backend=args.backend)
+    if st["detected"]:
+        raise RuntimeError(f"the clean reference call raised events: {dict(st)}")
+    rows_spec = [(f"bit {b}", (b, b)) for b in (int(x) for x in args.bits.split(","))] if args.bits else \
+        [(c, CLASSES[c]) for c in args.classes.split(",")]
+    rows = []
+    total = len(ATTENTION_SITES) * len(rows_spec) * args.n
+    bar = tqdm(total=total, desc="injections", disable=args.no_progress)
     for site in ATTENTION_SITES:
-        for bit in bits:
-            det = corr = reco = exact = harm = esc = sdc = 0
+        for label, (lo, hi) in rows_spec:
+            c = dict(site=site, bits=label, n=args.n, det=0, corr=0, reco=0, exact=0, harm=0, esc=0, sdc=0,
+                     max_err=0.0)
+            rng = torch.Generator().manual_seed(zlib.crc32(f"{site}/{label}".encode()))
             for seed in range(args.n):
+                bit = int(torch.randint(lo, hi + 1, (1,), generator=rng))
                 spec = FaultSpec(site=site, bit=bit, seed=seed)
                 plan = FaultPlan(spec)
                 with torch.no_grad():
-                    out, st = efta_attention(q, k, v, causal=causal, inject=plan, backend="reference")
-                    bare, _ = efta_attention(q, k, v, causal=causal, inject=spec, detect=False,
-                                             backend="reference")
-                assert plan.injected == 1
+                    out, st = efta_attention(q, k, v, causal=causal, inject=plan, backend=args.backend)
+                    bare, _ = efta_attention(q, k, v, causal=causal, inject=spec, detect=False, backend=args.backend)
+                if plan.injected != 1:
+                    raise RuntimeError(f"expected one flip, got {plan.injected} ({site}, bit {bit}, seed {seed})")
                 d = st["detected"] > 0
-                det += d
-                corr += d and st["recomputed"] == 0
-                reco += st["recomputed"] > 0
                 err = _maxdiff(out, clean)
-                exact += err <= args.tol
-                sdc += err > args.harm
                 h = _maxdiff(bare, clean) > args.harm
-                harm += h
-                esc += h and not d
-            pct = lambda c: f"{100.0 * c / args.n:5.1f}%"
-            print(f"{site:<12} {bit:>3} | {pct(det)} {pct(corr)} {pct(reco)} {pct(exact)} | "
-                  f"{pct(harm)} {esc:>4} {sdc:>4}")
-    print(f"\n{time.time() - t0:.0f} s")
+                c["det"] += d
+                c["corr"] += d and st["recomputed"] == 0
+                c["reco"] += st["recomputed"] > 0
+                c["exact"] += err <= args.tol
+                c["sdc"] += err > args.harm
+                c["harm"] += h
+                c["esc"] += h and not d
+                c["max_err"] = max(c["max_err"], err)
+                bar.update()
+            rows.append(c)
+    bar.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=200, help="injections per (site, bit or class); 0: none")
+    ap.add_argument("--bits", default=None, help="fixed bits, e.g. 0,10,16,20,22,27,28,29,30,31")
+    ap.add_argument("--classes", default="sign,exponent,mantissa", help="bit classes (when --bits is not given)")
+    ap.add_argument("--shape", default="2,4,2,64,200,64", help="B,Hq,Hkv,M,N,D")
+    ap.add_argument("--no-causal", action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"])
+    ap.add_argument("--tol", type=float, default=None, help="'exact' tolerance (default: 2e-4 fp32, 2e-3 else)")
+    ap.add_argument("--harm", type=float, default=None, help="harm threshold (default: 1e-3 fp32, 1e-2 else)")
+    ap.add_argument("--clean-calls", type=int, default=200)
+    ap.add_argument("--model", default=None, help="minilm | smollm2 | path: count events over a real run")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args()
+    shape = tuple(int(x) for x in args.shape.split(","))
+    if len(shape) != 6:
+        ap.error("--shape needs six integers B,Hq,Hkv,M,N,D")
+    dtype = getattr(torch, args.dtype)
+    low = dtype != torch.float32
+    args.tol = args.tol if args.tol is not None else (2e-3 if low else 2e-4)
+    args.harm = args.harm if args.harm is not None else (1e-2 if low else 1e-3)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda but no CUDA device is available")
+    causal = not args.no_causal
+    t0 = time.time()
+    result: dict = {"args": vars(args), "versions": {"python": platform.python_version(), "torch": torch.__version__},
+                    "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor()}
+    print(f"device {result['device']}, dtype {args.dtype}, backend {args.backend}, shape B,Hq,Hkv,M,N,D = "
+          f"{args.shape}, causal={causal}", flush=True)
+
+    if args.clean_calls:
+        per = clean_calls(args.clean_calls, shape, causal, dtype, args.device, args.backend, not args.no_progress)
+        result["clean"] = per
+        for d, c in per.items():
+            print(f"clean {d:10s}: {c['calls']} calls, {c['calls_with_events']} with events", flush=True)
+    if args.model:
+        mc = model_calls(args.model, args.device, dtype)
+        result["model"] = mc
+        print(f"model {mc['model']}: {mc['attention_layers']} attention layers × {mc['model_calls']} model calls "
+              f"= {mc['attention_calls']} attention calls, {mc['attention_events']} attention events", flush=True)
+    if args.n:
+        rows = injections(args, shape, causal, dtype, args.device)
+        result["injections"] = rows
+        hdr = (f"{'site':<12} {'bits':>9} | {'det':>6} {'corr':>6} {'reco':>6} {'exact':>6} {'err':>8} | "
+               f"{'harm':>6} {'esc':>4} {'sdc':>4}")
+        print(f"\n{args.n} single-bit injections per row\n" + hdr + "\n" + "-" * len(hdr))
+        for c in rows:
+            pct = lambda x, c=c: f"{100.0 * x / c['n']:5.1f}%"
+            print(f"{c['site']:<12} {c['bits']:>9} | {pct(c['det'])} {pct(c['corr'])} {pct(c['reco'])} "
+                  f"{pct(c['exact'])} {c['max_err']:8.1e} | {pct(c['harm'])} {c['esc']:>4} {c['sdc']:>4}")
+        if args.csv:
+            with open(args.csv, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+    result["seconds"] = time.time() - t0
+    print(f"\n{result['seconds']:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
