@@ -30,6 +30,7 @@ injection.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -48,6 +49,11 @@ LOCATE_TOL = 0.25  # |D2/D1 − (n+1)| ≤ this locates a single error at column
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BACKENDS = ("auto", "triton", "reference")
+# backend="auto" sends these dtypes to the Triton kernel on CUDA. fp32 stays on the PyTorch path
+# until the kernel's fp32 variant has passed on the GPU (docs/vabft.md, "Status"); backend="triton"
+# runs any of the three. A dtype whose kernel call raises (e.g. a compile failure) falls back too.
+_AUTO_TRITON_DTYPES = (torch.float16, torch.bfloat16)
+_TRITON_FAILED: set[torch.dtype] = set()
 
 # On CPU a flag read costs nothing, so the repair steps are skipped when no row needs them
 # (same results). Tests switch this off to exercise the sync-free path that CUDA runs.
@@ -162,7 +168,8 @@ def _checked_linear_forward(
         plan: the call's faults (site ``linear.output``), or None.
         counters: (sites, kinds) int32 counter block to add into, or None.
         cache_owner: object to cache the weight checksums on (the module), or None.
-        backend: ``"auto"`` (Triton kernel on CUDA when available), ``"triton"`` or ``"reference"``.
+        backend: ``"auto"`` (Triton kernel on CUDA for fp16/bf16 when available, falling back to the
+            PyTorch path if it raises), ``"triton"`` or ``"reference"``.
     Returns:
         y (..., N) in x's dtype (the autocast dtype under autocast).
     """
@@ -179,9 +186,21 @@ def _checked_linear_forward(
             "torch.inference_mode() (x, weight or bias requires grad and grad mode is on)"
         )
     fwd = _resolve_backend(backend, x.device)
+    if fwd is not None and backend == "auto":
+        eff = cast or x.dtype
+        if eff not in _AUTO_TRITON_DTYPES or eff in _TRITON_FAILED:
+            fwd = None
     if fwd is not None:
-        return fwd(x, weight, bias, weight_is_kn=weight_is_kn, emax=emax, csigma=csigma, detect=detect,
-                   correct=correct, plan=plan, counters=counters, cache_owner=cache_owner)
+        kw = dict(weight_is_kn=weight_is_kn, emax=emax, csigma=csigma, detect=detect, correct=correct, plan=plan,
+                  counters=counters, cache_owner=cache_owner)
+        if backend == "triton":
+            return fwd(x, weight, bias, **kw)
+        try:
+            return fwd(x, weight, bias, **kw)
+        except Exception as exc:  # noqa: BLE001 - e.g. a Triton compile failure on an untested GPU
+            _TRITON_FAILED.add(cast or x.dtype)
+            warnings.warn(f"the Triton checked GEMM failed for {cast or x.dtype} ({type(exc).__name__}: {exc}); "
+                          "falling back to the PyTorch checked path for this dtype", RuntimeWarning, stacklevel=2)
     if cast is None:
         return _forward(x, weight, bias, k, n, weight_is_kn, emax, csigma, detect, correct, plan, counters,
                         cache_owner, None)

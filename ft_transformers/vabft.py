@@ -36,6 +36,7 @@ __all__ = [
     "calibrate_emax",
     "checksum_residuals",
     "clean_residuals",
+    "builtin_emax",
     "default_emax",
     "device_name",
     "device_slug",
@@ -180,6 +181,14 @@ def _table_for(device_type: str) -> dict | None:
     return None
 
 
+def builtin_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "output") -> float:
+    """The built-in (seed-derived) e_max used where no calibrated table entry exists (K ≤ 8192)."""
+    dev = "cpu" if device_type == "cpu" else "cuda"
+    if mode == "accumulator":
+        return _EMAX_ACC_CUDA if dev == "cuda" else _EMAX_TABLE[(dev, torch.float32)]
+    return _EMAX_TABLE[(dev, dtype)]
+
+
 def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "output", *,
                  k: int | None = None) -> float:
     """The calibrated V-ABFT unit error ``e_max`` for GEMMs producing ``dtype`` on ``device_type``.
@@ -219,9 +228,7 @@ def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "outp
         k_ref = int(table.get("k_ref", _EMAX_K_REF))
         scaling = table.get("k_scaling", {}).get(mode, "sqrt")
     else:
-        emax = _EMAX_TABLE[(dev, torch.float32 if mode == "accumulator" else eff)]
-        if mode == "accumulator" and dev == "cuda":
-            emax = _EMAX_ACC_CUDA
+        emax = builtin_emax(eff, dev, mode)
     fp32_level = mode == "accumulator" or eff == torch.float32
     if fp32_level and k is not None and k > k_ref:
         emax *= (k / k_ref) if scaling == "linear" else math.sqrt(k / k_ref)

@@ -13,7 +13,7 @@ shapes (batch·seq = 4096 tokens through Qwen2-0.5B / Llama-7B projections). Tim
 ``triton.testing.do_bench`` (L2 flushed between runs); TFLOP/s = 2·M·N·K / time. Writes CSV, a
 markdown table headed by device and versions, and a plot of throughput relative to cuBLAS.
 
-    python scripts/bench_linear.py --out docs/bench_linear          # full
+    python scripts/bench_linear.py --out docs/img/vabft_bench_linear          # full
     python scripts/bench_linear.py --quick --out /tmp/bench         # a few shapes
 """
 
@@ -85,7 +85,7 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("docs/bench_linear"))
+    ap.add_argument("--out", type=Path, default=Path("docs/img/vabft_bench_linear"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--no-torch-checked", action="store_true", help="skip the PyTorch checked path")

@@ -19,8 +19,8 @@ value (site ``linear.output``): D1 changes by ``flipped − v`` (v the value the
 Also bf16 at (4096, 4096, 4096) (``--big-trials``). Writes ``<out>.csv``, ``<out>.md`` (tables with
 the seed's values side by side) and a plot of detection rate against bit.
 
-    python scripts/vabft_study.py --device cuda --trials 100000 --big-trials 20 --out docs/vabft_study_h100
-    python scripts/vabft_study.py --device cpu --trials 400 --big-trials 0 --out docs/vabft_study_cpu
+    python scripts/vabft_study.py --device cuda --trials 100000 --big-trials 20 --out docs/img/vabft_study_h100
+    python scripts/vabft_study.py --device cpu --trials 400 --big-trials 0 --out docs/img/vabft_study_cpu
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--big-trials", type=int, default=20, help="bf16 (4096, 4096, 4096) trials (M samples each)")
     ap.add_argument("--shape", default="128,1024,256", help="M,K,N of the main tables")
     ap.add_argument("--dtypes", default="bfloat16,float32,float16")
-    ap.add_argument("--out", type=Path, default=Path("docs/vabft_study"))
+    ap.add_argument("--out", type=Path, default=Path("docs/img/vabft_study"))
     ap.add_argument("--plot", type=Path, default=Path("docs/img/vabft_detection.png"))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
