@@ -327,8 +327,9 @@ def checked_linear(
         emax: V-ABFT unit error; None takes the calibrated table (`ft_transformers.vabft.default_emax`).
         csigma: c_σ of the threshold.
     Returns:
-        ``(y, stats)``: y (..., N) in x's dtype (bit-identical to ``F.linear`` when nothing is
-        detected), stats a `FaultStats` ``{kind: count}`` (reading it synchronises).
+        ``(y, stats)``: y (..., N) in x's dtype (on the PyTorch path bit-identical to ``F.linear``
+        when nothing is detected; the Triton kernel's own GEMM otherwise), stats a `FaultStats`
+        ``{kind: count}`` (reading it synchronises).
     Raises:
         TypeError / ValueError on unsupported dtypes, shape or device mismatches, an ``inject``
         naming an attention site, or a non-positive ``emax``/``csigma``; RuntimeError when called

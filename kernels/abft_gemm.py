@@ -696,7 +696,9 @@ def checked_gemm(
                  detect=True, verify_output=verify_output, dot_f32=dot_f32)
     th = _threshold_consts(wc, float(emax), float(csigma))
     # a repaired row is re-verified as stored (rounded): with the output-side unit error
-    reverify = 1.0 if verify_output else max(1.0, default_emax(y.dtype, dev.type, "output", k=k) / float(emax))
+    reverify = 1.0
+    if correct and not verify_output:
+        reverify = max(1.0, default_emax(y.dtype, dev.type, "output", k=k) / float(emax))
     vbn, vbk = VERIFY_BLOCK
     _verify_kernel[(triton.cdiv(m, VERIFY_ROWS),)](
         x2d, weight, y, bias if bias is not None else y, wc.b12, P, S, flag, ws, counters,

@@ -219,3 +219,32 @@ def test_calibration_protocol_stays_below_the_table(dtype):
     assert res["samples"] == 4 * (32 + 16)
     assert 0 < res["max"] < default_emax(dtype, "cpu")
     assert res["emax"] == pytest.approx(1.2 * res["max"])
+
+
+def test_emax_tables_ship_with_the_package_and_are_loaded(tmp_path, monkeypatch):
+    import json
+
+    from ft_transformers import vabft
+
+    assert vabft.device_slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+    table = vabft.load_emax_table("cpu")
+    assert table is not None and table["device"] == "cpu"
+    for mode in ("output", "accumulator"):
+        for name, dt in (("float32", torch.float32), ("float16", torch.float16), ("bfloat16", torch.bfloat16)):
+            assert default_emax(dt, "cpu", mode) == table["emax"][mode][name]
+            assert table["emax"][mode][name] >= vabft.builtin_emax(dt, "cpu", mode)  # calibration only raises
+    # a table written elsewhere is picked up by name; malformed entries are refused
+    monkeypatch.setattr(vabft, "EMAX_TABLE_DIR", tmp_path)
+    vabft.load_emax_table.cache_clear()
+    try:
+        (tmp_path / "cpu.json").write_text(json.dumps({"device": "cpu", "emax": {"output": {"float16": 3e-3}},
+                                                        "k_ref": 1024, "k_scaling": {"accumulator": "linear"}}))
+        vabft.load_emax_table.cache_clear()
+        assert default_emax(torch.float16, "cpu") == 3e-3
+        assert default_emax(torch.bfloat16, "cpu") == vabft.builtin_emax(torch.bfloat16, "cpu")  # no entry
+        (tmp_path / "cpu.json").write_text(json.dumps({"device": "cpu", "emax": {"output": {"float16": -1}}}))
+        vabft.load_emax_table.cache_clear()
+        with pytest.raises(ValueError, match="positive"):
+            default_emax(torch.float16, "cpu")
+    finally:
+        vabft.load_emax_table.cache_clear()
