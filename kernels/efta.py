@@ -524,12 +524,101 @@ def _efta_checksums(K, V, KC, VC, KA, VA, SC, skb, skh, skn, skd, svb, svh, svn,
 # ------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _finish(acc, l_i, lc, nvalid, oc1, oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, svn, svd, b, h, bh, offs_m,
+            offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, nsplit, gu,
+            Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, Out, sob, soh, som, sod,
+            Cnt, cst0, cst1, Flag, call_id,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+            HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
+            INJ_O: tl.constexpr, DOT_F32: tl.constexpr, EVEN_D: tl.constexpr):
+    """Steps 6–8 for a block of query rows once every key has been seen: row-sum check, normalisation,
+    output injection, unified output verification and repair, recompute of flagged rows, the event
+    atomics, and the store. acc (BLOCK_M, BLOCK_D) fp32 and l_i, lc, nvalid (BLOCK_M,) are the loop's
+    (or the split-key merge's) state; oc1, oc2 (16, BLOCK_M) the transposed output checksums; vmax
+    (16,) max_n Σ_l |V|. ``nsplit`` > 1 when the keys were split across programs (one more rescale per
+    split in the rounding bounds)."""
+    BLOCK_M: tl.constexpr = acc.shape[0]
+    LVP: tl.constexpr = BLOCK_D // 16
+    FLT_MAX: tl.constexpr = 3.4028234663852886e38
+    wv = (tl.arange(0, LVP) + 1).to(tl.float32)
+    r16 = tl.arange(0, 16)
+    # ---- 6. row sum check ----
+    redo_rows = row_ok & False
+    if DETECT:
+        nf = nf | tl.max((~(vmax <= FLT_MAX)).to(tl.int32), axis=0)  # non-finite V
+        chk = nf == 0
+        tau_l = 2.0 * gu * (BLOCK_N + 2 * (nblocks + nsplit - 1) + 4)
+        fine = (l_i >= 1.0 - tau_l) & (l_i <= nvalid.to(tl.float32) * (1.0 + tau_l)) \
+            & (tl.abs(l_i - lc) <= tau_l * l_i)
+        bad6 = tl.where(nvalid > 0, ~fine, l_i != 0.0) & row_ok & chk
+        n6 = tl.sum(bad6.to(tl.int32), axis=0)
+        cnt = _bump(cnt, _ROWSUM + _DET, n6)
+        if CORRECT:
+            cnt = _bump(cnt, _ROWSUM + _REC, n6)
+            redo_rows = bad6
+        else:
+            cnt = _bump(cnt, _ROWSUM + _UNC, n6)
+
+    # ---- 7. normalise, inject, unified verification ----
+    lzero = l_i[:, None] == 0.0
+    o = tl.where(lzero, 0.0, acc / l_i[:, None])
+    if INJ_O != 0:
+        o = _inject(o, Inj, 4, INJ_O, bh, offs_m[:, None], offs_d[None, :], M, D)
+    if DETECT:
+        o1 = tl.where(lzero, 0.0, tl.trans(oc1) / l_i[:, None])
+        o2 = tl.where(lzero, 0.0, tl.trans(oc2) / l_i[:, None])
+        og = tl.reshape(o, (BLOCK_M, LVP, 16))
+        d1 = o1 - tl.sum(og, axis=1)
+        d2 = o2 - tl.sum(og * wv[None, :, None], axis=1)
+        lv = tl.cdiv(D, 16)
+        thr = (2.0 * gu * (BLOCK_N + 2 * (nblocks + nsplit - 1) + lv + 4)) * vmax
+        bad = ~(tl.abs(d1) <= thr[None, :]) & (row_ok & ~redo_rows)[:, None] & chk
+        nbad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
+        if nbad > 0:
+            cnt = _bump(cnt, _OUTPUT + _DET, nbad)
+            if CORRECT:
+                t = d2 / d1
+                tr = tl.floor(t + 0.5)
+                ok = bad & (tl.abs(t - tr) <= 0.25) & (tr >= 1.0) & (tr <= lv)
+                loc = tl.where(ok, tr - 1.0, 0.0).to(tl.int32)
+                ok = ok & (loc * 16 + r16[None, :] < D)  # a real column
+                redo = bad & ~ok
+                cnt = _bump(cnt, _OUTPUT + _COR, tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0))
+                cnt = _bump(cnt, _OUTPUT + _REC, tl.sum(tl.sum(redo.to(tl.int32), axis=1), axis=0))
+                member = tl.arange(0, LVP)[None, :, None] == loc[:, None, :]
+                others = tl.sum(tl.where(member, 0.0, og), axis=1)
+                og = tl.where(member & ok[:, None, :], (o1 - others)[:, None, :], og)
+                o = tl.reshape(og, (BLOCK_M, BLOCK_D))
+                redo_rows = redo_rows | (tl.max(redo.to(tl.int32), axis=1) > 0)
+            else:
+                cnt = _bump(cnt, _OUTPUT + _UNC, nbad)
+        if CORRECT:
+            if tl.sum(redo_rows.to(tl.int32), axis=0) > 0:  # recompute flagged rows from scratch
+                o_re = _plain_pass(q, Kb, Vb, skn, skd, svn, svd, b, h, offs_m, offs_d, M, N, D, scale,
+                                   window, lo, hi, Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
+                                   BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DOT_F32, EVEN_D)
+                o = tl.where(redo_rows[:, None], o_re, o)
+        # events
+        slots = tl.arange(0, 32)
+        tl.atomic_add(Cnt + (slots // 5) * cst0 + (slots % 5) * cst1, cnt, mask=cnt != 0)
+        if nf != 0:  # non-finite input: one event per call (Flag holds the last call id that counted)
+            prev = tl.atomic_max(Flag, call_id)
+            if prev < call_id:
+                tl.atomic_add(Cnt + _NONF * cst1, 1)  # attn.scores row
+
+    # ---- 8. store in the input dtype ----
+    tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
+             o.to(Out.dtype.element_ty), mask=io_ok)
+
+
+
 @triton.jit(do_not_specialize=["call_id"])
 def _efta_fwd(
-    Q, K, V, Out, Cnt, Flag, Bias, Mask, Inj, KC, VC, KA, VA, SC,
+    Q, K, V, Out, Cnt, Flag, Bias, Mask, Inj, KC, VC, KA, VA, SC, W,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     sbb, sbh, sbm, sbn, smb, smh, smm, smn, cst0, cst1,
-    Hq, Hkv, M, N, D, GROUP, scale, window, call_id,
+    Hq, Hkv, M, N, D, GROUP, scale, window, call_id, nsplit,
     gu, exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap,
     M_KEY, N_KEY,  # autotune keys only (bucketed M, N)
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -537,13 +626,15 @@ def _efta_fwd(
     INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr, INJ_L: tl.constexpr,
     INJ_O: tl.constexpr, NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
     DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr, CS_PRE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     L: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
     LVP: tl.constexpr = BLOCK_D // 16  # head-dim groups (padded D)
     FLT_MAX: tl.constexpr = 3.4028234663852886e38
+    REC: tl.constexpr = (36 + BLOCK_D) * BLOCK_M + 17  # floats per partial-state record (SPLIT)
 
-    start_m = tl.program_id(0)
+    start_m = tl.program_id(0) // nsplit
+    split = tl.program_id(0) % nsplit  # which share of the key blocks (split-key decode); 0 otherwise
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     bh = tl.program_id(2) * Hq + tl.program_id(1)  # index into the sites' (B·Hq, ...) shapes
@@ -575,6 +666,10 @@ def _efta_fwd(
     if NO_SKIP:  # injecting: visit every block, like the reference
         scan_lo = 0
         scan_hi = N
+    if SPLIT:  # this program's share of the key blocks
+        per = tl.cdiv(nblocks, nsplit) * BLOCK_N
+        scan_lo = tl.maximum(scan_lo, split * per)
+        scan_hi = tl.minimum(scan_hi, split * per + per)
 
     m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -591,7 +686,6 @@ def _efta_fwd(
     cnt = tl.zeros((32,), tl.int32)
     nf = tl.full([], 0, tl.int32)
     wl = (tl.arange(0, L) + 1).to(tl.float32)
-    wv = (tl.arange(0, LVP) + 1).to(tl.float32)
     r16 = tl.arange(0, 16)
     cs_row = (b * Hkv + hk) * nblocks  # first row of this (batch, kv head) in the checksum tables
     if DETECT:
@@ -707,73 +801,99 @@ def _efta_fwd(
             oc2 = oc2 * alpha[None, :] + _parts_dot(pt, c0, c1, c2, PARTS, DOT_F32, True) * cic
         m_i = m_new
 
-    # ---- 6. row sum check ----
-    redo_rows = row_ok & False
-    if DETECT:
-        nf = nf | tl.max((~(vmax <= FLT_MAX)).to(tl.int32), axis=0)  # non-finite V
-        chk = nf == 0
-        tau_l = 2.0 * gu * (BLOCK_N + 2 * nblocks + 4)
-        fine = (l_i >= 1.0 - tau_l) & (l_i <= nvalid.to(tl.float32) * (1.0 + tau_l)) \
-            & (tl.abs(l_i - lc) <= tau_l * l_i)
-        bad6 = tl.where(nvalid > 0, ~fine, l_i != 0.0) & row_ok & chk
-        n6 = tl.sum(bad6.to(tl.int32), axis=0)
-        cnt = _bump(cnt, _ROWSUM + _DET, n6)
-        if CORRECT:
-            cnt = _bump(cnt, _ROWSUM + _REC, n6)
-            redo_rows = bad6
-        else:
-            cnt = _bump(cnt, _ROWSUM + _UNC, n6)
+    if SPLIT:  # partial state of this key range, merged by `_efta_combine`
+        rec = W + (((b * Hq + h) * tl.cdiv(M, BLOCK_M) + start_m) * nsplit + split) * REC
+        rows = tl.arange(0, BLOCK_M)
+        tl.store(rec + rows, m_i)
+        tl.store(rec + BLOCK_M + rows, l_i)
+        tl.store(rec + 2 * BLOCK_M + rows, lc)
+        tl.store(rec + 3 * BLOCK_M + rows, nvalid.to(tl.float32))
+        tl.store(rec + 4 * BLOCK_M + rows[:, None] * BLOCK_D + offs_d[None, :], acc)
+        ocp = rec + (4 + BLOCK_D) * BLOCK_M + r16[:, None] * BLOCK_M + rows[None, :]
+        tl.store(ocp, oc1)
+        tl.store(ocp + 16 * BLOCK_M, oc2)
+        tl.store(rec + (36 + BLOCK_D) * BLOCK_M + r16, vmax)
+        tl.store(rec + (36 + BLOCK_D) * BLOCK_M + 16, nf.to(tl.float32))
+        if DETECT:  # the loop's events (steps 1, 3, 4); steps 6–7 count in the merge
+            slots = tl.arange(0, 32)
+            tl.atomic_add(Cnt + (slots // 5) * cst0 + (slots % 5) * cst1, cnt, mask=cnt != 0)
+    else:
+        _finish(acc, l_i, lc, nvalid, oc1, oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, svn, svd, b, h, bh, offs_m,
+                offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, 1, gu,
+                Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, Out, sob, soh, som, sod,
+                Cnt, cst0, cst1, Flag, call_id, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND,
+                DETECT, CORRECT, INJ_O, DOT_F32, EVEN_D)
 
-    # ---- 7. normalise, inject, unified verification ----
-    lzero = l_i[:, None] == 0.0
-    o = tl.where(lzero, 0.0, acc / l_i[:, None])
-    if INJ_O != 0:
-        o = _inject(o, Inj, 4, INJ_O, bh, offs_m[:, None], offs_d[None, :], M, D)
-    if DETECT:
-        o1 = tl.where(lzero, 0.0, tl.trans(oc1) / l_i[:, None])
-        o2 = tl.where(lzero, 0.0, tl.trans(oc2) / l_i[:, None])
-        og = tl.reshape(o, (BLOCK_M, LVP, 16))
-        d1 = o1 - tl.sum(og, axis=1)
-        d2 = o2 - tl.sum(og * wv[None, :, None], axis=1)
-        lv = tl.cdiv(D, 16)
-        thr = (2.0 * gu * (BLOCK_N + 2 * nblocks + lv + 4)) * vmax
-        bad = ~(tl.abs(d1) <= thr[None, :]) & (row_ok & ~redo_rows)[:, None] & chk
-        nbad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
-        if nbad > 0:
-            cnt = _bump(cnt, _OUTPUT + _DET, nbad)
-            if CORRECT:
-                t = d2 / d1
-                tr = tl.floor(t + 0.5)
-                ok = bad & (tl.abs(t - tr) <= 0.25) & (tr >= 1.0) & (tr <= lv)
-                loc = tl.where(ok, tr - 1.0, 0.0).to(tl.int32)
-                ok = ok & (loc * 16 + r16[None, :] < D)  # a real column
-                redo = bad & ~ok
-                cnt = _bump(cnt, _OUTPUT + _COR, tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0))
-                cnt = _bump(cnt, _OUTPUT + _REC, tl.sum(tl.sum(redo.to(tl.int32), axis=1), axis=0))
-                member = tl.arange(0, LVP)[None, :, None] == loc[:, None, :]
-                others = tl.sum(tl.where(member, 0.0, og), axis=1)
-                og = tl.where(member & ok[:, None, :], (o1 - others)[:, None, :], og)
-                o = tl.reshape(og, (BLOCK_M, BLOCK_D))
-                redo_rows = redo_rows | (tl.max(redo.to(tl.int32), axis=1) > 0)
-            else:
-                cnt = _bump(cnt, _OUTPUT + _UNC, nbad)
-        if CORRECT:
-            if tl.sum(redo_rows.to(tl.int32), axis=0) > 0:  # recompute flagged rows from scratch
-                o_re = _plain_pass(q, Kb, Vb, skn, skd, svn, svd, b, h, offs_m, offs_d, M, N, D, scale,
-                                   window, lo, hi, Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
-                                   BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DOT_F32, EVEN_D)
-                o = tl.where(redo_rows[:, None], o_re, o)
-        # events
-        slots = tl.arange(0, 32)
-        tl.atomic_add(Cnt + (slots // 5) * cst0 + (slots % 5) * cst1, cnt, mask=cnt != 0)
-        if nf != 0:  # non-finite input: one event per call (Flag holds the last call id that counted)
-            prev = tl.atomic_max(Flag, call_id)
-            if prev < call_id:
-                tl.atomic_add(Cnt + _NONF * cst1, 1)  # attn.scores row
 
-    # ---- 8. store in the input dtype ----
-    tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
-             o.to(Out.dtype.element_ty), mask=io_ok)
+@triton.jit(do_not_specialize=["call_id"])
+def _efta_combine(
+    Q, K, V, Out, Cnt, Flag, Bias, Mask, Inj, W,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+    sbb, sbh, sbm, sbn, smb, smh, smm, smn, cst0, cst1,
+    Hq, M, N, D, GROUP, scale, window, call_id, nsplit, gu,
+    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MASK_KIND: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr, INJ_O: tl.constexpr,
+    DOT_F32: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Split-key decode, second half: merge the ``nsplit`` partial states that `_efta_fwd` (SPLIT)
+    wrote for one query block — (m, l, lc, nvalid, O, Oc1ᵀ, Oc2ᵀ) rescaled to the common maximum
+    exactly like the loop's α, Σ|V| maxima and non-finite flags — then finish (steps 6–8)."""
+    REC: tl.constexpr = (36 + BLOCK_D) * BLOCK_M + 17
+    start_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    bh = tl.program_id(2) * Hq + tl.program_id(1)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_M)
+    r16 = tl.arange(0, 16)
+    row_ok = offs_m < M
+    io_ok = row_ok[:, None]
+    if not EVEN_D:
+        io_ok = io_ok & (offs_d < D)[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=io_ok, other=0.0)
+    Kb = K + b * skb + (h // GROUP) * skh
+    Vb = V + b * svb + (h // GROUP) * svh
+    nblocks = tl.cdiv(N, BLOCK_N)
+    lo = 0
+    hi = N
+    if CAUSAL:
+        hi = tl.minimum(N, tl.minimum(start_m * BLOCK_M + BLOCK_M, M) + (N - M))
+    if HAS_WINDOW:
+        lo = tl.maximum(start_m * BLOCK_M + (N - M) - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    lc = tl.zeros((BLOCK_M,), tl.float32)
+    nvalid = tl.zeros((BLOCK_M,), tl.int32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    oc1 = tl.zeros((16, BLOCK_M), tl.float32)
+    oc2 = tl.zeros((16, BLOCK_M), tl.float32)
+    vmax = tl.zeros((16,), tl.float32)
+    nf = tl.full([], 0, tl.int32)
+    base = W + ((b * Hq + h) * tl.cdiv(M, BLOCK_M) + start_m) * nsplit * REC
+    for sp in range(0, nsplit):
+        rec = base + sp * REC
+        m_s = tl.load(rec + rows)
+        m_new = _max_nan(m_i, m_s)
+        a = tl.where((m_i == -float("inf")) & (m_new == -float("inf")), 1.0, tl.exp(m_i - m_new))
+        c = tl.where((m_s == -float("inf")) & (m_new == -float("inf")), 1.0, tl.exp(m_s - m_new))
+        l_i = l_i * a + tl.load(rec + BLOCK_M + rows) * c
+        lc = lc * a + tl.load(rec + 2 * BLOCK_M + rows) * c
+        nvalid += tl.load(rec + 3 * BLOCK_M + rows).to(tl.int32)
+        acc = acc * a[:, None] + tl.load(rec + 4 * BLOCK_M + rows[:, None] * BLOCK_D + offs_d[None, :]) * c[:, None]
+        ocp = rec + (4 + BLOCK_D) * BLOCK_M + r16[:, None] * BLOCK_M + rows[None, :]
+        oc1 = oc1 * a[None, :] + tl.load(ocp) * c[None, :]
+        oc2 = oc2 * a[None, :] + tl.load(ocp + 16 * BLOCK_M) * c[None, :]
+        vmax = _max_nan(vmax, tl.load(rec + (36 + BLOCK_D) * BLOCK_M + r16))
+        nf = nf | (tl.load(rec + (36 + BLOCK_D) * BLOCK_M + 16) != 0).to(tl.int32)
+        m_i = m_new
+    _finish(acc, l_i, lc, nvalid, oc1, oc2, vmax, nf, tl.zeros((32,), tl.int32), q, Kb, Vb, skn, skd, svn, svd,
+            b, h, bh, offs_m, offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, nsplit, gu,
+            Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, Out, sob, soh, som, sod,
+            Cnt, cst0, cst1, Flag, call_id, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND,
+            DETECT, CORRECT, INJ_O, DOT_F32, EVEN_D)
 
 
 _INTERP = interpreting()
@@ -902,6 +1022,32 @@ def _as4d(t: torch.Tensor, shape: tuple[int, int, int, int], name: str) -> torch
         raise ValueError(f"{name} of shape {tuple(t.shape)} is not broadcastable to {shape}") from exc
 
 
+_SMS: dict[torch.device, int] = {}
+
+
+def _num_splits(programs: int, M: int, N: int, cfg, no_skip: bool, device: torch.device, interp: bool) -> int:
+    """How many programs share the keys of one query block (split-key decode; 1 = no split).
+
+    Decode (M ≤ 16) splits when the (batch, head) programs alone would not fill the GPU: up to two
+    programs per SM, at least 256 keys each. Never while injecting (fault positions index the
+    unsplit loop; output faults are fine, they strike after the merge). ``FTT_EFTA_SPLIT=n`` forces n
+    (tests, tuning; with a fixed or forced config).
+    """
+    if no_skip:
+        return 1
+    env = os.environ.get("FTT_EFTA_SPLIT")
+    if env:
+        if cfg is None and M > 16:
+            return 1
+        return max(1, int(env))
+    if interp or M > 16 or (cfg is not None and cfg[0] != 16):
+        return 1
+    sms = _SMS.get(device)
+    if sms is None:
+        sms = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(2 * sms // max(programs, 1), N // 256))
+
+
 def _pow2_bucket(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
@@ -1018,6 +1164,14 @@ def efta_triton_forward(
     if detect and cfg is not None and cfg[1] != CS_BLOCK_N:
         raise ValueError(f"the checked kernel runs key blocks of {CS_BLOCK_N}; FTT_EFTA_CONFIG asks for {cfg[1]}")
 
+    # split-key decode: few (batch, head) programs against a long cache would leave most of the GPU idle
+    nsplit = _num_splits(B * Hq, M, N, cfg, any(modes[:4]), dev, interp)
+    block_m = cfg[0] if cfg is not None else 16  # the autotuner's decode configs all have BLOCK_M = 16
+    work = counters  # unused placeholder
+    if nsplit > 1:
+        work = torch.empty(B * Hq * -(-M // block_m) * nsplit * ((36 + block_d) * block_m + 17),
+                           dtype=torch.float32, device=dev)
+
     # checksum tables: computed once per key block by the pre-pass when several query blocks (prefill)
     # would otherwise each recompute them; decode (M ≤ 16, one query block) computes them in the loop
     cs_pre = bool(detect) and M > 16
@@ -1034,12 +1188,12 @@ def efta_triton_forward(
             SCALE_CS=q.dtype == torch.float16, INTERP=interp, EVEN_D=D == block_d, BLOCK_N=CS_BLOCK_N, num_warps=4)
 
     args = (
-        q, k, v, out, counters, flag, bias4, mask4, inj, *tables,
+        q, k, v, out, counters, flag, bias4, mask4, inj, *tables, work,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *(bias4.stride() if has_bias else (0, 0, 0, 0)),
         *(mask4.stride() if mask_kind else (0, 0, 0, 0)),
         *counters.stride(),
-        Hq, Hkv, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id,
+        Hq, Hkv, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit,
         BOUNDS.gamma * BOUNDS.u * slack, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_xmin, BOUNDS.exp_pmax,
         BOUNDS.snvr_rel, BOUNDS.snvr_cap,
         min(_pow2_bucket(M), 256), _pow2_bucket(N),
@@ -1049,14 +1203,26 @@ def efta_triton_forward(
         MASK_KIND=mask_kind, DETECT=bool(detect), CORRECT=correct,
         INJ_S=modes[0], INJ_M=modes[1], INJ_P=modes[2], INJ_L=modes[3], INJ_O=modes[4],
         NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
-        EVEN_D=D == block_d, CS_PRE=cs_pre,
+        EVEN_D=D == block_d, CS_PRE=cs_pre, SPLIT=nsplit > 1,
     )
     if cfg is not None:
-        grid = (triton.cdiv(M, cfg[0]), Hq, B)
+        grid = (triton.cdiv(M, cfg[0]) * nsplit, Hq, B)
         _efta_fwd[grid](*args, **meta, BLOCK_M=cfg[0], BLOCK_N=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
     else:
         def grid(meta_):
-            return (triton.cdiv(M, meta_["BLOCK_M"]), Hq, B)
+            return (triton.cdiv(M, meta_["BLOCK_M"]) * nsplit, Hq, B)
 
         _efta_fwd_tuned[grid](*args, **meta)
+    if nsplit > 1:
+        _efta_combine[(triton.cdiv(M, block_m), Hq, B)](
+            q, k, v, out, counters, flag, bias4, mask4, inj, work,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            *(bias4.stride() if has_bias else (0, 0, 0, 0)),
+            *(mask4.stride() if mask_kind else (0, 0, 0, 0)),
+            *counters.stride(),
+            Hq, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit,
+            BOUNDS.gamma * BOUNDS.u * slack,
+            BLOCK_D=block_d, CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_BIAS=has_bias,
+            MASK_KIND=mask_kind, DETECT=bool(detect), CORRECT=correct, INJ_O=modes[4], DOT_F32=dot_f32,
+            EVEN_D=D == block_d, BLOCK_M=block_m, BLOCK_N=CS_BLOCK_N, num_warps=4)
     return out

@@ -308,6 +308,84 @@ def test_multiple_faults_match_reference(inj_data):
         assert maxdiff(out, clean) <= 2e-4, site
 
 
+# ------------------------------------------------------------------------------------------------
+# split-key decode (FTT_EFTA_SPLIT forces the split the GPU picks for few long rows)
+# ------------------------------------------------------------------------------------------------
+
+SPLIT_CASES = {  # (B, Hq, Hkv, M, N, D), kwargs; N = 300: five key blocks over 3 splits (2 + 2 + 1)
+    "decode": ((2, 4, 2, 1, 300, 64), dict(causal=True)),
+    "chunk_window": ((1, 2, 2, 5, 300, 32), dict(causal=True, window=100)),  # first split fully masked
+    "padding": ((2, 2, 1, 1, 300, 64), dict(attn_mask="left_pad")),
+}
+
+
+def _split_case(name):
+    shape, kw = SPLIT_CASES[name]
+    kw = dict(kw)
+    if kw.get("attn_mask") == "left_pad":
+        keep = torch.ones(shape[0], 1, shape[3], shape[4], dtype=torch.bool)
+        keep[1, ..., :170] = False  # batch 1: the first 170 keys are padding
+        kw["attn_mask"] = keep.to(DEV)
+    return shape, kw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_split_keys_match_float64(monkeypatch, case, dtype):
+    (B, Hq, Hkv, M, N, D), kw = _split_case(case)
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, dtype, seed=40 + list(SPLIT_CASES).index(case))
+    ref = ref_attention(q, k, v, **kw)
+    monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
+    merges = _spy_combine(monkeypatch)
+    for detect in (True, False):
+        out, stats, _ = kernel(q, k, v, detect=detect, correct=detect, **kw)
+        assert maxdiff(out, ref) <= TOL[dtype], (case, detect)
+        assert all(val == 0 for val in stats.values()), stats.by_site()
+    assert len(merges) == 2  # the keys really were split (one merge launch per call)
+
+
+def _spy_combine(monkeypatch) -> list:
+    """Record the launches of the split-key merge kernel."""
+    grids: list = []
+    real = K._efta_combine
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(K, "_efta_combine", Spy())
+    return grids
+
+
+def test_split_keys_nonfinite_counted_once(monkeypatch):
+    monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
+    q, k, v = rand_qkv(1, 2, 2, 1, 300, 32, seed=44)
+    v[0, 1, 250, 3] = math.nan  # a key in the last split
+    out, stats, _ = kernel(q, k, v, causal=True)
+    assert stats["nonfinite_input"] == 1 and stats["detected"] == 0
+    assert torch.isnan(out[0, 1]).any() and not torch.isnan(out[0, 0]).any()
+
+
+@pytest.mark.parametrize("bit", EXP_BITS)
+def test_split_keys_output_fault_corrected(monkeypatch, bit):
+    # output faults strike after the merge, so they keep the split; other sites turn it off
+    monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
+    q, k, v = rand_qkv(2, 2, 2, 1, 300, 64, seed=45)
+    clean = ref_attention(q, k, v, causal=True)
+    for seed in range(3):
+        spec = FaultSpec(site="attn.output", bit=bit, seed=seed)
+        out, stats, plan = kernel(q, k, v, causal=True, inject=spec)
+        assert plan.injected == 1
+        assert stats["detected"] == 1 and stats["detected"] == stats["corrected"] + stats["recomputed"]
+        assert maxdiff(out, clean) <= 2e-5, (bit, seed, stats.by_site())
+    # several faults in one row cannot be located: the merged rows are recomputed from scratch
+    spec = FaultSpec(site="attn.output", bit=30, count=3, seed=7)
+    out, stats, _ = kernel(q, k, v, causal=True, inject=spec)
+    assert stats["detected"] >= 1 and stats["uncorrectable"] == 0
+    assert maxdiff(out, clean) <= 2e-5, stats.by_site()
+
+
 def test_masked_and_decode_injection():
     """Masks, GQA, window and decode-shaped calls: faults repaired, counters equal the reference's."""
     B, Hq, Hkv, M, N, D = 2, 4, 2, 3, 150, 64
