@@ -9,6 +9,10 @@ The mask function is transformers' ``sdpa_mask``: a bool mask (B, 1, M, N) with 
 or ``None`` when the pattern is plain causal / full, in which case ``is_causal`` carries it.
 Our kernel aligns causal masks bottom-right, which is right for both cases where transformers
 skips the mask (q_len == kv_len and q_len == 1).
+
+Under ``torch.compile`` a protected attention call is one opaque custom op, ``ftt::efta_module``,
+running the same eager code (no graph breaks from the reference path's host-side branches); with
+faults being injected it runs eagerly outside the graph (see `ft_transformers.protect`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .counters import new_counters
 from .efta import _efta_forward
+from .events import EventRecorder
 from .injection import FaultPlan
 
 ATTN_IMPLEMENTATION = "efta"
@@ -61,20 +66,76 @@ def efta_attention_forward(
         causal = False
     if ctx is None:
         # "efta" without enable_fault_tolerance: default checks, events not recorded.
-        detect, correct, pasa, pasa_beta = True, True, False, None
-        plan, counters = FaultPlan(None), new_counters(query.device)
+        out = _efta_forward(
+            query, key, value,
+            scale=scaling, causal=causal, bias=position_bias, attn_mask=attention_mask, window=None,
+            pasa=False, detect=True, correct=True, plan=FaultPlan(None), counters=new_counters(query.device),
+            backend="auto",
+        )
+    elif not torch.compiler.is_compiling():
+        out = _protected(ctx, query, key, value, attention_mask, position_bias, scaling, causal)
+    elif ctx.state.active_faults:
+        out = _protected_outside_graph(ctx, query, key, value, attention_mask, position_bias, scaling, causal)
     else:
-        detect, correct, pasa, pasa_beta = ctx.detect, ctx.correct, ctx.pasa, ctx.pasa_beta
-        plan, counters = ctx.plan_for_call(), ctx.counters(query.device)
+        # Already (B, M, Hq, D), contiguous.
+        return torch.ops.ftt.efta_module(
+            query, key, value, attention_mask, position_bias, ctx.step_block(query.device), ctx.slot.index,
+            scaling, causal, ctx.detect, ctx.correct, ctx.pasa, ctx.pasa_beta,
+            ctx.state.config.on_uncorrectable == "raise", ctx.slot.name), None
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _protected(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+               position_bias: torch.Tensor | None, scaling: float | None, causal: bool) -> torch.Tensor:
+    """A protected module's EFTA call run eagerly: plan its faults, compute, count. -> (B, Hq, M, D)."""
+    plan, counters = ctx.plan_for_call(), ctx.counters(query.device)
     out = _efta_forward(
         query, key, value,
         scale=scaling, causal=causal, bias=position_bias, attn_mask=attention_mask, window=None,
-        pasa=pasa, detect=detect, correct=correct, plan=plan, counters=counters, backend="auto",
+        pasa=ctx.pasa, detect=ctx.detect, correct=ctx.correct, plan=plan, counters=counters, backend="auto",
+        pasa_beta=ctx.pasa_beta,
+    )
+    ctx.after_call(counters)
+    return out
+
+
+# Under torch.compile with faults active: the call runs eagerly, outside the graph.
+_protected_outside_graph = torch.compiler.disable(_protected)
+
+
+@torch.library.custom_op("ftt::efta_module", mutates_args=("step_counters",))
+def _efta_module_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+    position_bias: torch.Tensor | None, step_counters: torch.Tensor, slot: int, scaling: float | None,
+    causal: bool, detect: bool, correct: bool, pasa: bool, pasa_beta: float | None, raise_uncorrectable: bool,
+    name: str,
+) -> torch.Tensor:
+    """A protected module's EFTA call as one opaque op for compiled graphs (no fault injection).
+
+    Args:
+        query: (B, Hq, M, D); key, value: (B, Hkv, N, D); attention_mask / position_bias
+            broadcastable to (B, Hq, M, N) or None.
+        step_counters: (modules, sites, kinds) int32 counters of the step; row ``slot`` is added into.
+    Returns:
+        (B, M, Hq, D) contiguous, in query's dtype: what the eager protected call returns.
+    """
+    counters = step_counters[slot]
+    out = _efta_forward(
+        query, key, value,
+        scale=scaling, causal=causal, bias=position_bias, attn_mask=attention_mask, window=None,
+        pasa=pasa, detect=detect, correct=correct, plan=FaultPlan(None), counters=counters, backend="auto",
         pasa_beta=pasa_beta,
     )
-    if ctx is not None:
-        ctx.after_call(counters)
-    return out.transpose(1, 2).contiguous(), None
+    if raise_uncorrectable:
+        EventRecorder.raise_if_uncorrectable(counters, name)
+    return out.transpose(1, 2).contiguous()
+
+
+@_efta_module_op.register_fake
+def _(query, key, value, attention_mask, position_bias, step_counters, slot, scaling, causal, detect, correct,
+      pasa, pasa_beta, raise_uncorrectable, name):
+    b, h, m, d = query.shape
+    return query.new_empty((b, m, h, d))
 
 
 def register() -> None:

@@ -3,8 +3,14 @@
 A protected model owns one `EventRecorder`. Each protected module has a slot; during a model
 forward call (one generation *step*) every module adds its kernel counters into its slot of
 the step's counter tensor ``(modules, sites, kinds)``, on the module's device. At the end of the
-step the tensor is filed away, still on the device. Only `fault_report` copies the history to
-the host, so recording costs no synchronisation on the hot path.
+step a copy of that tensor is filed away, still on the device, and the tensor is zeroed for the
+next step. Only `fault_report` copies the history to the host, so recording costs no
+synchronisation on the hot path.
+
+The per-device step tensors are allocated once and reused for every step (their addresses never
+change), so a compiled model (``torch.compile``, also with CUDA graphs) adds into the same
+buffers on every replay; filing and zeroing happen outside the compiled region, in the model's
+forward hook (`EventRecorder.end_step` is excluded from tracing).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import csv
 import json
 import warnings
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,7 +61,10 @@ class EventRecorder:
         self.record = record
         self.slots: list[ModuleSlot] = []
         self.step = 0
+        # Devices whose step tensor was used in the current step -> that tensor (a persistent buffer).
         self._current: dict[torch.device, torch.Tensor] = {}
+        # The persistent (modules, sites, kinds) int32 step buffer of each device.
+        self._buffers: dict[torch.device, torch.Tensor] = {}
         self._history: list[tuple[int, dict[torch.device, torch.Tensor]]] = []
         self._pending_warn: list[tuple[int, torch.Tensor, object]] = []
         self._warned = 0
@@ -65,23 +75,46 @@ class EventRecorder:
         self.slots.append(slot)
         return slot
 
-    def counters(self, slot: ModuleSlot, device: torch.device) -> torch.Tensor:
-        """The (sites, kinds) int32 block of ``slot`` for the current step on ``device``."""
+    def prepare(self, devices: Iterable[torch.device]) -> None:
+        """Allocate the step buffers of ``devices`` now (outside any compiled region)."""
+        for dev in devices:
+            self._buffer(torch.device(dev))
+
+    def _buffer(self, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get(device)
+        if buf is None:
+            buf = torch.zeros((len(self.slots), *COUNTER_SHAPE), dtype=torch.int32, device=device)
+            if not torch.compiler.is_compiling():
+                # A fixed address: CUDA graphs may mutate it in place across replays.
+                torch._dynamo.mark_static_address(buf)
+            self._buffers[device] = buf
+        return buf
+
+    def step_block(self, device: torch.device) -> torch.Tensor:
+        """The (modules, sites, kinds) int32 counter tensor of the current step on ``device``."""
         cur = self._current.get(device)
         if cur is None:
-            cur = torch.zeros((len(self.slots), *COUNTER_SHAPE), dtype=torch.int32, device=device)
+            cur = self._buffer(device)
             self._current[device] = cur
-        return cur[slot.index]
+        return cur
+
+    def counters(self, slot: ModuleSlot, device: torch.device) -> torch.Tensor:
+        """The (sites, kinds) int32 block of ``slot`` for the current step on ``device``."""
+        return self.step_block(device)[slot.index]
 
     # -- steps ---------------------------------------------------------------------------------
+    @torch.compiler.disable
     def end_step(self) -> None:
-        """File the current step's counters (no host sync) and start the next step."""
+        """File a copy of the current step's counters (no host sync) and start the next step."""
         self._poll_warnings()
         if self._current:
+            filed = {dev: buf.clone() for dev, buf in self._current.items()}
+            for buf in self._current.values():
+                buf.zero_()
             if self.record:
-                self._history.append((self.step, self._current))
+                self._history.append((self.step, filed))
             if self.policy == "warn":
-                self._queue_warning(self.step, self._current)
+                self._queue_warning(self.step, filed)
         self._current = {}
         self.step += 1
 
@@ -143,6 +176,8 @@ class EventRecorder:
     def reset(self) -> None:
         self._poll_warnings(wait=True)
         self._history.clear()
+        for buf in self._buffers.values():
+            buf.zero_()
         self._current = {}
         self.step = 0
 

@@ -4,23 +4,35 @@ Protection is applied in place: attention modules are switched to the ``"efta"``
 implementation and tagged with a `_ModuleContext`; every ``nn.Linear`` (and GPT-2 ``Conv1D``)
 gets an instance-level ``forward`` that runs the checked GEMM. The class, the parameters and
 the state dict stay untouched, so disabling restores the model exactly.
+
+``torch.compile``: while Dynamo traces a protected model, each protected call goes through one
+opaque custom op (``ftt::checked_linear_module`` here, ``ftt::efta_module`` in
+`ft_transformers.attention`) that runs exactly the eager code, so the host-side branches of the
+reference paths cause no graph breaks and the graph has one node per protected call. While
+faults are being injected (`inject_faults`), a call runs eagerly outside the graph instead (the
+plan is host state that changes every call); Dynamo guards on the list of active faults, so
+opening and closing an injection context recompiles once each way.
 """
 
 from __future__ import annotations
 
 import types
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 from .attention import ATTN_IMPLEMENTATION
-from .checked_linear import _checked_linear_forward
+from .checked_linear import _autocast_dtype, _checked_linear_forward
 from .config import FTConfig
 from .events import EventRecorder, FTReport, ModuleSlot
 from .injection import FaultPlan, FaultSpec, derive_seed
 
 _STATE_ATTR = "_ftt_state"
+_NO_FAULTS = FaultPlan(None)  # the plan of every call while no faults are active (never mutated)
+# id(module) -> module, for the compiled path's custom op to find the weight-checksum cache owner.
+_CACHE_OWNERS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
 
 
 class _ModuleContext:
@@ -54,7 +66,14 @@ class _ModuleContext:
         return False
 
     def plan_for_call(self) -> FaultPlan:
-        """The faults of this forward call (advances the module's call count)."""
+        """The faults of this forward call (advances the module's call count while faults are active).
+
+        Call counts only matter while an `inject_faults` context is open (it resets them when it
+        opens), so without active faults nothing is counted and the shared empty plan is returned:
+        no host work and no Python state for a compiler to guard on.
+        """
+        if not self.state.active_faults:
+            return _NO_FAULTS
         call = self.calls
         self.calls += 1
         specs = [s for s in self.state.active_faults
@@ -65,7 +84,12 @@ class _ModuleContext:
         return plan
 
     def counters(self, device: torch.device) -> torch.Tensor:
+        """This module's (sites, kinds) int32 counter block of the current step on ``device``."""
         return self.state.recorder.counters(self.slot, device)
+
+    def step_block(self, device: torch.device) -> torch.Tensor:
+        """The whole (modules, sites, kinds) counter tensor of the current step on ``device``."""
+        return self.state.recorder.step_block(device)
 
     def after_call(self, counters: torch.Tensor) -> None:
         if self.state.config.on_uncorrectable == "raise":
@@ -85,6 +109,7 @@ class _ProtectionState:
 
 
 def _checked_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Instance ``forward`` of a protected Linear / Conv1D: x (..., K) -> y (..., N)."""
     if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
         # Protection is inference-only; compute the same values without autograd.
         warnings.warn("ft_transformers protection is inference-only: gradients do not flow through "
@@ -93,15 +118,65 @@ def _checked_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return _checked_forward(self, x)
     ctx: _ModuleContext = self._ftt
+    if torch.compiler.is_compiling():
+        if ctx.state.active_faults or _autocast_dtype(x.device.type) is not None:
+            return _checked_forward_outside_graph(self, x)
+        cfg = ctx.state.config
+        return torch.ops.ftt.checked_linear_module(
+            x, self.weight, self.bias, ctx.step_block(x.device), ctx.slot.index, id(self),
+            ctx.layout == "kn", cfg.emax, float(cfg.csigma), ctx.detect, ctx.correct,
+            cfg.on_uncorrectable == "raise", ctx.slot.name)
+    return _checked_forward_eager(self, x)
+
+
+def _checked_forward_eager(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The protected GEMM as run eagerly: plan the call's faults, verify, count."""
+    ctx: _ModuleContext = module._ftt
     plan = ctx.plan_for_call()
     counters = ctx.counters(x.device)
     cfg = ctx.state.config
     y = _checked_linear_forward(
-        x, self.weight, self.bias, weight_is_kn=ctx.layout == "kn", emax=cfg.emax, csigma=cfg.csigma,
-        detect=ctx.detect, correct=ctx.correct, plan=plan, counters=counters, cache_owner=self,
+        x, module.weight, module.bias, weight_is_kn=ctx.layout == "kn", emax=cfg.emax, csigma=cfg.csigma,
+        detect=ctx.detect, correct=ctx.correct, plan=plan, counters=counters, cache_owner=module,
     )
     ctx.after_call(counters)
     return y
+
+
+# Under torch.compile with faults active (or autocast): run the call eagerly, outside the graph.
+_checked_forward_outside_graph = torch.compiler.disable(_checked_forward_eager)
+
+
+@torch.library.custom_op("ftt::checked_linear_module", mutates_args=("step_counters",))
+def _checked_linear_module_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, step_counters: torch.Tensor, slot: int,
+    owner: int, weight_is_kn: bool, emax: float | None, csigma: float, detect: bool, correct: bool,
+    raise_uncorrectable: bool, name: str,
+) -> torch.Tensor:
+    """A protected GEMM as one opaque op for compiled graphs (no fault injection).
+
+    Args:
+        x: (..., K); weight (N, K), or (K, N) with ``weight_is_kn``; bias (N,) or None.
+        step_counters: (modules, sites, kinds) int32 counters of the step; row ``slot`` is added into.
+        owner: ``id`` of the module (its weight checksums are cached on it).
+    Returns:
+        y (..., N) in x's dtype: what the eager protected forward returns.
+    """
+    counters = step_counters[slot]
+    y = _checked_linear_forward(
+        x, weight, bias, weight_is_kn=weight_is_kn, emax=emax, csigma=csigma, detect=detect, correct=correct,
+        plan=None, counters=counters, cache_owner=_CACHE_OWNERS.get(owner),
+    )
+    if raise_uncorrectable:
+        EventRecorder.raise_if_uncorrectable(counters, name)
+    return y
+
+
+@_checked_linear_module_op.register_fake
+def _(x, weight, bias, step_counters, slot, owner, weight_is_kn, emax, csigma, detect, correct,
+      raise_uncorrectable, name):
+    n = weight.shape[1] if weight_is_kn else weight.shape[0]
+    return x.new_empty((*x.shape[:-1], n))
 
 
 def _state(model: torch.nn.Module) -> _ProtectionState:
@@ -154,9 +229,11 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
                 continue
             ctx = _ModuleContext(state, state.recorder.add_slot(name, layer), False, in_scope(layer), layout)
             module.forward = types.MethodType(_checked_forward, module)
+            _CACHE_OWNERS[id(module)] = module
             state.patched.append(module)
         module._ftt = ctx
         state.contexts.append(ctx)
+    state.recorder.prepare({p.device for p in model.parameters()} | {b.device for b in model.buffers()})
     state.hooks.append(model.register_forward_hook(lambda *_: state.recorder.end_step()))
     setattr(model, _STATE_ATTR, state)
     return model
@@ -172,6 +249,7 @@ def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
     for module in state.patched:
         if "forward" in module.__dict__:
             del module.forward
+        _CACHE_OWNERS.pop(id(module), None)
     for module in model.modules():
         for attr in ("_ftt", "_ftt_vabft_checksums"):
             if attr in module.__dict__:

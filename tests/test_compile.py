@@ -1,0 +1,137 @@
+"""torch.compile of a protected model: same tokens, no graph breaks, events still counted.
+
+Generation uses a static KV cache (``cache_implementation="static"``), the setting in which
+transformers compiles the forward; ``model.forward`` is wrapped with ``torch.compile``. The fast
+tests use the ``aot_eager`` backend (Dynamo + functionalisation of the library's custom ops, no
+code generation); the inductor test is marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import VOCAB, make_model
+
+import ft_transformers as ftt
+
+NEW_TOKENS = 4
+
+
+def _prompt(seed: int = 0, batch: int = 1, length: int = 8) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=g)
+
+
+def _generate(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              cache_implementation="static", pad_token_id=0)
+
+
+def _events(model) -> list[tuple]:
+    return [(e.step, e.module, e.site, e.kind, e.count) for e in ftt.fault_report(model).events]
+
+
+def _protected(family: str, config: ftt.FTConfig):
+    model = make_model(family, attn="efta")
+    return ftt.enable_fault_tolerance(model, config)
+
+
+def _compile(model, backend: str) -> None:
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=backend)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_compiled_protected_generation_equals_eager_without_graph_breaks(family):
+    model = _protected(family, ftt.FTConfig())
+    ids = _prompt()
+    eager = _generate(model, ids)
+    ftt.fault_report(model).reset()
+
+    _compile(model, "aot_eager")
+    torch._dynamo.utils.counters.clear()
+    compiled = _generate(model, ids)
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    assert torch.equal(compiled, eager)
+    assert breaks == {}, (f"{sum(breaks.values())} graph break(s) in the protected forward, e.g. "
+                          f"{next(iter(breaks), '')[:400]}")
+    report = ftt.fault_report(model)
+    assert report.steps == NEW_TOKENS and report.events == []  # clean run: no false alarms
+
+
+def test_compiled_graph_counts_events():
+    # A tiny e_max makes every checked GEMM flag rounding noise: the events come from the compiled
+    # graph's custom ops (no injection, so nothing runs outside the graph) and must match eager.
+    cfg = ftt.FTConfig(emax=1e-12)
+    model = _protected("llama", cfg)
+    ids = _prompt(1)
+    eager = _generate(model, ids)
+    eager_events = _events(model)
+    assert eager_events and any(k == "detected" for _, _, _, k, _ in eager_events)
+    ftt.fault_report(model).reset()
+
+    _compile(model, "aot_eager")
+    compiled = _generate(model, ids)
+    assert torch.equal(compiled, eager)
+    assert _events(model) == eager_events
+
+
+@pytest.mark.parametrize("spec", [
+    ftt.FaultSpec(site="attn.scores", bit=30, count=1, layers=[1], calls=[0], seed=3),
+    ftt.FaultSpec(site="linear.output", bit=30, count=1, layers=[0], calls=[1], seed=5),
+])
+def test_compiled_injection_is_detected_and_corrected(spec):
+    model = _protected("llama", ftt.FTConfig())
+    ids = _prompt(2)
+    clean = _generate(model, ids)
+    ftt.fault_report(model).reset()
+    with ftt.inject_faults(model, spec) as eager_log:
+        eager = _generate(model, ids)
+    eager_injected = eager_log.injected  # the log reads the shared record list: read it now
+    eager_events = _events(model)
+    ftt.fault_report(model).reset()
+
+    _compile(model, "aot_eager")
+    with ftt.inject_faults(model, spec) as log:
+        compiled = _generate(model, ids)
+    assert log.injected == eager_injected >= 1
+    events = _events(model)
+    assert events == eager_events
+    kinds = {k for _, _, _, k, _ in events}
+    assert "detected" in kinds and kinds & {"corrected", "recomputed"}
+    assert torch.equal(compiled, eager) and torch.equal(compiled, clean)
+    # After the context closes the compiled graph runs again, clean.
+    ftt.fault_report(model).reset()
+    assert torch.equal(_generate(model, ids), clean) and _events(model) == []
+
+
+def test_compiled_injection_without_protection_matches_eager():
+    # detect=False: the flips land unchecked, so compiled and eager must corrupt identically.
+    model = _protected("llama", ftt.FTConfig(detect=False, correct=False))
+    ids = _prompt(3)
+    spec = ftt.FaultSpec(site="attn.output", bit=30, count=4, layers=[0], seed=1)
+    with ftt.inject_faults(model, spec):
+        eager = _generate(model, ids)
+    _compile(model, "aot_eager")
+    with ftt.inject_faults(model, spec) as log:
+        compiled = _generate(model, ids)
+    assert log.injected > 0
+    assert torch.equal(compiled, eager)
+    assert _events(model) == []
+
+
+@pytest.mark.slow
+def test_inductor_compiled_protected_generation_equals_eager():
+    model = _protected("qwen2", ftt.FTConfig())
+    ids = _prompt(4)
+    eager = _generate(model, ids)
+    _compile(model, "inductor")
+    torch._dynamo.utils.counters.clear()
+    compiled = _generate(model, ids)
+    assert torch.equal(compiled, eager)
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+    spec = ftt.FaultSpec(site="attn.scores", bit=30, count=1, layers=[0], calls=[0], seed=0)
+    with ftt.inject_faults(model, spec):
+        assert torch.equal(_generate(model, ids), eager)
+    assert ftt.fault_report(model).totals()["detected"] >= 1
