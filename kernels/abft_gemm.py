@@ -65,6 +65,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 
 from ..injection import FaultPlan
 from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
+from .tl_common import dot as _mma
 
 __all__ = [
     "AbftGemmUnsupported",
@@ -112,16 +113,6 @@ _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 # ------------------------------------------------------------------------------------------------
 # Kernels
 # ------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _mma(a, b, acc, F32: tl.constexpr):
-    """acc + a·b; F32: operands in fp32 with IEEE products (fp32 inputs, or the interpreter)."""
-    if F32:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
 
 
 @triton.jit

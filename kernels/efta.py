@@ -90,6 +90,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 
 from ..injection import FaultPlan
 from ..sites import ATTENTION_SITES, COUNTER_SHAPE
+from .tl_common import dot as _dot
 
 __all__ = ["efta_triton_forward", "Bounds", "BOUNDS", "EftaUnsupported", "interpreting"]
 
@@ -163,16 +164,6 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def _dot(a, b, acc, F32: tl.constexpr):
-    """acc + a·b; F32: both operands in fp32 with IEEE products (fp32 inputs; bf16 in the interpreter)."""
-    if F32:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
 def _split(b, bmax, DT: tl.constexpr, PARTS: tl.constexpr, SCALE: tl.constexpr):
     """Split the fp32 checksum operand b into PARTS slices of the input dtype DT: b ≈ ic·(p0 + p1 + p2).
 
@@ -238,7 +229,7 @@ def _v_checksums(v, LVP: tl.constexpr, INTERP: tl.constexpr):
     vtile[r] = max_n Σ_l |V[n, l·16+r]| (16,), NaN-propagating (a non-finite V shows up there)."""
     wv = (tl.arange(0, LVP) + 1).to(tl.float32)
     vg = tl.reshape(v.to(tl.float32), (v.shape[0], LVP, 16))
-    vtile = _colmax(tl.sum(tl.abs(vg), axis=1), INTERP)
+    vtile = _nanmax(tl.sum(tl.abs(vg), axis=1), 0, INTERP)
     return tl.trans(tl.sum(vg, axis=1)), tl.trans(tl.sum(vg * wv[None, :, None], axis=1)), vtile
 
 
@@ -261,25 +252,14 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def _rowmax(s, INTERP: tl.constexpr):
-    """NaN-propagating row max (like torch.amax). The interpreter runs custom reductions element by
-    element in Python, so there it is tl.max (NaN-ignoring) plus an explicit NaN test."""
+def _nanmax(x, AXIS: tl.constexpr, INTERP: tl.constexpr):
+    """NaN-propagating max along AXIS (like torch.amax). The interpreter runs custom reductions element
+    by element in Python, so there it is tl.max (NaN-ignoring) plus an explicit NaN test."""
     if INTERP:
-        mb = tl.max(s, axis=1)
-        mb = tl.where(tl.max((s != s).to(tl.int32), axis=1) > 0, float("nan"), mb)
+        mx = tl.max(x, axis=AXIS)
+        mx = tl.where(tl.max((x != x).to(tl.int32), axis=AXIS) > 0, float("nan"), mx)
     else:
-        mb = tl.reduce(s, 1, _max_nan)
-    return mb
-
-
-@triton.jit
-def _colmax(x, INTERP: tl.constexpr):
-    """NaN-propagating max over axis 0 (see _rowmax)."""
-    if INTERP:
-        mx = tl.max(x, axis=0)
-        mx = tl.where(tl.max((x != x).to(tl.int32), axis=0) > 0, float("nan"), mx)
-    else:
-        mx = tl.reduce(x, 0, _max_nan)
+        mx = tl.reduce(x, AXIS, _max_nan)
     return mx
 
 
@@ -372,7 +352,7 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
     nf = nf | nfb
     chk = nf == 0
     # ---- 3. running max (SNVR) ----
-    mb = _rowmax(s, INTERP)
+    mb = _nanmax(s, 1, INTERP)
     m_new = _max_nan(m_i, mb)
     if INJ_M != 0:
         m_new = _inject(m_new, Inj, 1, INJ_M, bh, offs_m, jblk, M, nblocks)
@@ -416,6 +396,21 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
                 else:
                     cnt = _bump(cnt, _PROBS + _UNC, nbp)
     return s, m_new, p, bad_row, cnt, nf
+
+
+@triton.jit
+def _key_range(start_m, M, N, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr):
+    """[lo, hi): the keys visible to some row of query block start_m (bottom-right aligned causal and
+    sliding window); lo is rounded down to a key block."""
+    lo = 0
+    hi = N
+    if CAUSAL:
+        hi = tl.minimum(N, tl.minimum(start_m * BLOCK_M + BLOCK_M, M) + (N - M))
+    if HAS_WINDOW:
+        lo = tl.maximum(start_m * BLOCK_M + (N - M) - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    return lo, hi
 
 
 @triton.jit
@@ -653,14 +648,7 @@ def _efta_fwd(
     Vb = V + b * svb + hk * svh
 
     nblocks = tl.cdiv(N, BLOCK_N)
-    # key blocks visible to some row of this query block (bottom-right aligned causal / window)
-    lo = 0
-    hi = N
-    if CAUSAL:
-        hi = tl.minimum(N, tl.minimum(start_m * BLOCK_M + BLOCK_M, M) + (N - M))
-    if HAS_WINDOW:
-        lo = tl.maximum(start_m * BLOCK_M + (N - M) - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
+    lo, hi = _key_range(start_m, M, N, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     scan_lo = lo
     scan_hi = hi
     if NO_SKIP:  # injecting: visit every block, like the reference
@@ -855,13 +843,7 @@ def _efta_combine(
     Kb = K + b * skb + (h // GROUP) * skh
     Vb = V + b * svb + (h // GROUP) * svh
     nblocks = tl.cdiv(N, BLOCK_N)
-    lo = 0
-    hi = N
-    if CAUSAL:
-        hi = tl.minimum(N, tl.minimum(start_m * BLOCK_M + BLOCK_M, M) + (N - M))
-    if HAS_WINDOW:
-        lo = tl.maximum(start_m * BLOCK_M + (N - M) - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
+    lo, hi = _key_range(start_m, M, N, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
 
     m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)

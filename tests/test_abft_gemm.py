@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreted import rerun_interpreted, skip_unless_interpreting
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -43,18 +42,13 @@ HIGH_BIT = {torch.float32: (27, 28, 29, 30), torch.float16: (12, 13, 14), torch.
 
 @pytest.fixture(autouse=True)
 def _interpreter_available(request):
-    if SUBPROCESS and request.node.originalname != "test_interpreted_in_subprocess":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1: covered by test_interpreted_in_subprocess")
+    skip_unless_interpreting(request, SUBPROCESS)
 
 
 def test_interpreted_in_subprocess():
     if not SUBPROCESS:
         pytest.skip("this session runs the kernel directly")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
+    rerun_interpreted(__file__, timeout=900)
 
 
 def _rand(shape, dtype, seed, scale=1.0, dist=None):

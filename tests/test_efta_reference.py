@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from float64_attention import ref_attention
 from nonfinite_cases import NONFINITE_CASES, nonfinite_case
 
 from ft_transformers.counters import FaultStats, new_counters
@@ -22,32 +23,6 @@ from ft_transformers.injection import FaultPlan, FaultSpec
 from ft_transformers.sites import ATTENTION_SITES, COUNTER_SHAPE
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def ref_attention(q, k, v, *, scale=None, causal=False, bias=None, attn_mask=None, window=None):
-    """float64 softmax(scale·q·kᵀ + bias + mask)·v with GQA by repetition; fully masked rows → 0."""
-    q, k, v = q.double(), k.double(), v.double()
-    B, Hq, M, D = q.shape
-    N = k.shape[2]
-    G = Hq // k.shape[1]
-    k = k.repeat_interleave(G, dim=1)
-    v = v.repeat_interleave(G, dim=1)
-    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D) if scale is None else scale)
-    if bias is not None:
-        s = s + bias.double()
-    if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask.double()
-    i = torch.arange(M).unsqueeze(1) + (N - M)
-    j = torch.arange(N).unsqueeze(0)
-    ok = torch.ones(M, N, dtype=torch.bool)
-    if causal:
-        ok &= j <= i
-    if window is not None:
-        ok &= j > i - window
-    s = s.masked_fill(~ok, -math.inf)
-    p = torch.softmax(s, dim=-1)
-    p = p.masked_fill((s == -math.inf).all(dim=-1, keepdim=True), 0.0)  # fully masked rows → 0
-    return p @ v
 
 
 def rand_qkv(B, Hq, Hkv, M, N, D, dtype=torch.float32, seed=0, dist="normal"):

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from float64_attention import ref_attention
+from interpreted import rerun_interpreted, skip_unless_interpreting
 from nonfinite_cases import NONFINITE_CASES, nonfinite_case
 
 if not torch.cuda.is_available():
@@ -46,18 +46,14 @@ SUBPROCESS = DEV == "cpu" and not K.interpreting()
 
 @pytest.fixture(autouse=True)
 def _interpreter_available(request):
-    if SUBPROCESS and request.node.originalname != "test_interpreted_in_subprocess":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1: covered by test_interpreted_in_subprocess")
+    skip_unless_interpreting(request, SUBPROCESS)
 
 
 def test_interpreted_in_subprocess():
     if not SUBPROCESS:
         pytest.skip("this session runs the kernel directly")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", __file__],
-                          env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
+    rerun_interpreted(__file__, timeout=1800)
+
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 EXP_BITS = (27, 28, 29, 30)
@@ -66,33 +62,6 @@ EXP_BITS = (27, 28, 29, 30)
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-
-
-def ref_attention(q, k, v, *, scale=None, causal=False, bias=None, attn_mask=None, window=None):
-    """float64 softmax(scale·q·kᵀ + bias + mask)·v, GQA by repetition; fully masked rows → 0."""
-    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
-    B, Hq, M, D = q.shape
-    N = k.shape[2]
-    G = Hq // k.shape[1]
-    k = k.repeat_interleave(G, dim=1)
-    v = v.repeat_interleave(G, dim=1)
-    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D) if scale is None else scale)
-    if bias is not None:
-        s = s + bias.double().cpu()
-    if attn_mask is not None:
-        am = attn_mask.cpu()
-        s = s.masked_fill(~am, -math.inf) if am.dtype == torch.bool else s + am.double()
-    i = torch.arange(M).unsqueeze(1) + (N - M)
-    j = torch.arange(N).unsqueeze(0)
-    ok = torch.ones(M, N, dtype=torch.bool)
-    if causal:
-        ok &= j <= i
-    if window is not None:
-        ok &= j > i - window
-    s = s.masked_fill(~ok, -math.inf)
-    p = torch.softmax(s, dim=-1)
-    p = p.masked_fill((s == -math.inf).all(dim=-1, keepdim=True), 0.0)
-    return p @ v
 
 
 def rand_qkv(B, Hq, Hkv, M, N, D, dtype=torch.float32, seed=0, dist="normal", device=DEV):

@@ -1,0 +1,29 @@
+"""Running Triton kernel tests under the interpreter from a pytest session that imported triton first.
+
+Triton picks interpreter or compiler when *it* is imported. In a session where another module
+imported triton before the test file could set ``TRITON_INTERPRET=1`` (transformers does), the file
+reruns itself in a fresh process with the variable set; every other test of it is skipped in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def skip_unless_interpreting(request, subprocess_mode: bool) -> None:
+    """Autouse-fixture body: in subprocess mode only ``test_interpreted_in_subprocess`` runs here."""
+    if subprocess_mode and request.node.originalname != "test_interpreted_in_subprocess":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1: covered by test_interpreted_in_subprocess")
+
+
+def rerun_interpreted(path: str, timeout: int) -> None:
+    """Run the test file at ``path`` under ``TRITON_INTERPRET=1`` in a fresh process; assert it passed."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", path],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
