@@ -1,0 +1,570 @@
+#!/usr/bin/env python
+"""End-to-end generation benchmark (issue 7): what protection costs in real prefill and decode.
+
+Models (random init from the published configs written below, no hub access; SmolLM2 with its real
+weights from `ft_transformers.embedded`):
+
+* ``gpt2``        — GPT-2 124M (12 layers, 768 wide, 12 heads); positions extended to the longest prompt
+* ``qwen2-0.5b``  — Qwen2-0.5B (24 layers, 896 wide, 14 heads / 2 KV heads, MLP 4864)
+* ``qwen2-1.5b``  — Qwen2-1.5B (28 layers, 1536 wide, 12 heads / 2 KV heads, MLP 8960)
+* ``smollm2``     — SmolLM2-135M-Instruct (Llama, 30 layers, 576 wide, 9 heads / 3 KV heads), real weights
+
+Variants, measured side by side on the same model object in one run:
+
+* ``sdpa``      — ``attn_implementation="sdpa"``, no protection (the baseline)
+* ``efta_off``  — EFTA attention with its checks off, Linear layers untouched
+  (``FTConfig(linear=False, detect=False, correct=False)``)
+* ``attn_only`` — EFTA with detection + correction, Linear layers untouched (``FTConfig(linear=False)``)
+* ``full``      — attention and every Linear / Conv1D checked (``FTConfig()``)
+* ``full_off``  — (optional) everything wrapped, checks off (``FTConfig(detect=False, correct=False)``):
+  the cost of the wrappers alone
+
+Workloads: prefill of S tokens at batch 1 (``--prefill``, default 1k 4k 16k; one forward building the
+KV cache, ``logits_to_keep=1``), and decode of ``--new-tokens`` tokens (default 128) at batch 1 and 16
+after a ``--decode-prompt`` token prompt (greedy ``generate``). Time per decoded token comes from
+CUDA events recorded (not waited on) at the end of every generation step: (last − first) / (N − 1),
+so the prefill is not in it. Peak memory is
+``torch.cuda.max_memory_allocated`` over the timed calls (weights included; same weights for every
+variant). Every variant gets ``--warmup`` untimed calls first; CUDA events and one synchronise
+bracket each timed call, nothing else synchronises. Protected variants also report the events they
+counted on these clean inputs (false positives; should be 0).
+
+Outputs in ``--out``: ``bench_generate.csv`` (one row per model × dtype × workload × variant, with the
+ratios to ``sdpa``), ``bench_generate.md`` (the markdown table, device and versions) and
+``bench_generate.png`` (ratios to SDPA per workload). ``--plot-from CSV`` redraws the plot.
+
+    python scripts/bench_generate.py --out bench_out                      # full run (H100: ~30-60 min)
+    python scripts/bench_generate.py --out bench_out --quick              # prefill 1k/4k, 32 decode tokens
+    python scripts/bench_generate.py --device cpu --quick --out /tmp/bg   # CPU smoke run, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import math
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import ft_transformers as ftt
+
+MODELS = ("gpt2", "qwen2-0.5b", "qwen2-1.5b", "smollm2")
+VARIANTS = ("sdpa", "efta_off", "attn_only", "full")
+ALL_VARIANTS = (*VARIANTS, "full_off")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+BASELINE = "sdpa"
+
+
+def variant_config(variant: str) -> ftt.FTConfig | None:
+    """The `FTConfig` of a variant (None: the SDPA baseline, unprotected)."""
+    return {
+        "sdpa": None,
+        "efta_off": ftt.FTConfig(linear=False, detect=False, correct=False),
+        "attn_only": ftt.FTConfig(linear=False),
+        "full": ftt.FTConfig(),
+        "full_off": ftt.FTConfig(detect=False, correct=False),
+    }[variant]
+
+
+# -- models ------------------------------------------------------------------------------------
+
+def model_config(name: str, *, tiny: bool, max_positions: int):
+    """The transformers config of a random-init model (published dims; ``tiny`` shrinks it for CPU)."""
+    from transformers import GPT2Config, Qwen2Config
+
+    if name == "gpt2":
+        # gpt2: n_layer 12, n_embd 768, n_head 12, vocab 50257, 1024 positions (extended if needed).
+        dims = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512) if tiny else \
+            dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257)
+        return GPT2Config(n_positions=max(1024, max_positions), activation_function="gelu_new", resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, **dims)
+    if name in ("qwen2-0.5b", "qwen2-1.5b"):
+        if tiny:
+            dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=512)
+        elif name == "qwen2-0.5b":
+            dims = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                        num_key_value_heads=2, vocab_size=151936)
+        else:
+            dims = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                        num_key_value_heads=2, vocab_size=151936)
+        return Qwen2Config(max_position_embeddings=max(32768, max_positions), rope_theta=1e6, rms_norm_eps=1e-6,
+                           use_sliding_window=False, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                           **dims)
+    raise ValueError(f"no config for {name!r}")
+
+
+def load_model(name: str, dtype: torch.dtype, device: torch.device, *, tiny: bool, max_positions: int):
+    """An eval-mode causal LM with ``attn_implementation="sdpa"`` on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    if name == "smollm2":
+        from ft_transformers.embedded import load_causal_lm
+
+        model, _ = load_causal_lm("smollm2", dtype=dtype, attn_implementation="sdpa", device=device)
+    else:
+        torch.manual_seed(0)
+        cfg = model_config(name, tiny=tiny, max_positions=max_positions)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        model.eval()
+    gc_ = model.generation_config
+    gc_.eos_token_id = None  # always generate the full length
+    gc_.pad_token_id = 0
+    gc_.do_sample = False
+    for attr in ("temperature", "top_p", "top_k"):
+        if hasattr(gc_, attr):
+            setattr(gc_, attr, None)
+    return model
+
+
+def set_variant(model, variant: str) -> None:
+    """Put ``model`` into ``variant`` (from any other variant)."""
+    ftt.disable_fault_tolerance(model)
+    if model.config._attn_implementation != "sdpa":
+        model.set_attn_implementation("sdpa")
+    cfg = variant_config(variant)
+    if cfg is not None:
+        ftt.enable_fault_tolerance(model, cfg)
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+class Timer:
+    """Times one call: CUDA events + one synchronise on CUDA, perf_counter on CPU. Returns ms."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end))
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+class StepClock(StoppingCriteria):
+    """Marks the end of every generation step (a CUDA event, no synchronisation; perf_counter on CPU).
+
+    ``generate`` calls it once per generated token, right after that token's forward: mark 0 closes
+    the prefill, so ``(mark[N-1] − mark[0]) / (N − 1)`` is the decode time per token.
+    """
+
+    def __init__(self, device: torch.device, batch: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.never = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.marks: list = []
+
+    def reset(self) -> None:
+        self.marks = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+        return self.never[: input_ids.shape[0]]
+
+    def per_token_ms(self) -> float:
+        """Decode ms per token of the last ``generate`` (synchronises once, after it)."""
+        if len(self.marks) < 2:
+            raise RuntimeError(f"generate took {len(self.marks)} step(s); need at least 2 to time decoding")
+        first, last = self.marks[0], self.marks[-1]
+        if self.cuda:
+            last.synchronize()
+            return float(first.elapsed_time(last)) / (len(self.marks) - 1)
+        return (last - first) * 1e3 / (len(self.marks) - 1)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+@dataclass
+class Workload:
+    kind: str  # "prefill" | "decode"
+    batch: int
+    prompt: int
+    new_tokens: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.kind == "prefill":
+            return f"prefill {self.prompt}"
+        return f"decode b{self.batch} ({self.prompt}+{self.new_tokens})"
+
+
+@dataclass
+class Result:
+    model: str
+    dtype: str
+    workload: Workload
+    variant: str
+    ms: float = math.nan  # prefill: ms per forward; decode: ms per decoded token
+    ms_std: float = math.nan
+    peak_mib: float = math.nan
+    events: int = 0  # detected on clean inputs (protected variants)
+    error: str = ""
+    times: list[float] = field(default_factory=list)
+
+
+def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup: int, repeats: int,
+                 vocab: int) -> tuple[float, float, float]:
+    """``(ms, std ms, peak MiB)`` of one workload on the model as configured now."""
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(3, vocab, (wl.batch, wl.prompt), generator=g).to(device)
+    mask = torch.ones_like(ids)
+
+    if wl.kind == "prefill":
+        def call() -> None:
+            with torch.inference_mode():
+                model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+
+        for _ in range(warmup):
+            call()
+        _reset_peak(device)
+        samples = [timer(call) for _ in range(repeats)]
+    else:
+        clock = StepClock(device, wl.batch)
+
+        def generate() -> None:
+            clock.reset()
+            with torch.inference_mode():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=wl.new_tokens,
+                               min_new_tokens=wl.new_tokens, do_sample=False,
+                               stopping_criteria=StoppingCriteriaList([clock]))
+
+        for _ in range(warmup):
+            generate()
+        _reset_peak(device)
+        samples = []
+        for _ in range(repeats):
+            generate()
+            samples.append(clock.per_token_ms())
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else math.nan
+    t = torch.tensor(samples, dtype=torch.float64)
+    return float(t.median()), float(t.std()) if len(samples) > 1 else 0.0, peak
+
+
+# -- reporting ---------------------------------------------------------------------------------
+
+def versions(device: torch.device) -> str:
+    import transformers
+
+    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}",
+             f"transformers {transformers.__version__}", f"ft_transformers {ftt.__version__}"]
+    try:
+        import triton
+
+        parts.append(f"triton {triton.__version__}")
+    except ImportError:
+        parts.append("triton -")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        parts.append(f"CUDA {torch.version.cuda}")
+        return f"device: {name}\n" + ", ".join(parts)
+    return f"device: CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)\n" \
+        + ", ".join(parts)
+
+
+def ratios(results: list[Result]) -> dict[int, tuple[float, float]]:
+    """id(result) -> (time ratio, memory ratio) to the baseline of the same model/dtype/workload."""
+    base = {(r.model, r.dtype, r.workload.label): r for r in results if r.variant == BASELINE}
+    out = {}
+    for r in results:
+        b = base.get((r.model, r.dtype, r.workload.label))
+        if b is None or r.error or b.error:
+            out[id(r)] = (math.nan, math.nan)
+        else:
+            out[id(r)] = (r.ms / b.ms if b.ms > 0 else math.nan,
+                          r.peak_mib / b.peak_mib if b.peak_mib > 0 else math.nan)
+    return out
+
+
+CSV_FIELDS = ("model", "dtype", "kind", "batch", "prompt", "new_tokens", "variant", "ms", "ms_std", "unit",
+              "peak_mib", "time_ratio", "mem_ratio", "events", "error")
+
+
+def write_csv(path: Path, results: list[Result]) -> None:
+    rat = ratios(results)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_FIELDS)
+        for r in results:
+            tr, mr = rat[id(r)]
+            wl = r.workload
+            w.writerow([r.model, r.dtype, wl.kind, wl.batch, wl.prompt, wl.new_tokens, r.variant,
+                        f"{r.ms:.4f}", f"{r.ms_std:.4f}", "ms" if wl.kind == "prefill" else "ms/token",
+                        f"{r.peak_mib:.1f}", f"{tr:.4f}", f"{mr:.4f}", r.events, r.error])
+
+
+def _fmt(x: float, spec: str, suffix: str = "") -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:{spec}}{suffix}"
+
+
+def markdown(results: list[Result], variants: list[str], header: str) -> str:
+    """One row per model × dtype × workload; per variant its time and its ratios to SDPA."""
+    rat = ratios(results)
+    keys: list[tuple[str, str, str]] = []
+    cell: dict[tuple[str, str, str, str], Result] = {}
+    for r in results:
+        k = (r.model, r.dtype, r.workload.label)
+        if k not in keys:
+            keys.append(k)
+        cell[(*k, r.variant)] = r
+    cols = ["model", "dtype", "workload"]
+    for v in variants:
+        cols.append(f"{v} time")
+        if v != BASELINE:
+            cols.append(f"{v} / sdpa")
+    cols += [f"peak MiB ({BASELINE})"] + [f"{v} mem / sdpa" for v in variants if v != BASELINE]
+    cols.append("events (clean)")
+    lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for k in keys:
+        row = list(k)
+        for v in variants:
+            r = cell.get((*k, v))
+            if r is None:
+                row += ["–"] * (1 if v == BASELINE else 2)
+                continue
+            unit = " ms" if r.workload.kind == "prefill" else " ms/tok"
+            row.append(r.error or _fmt(r.ms, ".3f", unit))
+            if v != BASELINE:
+                row.append(_fmt(rat[id(r)][0], ".2f", "×"))
+        b = cell.get((*k, BASELINE))
+        row.append(_fmt(b.peak_mib, ".0f") if b else "–")
+        for v in variants:
+            if v != BASELINE:
+                r = cell.get((*k, v))
+                row.append(_fmt(rat[id(r)][1], ".3f", "×") if r else "–")
+        row.append(str(sum(cell[(*k, v)].events for v in variants if (*k, v) in cell)))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plot(csv_path: Path, png_path: Path) -> bool:
+    """Bar chart of time ratios to SDPA, one panel per model. False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    rows = list(csv.DictReader(open(csv_path)))
+    models = list(dict.fromkeys(r["model"] + " " + r["dtype"] for r in rows))
+    variants = [v for v in dict.fromkeys(r["variant"] for r in rows) if v != BASELINE]
+    fig, axes = plt.subplots(len(models), 1, figsize=(10, 2.8 * len(models)), squeeze=False)
+    for ax, m in zip(axes[:, 0], models):
+        sub = [r for r in rows if r["model"] + " " + r["dtype"] == m]
+        labels = list(dict.fromkeys(
+            f"{r['kind']} " + (r["prompt"] if r["kind"] == "prefill" else f"b{r['batch']}") for r in sub))
+        width = 0.8 / max(len(variants), 1)
+        for i, v in enumerate(variants):
+            ys = []
+            for lab in labels:
+                hit = [r for r in sub if r["variant"] == v and
+                       f"{r['kind']} " + (r["prompt"] if r["kind"] == "prefill" else f"b{r['batch']}") == lab]
+                ys.append(float(hit[0]["time_ratio"]) if hit and hit[0]["time_ratio"] not in ("", "nan") else 0.0)
+            ax.bar([j + i * width for j in range(len(labels))], ys, width, label=v)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(1.10, color="r", lw=0.6, ls="--")
+        ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(labels))], labels)
+        ax.set_ylabel("time / SDPA")
+        ax.set_title(m)
+        ax.legend(fontsize=7, ncol=len(variants))
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# -- main --------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    p.add_argument("--models", nargs="+", default=None, choices=MODELS)
+    p.add_argument("--variants", nargs="+", default=None, choices=ALL_VARIANTS,
+                   help=f"default {' '.join(VARIANTS)} (the baseline {BASELINE} is always run)")
+    p.add_argument("--dtype", nargs="+", default=None, choices=sorted(DTYPES),
+                   help="default fp16 on CUDA, fp32 on CPU")
+    p.add_argument("--prefill", nargs="*", type=int, default=None, help="prompt lengths (default 1024 4096 16384)")
+    p.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default 128)")
+    p.add_argument("--decode-batch", nargs="*", type=int, default=None, help="decode batch sizes (default 1 16)")
+    p.add_argument("--decode-prompt", type=int, default=None, help="prompt length before decoding (default 512)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls per variant and workload (default 2)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per variant and workload (default 5)")
+    p.add_argument("--quick", action="store_true",
+                   help="CUDA: prefill 1k 4k, 32 decode tokens, 3 repeats; CPU: tiny shapes")
+    p.add_argument("--out", default="bench_generate_out", help="output directory")
+    p.add_argument("--plot-from", default=None, help="only redraw the plot from this CSV")
+    return p.parse_args(argv)
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            f"--device {args.device}: CUDA is not available here (torch {torch.__version__}, built with CUDA "
+            f"{torch.version.cuda or 'none'}, torch.cuda.is_available() is False). Run on a GPU machine, or "
+            "use `--device cpu --quick` for the CPU smoke run.")
+    if dev.type not in ("cuda", "cpu"):
+        raise SystemExit(f"--device must be cuda[:N] or cpu, got {args.device!r}")
+    cpu = dev.type == "cpu"
+    tiny = cpu
+    if cpu and not args.quick:
+        print("note: on CPU the models are the tiny test shapes (the protected path is the PyTorch reference)",
+              file=sys.stderr)
+    quick = args.quick
+    d = dict(
+        models=list(MODELS) if not cpu else ["gpt2", "qwen2-0.5b"],
+        dtype=["fp32"] if cpu else ["fp16"],
+        prefill=[32, 64] if cpu else ([1024, 4096] if quick else [1024, 4096, 16384]),
+        new_tokens=6 if cpu else (32 if quick else 128),
+        decode_batch=[1, 4] if cpu else [1, 16],
+        decode_prompt=16 if cpu else 512,
+        warmup=1 if (cpu or quick) else 2,
+        repeats=2 if cpu else (3 if quick else 5),
+    )
+    for k, v in d.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.new_tokens < 2:
+        raise SystemExit("--new-tokens must be >= 2 (time per token = (t(N) - t(1)) / (N - 1))")
+    variants = list(args.variants or VARIANTS)
+    if BASELINE not in variants:
+        variants.insert(0, BASELINE)
+    args.variants = [v for v in ALL_VARIANTS if v in variants]
+    args.device_obj = dev
+    args.tiny = tiny
+    return args
+
+
+def progress(total: int):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="run", dynamic_ncols=True, file=sys.stderr)
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        class _Bar:
+            n = 0
+
+            def update(self, k: int = 1) -> None:
+                self.n += k
+                print(f"\r{self.n}/{total}", end="", file=sys.stderr, flush=True)
+
+            def set_postfix_str(self, s: str) -> None:
+                pass
+
+            def close(self) -> None:
+                print(file=sys.stderr)
+        return _Bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.plot_from:
+        src = Path(args.plot_from)
+        ok = plot(src, src.with_suffix(".png"))
+        return 0 if ok else 1
+    args = resolve(args)
+    dev = args.device_obj
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    timer = Timer(dev)
+    if dev.type == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+    workloads = [Workload("prefill", 1, s) for s in args.prefill]
+    workloads += [Workload("decode", b, args.decode_prompt, args.new_tokens) for b in args.decode_batch]
+    max_pos = max([w.prompt + w.new_tokens for w in workloads] + [1])
+    header = versions(dev)
+    print(header, flush=True)
+    print(f"models {args.models}, dtypes {args.dtype}, variants {args.variants}, "
+          f"workloads {[w.label for w in workloads]}, warmup {args.warmup}, repeats {args.repeats}", flush=True)
+
+    results: list[Result] = []
+    bar = progress(len(args.models) * len(args.dtype) * len(workloads) * len(args.variants))
+    for name in args.models:
+        for dname in args.dtype:
+            dtype = DTYPES[dname]
+            try:
+                model = load_model(name, dtype, dev, tiny=args.tiny, max_positions=max_pos)
+            except Exception as e:  # a model that cannot be built (e.g. SmolLM2 not installed): skip it
+                print(f"\nskipping {name} {dname}: {type(e).__name__}: {e}", file=sys.stderr)
+                bar.update(len(workloads) * len(args.variants))
+                continue
+            vocab = min(model.config.vocab_size, 32000)
+            for variant in args.variants:
+                set_variant(model, variant)
+                for wl in workloads:
+                    bar.set_postfix_str(f"{name} {dname} {variant} {wl.label}")
+                    r = Result(name, dname, wl, variant)
+                    try:
+                        if variant != BASELINE:
+                            ftt.fault_report(model).reset()
+                        r.ms, r.ms_std, r.peak_mib = run_workload(model, wl, dev, timer, args.warmup,
+                                                                  args.repeats, vocab)
+                        if variant != BASELINE:
+                            r.events = ftt.fault_report(model).totals()["detected"]
+                    except torch.cuda.OutOfMemoryError:
+                        r.error = "OOM"
+                    except Exception as e:  # keep the other measurements; say what failed
+                        r.error = f"{type(e).__name__}"
+                        print(f"\n{name} {dname} {variant} {wl.label}: {type(e).__name__}: {e}", file=sys.stderr)
+                    results.append(r)
+                    bar.update(1)
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+            ftt.disable_fault_tolerance(model)
+            del model
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    bar.close()
+
+    csv_path, md_path, png_path = out / "bench_generate.csv", out / "bench_generate.md", out / "bench_generate.png"
+    write_csv(csv_path, results)
+    table = markdown(results, args.variants, "```\n" + header + "\n```")
+    md_path.write_text(table + "\n")
+    print()
+    print(table)
+    print()
+    rat = ratios(results)
+    print("ratios to the SDPA baseline (time, peak memory):")
+    for r in results:
+        if r.variant != BASELINE:
+            tr, mr = rat[id(r)]
+            print(f"  {r.model:11s} {r.dtype} {r.workload.label:24s} {r.variant:10s} "
+                  f"time {_fmt(tr, '.3f', '×')}  memory {_fmt(mr, '.3f', '×')}"
+                  + (f"  [{r.error}]" if r.error else ""))
+    drew = plot(csv_path, png_path)
+    print(f"\nwrote {csv_path}, {md_path}" + (f", {png_path}" if drew else ""))
+    false_pos = sum(r.events for r in results)
+    if false_pos:
+        print(f"WARNING: {false_pos} detection(s) on clean inputs (false positives)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
