@@ -73,7 +73,7 @@ ARM_CONFIGS: dict[str, FTConfig] = {
 }
 FORMAT_VERSION = 1
 
-TINY_MODELS = ("tiny-llama", "tiny-gpt2")
+TINY_MODELS = ("tiny-llama", "tiny-gpt2", "qwen2-0.5b-config")  # random init, no download
 
 DEFAULT_PROMPTS: tuple[dict, ...] = (  # short questions SmolLM2-135M-Instruct answers within ~10 tokens
     {"prompt": "What is the capital of France?", "answer": ["Paris"]},
@@ -395,9 +395,10 @@ class ToyTokenizer:
 
 
 def _tiny_model(name: str, dtype: torch.dtype, seed: int = 0):
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
     vocab = 512
+    widen = True
     if name == "tiny-llama":
         cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -406,13 +407,19 @@ def _tiny_model(name: str, dtype: torch.dtype, seed: int = 0):
         cfg = GPT2Config(vocab_size=vocab, n_positions=256, n_embd=128, n_layer=2, n_head=4,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=None,
                          pad_token_id=0)
+    elif name == "qwen2-0.5b-config":  # Qwen2-0.5B's shapes (GQA 14:2, head dim 64); default init
+        cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+        vocab = cfg.vocab_size
+        widen = False  # at hidden size 896 the default std 0.02 already gives peaked attention
     else:
         raise ValueError(f"unknown tiny model {name!r}; choose from {', '.join(TINY_MODELS)}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="efta", dtype=dtype)
-    with torch.no_grad():  # std 0.02 gives near-uniform attention; widen it so that faults matter
+    with torch.no_grad():  # std 0.02 gives near-uniform attention in the tiny models; widen it there
         for pname, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in pname and "wte" not in pname:
+            if widen and p.dim() == 2 and "embed" not in pname and "wte" not in pname:
                 p.normal_(0.0, 0.08)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
