@@ -6,8 +6,12 @@ Three parts, each optional:
    turn from the four distributions of seed 004 §5.1 (N(1e-6,1), N(1,1), U(-1,1), truncated
    N(0,1)); counts the calls that raised any event (must be 0).
 2. **Real activations** (``--model``): a protected model run (``minilm`` = the embedded
-   all-MiniLM-L6-v2 over a few sentences, ``smollm2`` = the embedded SmolLM2 generating, or a
-   local path / hub id) with the attention checks on; counts attention calls and detections.
+   all-MiniLM-L6-v2 over a few sentences, ``smollm2`` = the embedded SmolLM2 generating, a local
+   folder — a BERT encoder or a causal LM — or a hub id) with the attention checks on; counts
+   attention calls and detections. (For a machine without the embedded packages, an fp16 copy of
+   MiniLM fits in a device call: ``python -c "from ft_transformers.embedded import minilm_dir;
+   from transformers import AutoModel as A; A.from_pretrained(minilm_dir(), dtype='float16')
+   .save_pretrained('.gpucarry/minilm')"`` plus its tokenizer files.)
 3. **Injections** (``--n`` per row): at each attention site, single bit flips either at fixed bits
    (``--bits``) or at a random bit of a class (``--classes sign,exponent,mantissa``: bit 31, bits
    23–30, bits 0–22 of the fp32 value), each call protected and unprotected. Per row:
@@ -34,6 +38,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import platform
 import time
 import zlib
@@ -82,10 +87,14 @@ def model_calls(name: str, device: str, dtype: torch.dtype) -> dict:
     import ft_transformers as ftt
     from ft_transformers import embedded
 
-    if name == "minilm":
+    encoder = name == "minilm"
+    path = embedded.minilm_dir() if encoder else name
+    if not encoder and os.path.isdir(name):  # a local folder: an encoder if its config says BERT
+        with open(os.path.join(name, "config.json")) as f:
+            encoder = json.load(f).get("model_type") == "bert"
+    if encoder:
         from transformers import AutoModel, AutoTokenizer
 
-        path = embedded.minilm_dir()
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModel.from_pretrained(path, attn_implementation="efta", dtype=dtype).to(device).eval()
         ftt.enable_fault_tolerance(model, ftt.FTConfig(linear=False))
