@@ -4,7 +4,7 @@ attention and the counter total (which must be 0 on clean data). See docs/triton
 
     FTT_EFTA_CONFIG=64,64,4,3 python scripts/efta_gpu_smoke.py float16 1 gqa
 
-Arguments: dtype (float16 | bfloat16 | float32), detect (1 | 0), case (gqa | big | d128).
+Arguments: dtype (float16 | bfloat16 | float32), detect (1 | 0), case (gqa | big | d128 | decode).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ CASES = {  # (B, Hq, Hkv, M, N, D, causal)
     "gqa": (2, 4, 2, 48, 80, 64, True),
     "big": (1, 16, 16, 1024, 1024, 64, False),
     "d128": (1, 8, 8, 256, 256, 128, True),
+    "decode": (2, 16, 4, 1, 8192, 128, True),  # q_len 1, GQA 4:1 (FTT_EFTA_SPLIT=n splits the keys)
 }
 
 

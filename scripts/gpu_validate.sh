@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# GPU validation and benchmarks, in parts that each fit one device call (< 10 minutes on the H100).
+#
+#   bash scripts/gpu_validate.sh PART [PART ...]      (from the repository root, on the GPU machine)
+#
+# Results go to $OUT (the device tool's output folder; ./gpu_out when unset), one sub-folder per part.
+# Parts:
+#   tests      GPU tests of both kernels, the clean smoke over every block config, the split-key decode
+#   attention  scripts/bench_attention.py (all shapes, fp16 + bf16; ~6 min) -> bench_attention.csv/png
+#   quick      scripts/bench_attention.py --quick (fp16, 12 shapes; ~1 min)
+#   coverage   EFTA coverage campaign: 1,000 flips per site x bit class, 100,000 clean calls over four
+#              distributions, a protected MiniLM run (carry .gpucarry/minilm, see efta_coverage.py)
+#   linear     V-ABFT: calibration, GPU tests, bench_linear, the seed 004 study (docs/vabft.md)
+#   generate   scripts/bench_generate.py (end to end, issue 7)
+#   campaign   the issue-5 campaign on the qwen2-0.5b-config model, fp16, Triton paths
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || {
+  echo "pip install -e . failed"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__)"
+
+run_part() {
+  local part=$1 dir="$OUT/$1"
+  mkdir -p "$dir"
+  echo "=== $part ($(date +%H:%M:%S))"
+  case $part in
+    tests)
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_efta_triton.py tests/test_abft_gemm.py 2>&1 | tail -15
+      for cfg in 64,64,4,3 128,64,8,3 64,64,4,1 32,64,4,2; do
+        for dt in float16 bfloat16 float32; do
+          FTT_EFTA_CONFIG=$cfg timeout 120 python3 scripts/efta_gpu_smoke.py $dt 1 gqa 2>&1 | grep -E "^OK|Error" | tail -1
+        done
+      done
+      for s in 1 4 16; do  # split-key decode against the unsplit kernel's float64 check
+        FTT_EFTA_CONFIG=16,64,4,3 FTT_EFTA_SPLIT=$s timeout 120 python3 scripts/efta_gpu_smoke.py float16 1 decode \
+          2>&1 | grep -E "^OK|Error" | tail -1
+      done
+      ;;
+    attention)
+      python3 scripts/bench_attention.py --out "$dir" 2>&1 | grep -v Warning | tail -80 ;;
+    quick)
+      python3 scripts/bench_attention.py --out "$dir" --quick 2>&1 | grep -v Warning | tail -40 ;;
+    coverage)
+      local model=""
+      [ -d .gpucarry/minilm ] && model="--model .gpucarry/minilm"
+      python3 scripts/efta_coverage.py --device cuda --dtype float16 --shape 2,8,2,128,512,64 --n 1000 \
+        --classes sign,exponent,mantissa --clean-calls 100000 $model --no-progress \
+        --json "$dir/efta_coverage.json" --csv "$dir/efta_coverage.csv" 2>&1 | tail -25 ;;
+    linear)
+      FTT_ABFT_GEMM_TUNE=0 python3 scripts/calibrate_emax.py --device cuda --trials 200 --slack-trials 10 2>&1 | tail -12
+      cp ft_transformers/emax_tables/*.json "$dir/" 2>/dev/null
+      python3 scripts/bench_linear.py --out "$dir/bench_linear" 2>&1 | tail -30
+      python3 scripts/vabft_study.py --device cuda --trials 100000 --big-trials 20 --out "$dir/vabft_study" \
+        --plot "$dir/vabft_detection.png" 2>&1 | tail -20 ;;
+    generate)
+      python3 scripts/bench_generate.py --out "$dir" 2>&1 | tail -40 ;;
+    campaign)
+      python3 scripts/campaign.py run --out "$dir/qwen2_campaign.jsonl" --model qwen2-0.5b-config --device cuda \
+        --dtype float16 --sites attn.scores attn.probs attn.output linear.output --bits exponent mantissa \
+        --trials 200 --max-new-tokens 8 --no-progress --report-dir "$dir" 2>&1 | tail -30 ;;
+    *)
+      echo "unknown part $part"; return 2 ;;
+  esac
+}
+
+for part in "$@"; do run_part "$part"; done
