@@ -74,7 +74,7 @@ def efta_attention_forward(
         )
     elif not torch.compiler.is_compiling():
         out = _protected(ctx, query, key, value, attention_mask, position_bias, scaling, causal)
-    elif ctx.state.active_faults:
+    elif ctx.faults_may_hit():
         out = _protected_outside_graph(ctx, query, key, value, attention_mask, position_bias, scaling, causal)
     else:
         # Already (B, M, Hq, D), contiguous.

@@ -9,9 +9,9 @@ the state dict stay untouched, so disabling restores the model exactly.
 opaque custom op (``ftt::checked_linear_module`` here, ``ftt::efta_module`` in
 `ft_transformers.attention`) that runs exactly the eager code, so the host-side branches of the
 reference paths cause no graph breaks and the graph has one node per protected call. While
-faults are being injected (`inject_faults`), a call runs eagerly outside the graph instead (the
-plan is host state that changes every call); Dynamo guards on the list of active faults, so
-opening and closing an injection context recompiles once each way.
+faults are being injected (`inject_faults`), the calls of the targeted modules run eagerly outside
+the graph instead (the plan is host state that changes every call); Dynamo guards on the list of
+active faults, so opening and closing an injection context recompiles once each way.
 """
 
 from __future__ import annotations
@@ -64,6 +64,10 @@ class _ModuleContext:
             elif int(sel) == self.slot.layer:
                 return True
         return False
+
+    def faults_may_hit(self) -> bool:
+        """Whether an active `FaultSpec` targets this module (only those calls need a plan)."""
+        return any(self._matches(s) for s in self.state.active_faults)
 
     def plan_for_call(self) -> FaultPlan:
         """The faults of this forward call (advances the module's call count while faults are active).
@@ -119,7 +123,7 @@ def _checked_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             return _checked_forward(self, x)
     ctx: _ModuleContext = self._ftt
     if torch.compiler.is_compiling():
-        if ctx.state.active_faults or _autocast_dtype(x.device.type) is not None:
+        if ctx.faults_may_hit() or _autocast_dtype(x.device.type) is not None:
             return _checked_forward_outside_graph(self, x)
         cfg = ctx.state.config
         return torch.ops.ftt.checked_linear_module(

@@ -36,6 +36,11 @@ ratios to ``sdpa``), ``bench_generate.md`` (the markdown table, device and versi
     python scripts/bench_generate.py --out bench_out                      # full run (H100: ~30-60 min)
     python scripts/bench_generate.py --out bench_out --quick              # prefill 1k/4k, 32 decode tokens
     python scripts/bench_generate.py --device cpu --quick --out /tmp/bg   # CPU smoke run, tiny shapes
+    python scripts/bench_generate.py --out bench_out --quick --compile reduce-overhead   # static cache, CUDA graphs
+
+``--compile MODE`` decodes with ``cache_implementation="static"`` and transformers' compiled decode
+step (``CompileConfig(mode=MODE)``; on CUDA ``reduce-overhead`` captures CUDA graphs); the compilation
+runs in the warmup, per variant.
 """
 
 from __future__ import annotations
@@ -126,8 +131,12 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, *, tiny: boo
     return model
 
 
-def set_variant(model, variant: str) -> None:
-    """Put ``model`` into ``variant`` (from any other variant)."""
+def set_variant(model, variant: str, compiled: bool = False) -> None:
+    """Put ``model`` into ``variant`` (from any other variant); ``compiled`` drops earlier compilations."""
+    if compiled:
+        torch._dynamo.reset()
+        if "_compiled_call" in model.__dict__:
+            del model._compiled_call
     ftt.disable_fault_tolerance(model)
     if model.config._attn_implementation != "sdpa":
         model.set_attn_implementation("sdpa")
@@ -226,9 +235,24 @@ class Result:
     times: list[float] = field(default_factory=list)
 
 
+def compile_kwargs(mode: str, backend: str, device: torch.device) -> dict:
+    """``generate`` keywords for a static KV cache with transformers' compiled decode steps."""
+    if mode == "off":
+        return {}
+    from transformers import CompileConfig
+
+    cc = CompileConfig(backend=backend, mode=None if mode == "default" else mode, fullgraph=False)
+    if device.type != "cuda":
+        cc._compile_all_devices = True  # transformers compiles on CUDA only unless told otherwise
+    return {"cache_implementation": "static", "compile_config": cc}
+
+
 def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup: int, repeats: int,
-                 vocab: int) -> tuple[float, float, float]:
-    """``(ms, std ms, peak MiB)`` of one workload on the model as configured now."""
+                 vocab: int, gen_kwargs: dict | None = None) -> tuple[float, float, float]:
+    """``(ms, std ms, peak MiB)`` of one workload on the model as configured now.
+
+    ``gen_kwargs`` go to ``generate`` (decode only), e.g. a static cache and a compile config.
+    """
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(3, vocab, (wl.batch, wl.prompt), generator=g).to(device)
     mask = torch.ones_like(ids)
@@ -250,7 +274,7 @@ def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup
             with torch.inference_mode():
                 model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=wl.new_tokens,
                                min_new_tokens=wl.new_tokens, do_sample=False,
-                               stopping_criteria=StoppingCriteriaList([clock]))
+                               stopping_criteria=StoppingCriteriaList([clock]), **(gen_kwargs or {}))
 
         for _ in range(warmup):
             generate()
@@ -415,6 +439,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-prompt", type=int, default=None, help="prompt length before decoding (default 512)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per variant and workload (default 2)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per variant and workload (default 5)")
+    p.add_argument("--compile", default="off", choices=("off", "default", "reduce-overhead", "max-autotune"),
+                   help="decode with a static KV cache and transformers' torch.compile'd decode step in this mode "
+                        "(reduce-overhead = CUDA graphs); prefill stays eager")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     p.add_argument("--quick", action="store_true",
                    help="CUDA: prefill 1k 4k, 32 decode tokens, 3 repeats; CPU: tiny shapes")
     p.add_argument("--out", default="bench_generate_out", help="output directory")
@@ -450,6 +478,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for k, v in d.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.compile != "off":
+        args.warmup = max(args.warmup, 1)  # the compilation happens in the warmup
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if args.new_tokens < 2:
         raise SystemExit("--new-tokens must be >= 2 (time per token = (t(N) - t(1)) / (N - 1))")
     variants = list(args.variants or VARIANTS)
@@ -499,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     workloads += [Workload("decode", b, args.decode_prompt, args.new_tokens) for b in args.decode_batch]
     max_pos = max([w.prompt + w.new_tokens for w in workloads] + [1])
     header = versions(dev)
+    header += f"\ncompile (decode): {args.compile}"
+    if args.compile != "off":
+        header += f", backend {args.compile_backend}"
     print(header, flush=True)
     print(f"models {args.models}, dtypes {args.dtype}, variants {args.variants}, "
           f"workloads {[w.label for w in workloads]}, warmup {args.warmup}, repeats {args.repeats}", flush=True)
@@ -515,8 +549,9 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update(len(workloads) * len(args.variants))
                 continue
             vocab = min(model.config.vocab_size, 32000)
+            gen_kwargs = compile_kwargs(args.compile, args.compile_backend, dev)
             for variant in args.variants:
-                set_variant(model, variant)
+                set_variant(model, variant, compiled=bool(gen_kwargs))
                 for wl in workloads:
                     bar.set_postfix_str(f"{name} {dname} {variant} {wl.label}")
                     r = Result(name, dname, wl, variant)
@@ -524,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                         if variant != BASELINE:
                             ftt.fault_report(model).reset()
                         r.ms, r.ms_std, r.peak_mib = run_workload(model, wl, dev, timer, args.warmup,
-                                                                  args.repeats, vocab)
+                                                                  args.repeats, vocab, gen_kwargs)
                         if variant != BASELINE:
                             r.events = ftt.fault_report(model).totals()["detected"]
                     except torch.cuda.OutOfMemoryError:

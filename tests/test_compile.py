@@ -135,3 +135,28 @@ def test_inductor_compiled_protected_generation_equals_eager():
     with ftt.inject_faults(model, spec):
         assert torch.equal(_generate(model, ids), eager)
     assert ftt.fault_report(model).totals()["detected"] >= 1
+
+
+def test_generation_compile_config_route():
+    # transformers' own route: generate() compiles model.__call__ (hooks included) for the decode
+    # steps when a static cache is used and a CompileConfig allows the device.
+    from transformers import CompileConfig
+
+    model = _protected("llama", ftt.FTConfig())
+    ids = _prompt(5)
+    eager = _generate(model, ids)
+    cc = CompileConfig(backend="aot_eager", mode=None, fullgraph=False)
+    cc._compile_all_devices = True  # transformers compiles on CUDA only unless told otherwise
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ftt.fault_report(model).reset()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             cache_implementation="static", pad_token_id=0, compile_config=cc)
+    assert "_compiled_call" in model.__dict__  # the decode steps did run compiled
+    assert torch.equal(out, eager)
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    # The only break is the deliberate one before the step's events are filed (end of the forward hook).
+    assert all("end_step" in reason for reason in breaks), list(breaks)
+    report = ftt.fault_report(model)
+    assert report.steps == NEW_TOKENS and report.events == []
