@@ -210,17 +210,17 @@ def test_resume_without_redoing_rows(tmp_path):
     assert pr.calls == [0, 1, 2, 3, 4]  # nothing left to do
 
 
-def run_world(predictors, task, rows, run_dir):
-    """A fake data-parallel launch: one thread per process, a real barrier between them."""
+def run_world_tolerant(predictors, task, rows, run_dir) -> list[BaseException]:
+    """`run_world`, but a process may die (its exception is returned, the others abort)."""
     world = len(predictors)
     barrier = threading.Barrier(world)
-    errors = []
+    errors: list[BaseException] = []
 
     def proc(rank):
         try:
             P.run_task(predictors[rank], task, rows, run_dir, rank=rank, world=world,
                        barrier=lambda: barrier.wait(timeout=30), progress=False)
-        except Exception as e:  # pragma: no cover - surfaced below
+        except BaseException as e:
             errors.append(e)
             barrier.abort()
 
@@ -229,6 +229,12 @@ def run_world(predictors, task, rows, run_dir):
         t.start()
     for t in threads:
         t.join()
+    return errors
+
+
+def run_world(predictors, task, rows, run_dir):
+    """A fake data-parallel launch: one thread per process, a real barrier between them."""
+    errors = run_world_tolerant(predictors, task, rows, run_dir)
     assert not errors, errors
 
 
@@ -293,6 +299,213 @@ def test_shard_is_strided():
     assert sum(len(S.shard(list(range(10)), r, 3)) for r in range(3)) == 10
     with pytest.raises(ValueError):
         S.shard([1], 2, 2)
+
+
+class DyingPredictor(CountingPredictor):
+    """A process that is killed after ``survive`` rows (the kill lands mid-write: half a line)."""
+
+    def __init__(self, survive: int, shard_file: Path):
+        super().__init__()
+        self.survive, self.shard_file = survive, shard_file
+
+    def predict(self, task, name, row, key, index):
+        if len(self.calls) == self.survive:
+            with open(self.shard_file, "a") as f:
+                f.write('{"pred": "torn", "_id": "' + key)
+            raise KeyboardInterrupt("killed")
+        return super().predict(task, name, row, key, index)
+
+
+def test_killed_shard_resumes_to_the_single_process_result(tmp_path):
+    rows = synthetic_rows(9)
+    single = CountingPredictor()
+    P.run_task(single, "trec", rows, tmp_path / "single", progress=False)
+    expect = read_preds(tmp_path / "single" / "trec.jsonl")
+
+    run = tmp_path / "dp"
+    shard1 = run / "trec.rank001-of-002.jsonl"
+    pr = [CountingPredictor(), DyingPredictor(2, shard1)]
+    errors = run_world_tolerant(pr, "trec", rows, run)
+    assert any(isinstance(e, KeyboardInterrupt) for e in errors)
+    assert pr[1].calls == [1, 3] and shard1.read_text().endswith('"_id": "id05')  # torn last line
+    assert not (run / "trec.jsonl").exists() or len(read_preds(run / "trec.jsonl")) < 9  # not merged
+    done_before = S.TaskFiles(run, "trec").done_keys()
+    assert {"id01", "id03"} <= done_before and "id05" not in done_before
+
+    # relaunch with the same world size: only the rows never finished are predicted
+    again = [CountingPredictor(), CountingPredictor()]
+    run_world(again, "trec", rows, run)
+    redone = sorted(again[0].calls + again[1].calls)
+    assert not set(redone) & {int(k[2:]) for k in done_before}  # nothing done twice
+    assert sorted(set(redone) | {int(k[2:]) for k in done_before}) == list(range(9))  # nothing lost
+    got = read_preds(run / "trec.jsonl")
+    assert got == expect  # same rows, same order, no duplicates
+    assert not list(run.glob("trec.*rank*"))
+
+
+def test_merge_deduplicates_and_orders(tmp_path):
+    files = S.TaskFiles(tmp_path, "qasper", 0, 1)
+    rows = [{"_id": f"k{i}", "index": i, "pred": f"p{i}"} for i in range(6)]
+    S._merge_files([], files.final)  # nothing to merge: nothing written
+    assert not files.final.exists()
+    tmp_path.joinpath("qasper.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    for rank, world, part in ((0, 2, [rows[4], rows[2]]), (1, 2, [rows[1], rows[5], rows[3]])):
+        f = S.TaskFiles(tmp_path, "qasper", rank, world).mine
+        f.write_text("".join(json.dumps(r) + "\n" for r in part))
+    with open(S.TaskFiles(tmp_path, "qasper", 1, 2).mine, "a") as f:
+        f.write('{"_id": "k9", "ind')  # torn
+    assert files.done_keys() == {f"k{i}" for i in range(6)}
+    assert files.merge() == 2
+    assert read_preds(files.final) == rows  # dataset order, row 1 once, torn line dropped
+    assert files.shard_files() == [] and files.merge() == 0
+    with pytest.raises(ValueError):
+        S.shard([1, 2], -1, 2)
+    with pytest.raises(ValueError):
+        S.shard([1, 2], 0, 0)
+
+
+def test_rank_files_are_disjoint():
+    names = {S.TaskFiles("/x", "trec", r, 3).mine.name for r in range(3)}
+    assert names == {"trec.rank000-of-003.jsonl", "trec.rank001-of-003.jsonl", "trec.rank002-of-003.jsonl"}
+    assert S.TaskFiles("/x", "trec").mine.name == "trec.jsonl"  # one process writes the final file
+
+
+def test_device_map_groups_and_errors(tmp_path):
+    assert P.gpu_group(0, 1, 2) == [0, 1]
+    assert P.gpu_group(1, 2, 4) == [2, 3] and P.gpu_group(0, 2, 5) == [0, 1]
+    with pytest.raises(SystemExit, match="at least one GPU per process"):
+        P.gpu_group(0, 3, 2)
+    with pytest.raises(SystemExit, match="needs GPUs"):
+        P.gpu_group(0, 1, 0)
+    with pytest.raises(SystemExit):
+        P.parse_args(["--data-dir", "x", "--device-map", "everywhere"])
+    with pytest.raises(SystemExit, match="does not go with --device cpu"):
+        P.main(["--data-dir", str(FIXTURES), "--tasks", "trec", "--device-map", "auto", "--device", "cpu",
+                "--out-dir", str(tmp_path)])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dp_data(tmp_path) -> Path:
+    """Five trec and three lcc rows (fixture rows, varied), so that two processes both get work."""
+    d = tmp_path / "data"
+    d.mkdir()
+    for task, n in (("trec", 5), ("lcc", 3)):
+        base = fixture_rows(task)
+        rows = []
+        for k in range(n):
+            r = dict(base[k % len(base)])
+            r["_id"] = f"{r['_id']}-{k}"
+            r["input"] = r["input"] + " " + " ".join(["the"] * k)
+            rows.append(r)
+        (d / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def test_accelerate_two_processes_equal_one(tiny_dir, tmp_path):
+    """A real data-parallel launch (2 CPU processes, gloo) merges to exactly the one-process files."""
+    import os
+    import subprocess
+
+    pytest.importorskip("accelerate")
+    data = dp_data(tmp_path)
+    common = ["--model", str(tiny_dir), "--data-dir", str(data), "--tasks", "trec,lcc", "--max-length", "48",
+              "--max-new-tokens", "3", "--no-progress", "--threads", "1", "--mode", "efta",
+              "--fault-site", "attn.scores", "--fault-bit", "30", "--fault-calls", "0", "--seed", "2"]
+    one = P.main(common + ["--out-dir", str(tmp_path / "one")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), str(ROOT / "scripts" / "longbench_pred.py"),
+           *common, "--out-dir", str(tmp_path / "two")]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    two = tmp_path / "two" / one.parent.name / one.name
+    cfg = json.loads((two / "run_config.json").read_text())
+    assert cfg["world_size"] == 2, "the launch did not form a 2-process group"
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())  # no shard left
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+    for task, n in (("trec", 5), ("lcc", 3)):
+        a, b = read_preds(one / f"{task}.jsonl"), read_preds(two / f"{task}.jsonl")
+        assert len(a) == n and strip(a) == strip(b)
+        assert read_preds(one / f"{task}.ft_events.jsonl") == read_preds(two / f"{task}.ft_events.jsonl")
+        assert json.loads((one / f"{task}.fault_report.json").read_text()) == \
+            json.loads((two / f"{task}.fault_report.json").read_text())
+    rep = json.loads((two / "fault_report.json").read_text())
+    assert rep == json.loads((one / "fault_report.json").read_text())
+    assert rep["rows"] == 8 and rep["flips_injected"] == 8 * 2  # every row of both processes counted
+    s1 = E.main(["--pred-dir", str(one), "--direct", "--no-plot"])["runs"][one.name]
+    s2 = E.main(["--pred-dir", str(two), "--direct", "--no-plot"])["runs"][one.name]
+    assert s1 == s2 and (one / "result.json").read_text() == (two / "result.json").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# packs (a compact copy of a model to carry to the GPU machine)
+# ---------------------------------------------------------------------------------------------
+
+def test_pack_bits_and_quantize_roundtrip():
+    import numpy as np
+    from longbench import pack as K
+
+    rng = np.random.default_rng(0)
+    for bits in range(1, 9):
+        codes = rng.integers(0, 1 << bits, size=37).astype(np.uint8)
+        packed = K.pack_bits(codes, bits)
+        assert packed.size == -(-37 * bits // 8)
+        assert (K.unpack_bits(packed, bits, 37) == codes).all()
+    with pytest.raises(ValueError):
+        K.unpack_bits(packed, 8, 36)
+    w = rng.normal(size=(5, 100)).astype(np.float32)  # 100 = 64 + a short group of 36
+    for bits in (3, 4, 8):
+        enc = K.quantize(w, bits, 64)
+        back = K.dequantize(enc["codes"], enc["scale"], enc["min"], w.shape, bits, 64)
+        step = (w.max() - w.min()) / ((1 << bits) - 1)
+        assert back.shape == w.shape and np.abs(back - w).max() <= 0.5 * step + 1e-2
+    assert (K.quantize(np.ones((2, 8), np.float32), 3, 4)["scale"] == 0).all()  # constant groups
+
+
+def test_pack_loads_as_a_model(tiny_dir, tmp_path, monkeypatch):
+    from longbench import pack as K
+
+    monkeypatch.setenv("FTT_LONGBENCH_CACHE", str(tmp_path / "cache"))
+    model, tk = P.load_model(str(tiny_dir), dtype=torch.float32, attn_implementation="eager", device="cpu")
+    meta = K.make_pack(model, tk, tmp_path / "tiny-pack8", bits=8, group=32, embed_bits=8, embed_group=32,
+                       progress=False)
+    assert meta["tensors"]["model.embed_tokens.weight"]["bits"] == 8
+    assert meta["tensors"]["model.norm.weight"]["kind"] == "raw"
+    with pytest.raises(FileExistsError):
+        K.make_pack(model, tk, tmp_path / "tiny-pack8", progress=False)
+    path, kwargs, tag = P.model_source(str(tmp_path / "tiny-pack8"))
+    assert tag == "tiny-pack8" and kwargs == {} and (Path(path) / "model.safetensors").exists()
+    assert P.model_source(str(tmp_path / "tiny-pack8"))[0] == path  # unpacked once, then cached
+    packed, tk2 = P.load_model(str(tmp_path / "tiny-pack8"), dtype=torch.float32, attn_implementation="eager",
+                               device="cpu")
+    cmp = K.compare_models(model, packed, tk, ["what is the capital of France ?"])
+    assert cmp["top1_agreement"] == 1.0 and cmp["mean_kl"] < 1e-3
+    row = fixture_rows("trec")[0]
+    a = P.Predictor(model, tk, mode="eager", max_length=48, max_new_tokens=3).predict("trec", "trec", row, "k", 0)
+    b = P.Predictor(packed, tk2, mode="eager", max_length=48, max_new_tokens=3).predict("trec", "trec", row, "k", 0)
+    assert a[0]["pred"] == b[0]["pred"]
+    # 3-bit: a quarter of the fp32 size or less, and a damaged copy is refused
+    K.make_pack(model, tk, tmp_path / "tiny-pack3", bits=3, group=64, embed_bits=3, embed_group=64,
+                progress=False)
+    raw = (tmp_path / "tiny-pack3" / K.WEIGHTS).stat().st_size
+    assert raw < 0.25 * (Path(tiny_dir) / "model.safetensors").stat().st_size
+    with open(tmp_path / "tiny-pack3" / K.WEIGHTS, "r+b") as f:
+        f.seek(raw - 1)
+        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+    with pytest.raises(ValueError, match="damaged"):
+        K.unpack(tmp_path / "tiny-pack3")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,9 +19,15 @@ Output: ``<out-dir>/<model-tag>/<run-name>/<task>.jsonl`` (LongBench's predictio
 bookkeeping; see shards.py), appended row by row, resumed without redoing rows, with the fault
 report beside it (``<task>.fault_report.json``, ``fault_report.json``) in library modes.
 
-Data parallel: ``accelerate launch --num_processes N scripts/longbench_pred.py ...``: each
-process takes a strided shard of the rows and writes its own shard file; rank 0 merges.
-``--device-map auto`` spreads one model over all visible GPUs (single process).
+Data parallel: ``accelerate launch --multi_gpu --num_processes N scripts/longbench_pred.py ...``
+(or ``torchrun --nproc_per_node N``): each process takes a strided shard of the rows still to do
+and writes its own shard file; rank 0 merges them into the one prediction file (same rows, same
+order as one process would write) and the fault events of every process into one report.
+``--device-map auto`` spreads one model over the visible GPUs; with N processes each process
+spreads its copy over its own group of ``GPUs // N`` GPUs.
+
+``--model`` also takes a pack folder (``pack.json``, see pack.py): a compact requantised copy
+made for carrying a model where it cannot be downloaded.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ if __package__ in (None, ""):  # run as a file: make `longbench` importable
     __package__ = "longbench"  # noqa: A001
 
 from .data import load_rows, row_keys, split_name  # noqa: E402
+from .pack import is_pack, pack_tag, unpack  # noqa: E402
 from .protocol import (  # noqa: E402
     LONGBENCH_E_TASKS,
     LONGBENCH_TASKS,
@@ -74,8 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, bfloat16 on GPU")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: accelerate's choice)")
-    g.add_argument("--device-map", default=None,
-                   help="e.g. 'auto': spread one model over the visible GPUs (single process only)")
+    g.add_argument("--device-map", default=None, choices=["auto", "balanced", "sequential"],
+                   help="spread one model over the visible GPUs (with N processes: over this "
+                        "process's group of GPUs // N GPUs)")
     g.add_argument("--max-length", type=int, default=None,
                    help="prompt budget in tokens before middle truncation (default: the model's "
                         "max_position_embeddings - 500, as LongBench's model2maxlen)")
@@ -84,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--chat", default="auto", choices=["auto", "always", "never"],
                    help="chat template for the non-few-shot tasks (auto: where the tokenizer has one)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--dist-timeout", type=float, default=180.0,
+                   help="minutes a process waits at a barrier for the others (data parallel)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", default=None,
@@ -126,6 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--fault-bit/--fault-ber need --fault-site")
     if args.fault_site is not None and (args.fault_bit is None) == (args.fault_ber is None):
         p.error("--fault-site needs exactly one of --fault-bit or --fault-ber")
+    if args.dist_timeout <= 0:
+        p.error("--dist-timeout must be positive")
+    if args.limit is not None and args.limit < 0:
+        p.error("--limit must be >= 0")
     if args.data_dir is None and args.dataset is None:
         p.error("give --data-dir (local LongBench files) or --dataset (Hub id, online)")
     pool = LONGBENCH_E_TASKS if args.longbench_e else LONGBENCH_TASKS
@@ -197,18 +211,28 @@ class Dist:
     def __init__(self, rank: int = 0, world: int = 1, device=None, state=None) -> None:
         self.rank, self.world, self.device, self._state = rank, world, device, state
 
+    @staticmethod
+    def launched() -> bool:
+        """Whether this process was started by ``accelerate launch`` or torchrun."""
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1 or "ACCELERATE_MIXED_PRECISION" in os.environ
+
     @classmethod
-    def from_env(cls, device: str | None = None) -> Dist:
+    def from_env(cls, device: str | None = None, timeout_min: float = 180.0) -> Dist:
+        """The process group of this launch (``timeout_min``: how long a barrier waits)."""
+        import datetime
+
         import torch
 
-        launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or "ACCELERATE_MIXED_PRECISION" in os.environ
-        if launched:
+        if cls.launched():
             from accelerate import PartialState
 
             # without cpu=True accelerate only forms a multi-process group on accelerators
             cpu = (device or "").startswith("cpu") or not torch.cuda.is_available()
-            st = PartialState(cpu=cpu)
+            st = PartialState(cpu=cpu, timeout=datetime.timedelta(minutes=timeout_min))
             dev = device or str(st.device)
+            if dev.startswith("cuda"):
+                # kernels (Triton's included) launch on the current device: make it this rank's
+                torch.cuda.set_device(torch.device(dev))
             return cls(st.process_index, st.num_processes, dev, st)
 
         return cls(0, 1, device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -237,6 +261,8 @@ def model_source(name: str) -> tuple[str, dict, str]:
 
         path, gguf = smollm2_path()
         return path, {"gguf_file": gguf}, Path(gguf).stem
+    if os.path.isdir(name) and is_pack(name):
+        return str(unpack(name)), {}, pack_tag(name)
     if name.endswith(".gguf"):
         path, gguf = os.path.split(os.path.abspath(name))
         return path, {"gguf_file": gguf}, Path(gguf).stem
@@ -252,14 +278,29 @@ def resolve_dtype(name: str, device: str):
     return getattr(torch, name)
 
 
+def gpu_group(rank: int, world: int, n_gpus: int) -> list[int]:
+    """The GPUs process ``rank`` of ``world`` spreads its model over (``--device-map`` under data
+    parallel): ``n_gpus // world`` consecutive ones; a clear error where there are too few."""
+    if n_gpus < 1:
+        raise SystemExit("--device-map needs GPUs; none is visible (run without --device-map on CPU)")
+    if world > n_gpus:
+        raise SystemExit(f"--device-map with {world} processes needs at least one GPU per process, "
+                         f"but {n_gpus} are visible: launch at most {n_gpus} processes, or drop "
+                         "--device-map to give each process one whole model on its own GPU")
+    k = n_gpus // world
+    return list(range(rank * k, (rank + 1) * k))
+
+
 def load_model(name: str, *, dtype, attn_implementation: str, device: str | None,
-               device_map: str | None = None):
-    """``(model, tokenizer)`` in eval mode."""
+               device_map: str | None = None, max_memory: dict | None = None):
+    """``(model, tokenizer)`` in eval mode (``device_map``/``max_memory`` go to from_pretrained)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, kwargs, _ = model_source(name)
     tok = AutoTokenizer.from_pretrained(path, **kwargs)
     extra = {"device_map": device_map} if device_map else {}
+    if device_map and max_memory:
+        extra["max_memory"] = max_memory
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                                  **kwargs, **extra)
     if not device_map and device is not None:
@@ -455,10 +496,20 @@ def main(argv=None) -> Path:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    dist = Dist.from_env(args.device)
-    if args.device_map and dist.world > 1:
-        raise SystemExit("--device-map spreads one model over the GPUs: run it as one process, "
-                         "not under a multi-process accelerate launch")
+    if args.device_map and args.device and not args.device.startswith("cuda"):
+        raise SystemExit(f"--device-map spreads the model over GPUs; it does not go with --device {args.device}")
+    dist = Dist.from_env(args.device, args.dist_timeout)
+    max_memory = None
+    if args.device_map:
+        group = gpu_group(dist.rank, dist.world, torch.cuda.device_count())
+        if dist.world > 1:
+            # only this process's GPUs: the others hold the other processes' copies
+            max_memory = {i: torch.cuda.mem_get_info(i)[1] for i in group}
+            dist.device = f"cuda:{group[0]}"
+            torch.cuda.set_device(group[0])
+        if dist.is_main:
+            print(f"[longbench] device map {args.device_map}: {dist.world} process(es), "
+                  f"{len(group)} GPU(s) each", file=sys.stderr)
     fault = fault_config(args)
     mode = effective_mode(args.mode, fault)
     tag = args.model_tag or model_source(args.model)[2]
@@ -470,8 +521,12 @@ def main(argv=None) -> Path:
     if dist.is_main and mode != args.mode:
         print(f"[longbench] --mode {args.mode} under faults runs as '{mode}' "
               "(library computation, detection and correction off)", file=sys.stderr)
+    if dist.world > 1 and dist.is_main:
+        print(f"[longbench] data parallel: {dist.world} processes, rows split by index "
+              "(rank r takes every world-th row still to do)", file=sys.stderr)
     model, tok = load_model(args.model, dtype=dtype, attn_implementation=attn,
-                            device=None if args.device_map else dist.device, device_map=args.device_map)
+                            device=None if args.device_map else dist.device, device_map=args.device_map,
+                            max_memory=max_memory)
     model = apply_mode(model, mode, args.ft_scope)
     max_length = max_prompt_length(model, args.max_length)
     config = {

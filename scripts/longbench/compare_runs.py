@@ -1,0 +1,93 @@
+"""Check that two model folders of LongBench runs hold the same results (e.g. 1 GPU vs 2 processes).
+
+For every run folder present in both, compares the scores (``result.json``, as written by
+longbench_eval.py), the predictions row by row (``pred`` by ``_id``, and the row order), and the
+fault-report totals; prints one OK / MISMATCH line per run and a last line ``OK`` or ``MISMATCH``.
+Exit status 0 when everything matches, 1 otherwise.
+
+    python scripts/longbench/compare_runs.py out/single/SmolLM2-135M-Instruct.Q4_1 out/dp/SmolLM2-135M-Instruct.Q4_1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def compare_run(a: Path, b: Path) -> tuple[bool, str]:
+    """``(same, one-line summary)`` for two run folders."""
+    problems = []
+    ra, rb = a / "result.json", b / "result.json"
+    if not ra.is_file() or not rb.is_file():
+        problems.append("result.json missing (run longbench_eval.py first)")
+    elif json.loads(ra.read_text()) != json.loads(rb.read_text()):
+        sa, sb = json.loads(ra.read_text()), json.loads(rb.read_text())
+        diff = {k: (sa.get(k), sb.get(k)) for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k)}
+        problems.append(f"scores differ {diff}")
+    tasks_a = {p.name for p in a.glob("*.jsonl") if ".ft_events" not in p.name and ".rank" not in p.name}
+    tasks_b = {p.name for p in b.glob("*.jsonl") if ".ft_events" not in p.name and ".rank" not in p.name}
+    if tasks_a != tasks_b:
+        problems.append(f"task files differ: only in A {sorted(tasks_a - tasks_b)}, "
+                        f"only in B {sorted(tasks_b - tasks_a)}")
+    same = total = 0
+    for name in sorted(tasks_a & tasks_b):
+        xa, xb = _rows(a / name), _rows(b / name)
+        ida, idb = [r.get("_id") for r in xa], [r.get("_id") for r in xb]
+        if ida != idb:
+            problems.append(f"{name}: rows or their order differ ({len(xa)} vs {len(xb)} rows)")
+        if len(set(idb)) != len(idb):
+            problems.append(f"{name}: duplicate rows in B")
+        pb = {r.get("_id"): r.get("pred") for r in xb}
+        total += len(xa)
+        same += sum(pb.get(r.get("_id")) == r.get("pred") for r in xa)
+    if same != total:
+        problems.append(f"{total - same} of {total} predictions differ")
+    fa, fb = a / "fault_report.json", b / "fault_report.json"
+    if fa.is_file() != fb.is_file():
+        problems.append("fault_report.json in one folder only")
+    elif fa.is_file():
+        ta, tb = json.loads(fa.read_text()), json.loads(fb.read_text())
+        keys = ("rows", "flips_injected", "totals")
+        if any(ta.get(k) != tb.get(k) for k in keys):
+            problems.append(f"fault reports differ: {[(k, ta.get(k), tb.get(k)) for k in keys]}")
+    summary = f"{same}/{total} predictions identical"
+    return not problems, summary if not problems else summary + "; " + "; ".join(problems)
+
+
+def compare_model_dirs(a: str | Path, b: str | Path, out=sys.stdout) -> bool:
+    """Compare every run folder the two model folders share; print a line each and a verdict."""
+    a, b = Path(a), Path(b)
+    runs_a = {p.name for p in a.iterdir() if (p / "run_config.json").is_file()} if a.is_dir() else set()
+    runs_b = {p.name for p in b.iterdir() if (p / "run_config.json").is_file()} if b.is_dir() else set()
+    ok = bool(runs_a & runs_b)
+    if not ok:
+        print(f"MISMATCH: no run folder in common between {a} and {b}", file=out)
+        return False
+    for run in sorted(runs_a | runs_b):
+        if run not in runs_a or run not in runs_b:
+            print(f"{run}: only in {'A' if run in runs_a else 'B'} (not compared)", file=out)
+            continue
+        same, summary = compare_run(a / run, b / run)
+        ok &= same
+        print(f"{run}: {'OK' if same else 'MISMATCH'} ({summary})", file=out)
+    print("OK" if ok else "MISMATCH", file=out)
+    return ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("a", help="model folder of runs (reference, e.g. one GPU)")
+    p.add_argument("b", help="model folder of runs to check (e.g. data parallel)")
+    args = p.parse_args(argv)
+    return 0 if compare_model_dirs(args.a, args.b) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
