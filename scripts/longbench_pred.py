@@ -1,7 +1,7 @@
 """LongBench predictions (see scripts/longbench/pred.py, docs/longbench.md).
 
     python scripts/longbench_pred.py --data-dir DATA --tasks trec,samsum --mode efta --limit 5
-    accelerate launch --num_processes 8 scripts/longbench_pred.py --model ID --data-dir DATA
+    accelerate launch --multi_gpu --num_processes 8 scripts/longbench_pred.py --model ID --data-dir DATA
 """
 
 import sys
