@@ -231,6 +231,7 @@ class Result:
     ms_std: float = math.nan
     peak_mib: float = math.nan
     events: int = 0  # detected on clean inputs (protected variants)
+    nonfinite: int = 0  # calls with NaN/Inf inputs (computed unchecked; fp16 overflow of a random model)
     error: str = ""
     times: list[float] = field(default_factory=list)
 
@@ -324,7 +325,7 @@ def ratios(results: list[Result]) -> dict[int, tuple[float, float]]:
 
 
 CSV_FIELDS = ("model", "dtype", "kind", "batch", "prompt", "new_tokens", "variant", "ms", "ms_std", "unit",
-              "peak_mib", "time_ratio", "mem_ratio", "events", "error")
+              "peak_mib", "time_ratio", "mem_ratio", "events", "nonfinite", "error")
 
 
 def write_csv(path: Path, results: list[Result]) -> None:
@@ -337,7 +338,7 @@ def write_csv(path: Path, results: list[Result]) -> None:
             wl = r.workload
             w.writerow([r.model, r.dtype, wl.kind, wl.batch, wl.prompt, wl.new_tokens, r.variant,
                         f"{r.ms:.4f}", f"{r.ms_std:.4f}", "ms" if wl.kind == "prefill" else "ms/token",
-                        f"{r.peak_mib:.1f}", f"{tr:.4f}", f"{mr:.4f}", r.events, r.error])
+                        f"{r.peak_mib:.1f}", f"{tr:.4f}", f"{mr:.4f}", r.events, r.nonfinite, r.error])
 
 
 def _fmt(x: float, spec: str, suffix: str = "") -> str:
@@ -561,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
                         r.ms, r.ms_std, r.peak_mib = run_workload(model, wl, dev, timer, args.warmup,
                                                                   args.repeats, vocab, gen_kwargs)
                         if variant != BASELINE:
-                            r.events = ftt.fault_report(model).totals()["detected"]
+                            totals = ftt.fault_report(model).totals()
+                            r.events, r.nonfinite = totals["detected"], totals["nonfinite_input"]
                     except torch.cuda.OutOfMemoryError:
                         r.error = "OOM"
                     except Exception as e:  # keep the other measurements; say what failed
@@ -598,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
     false_pos = sum(r.events for r in results)
     if false_pos:
         print(f"WARNING: {false_pos} detection(s) on clean inputs (false positives)", file=sys.stderr)
+    nonfinite = sum(r.nonfinite for r in results)
+    if nonfinite:
+        print(f"WARNING: {nonfinite} protected call(s) saw NaN/Inf inputs (ran unchecked); see the CSV",
+              file=sys.stderr)
     return 0
 
 
