@@ -395,7 +395,11 @@ def plot(csv_path: Path, png_path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return False
-    rows = list(csv.DictReader(open(csv_path)))
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        print(f"{csv_path} has no rows: no plot", file=sys.stderr)
+        return False
     models = list(dict.fromkeys(r["model"] + " " + r["dtype"] for r in rows))
     variants = [v for v in dict.fromkeys(r["variant"] for r in rows) if v != BASELINE]
     fig, axes = plt.subplots(len(models), 1, figsize=(10, 2.8 * len(models)), squeeze=False)
@@ -447,6 +451,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="CUDA: prefill 1k 4k, 32 decode tokens, 3 repeats; CPU: tiny shapes")
     p.add_argument("--out", default="bench_generate_out", help="output directory")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new measurement after this many seconds (the outputs are still written)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     p.add_argument("--plot-from", default=None, help="only redraw the plot from this CSV")
     return p.parse_args(argv)
 
@@ -493,8 +500,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def progress(total: int):
+def progress(total: int, enabled: bool = True):
     try:
+        if not enabled:
+            raise ImportError
         from tqdm import tqdm
 
         return tqdm(total=total, unit="run", dynamic_ncols=True, file=sys.stderr)
@@ -539,7 +548,10 @@ def main(argv: list[str] | None = None) -> int:
           f"workloads {[w.label for w in workloads]}, warmup {args.warmup}, repeats {args.repeats}", flush=True)
 
     results: list[Result] = []
-    bar = progress(len(args.models) * len(args.dtype) * len(workloads) * len(args.variants))
+    bar = progress(len(args.models) * len(args.dtype) * len(workloads) * len(args.variants), not args.no_progress)
+    csv_path, md_path, png_path = out / "bench_generate.csv", out / "bench_generate.md", out / "bench_generate.png"
+    t_start = time.monotonic()
+    out_of_time = False
     for name in args.models:
         for dname in args.dtype:
             dtype = DTYPES[dname]
@@ -554,6 +566,13 @@ def main(argv: list[str] | None = None) -> int:
             for variant in args.variants:
                 set_variant(model, variant, compiled=bool(gen_kwargs))
                 for wl in workloads:
+                    if args.budget_s is not None and time.monotonic() - t_start > args.budget_s:
+                        if not out_of_time:
+                            print(f"\n--budget-s {args.budget_s:g} reached: skipping the remaining measurements",
+                                  file=sys.stderr)
+                        out_of_time = True
+                        bar.update(1)
+                        continue
                     bar.set_postfix_str(f"{name} {dname} {variant} {wl.label}")
                     r = Result(name, dname, wl, variant)
                     try:
@@ -570,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                         r.error = f"{type(e).__name__}"
                         print(f"\n{name} {dname} {variant} {wl.label}: {type(e).__name__}: {e}", file=sys.stderr)
                     results.append(r)
+                    write_csv(csv_path, results)  # a killed run keeps what it measured
                     bar.update(1)
                     if dev.type == "cuda":
                         torch.cuda.empty_cache()
@@ -580,13 +600,9 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
     bar.close()
 
-    csv_path, md_path, png_path = out / "bench_generate.csv", out / "bench_generate.md", out / "bench_generate.png"
     write_csv(csv_path, results)
     table = markdown(results, args.variants, "```\n" + header + "\n```")
     md_path.write_text(table + "\n")
-    print()
-    print(table)
-    print()
     rat = ratios(results)
     print("ratios to the SDPA baseline (time, peak memory):")
     for r in results:
@@ -595,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {r.model:11s} {r.dtype} {r.workload.label:24s} {r.variant:10s} "
                   f"time {_fmt(tr, '.3f', '×')}  memory {_fmt(mr, '.3f', '×')}"
                   + (f"  [{r.error}]" if r.error else ""))
+    print()
+    print(table)  # last, so that `| tail` shows it
+    print()
     drew = plot(csv_path, png_path)
     print(f"\nwrote {csv_path}, {md_path}" + (f", {png_path}" if drew else ""))
     false_pos = sum(r.events for r in results)
