@@ -249,10 +249,13 @@ def compile_kwargs(mode: str, backend: str, device: torch.device) -> dict:
 
 
 def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup: int, repeats: int,
-                 vocab: int, gen_kwargs: dict | None = None) -> tuple[float, float, float]:
+                 vocab: int, gen_kwargs: dict | None = None,
+                 between: Callable[[], None] = lambda: None) -> tuple[float, float, float]:
     """``(ms, std ms, peak MiB)`` of one workload on the model as configured now.
 
     ``gen_kwargs`` go to ``generate`` (decode only), e.g. a static cache and a compile config.
+    ``between`` runs, untimed, after the warmup and after every timed call (it collects and resets
+    the fault report, so the device-side event history of one call is all the peak memory holds).
     """
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(3, vocab, (wl.batch, wl.prompt), generator=g).to(device)
@@ -265,8 +268,12 @@ def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup
 
         for _ in range(warmup):
             call()
+        between()
         _reset_peak(device)
-        samples = [timer(call) for _ in range(repeats)]
+        samples = []
+        for _ in range(repeats):
+            samples.append(timer(call))
+            between()
     else:
         clock = StepClock(device, wl.batch)
 
@@ -279,11 +286,13 @@ def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup
 
         for _ in range(warmup):
             generate()
+        between()
         _reset_peak(device)
         samples = []
         for _ in range(repeats):
             generate()
             samples.append(clock.per_token_ms())
+            between()
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else math.nan
     t = torch.tensor(samples, dtype=torch.float64)
     return float(t.median()), float(t.std()) if len(samples) > 1 else 0.0, peak
@@ -575,14 +584,21 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     bar.set_postfix_str(f"{name} {dname} {variant} {wl.label}")
                     r = Result(name, dname, wl, variant)
+
+                    def harvest(r: Result = r, m=model, protected: bool = variant != BASELINE) -> None:
+                        """Add the report's counts to ``r`` and reset it (untimed)."""
+                        if protected:
+                            report = ftt.fault_report(m)
+                            totals = report.totals()
+                            r.events += totals["detected"]
+                            r.nonfinite += totals["nonfinite_input"]
+                            report.reset()
+
                     try:
-                        if variant != BASELINE:
-                            ftt.fault_report(model).reset()
+                        harvest()
+                        r.events = r.nonfinite = 0
                         r.ms, r.ms_std, r.peak_mib = run_workload(model, wl, dev, timer, args.warmup,
-                                                                  args.repeats, vocab, gen_kwargs)
-                        if variant != BASELINE:
-                            totals = ftt.fault_report(model).totals()
-                            r.events, r.nonfinite = totals["detected"], totals["nonfinite_input"]
+                                                                  args.repeats, vocab, gen_kwargs, harvest)
                     except torch.cuda.OutOfMemoryError:
                         r.error = "OOM"
                     except Exception as e:  # keep the other measurements; say what failed
