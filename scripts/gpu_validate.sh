@@ -57,7 +57,7 @@ run_part() {
       python3 scripts/vabft_study.py --device cuda --trials 100000 --big-trials 20 --out "$dir/vabft_study" \
         --plot "$dir/vabft_detection.png" 2>&1 | tail -20 ;;
     generate)
-      python3 scripts/bench_generate.py --out "$dir" 2>&1 | tail -40 ;;
+      python3 scripts/bench_generate.py --out "$dir" --budget-s 480 --no-progress 2>&1 | tail -40 ;;
     campaign)
       python3 scripts/campaign.py run --out "$dir/qwen2_campaign.jsonl" --model qwen2-0.5b-config --device cuda \
         --dtype float16 --sites attn.scores attn.probs attn.output linear.output --bits exponent mantissa \
