@@ -461,15 +461,21 @@ def _load_parts(ptr, stride, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _efta_checksums(K, V, KC, VC, KA, VA, SC, skb, skh, skn, skd, svb, svh, svn, svd, Hkv, N, D,
+def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, skb, skh, skn, skd, svb, svh, svn, svd, Hkv, N, D,
+                    scale, diag, off, diag_last, off_last,
                     BLOCK_D: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr, INTERP: tl.constexpr,
-                    EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                    EVEN_D: tl.constexpr, PASA: tl.constexpr, BLOCK_N: tl.constexpr):
     """Pre-pass: the checksums of every key block, once per call instead of once per query block.
 
     Program (key block j, kv head, batch) → row cb = (b·Hkv + hk)·nblocks + j of the tables:
     KC (rows, PARTS, 16, BLOCK_D) the slices of Kc1 (`_split`, input dtype), VC (rows, 2, PARTS, 16,
     BLOCK_N) the slices of Vc1ᵀ and Vc2ᵀ, KA (rows, 16) max_d Σ_l |K|, VA (rows, 16) max_n Σ_l |V|,
     SC (rows, 4) fp32: the inverse scales of Kc1, Vc1, Vc2 and 1.0 if the key block is non-finite.
+
+    PASA: the block is first shifted by β times its mean with the fp16 shifting matrix
+    ``M = (diag − off)·I + off·J`` (``diag_last``/``off_last`` for a short last block) and scaled,
+    ``K' = fl16(scale·M·K)`` (seed 002, Algorithm 1 line 6; `ft_transformers.pasa.shift_keys`), stored
+    in KS (B, Hkv, nblocks·BLOCK_N, BLOCK_D) fp16 (zeros past N and D); the checksums are K''s.
     """
     L: tl.constexpr = BLOCK_N // 16
     LVP: tl.constexpr = BLOCK_D // 16
@@ -486,6 +492,14 @@ def _efta_checksums(K, V, KC, VC, KA, VA, SC, skb, skh, skn, skd, svb, svh, svn,
         kv_ok = kv_ok & (offs_d < D)[None, :]
     k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
     v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_ok, other=0.0)
+    if PASA:
+        last = N - j * BLOCK_N < BLOCK_N
+        dg = tl.where(last, diag_last, diag)
+        of = tl.where(last, off_last, off)
+        k32 = k.to(tl.float32)
+        ks = ((dg - of) * k32 + of * tl.sum(k32, axis=0)[None, :]) * scale
+        k = tl.where(offs_n[:, None] < N, ks, 0.0).to(tl.float16)
+        tl.store(KS + ((b * Hkv + hk) * tl.num_programs(0) * BLOCK_N + offs_n[:, None]) * BLOCK_D + offs_d[None, :], k)
     kc1, kabs, knf = _k_checksums(k, L)
     k0, k1, k2, kic = _split(kc1, tl.max(kabs, axis=0), k.dtype, PARTS, SCALE_CS)
     kp = KC + cb * (PARTS * 16 * BLOCK_D) + r16[:, None] * BLOCK_D + offs_d[None, :]
@@ -610,18 +624,19 @@ def _finish(acc, l_i, lc, nvalid, oc1, oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, 
 
 @triton.jit(do_not_specialize=["call_id"])
 def _efta_fwd(
-    Q, K, V, Out, Cnt, Flag, Bias, Mask, Inj, KC, VC, KA, VA, SC, W,
+    Q, K, V, Out, Cnt, Flag, Bias, Mask, Inj, KC, VC, KA, VA, SC, W, KS,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     sbb, sbh, sbm, sbn, smb, smh, smm, smn, cst0, cst1,
     Hq, Hkv, M, N, D, GROUP, scale, window, call_id, nsplit,
     gu, exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap,
+    pasa_t1, s_floor, gamma, gamma_last,  # PASA: step-1 bound coefficient and floor, recovery factors
     M_KEY, N_KEY,  # autotune keys only (bucketed M, N)
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
     MASK_KIND: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
     INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr, INJ_L: tl.constexpr,
     INJ_O: tl.constexpr, NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
     DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr, CS_PRE: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, PASA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     L: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
     LVP: tl.constexpr = BLOCK_D // 16  # head-dim groups (padded D)
@@ -676,11 +691,17 @@ def _efta_fwd(
     wl = (tl.arange(0, L) + 1).to(tl.float32)
     r16 = tl.arange(0, 16)
     cs_row = (b * Hkv + hk) * nblocks  # first row of this (batch, kv head) in the checksum tables
+    KSb = KS + cs_row * BLOCK_N * BLOCK_D  # PASA: this (batch, kv head)'s shifted keys
+    f_avg = tl.zeros((BLOCK_M,), tl.float32)  # PASA: global pseudo-average F̄ of the blocks seen so far
+    nvis = tl.full([], 0, tl.int32)  # PASA: key blocks seen so far
     if DETECT:
         qa = tl.sum(tl.abs(q.to(tl.float32)), axis=1)
         nf = nf | tl.max((~(qa <= FLT_MAX)).to(tl.int32))
         # 2·g(D+L)·‖scale·Q_i‖₁  (T_s = qn1 · max_d Σ_l |K[l·s+r, d]|)
-        qn1 = (2.0 * gu * (D + L) * scale) * qa
+        if PASA:  # fp16 accumulation (one rounding per 16-deep MMA) on unscaled q (docs/pasa.md)
+            qn1 = pasa_t1 * qa
+        else:
+            qn1 = (2.0 * gu * (D + L) * scale) * qa
 
     for start_n in range(scan_lo, scan_hi, BLOCK_N):
         jblk = start_n // BLOCK_N
@@ -688,14 +709,18 @@ def _efta_fwd(
         kv_ok = offs_n[:, None] < N
         if not EVEN_D:
             kv_ok = kv_ok & d_ok[None, :]
-        k = tl.load(Kb + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
         v = tl.load(Vb + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_ok, other=0.0)
 
         # ---- 1. GEMM I ----
-        s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_F32) * scale
+        if PASA:  # FP16 GEMM with FP16 accumulation on the shifted keys K' (scale folded in)
+            k = tl.load(KSb + offs_n[:, None] * BLOCK_D + offs_d[None, :])
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.float16).to(tl.float32)
+        else:
+            k = tl.load(Kb + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
+            s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_F32) * scale
         if INJ_S != 0:
             s = _inject(s, Inj, 0, INJ_S, bh, offs_m[:, None], offs_n[None, :], M, N)
-        if DETECT:
+        if DETECT or PASA:
             cb = cs_row + jblk  # this key block's row in the checksum tables
             if CS_PRE:  # from the pre-pass (`_efta_checksums`)
                 kabs = tl.load(KA + cb * 16 + r16)
@@ -709,19 +734,38 @@ def _efta_fwd(
                 k0, k1, k2, kic = _split(tl.trans(kc1), tl.max(kabs, axis=0), k.dtype,
                                          PARTS, SCALE_CS)
                 v1t, v2t, vtile = _v_checksums(v, LVP, INTERP)
-            sc1 = _parts_dot(q, k0, k1, k2, PARTS, DOT_F32, False) * (kic * scale)
+            if PASA:
+                sc1 = _parts_dot(q, k0, k1, k2, PARTS, DOT_F32, False) * kic
+            else:
+                sc1 = _parts_dot(q, k0, k1, k2, PARTS, DOT_F32, False) * (kic * scale)
+        if DETECT:
             nf = nf | knf  # a non-finite key is an input problem, not a fault
             vmax = _max_nan(vmax, vtile)
             chk = nf == 0
             sg = tl.reshape(s, (BLOCK_M, L, 16))
             d1 = sc1 - tl.sum(sg, axis=1)
             thr = qn1[:, None] * kabs[None, :]
-            thr = tl.where(thr == thr, thr, 0.0)  # 0·inf
+            thr = tl.where(thr == thr, thr, 0.0) + s_floor  # 0·inf; fp16 subnormal floor (PASA)
             bad = ~(tl.abs(d1) <= thr) & row_ok[:, None] & chk
+
+        s_in = s
+        if PASA:
+            # frame of the global pseudo-average F̄ (seed 002, Algorithm 1 lines 13–15): the block's
+            # pseudo-average S̄' = Σ_r Sc1[:, r] / w (from the checksum dot, not the fp16 scores),
+            # F̄ ← (j·F̄ + S̄')/(j + 1); the block enters as S' + Δm'_j, the state moves by Δm'_{j−1}
+            w = tl.minimum(N - start_n, BLOCK_N).to(tl.float32)
+            sbar = tl.sum(sc1, axis=1) / w
+            f_new = tl.where(nvis == 0, sbar, (f_avg * nvis + sbar) / (nvis + 1))
+            dcur = (sbar - f_new) * gamma
+            dcur = tl.where(w < BLOCK_N, dcur + sbar * (gamma_last - gamma), dcur)
+            m_i = m_i + tl.where(nvis == 0, 0.0, (f_avg - f_new) * gamma)  # −inf stays −inf
+            f_avg = f_new
+            nvis += 1
+            s_in = s + dcur[:, None]
 
         # ---- 2.–4. bias and masks, running max, exp (clean path: the checks only raise flags) ----
         sm, m_new, p, bad_row, cnt, nf = _softmax_steps(
-            s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
+            s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
             Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap,
             HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P, INTERP, False)
         if DETECT:
@@ -746,19 +790,28 @@ def _efta_fwd(
                         redo = bad & ~ok
                         cnt = _bump(cnt, _SCORES + _COR, tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0))
                         cnt = _bump(cnt, _SCORES + _REC, tl.sum(tl.sum(redo.to(tl.int32), axis=1), axis=0))
-                        # rebuild located elements: Sc1 − Σ(other members of the group)
                         member = tl.arange(0, L)[None, :, None] == loc[:, None, :]
-                        others = tl.sum(tl.where(member, 0.0, sg), axis=1)
-                        sg = tl.where(member & ok[:, None, :], (sc1 - others)[:, None, :], sg)
+                        if PASA:  # recompute located elements with the GEMM's own fp16 arithmetic
+                            s16 = tl.dot(q, tl.trans(k), out_dtype=tl.float16).to(tl.float32)
+                            sg = tl.where(member & ok[:, None, :], tl.reshape(s16, (BLOCK_M, L, 16)), sg)
+                        else:  # rebuild located elements: Sc1 − Σ(other members of the group)
+                            others = tl.sum(tl.where(member, 0.0, sg), axis=1)
+                            sg = tl.where(member & ok[:, None, :], (sc1 - others)[:, None, :], sg)
                         s = tl.reshape(sg, (BLOCK_M, BLOCK_N))
                         redo_row = tl.max(redo.to(tl.int32), axis=1) > 0
                         if tl.sum(redo_row.to(tl.int32), axis=0) > 0:  # recompute those rows' scores
-                            s_re = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_F32) * scale
+                            # (PASA: fp32 accumulation, which also repairs a genuine fp16 overflow)
+                            s_re = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_F32)
+                            if not PASA:
+                                s_re = s_re * scale
                             s = tl.where(redo_row[:, None], s_re, s)
                     else:
                         cnt = _bump(cnt, _SCORES + _UNC, nbad)
+                s_in = s
+                if PASA:
+                    s_in = s + dcur[:, None]
                 sm, m_new, p, bad_row, cnt, nf = _softmax_steps(
-                    s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
+                    s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
                     Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin, exp_pmax,
                     snvr_rel, snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P,
                     INTERP, True)
@@ -905,14 +958,14 @@ def _prune(configs, named_args, **kwargs):
         keep = [c for c in configs if c.kwargs["BLOCK_M"] > 16 and c.kwargs["BLOCK_M"] <= max(64, m_key)]
         if d > 64:  # register pressure: the checked kernel holds S, O and checksum state
             keep = [c for c in keep if c.kwargs["BLOCK_N"] == 64] or keep
-    if args["DETECT"]:  # the checksum tables are laid out for key blocks of CS_BLOCK_N
+    if args["DETECT"] or args["PASA"]:  # the checksum tables are laid out for key blocks of CS_BLOCK_N
         keep = [c for c in keep if c.kwargs["BLOCK_N"] == CS_BLOCK_N]
     return keep or [c for c in configs if c.kwargs["BLOCK_N"] == CS_BLOCK_N][:1]
 
 
 _efta_fwd_tuned = triton.autotune(
     configs=[_cfg(c) for c in CONFIGS_PREFILL + CONFIGS_DECODE],
-    key=["M_KEY", "N_KEY", "BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT", "CORRECT"],
+    key=["M_KEY", "N_KEY", "BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT", "CORRECT", "PASA"],
     prune_configs_by={"early_config_prune": _prune},
     restore_value=["Cnt", "Flag"],
 )(_efta_fwd)
@@ -1004,6 +1057,27 @@ def _as4d(t: torch.Tensor, shape: tuple[int, int, int, int], name: str) -> torch
         raise ValueError(f"{name} of shape {tuple(t.shape)} is not broadcastable to {shape}") from exc
 
 
+PASA_SUPPORTED = True  # efta_triton_forward takes pasa=True (float16 inputs); see ft_transformers.efta
+
+
+def _pasa_scalars(beta: float | None, N: int, D: int, slack: float) -> tuple[float, ...]:
+    """PASA's host-side constants for key blocks of CS_BLOCK_N: (step-1 bound coefficient, its
+    fp16 subnormal floor, γ, γ of the short last block, diag, off, diag_last, off_last) —
+    ``docs/pasa.md`` "Kernel interface" and `ft_transformers.pasa`."""
+    from .. import pasa as P  # noqa: PLC0415 (kernel module stays importable without it)
+
+    bn = CS_BLOCK_N
+    beta = P.optimal_beta(bn, torch.float16) if beta is None else float(beta)
+    w_last = N - (N - 1) // bn * bn if N else bn
+    nchunk = -(-D // P.FP16_CHUNK)
+    L = bn // STRIDE
+    t1 = (1.01 * nchunk * 2.0**-11 + 2.0 * 1.01 * (D + L) * 2.0**-24) * slack  # g16(⌈D/16⌉) + 2·g(D+L)
+    s_floor = L * nchunk * 2.0**-25 * slack
+    diag, off = P.shift_coefficients(bn, beta)
+    diag_l, off_l = P.shift_coefficients(w_last, beta)
+    return (t1, s_floor, P.recovery_factor(bn, beta), P.recovery_factor(w_last, beta), diag, off, diag_l, off_l)
+
+
 _SMS: dict[torch.device, int] = {}
 
 
@@ -1048,6 +1122,8 @@ def efta_triton_forward(
     correct: bool,
     plan: FaultPlan | None,
     counters: torch.Tensor,
+    pasa: bool = False,
+    pasa_beta: float | None = None,
 ) -> torch.Tensor:
     """EFTA forward through the fused Triton kernel; events are added into ``counters``.
 
@@ -1061,6 +1137,9 @@ def efta_triton_forward(
         detect, correct: run the checks / repair what they find (correct implies detect).
         plan: fault injection plan (attention sites), or None.
         counters: int32 (6, 5) block on q's device (any strides) the events are added into.
+        pasa: PASA (seed 002, ``docs/pasa.md``): every key block shifted by β times its mean, the
+            score GEMM in FP16 with FP16 accumulation, the pseudo-average frame; float16 inputs.
+        pasa_beta: PASA shift factor; None = `ft_transformers.pasa.optimal_beta` for key blocks of 64.
 
     Returns:
         (B, Hq, M, D) in q's dtype.
@@ -1101,6 +1180,9 @@ def efta_triton_forward(
     if scale is None:
         scale = D**-0.5
     correct = bool(correct and detect)
+    if pasa and q.dtype != torch.float16:
+        raise EftaUnsupported(f"the Triton kernel runs PASA on float16 inputs, got {q.dtype} (the reference path "
+                              "takes bfloat16)")
 
     out = torch.empty((B, Hq, M, D), dtype=q.dtype, device=dev)
     if out.numel() == 0:
@@ -1143,11 +1225,11 @@ def efta_triton_forward(
     dot_f32 = q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
     slack = BOUNDS.gemm_slack(interp)
     block_d = max(16, triton.next_power_of_2(D))
-    if detect and cfg is not None and cfg[1] != CS_BLOCK_N:
+    if (detect or pasa) and cfg is not None and cfg[1] != CS_BLOCK_N:
         raise ValueError(f"the checked kernel runs key blocks of {CS_BLOCK_N}; FTT_EFTA_CONFIG asks for {cfg[1]}")
 
     # split-key decode: few (batch, head) programs against a long cache would leave most of the GPU idle
-    nsplit = _num_splits(B * Hq, M, N, cfg, any(modes[:4]), dev, interp)
+    nsplit = 1 if pasa else _num_splits(B * Hq, M, N, cfg, any(modes[:4]), dev, interp)  # PASA: one frame
     block_m = cfg[0] if cfg is not None else 16  # the autotuner's decode configs all have BLOCK_M = 16
     work = counters  # unused placeholder
     if nsplit > 1:
@@ -1156,28 +1238,35 @@ def efta_triton_forward(
 
     # checksum tables: computed once per key block by the pre-pass when several query blocks (prefill)
     # would otherwise each recompute them; decode (M ≤ 16, one query block) computes them in the loop
-    cs_pre = bool(detect) and M > 16
+    # (PASA always runs the pre-pass: it also writes the shifted keys)
+    cs_pre = (bool(detect) and M > 16) or pasa
+    nb = -(-N // CS_BLOCK_N)
     tables: tuple[torch.Tensor, ...] = (counters,) * 5  # unused placeholders
+    kshift = counters
+    pasa_args = _pasa_scalars(pasa_beta, N, D, slack) if pasa else (0.0,) * 8
+    if pasa:
+        kshift = torch.empty((B, Hkv, nb * CS_BLOCK_N, block_d), dtype=torch.float16, device=dev)
     if cs_pre:
-        rows = B * Hkv * -(-N // CS_BLOCK_N)
+        rows = B * Hkv * nb
         tables = (torch.empty((rows, parts, 16, block_d), dtype=q.dtype, device=dev),
                   torch.empty((rows, 2, parts, 16, CS_BLOCK_N), dtype=q.dtype, device=dev),
                   torch.empty((rows, 16), dtype=torch.float32, device=dev),
                   torch.empty((rows, 16), dtype=torch.float32, device=dev),
                   torch.empty((rows, 4), dtype=torch.float32, device=dev))
-        _efta_checksums[(-(-N // CS_BLOCK_N), Hkv, B)](
-            k, v, *tables, *k.stride(), *v.stride(), Hkv, N, D, BLOCK_D=block_d, PARTS=parts,
-            SCALE_CS=q.dtype == torch.float16, INTERP=interp, EVEN_D=D == block_d, BLOCK_N=CS_BLOCK_N, num_warps=4)
+        _efta_checksums[(nb, Hkv, B)](
+            k, v, *tables, kshift, *k.stride(), *v.stride(), Hkv, N, D, float(scale), *pasa_args[4:],
+            BLOCK_D=block_d, PARTS=parts, SCALE_CS=q.dtype == torch.float16, INTERP=interp, EVEN_D=D == block_d,
+            PASA=bool(pasa), BLOCK_N=CS_BLOCK_N, num_warps=4)
 
     args = (
-        q, k, v, out, counters, flag, bias4, mask4, inj, *tables, work,
+        q, k, v, out, counters, flag, bias4, mask4, inj, *tables, work, kshift,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         *(bias4.stride() if has_bias else (0, 0, 0, 0)),
         *(mask4.stride() if mask_kind else (0, 0, 0, 0)),
         *counters.stride(),
         Hq, Hkv, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit,
         BOUNDS.gamma * BOUNDS.u * slack, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_xmin, BOUNDS.exp_pmax,
-        BOUNDS.snvr_rel, BOUNDS.snvr_cap,
+        BOUNDS.snvr_rel, BOUNDS.snvr_cap, *pasa_args[:4],
         min(_pow2_bucket(M), 256), _pow2_bucket(N),
     )
     meta = dict(
@@ -1185,7 +1274,7 @@ def efta_triton_forward(
         MASK_KIND=mask_kind, DETECT=bool(detect), CORRECT=correct,
         INJ_S=modes[0], INJ_M=modes[1], INJ_P=modes[2], INJ_L=modes[3], INJ_O=modes[4],
         NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
-        EVEN_D=D == block_d, CS_PRE=cs_pre, SPLIT=nsplit > 1,
+        EVEN_D=D == block_d, CS_PRE=cs_pre, SPLIT=nsplit > 1, PASA=bool(pasa),
     )
     if cfg is not None:
         grid = (triton.cdiv(M, cfg[0]) * nsplit, Hq, B)

@@ -79,14 +79,15 @@ def rand_qkv(B, Hq, Hkv, M, N, D, dtype=torch.float32, seed=0, dist="normal", de
 
 
 def kernel(q, k, v, *, scale=None, causal=False, bias=None, attn_mask=None, window=None, detect=True,
-           correct=True, inject=None, counters=None):
+           correct=True, inject=None, counters=None, pasa=False):
     """Run the kernel; returns (out, FaultStats, plan)."""
     plan = inject if isinstance(inject, FaultPlan) else FaultPlan(inject)
     counters = new_counters(q.device) if counters is None else counters
     with torch.no_grad():
         out = K.efta_triton_forward(
             q, k, v, scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, causal=causal, bias=bias,
-            attn_mask=attn_mask, window=window, detect=detect, correct=correct, plan=plan, counters=counters)
+            attn_mask=attn_mask, window=window, detect=detect, correct=correct, plan=plan, counters=counters,
+            pasa=pasa)
     return out, FaultStats(counters), plan
 
 
@@ -442,6 +443,69 @@ def test_public_api_triton_backend():
                                     inject=FaultSpec(site="attn.output", bit=30, seed=2))
     assert maxdiff(out, ref_attention(q, k, v, causal=True)) <= TOL[torch.float32]
     assert stats["detected"] == stats["corrected"] + stats["recomputed"] >= 1
+
+
+# ------------------------------------------------------------------------------------------------
+# PASA (seed 002): FP16 score GEMM on shifted keys
+# ------------------------------------------------------------------------------------------------
+
+
+def _pasa_inputs(B, Hq, Hkv, M, N, D, seed, x0=40.0, am=0.5):
+    """Seed 002's uniform law U(x0 − Am, x0 + Am) for q, k, v (fp16): unshifted FP16 scores overflow."""
+    g = torch.Generator().manual_seed(seed)
+
+    def one(*shape):
+        return (x0 + am * (2.0 * torch.rand(*shape, generator=g) - 1.0)).half().to(DEV)
+
+    return one(B, Hq, M, D), one(B, Hkv, N, D), one(B, Hkv, N, D)
+
+
+def _rel_rmse(out, ref) -> float:
+    return float((out.double().cpu() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("shape,kw", [
+    ((1, 2, 2, 64, 150, 64), dict()),
+    ((1, 4, 2, 20, 150, 64), dict(causal=True, window=90)),  # GQA, chunk with a cache, short last block
+], ids=["full", "gqa_window"])
+def test_pasa_no_overflow_and_accurate(shape, kw):
+    from ft_transformers.pasa import fp16_matmul
+
+    B, Hq, Hkv, M, N, D = shape
+    q, k, v = _pasa_inputs(*shape, seed=50)
+    # the unshifted FP16 score GEMM overflows on these inputs (so this test can fail)
+    assert torch.isinf(fp16_matmul(q[0, 0].cpu(), k[0, 0].cpu().t())).any()
+    ref = ref_attention(q, k, v, **kw)
+    for detect in (True, False):
+        out, stats, _ = kernel(q, k, v, pasa=True, detect=detect, correct=detect, **kw)
+        assert torch.isfinite(out).all()
+        assert _rel_rmse(out, ref) < 1e-3, (detect, _rel_rmse(out, ref))
+        assert all(val == 0 for val in stats.values()), stats.by_site()
+
+
+@pytest.mark.parametrize("site", ATTENTION_SITES)
+def test_pasa_injection_corrected(site):
+    q, k, v = _pasa_inputs(1, 2, 2, 32, 150, 64, seed=51)
+    clean, stats, _ = kernel(q, k, v, pasa=True)
+    assert stats["detected"] == 0
+    for bit in (30, 27):
+        for seed in range(2):
+            out, stats, plan = kernel(q, k, v, pasa=True, inject=FaultSpec(site=site, bit=bit, seed=seed))
+            assert plan.injected == 1
+            assert stats["detected"] >= 1 and stats["detected"] == stats["corrected"] + stats["recomputed"]
+            # within two fp16 ulps of the output (a recomputed row is accumulated in fp32, not fp16)
+            assert maxdiff(out, clean) <= 2.0**-9 * clean.abs().max().item(), (site, bit, seed, stats.by_site())
+
+
+def test_pasa_public_api_and_dtypes():
+    from ft_transformers.efta import efta_attention
+
+    q, k, v = _pasa_inputs(1, 2, 1, 16, 80, 32, seed=52)
+    with torch.no_grad():
+        out, stats = efta_attention(q, k, v, causal=True, pasa=True, backend="triton")
+    assert _rel_rmse(out, ref_attention(q, k, v, causal=True)) < 1e-3 and stats["detected"] == 0
+    with pytest.raises(K.EftaUnsupported, match="float16"):  # bf16: the reference path takes it
+        kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), pasa=True)
 
 
 # ------------------------------------------------------------------------------------------------
