@@ -1,0 +1,55 @@
+"""The decoupled baseline of scripts/bench_attention.py (the seed's unfused fault-tolerant attention).
+
+It is a benchmark baseline, but its numbers only mean something if it computes attention and its
+checks neither false-alarm on clean inputs nor miss a large fault. Oracle: float64 attention.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+from float64_attention import ref_attention
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+from bench_attention import decoupled_attention  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("M,N", [(64, 64), (1, 200), (30, 90)])
+def test_decoupled_matches_float64_without_false_alarms(dtype, causal, M, N):
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    q = (torch.randn(2, 3, M, 64, generator=g) * 2).to(dtype)
+    k = torch.randn(2, 3, N, 64, generator=g).to(dtype)
+    v = (torch.randn(2, 3, N, 64, generator=g) + 1).to(dtype)
+    counters = torch.zeros(3, dtype=torch.int32)
+    out = decoupled_attention(q, k, v, 0.125, causal, counters)
+    ref = ref_attention(q, k, v, scale=0.125, causal=causal)
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    assert (out.double() - ref).abs().max().item() <= tol
+    assert counters.tolist() == [0, 0, 0]
+
+
+def test_decoupled_flags_a_corrupted_score(monkeypatch):
+    """A score made huge (as an exponent flip in the score GEMM would) fails that row's checksum."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(3))
+    counters = torch.zeros(3, dtype=torch.int32)
+    real_matmul = torch.matmul
+    calls = []
+
+    def faulty_matmul(a, b):  # corrupt the first GEMM's result only (S = Q·Kᵀ)
+        out = real_matmul(a, b)
+        if not calls:
+            out = out.clone()
+            out[0, 0, 3, 5] += 2.0**20
+        calls.append(1)
+        return out
+
+    monkeypatch.setattr(torch, "matmul", faulty_matmul)
+    decoupled_attention(q, k, v, 1 / math.sqrt(64), False, counters)
+    assert counters[0].item() == 1  # one row failed its score checksum
