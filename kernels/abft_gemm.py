@@ -65,6 +65,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 
 from ..injection import FaultPlan
 from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
+from .tl_common import call_flag
 from .tl_common import dot as _mma
 
 __all__ = [
@@ -400,24 +401,6 @@ _INTERP = interpreting()
 # Host side
 # ------------------------------------------------------------------------------------------------
 
-_FLAGS: dict[torch.device, torch.Tensor] = {}
-_CALL_ID = [0]
-
-
-def _nonfinite_flag(device: torch.device) -> tuple[torch.Tensor, int]:
-    """Per-device int32 cell + a fresh call id: a checksum program that sees non-finite x raises the
-    cell to the call id (atomic max); the verify kernel compares. Never needs a reset (but wraps)."""
-    flag = _FLAGS.get(device)
-    if flag is None:
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
-        _FLAGS[device] = flag
-    _CALL_ID[0] += 1
-    if _CALL_ID[0] >= 2**31 - 1:
-        flag.zero_()
-        _CALL_ID[0] = 1
-    return flag, _CALL_ID[0]
-
-
 @dataclass
 class _Launch:
     """Everything one call needs, resolved on the host (no device reads)."""
@@ -669,7 +652,7 @@ def checked_gemm(
     if inj is None:
         cfg = _pick_config(L, bias=bias, detect=detect, verify_output=verify_output, dot_f32=dot_f32,
                            kn=weight_is_kn)
-    flag, call_id = _nonfinite_flag(dev)
+    flag, call_id = call_flag(dev)
     if not detect:
         _launch_gemm(cfg, L, bias=bias, w12=y, P=y, S=y, inj=inj, flag=flag, ws=flag, call_id=call_id,
                      detect=False, verify_output=False, dot_f32=dot_f32)

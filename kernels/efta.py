@@ -90,6 +90,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 
 from ..injection import FaultPlan
 from ..sites import ATTENTION_SITES, COUNTER_SHAPE
+from .tl_common import call_flag
 from .tl_common import dot as _dot
 
 __all__ = ["efta_triton_forward", "Bounds", "BOUNDS", "EftaUnsupported", "interpreting"]
@@ -985,24 +986,6 @@ def _forced_config():
 # Host side
 # ------------------------------------------------------------------------------------------------
 
-_FLAGS: dict[torch.device, torch.Tensor] = {}
-_CALL_ID = [0]
-
-
-def _nonfinite_flag(device: torch.device) -> tuple[torch.Tensor, int]:
-    """Per-device int32 cell + a fresh call id: the first program of a call that finds non-finite
-    inputs raises the cell to the call id (atomic max) and is the only one to count the event."""
-    flag = _FLAGS.get(device)
-    if flag is None:
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
-        _FLAGS[device] = flag
-    _CALL_ID[0] += 1
-    if _CALL_ID[0] >= 2**31 - 1:  # wrap: reset the cell (stream-ordered, no sync)
-        flag.zero_()
-        _CALL_ID[0] = 1
-    return flag, _CALL_ID[0]
-
-
 def _seed32(seed: int) -> int:
     return (seed ^ (seed >> 31) ^ (seed >> 62)) & 0x7FFFFFFF
 
@@ -1220,7 +1203,7 @@ def efta_triton_forward(
     if inj is None:
         inj = counters  # unused
 
-    flag, call_id = _nonfinite_flag(dev)
+    flag, call_id = call_flag(dev)
     parts = {torch.float16: 2, torch.bfloat16: 3, torch.float32: 1}[q.dtype]
     dot_f32 = q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
     slack = BOUNDS.gemm_slack(interp)

@@ -1,11 +1,12 @@
-"""Small Triton helpers shared by the kernels."""
+"""Helpers shared by the kernels: a Triton dot, and the host-side per-call non-finite flag."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["dot"]
+__all__ = ["call_flag", "dot"]
 
 
 @triton.jit
@@ -17,3 +18,34 @@ def dot(a, b, acc, F32: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side: the per-call non-finite flag
+# ------------------------------------------------------------------------------------------------
+
+_FLAGS: dict[torch.device, torch.Tensor] = {}
+_CALL_ID = [0]
+
+
+def call_flag(device: torch.device) -> tuple[torch.Tensor, int]:
+    """Per-device int32 cell + an id for this kernel call, for "once per call" non-finite handling.
+
+    A program that finds non-finite inputs raises the cell to the call id (``atomic_max``); the
+    first to do so counts the event (EFTA), or later programs of the same call compare the cell with
+    the id (the checked GEMM switches its checks off). Eager calls get increasing ids, so the cell
+    never needs a reset (it wraps). A call captured into a CUDA graph would replay with a frozen id,
+    so there the cell is zeroed inside the graph (a captured memset) and the id is 1.
+    """
+    flag = _FLAGS.get(device)
+    if flag is None:
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        _FLAGS[device] = flag
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        flag.zero_()
+        return flag, 1
+    _CALL_ID[0] += 1
+    if _CALL_ID[0] >= 2**31 - 1:  # wrap: reset the cell (stream-ordered, no sync)
+        flag.zero_()
+        _CALL_ID[0] = 2
+    return flag, _CALL_ID[0]
