@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""Compile the EFTA kernel for a Hopper GPU without one, and report its registers and spills.
+
+Triton's frontend, LLVM and the ``ptxas`` bundled with the triton wheel run on any Linux machine,
+so variants of the kernel (dtype, checks, block config, PASA, split-key decode, injection) can be
+compiled for ``sm_90a`` here and compared by what ``ptxas -v`` says — registers per thread, stack
+and spill bytes, shared memory — before spending GPU time on them. (Compile errors that only the
+GPU toolchain would raise show up here too.) Spill bytes are a static count: spills inside the
+rarely taken repair branches cost little at run time.
+
+    python scripts/kernel_resources.py                      # the standard variants
+    python scripts/kernel_resources.py --arch 90 --csv out.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import triton
+from ft_transformers.kernels import efta as K
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+POINTERS = {"Q": "in", "K": "in", "V": "in", "Out": "in", "KC": "in", "VC": "in", "KS": "*fp16", "Cnt": "*i32",
+            "Flag": "*i32", "Inj": "*i32", "Bias": "*fp32", "Mask": "*fp32", "KA": "*fp32", "VA": "*fp32",
+            "SC": "*fp32", "W": "*fp32"}
+FLOATS = {"scale", "gu", "exp_tol", "exp_xmin", "exp_pmax", "snvr_rel", "snvr_cap", "pasa_t1", "s_floor", "gamma",
+          "gamma_last"}
+BASE = dict(BLOCK_D=64, CAUSAL=True, HAS_WINDOW=False, HAS_BIAS=False, MASK_KIND=0, DETECT=True, CORRECT=True,
+            INJ_S=0, INJ_M=0, INJ_P=0, INJ_L=0, INJ_O=0, NO_SKIP=False, PARTS=2, SCALE_CS=True, DOT_F32=False,
+            INTERP=False, EVEN_D=True, CS_PRE=True, SPLIT=False, PASA=False, BLOCK_M=128, BLOCK_N=64)
+FP = {"fp16": dict(PARTS=2, SCALE_CS=True), "bf16": dict(PARTS=3, SCALE_CS=False),
+      "fp32": dict(PARTS=1, SCALE_CS=False, DOT_F32=True)}
+# (name, dtype, overrides of BASE, num_warps, num_stages)
+VARIANTS = [
+    ("prefill checks off", "fp16", dict(DETECT=False, CORRECT=False, CS_PRE=False, BLOCK_N=128), 8, 3),
+    ("prefill detect", "fp16", dict(CORRECT=False), 8, 3),
+    ("prefill detect+correct", "fp16", dict(), 8, 3),
+    ("prefill detect+correct", "bf16", dict(), 8, 3),
+    ("prefill detect+correct D=128", "fp16", dict(BLOCK_D=128), 8, 3),
+    ("prefill detect+correct BM=64", "fp16", dict(BLOCK_M=64), 4, 3),
+    ("prefill PASA", "fp16", dict(PASA=True), 8, 3),
+    ("decode split detect+correct", "fp16", dict(BLOCK_M=16, CS_PRE=False, SPLIT=True), 4, 3),
+    ("injection, all sites", "fp16", dict(INJ_S=1, INJ_M=1, INJ_P=2, INJ_L=1, INJ_O=1, NO_SKIP=True, BLOCK_M=64), 4, 2),
+    ("prefill detect+correct", "fp32", dict(BLOCK_M=64), 4, 3),
+]
+
+
+def compile_variant(dtype: str, over: dict, num_warps: int, num_stages: int, arch: int):
+    fn = K._efta_fwd
+    consts = {k: v for k, v in {**BASE, **FP[dtype], **over}.items() if k in fn.arg_names}
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in POINTERS:
+            sig[name] = f"*{dtype}" if POINTERS[name] == "in" else POINTERS[name]
+        else:
+            sig[name] = "fp32" if name in FLOATS else "i32"
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps,
+                                                                          "num_stages": num_stages})
+
+
+def ptxas_info(ptx: str) -> dict:
+    """Registers, stack and spill bytes from ``ptxas -v`` (the newest ptxas in the triton wheel)."""
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    found = [os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas") if os.path.exists(os.path.join(bindir, n))]
+    ptxas = found[0] if found else None
+    if ptxas is None:
+        return {}
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        out = subprocess.run([ptxas, f"-arch={target}", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    text = out.stderr + out.stdout
+    grab = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else -1  # noqa: E731
+    return {"registers": grab(r"Used (\d+) registers"), "stack": grab(r"(\d+) bytes stack frame"),
+            "spill_stores": grab(r"(\d+) bytes spill stores"), "spill_loads": grab(r"(\d+) bytes spill loads")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability ×10 (90: Hopper)")
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    rows = []
+    for name, dtype, over, nw, ns in VARIANTS:
+        t0 = time.time()
+        try:
+            c = compile_variant(dtype, over, nw, ns, args.arch)
+        except Exception as exc:  # report and go on: a compile error is a finding
+            print(f"FAIL {name} [{dtype}]: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+            rows.append(dict(variant=name, dtype=dtype, error=type(exc).__name__))
+            continue
+        info = ptxas_info(c.asm["ptx"])
+        row = dict(variant=name, dtype=dtype, num_warps=nw, num_stages=ns, shared=c.metadata.shared,
+                   compile_s=round(time.time() - t0, 1), **info)
+        rows.append(row)
+        print(f"{name:32s} [{dtype}] warps {nw}: {info.get('registers')} regs, spill stores "
+              f"{info.get('spill_stores')} B, loads {info.get('spill_loads')} B, shared {c.metadata.shared} B",
+              flush=True)
+    if args.csv:
+        keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
