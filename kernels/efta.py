@@ -33,9 +33,11 @@ Layout of one program (query block × (batch, head)), tutorial style:
   reduction of the same P), ``O += P·V`` with P rounded to the input dtype (as flash attention
   does), ``Oc1/Oc2 += P·Vc`` with the *same* rounded P, all rescaled by the same α.
 * **One test per key block**: the clean path of steps 1–4 only raises flags; a single block-wide
-  "any flag?" reduction guards one branch that counts and repairs in the contract's order (step 1,
-  then steps 3–4 redone on the repaired scores), so the loop has one barrier and one rarely taken
-  branch per key block instead of three.
+  reduction guards one branch that counts and repairs in the contract's order (step 1, then steps
+  3–4 redone on the repaired scores), so the loop has one barrier and one rarely taken branch per
+  key block instead of three. That branch recomputes GEMM I (re-applying the same injected faults,
+  which are deterministic), so the clean path keeps no copy of the scores live; a step-1 failure
+  that the recomputed GEMM no longer shows (a transient fault) counts as detected and recomputed.
 * **Steps 6–7** after the loop: row-sum range check, normalisation, unified output verification;
   single faults are rebuilt from the checksum, other rows are flagged.
 * **Recompute**: flagged rows (step 6, or step 1/7 groups that cannot be located) are recomputed.
