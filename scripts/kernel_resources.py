@@ -101,7 +101,7 @@ def main() -> int:
         try:
             c = compile_variant(dtype, over, nw, ns, args.arch)
         except Exception as exc:  # report and go on: a compile error is a finding
-            print(f"FAIL {name} [{dtype}]: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+            print(f"FAIL {name} [{dtype}]: {type(exc).__name__}: {str(exc)[:200]} ... {str(exc)[-400:]}", flush=True)
             rows.append(dict(variant=name, dtype=dtype, error=type(exc).__name__))
             continue
         info = ptxas_info(c.asm["ptx"])
