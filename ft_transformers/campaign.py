@@ -73,7 +73,7 @@ ARM_CONFIGS: dict[str, FTConfig] = {
 }
 FORMAT_VERSION = 1
 
-TINY_MODELS = ("tiny-llama", "tiny-gpt2", "qwen2-0.5b-config")  # random init, no download
+TINY_MODELS = ("tiny-llama", "tiny-gpt2", "qwen2-0.5b-config", "gpt2-124m-config")  # random init, no download
 
 DEFAULT_PROMPTS: tuple[dict, ...] = (  # short questions SmolLM2-135M-Instruct answers within ~10 tokens
     {"prompt": "What is the capital of France?", "answer": ["Paris"]},
@@ -413,6 +413,11 @@ def _tiny_model(name: str, dtype: torch.dtype, seed: int = 0):
                           tie_word_embeddings=True, bos_token_id=1, eos_token_id=None, pad_token_id=0)
         vocab = cfg.vocab_size
         widen = False  # at hidden size 896 the default std 0.02 already gives peaked attention
+    elif name == "gpt2-124m-config":  # GPT-2 small's shapes (12 layers, 12 heads, hidden 768); default init
+        cfg = GPT2Config(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+        vocab = cfg.vocab_size
+        widen = False
     else:
         raise ValueError(f"unknown tiny model {name!r}; choose from {', '.join(TINY_MODELS)}")
     torch.manual_seed(seed)

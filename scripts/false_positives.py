@@ -5,8 +5,12 @@ Part 1 — kernel level: `efta_attention` and `checked_linear` on four input dis
 (seed 004 §5.1: N(1e-6,1), N(1,1), U(-1,1), truncated N(0,1)), several shapes and dtypes.
 Part 2 — real models: every attention and Linear call of SmolLM2-135M-Instruct generating
 answers to a few prompts, and all-MiniLM-L6-v2 embedding sentences.
+Part 3 (``--configs``) — architecture configs with random weights (``qwen2-0.5b-config``,
+``gpt2-124m-config``, see `ft_transformers.campaign`): every call of a full generation from
+byte-level prompts, on ``--device`` in ``--dtype`` (on CUDA: the Triton kernels).
 
     python scripts/false_positives.py --calls 1500 --prompts 3 --max-new-tokens 32
+    python scripts/false_positives.py --calls 0 --skip-models --configs qwen2-0.5b-config gpt2-124m-config
 """
 
 from __future__ import annotations
@@ -63,6 +67,20 @@ def _model_calls(report: ftt.FTReport) -> int:
     return report.steps
 
 
+def _count_calls(model) -> tuple[dict, list]:
+    """Forward hooks counting the protected attention and Linear calls: (counts, hook handles)."""
+    counted = {"attention": 0, "linear": 0}
+
+    def count_hook(kind):
+        def hook(*_):
+            counted[kind] += 1
+        return hook
+
+    handles = [m.register_forward_hook(count_hook("attention" if m._ftt.is_attention else "linear"))
+               for m in model.modules() if getattr(m, "_ftt", None) is not None]
+    return counted, handles
+
+
 def real_models(prompts: int, max_new_tokens: int) -> dict:
     from ft_transformers.embedded import load_causal_lm
 
@@ -71,18 +89,7 @@ def real_models(prompts: int, max_new_tokens: int) -> dict:
                  "How does a checksum detect an error?"][:prompts]
     model, tok = load_causal_lm("smollm2", attn_implementation="efta")
     ftt.enable_fault_tolerance(model)
-    counted = {"attention": 0, "linear": 0}
-
-    def count_hook(kind):
-        def hook(*_):
-            counted[kind] += 1
-        return hook
-
-    handles = []
-    for mod in model.modules():
-        ctx = getattr(mod, "_ftt", None)
-        if ctx is not None:
-            handles.append(mod.register_forward_hook(count_hook("attention" if ctx.is_attention else "linear")))
+    counted, handles = _count_calls(model)
     for q in tqdm(questions, desc="SmolLM2 prompts"):
         ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
@@ -115,6 +122,32 @@ def real_models(prompts: int, max_new_tokens: int) -> dict:
     return out
 
 
+def config_models(names: list[str], prompts: int, max_new_tokens: int, device: str, dtype: str) -> dict:
+    """Protected generation with random-weight architecture configs; counts calls and detections."""
+    from ft_transformers.campaign import load_model
+
+    texts = ["What is the capital of France?", "Explain photosynthesis in two sentences.",
+             "Write a haiku about the sea.", "List three prime numbers.", "How does a checksum work?"][:prompts]
+    out: dict = {}
+    for name in names:
+        model, tok = load_model(name, dtype, device)
+        ftt.enable_fault_tolerance(model)
+        counted, handles = _count_calls(model)
+        for text in tqdm(texts, desc=name):
+            ids = tok(text)["input_ids"].to(device)
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                               min_new_tokens=max_new_tokens, do_sample=False)
+        rep = ftt.fault_report(model)
+        for h in handles:
+            h.remove()
+        key = name.replace("-", "_").replace(".", "_")
+        out.update({f"{key}_attention_calls": counted["attention"], f"{key}_linear_calls": counted["linear"],
+                    f"{key}_model_calls": rep.steps, f"{key}_detected": rep.totals()["detected"]})
+        del model
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=1500, help="kernel-level calls of each of efta and checked_linear")
@@ -122,12 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-models", action="store_true")
+    p.add_argument("--configs", nargs="*", default=[], help="random-weight configs to run (part 3)")
+    p.add_argument("--device", default="cpu", help="device of part 3")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="dtype of part 3")
     p.add_argument("--json", default=None, help="write the counts here")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     res = kernel_level(args.calls, args.seed)
     if not args.skip_models:
         res.update(real_models(args.prompts, args.max_new_tokens))
+    if args.configs:
+        res.update(config_models(args.configs, args.prompts, args.max_new_tokens, args.device, args.dtype))
     res["seconds"] = round(time.perf_counter() - t0, 1)
     total_calls = sum(v for k, v in res.items() if k.endswith("_calls") and "model" not in k)
     total_det = sum(v for k, v in res.items() if k.endswith("detected"))
