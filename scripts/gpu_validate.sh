@@ -13,6 +13,7 @@
 #   linear     V-ABFT: calibration, GPU tests, bench_linear, the seed 004 study (docs/vabft.md)
 #   generate   scripts/bench_generate.py (end to end, issue 7)
 #   campaign   the issue-5 campaign on the qwen2-0.5b-config model, fp16, Triton paths
+#   falsepos   every attention / Linear call of fp16 generations (GPT-2 124M and Qwen2-0.5B configs)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -62,6 +63,11 @@ run_part() {
       python3 scripts/campaign.py run --out "$dir/qwen2_campaign.jsonl" --model qwen2-0.5b-config --device cuda \
         --dtype float16 --sites attn.scores attn.probs attn.output linear.output --bits exponent mantissa \
         --trials 200 --max-new-tokens 8 --no-progress --report-dir "$dir" 2>&1 | tail -30 ;;
+    falsepos)
+      for dt in float16 bfloat16; do
+        python3 scripts/false_positives.py --calls 0 --skip-models --configs gpt2-124m-config qwen2-0.5b-config \
+          --device cuda --dtype $dt --prompts 3 --max-new-tokens 32 --json "$dir/false_positives_$dt.json" 2>&1 | tail -12
+      done ;;
     *)
       echo "unknown part $part"; return 2 ;;
   esac
