@@ -374,6 +374,18 @@ def _score_checksum(q, k, KC, KA, SC, cb, offs_d, scale, L: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L: tl.constexpr):
+    """Step-1 test of one key block: S grouped (BLOCK_M, L, 16), D1 = Sc1 − Σ_l S[i, l·16+r]
+    (BLOCK_M, 16), and the groups whose |D1| exceeds T_s = qn1·kabs (+ the PASA fp16 floor s_floor),
+    NaN differences included, on real rows while the inputs are finite (chk)."""
+    thr = qn1[:, None] * kabs[None, :]
+    thr = tl.where(thr == thr, thr, 0.0) + s_floor  # 0·inf: the group is 0
+    sg = tl.reshape(s, (s.shape[0], L, 16))
+    d1 = sc1 - tl.sum(sg, axis=1)
+    return sg, d1, ~(tl.abs(d1) <= thr) & row_ok[:, None] & chk
+
+
+@triton.jit
 def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
                    Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj,
                    exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap,
@@ -769,10 +781,8 @@ def _efta_fwd(
             nf = nf | knf  # a non-finite key is an input problem, not a fault
             vmax = _max_nan(vmax, vtile)
             chk = nf == 0
-            thr = qn1[:, None] * kabs[None, :]
-            thr = tl.where(thr == thr, thr, 0.0) + s_floor  # 0·inf; fp16 subnormal floor (PASA)
-            d1 = sc1 - tl.sum(tl.reshape(s, (BLOCK_M, L, 16)), axis=1)
-            nbad_row = tl.sum((~(tl.abs(d1) <= thr) & row_ok[:, None] & chk).to(tl.int32), axis=1)
+            _, _, bad = _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L)
+            nbad_row = tl.sum(bad.to(tl.int32), axis=1)
 
         s_in = s
         if PASA:
@@ -804,11 +814,7 @@ def _efta_fwd(
                 s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32)
                 sc1, kabs, knf = _score_checksum(q, k, KC, KA, SC, cb, offs_d, scale, L, BLOCK_D, PARTS, SCALE_CS,
                                                  DOT_F32, CS_PRE, PASA)
-                thr = qn1[:, None] * kabs[None, :]
-                thr = tl.where(thr == thr, thr, 0.0) + s_floor
-                sg = tl.reshape(s, (BLOCK_M, L, 16))
-                d1 = sc1 - tl.sum(sg, axis=1)
-                bad = ~(tl.abs(d1) <= thr) & row_ok[:, None] & chk
+                sg, d1, bad = _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L)
                 nbad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
                 if nbad > 0:
                     cnt = _bump(cnt, _SCORES + _DET, nbad)
