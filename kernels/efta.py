@@ -78,6 +78,7 @@ skipping), so faults land exactly where they land in the reference.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from dataclasses import dataclass
@@ -1092,6 +1093,7 @@ def _as4d(t: torch.Tensor, shape: tuple[int, int, int, int], name: str) -> torch
 PASA_SUPPORTED = True  # efta_triton_forward takes pasa=True (float16 inputs); see ft_transformers.efta
 
 
+@functools.lru_cache(maxsize=256)  # per call on the hot path: β's fixed-point iteration runs once
 def _pasa_scalars(beta: float | None, N: int, D: int, slack: float) -> tuple[float, ...]:
     """PASA's host-side constants for key blocks of CS_BLOCK_N: (step-1 bound coefficient, its
     fp16 subnormal floor, γ, γ of the short last block, diag, off, diag_last, off_last) —
