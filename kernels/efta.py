@@ -1292,14 +1292,14 @@ def efta_triton_forward(
             BLOCK_D=block_d, PARTS=parts, SCALE_CS=q.dtype == torch.float16, INTERP=interp, EVEN_D=D == block_d,
             PASA=bool(pasa), BLOCK_N=CS_BLOCK_N, num_warps=4)
 
+    strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(),
+               *(bias4.stride() if has_bias else (0, 0, 0, 0)), *(mask4.stride() if mask_kind else (0, 0, 0, 0)),
+               *counters.stride())
+    gu = BOUNDS.gamma * BOUNDS.u * slack
     args = (
-        q, k, v, out, counters, flag, bias4, mask4, inj, *tables, work, kshift,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        *(bias4.stride() if has_bias else (0, 0, 0, 0)),
-        *(mask4.stride() if mask_kind else (0, 0, 0, 0)),
-        *counters.stride(),
+        q, k, v, out, counters, flag, bias4, mask4, inj, *tables, work, kshift, *strides,
         Hq, Hkv, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit,
-        BOUNDS.gamma * BOUNDS.u * slack, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_xmin, BOUNDS.exp_pmax,
+        gu, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_xmin, BOUNDS.exp_pmax,
         BOUNDS.snvr_rel, BOUNDS.snvr_cap, *pasa_args[:4],
         min(_pow2_bucket(M), 256), _pow2_bucket(N),
     )
@@ -1320,14 +1320,9 @@ def efta_triton_forward(
         _efta_fwd_tuned[grid](*args, **meta)
     if nsplit > 1:
         _efta_combine[(triton.cdiv(M, block_m), Hq, B)](
-            q, k, v, out, counters, flag, bias4, mask4, inj, work,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            *(bias4.stride() if has_bias else (0, 0, 0, 0)),
-            *(mask4.stride() if mask_kind else (0, 0, 0, 0)),
-            *counters.stride(),
-            Hq, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit,
-            BOUNDS.gamma * BOUNDS.u * slack,
-            BLOCK_D=block_d, CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_BIAS=has_bias,
-            MASK_KIND=mask_kind, DETECT=bool(detect), CORRECT=correct, INJ_O=modes[4], DOT_F32=dot_f32,
-            EVEN_D=D == block_d, BLOCK_M=block_m, BLOCK_N=CS_BLOCK_N, num_warps=4)
+            q, k, v, out, counters, flag, bias4, mask4, inj, work, *strides,
+            Hq, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit, gu,
+            **{key: meta[key] for key in ("BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT",
+                                          "CORRECT", "DOT_F32", "EVEN_D")},
+            INJ_O=modes[4], BLOCK_M=block_m, BLOCK_N=CS_BLOCK_N, num_warps=4)
     return out
