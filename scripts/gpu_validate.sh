@@ -4,8 +4,10 @@
 #   bash scripts/gpu_validate.sh PART [PART ...]      (from the repository root, on the GPU machine)
 #
 # Results go to $OUT (the device tool's output folder; ./gpu_out when unset), one sub-folder per part.
+# Every part's output goes to $OUT/<part>/log.txt as it runs (and to stdout), so a killed call keeps it.
 # Parts:
-#   tests      GPU tests of both kernels, the clean smoke over every block config, the split-key decode
+#   smoke      clean smoke of the main kernel variants and the split-key decode (~1 min)
+#   tests      GPU tests of both kernels under one forced block config
 #   attention  scripts/bench_attention.py (all shapes, fp16 + bf16; ~6 min) -> bench_attention.csv/png
 #   quick      scripts/bench_attention.py --quick (fp16, 12 shapes; ~1 min)
 #   coverage   EFTA coverage campaign: 1,000 flips per site x bit class, 100,000 clean calls over four
@@ -29,22 +31,24 @@ run_part() {
   mkdir -p "$dir"
   echo "=== $part ($(date +%H:%M:%S))"
   case $part in
-    tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_efta_triton.py tests/test_abft_gemm.py 2>&1 | tail -15
-      for cfg in 64,64,4,3 128,64,8,3 64,64,4,1 32,64,4,2; do
-        for dt in float16 bfloat16 float32; do
-          FTT_EFTA_CONFIG=$cfg timeout 120 python3 scripts/efta_gpu_smoke.py $dt 1 gqa 2>&1 | grep -E "^OK|Error" | tail -1
-        done
+    smoke)  # a minute: clean smoke of the main variants and the split-key decode
+      for dt in float16 bfloat16 float32; do
+        FTT_EFTA_CONFIG=64,64,4,3 timeout 90 python3 scripts/efta_gpu_smoke.py $dt 1 gqa 2>&1 | grep -E "^OK|Error" | tail -1
       done
-      for s in 1 4 16; do  # split-key decode against the unsplit kernel's float64 check
-        FTT_EFTA_CONFIG=16,64,4,3 FTT_EFTA_SPLIT=$s timeout 120 python3 scripts/efta_gpu_smoke.py float16 1 decode \
+      FTT_EFTA_CONFIG=128,64,8,3 timeout 90 python3 scripts/efta_gpu_smoke.py float16 1 big 2>&1 | grep -E "^OK|Error" | tail -1
+      for s in 1 4; do  # split-key decode against the unsplit kernel's float64 check
+        FTT_EFTA_CONFIG=16,64,4,3 FTT_EFTA_SPLIT=$s timeout 90 python3 scripts/efta_gpu_smoke.py float16 1 decode \
           2>&1 | grep -E "^OK|Error" | tail -1
       done
+      ;;
+    tests)  # one forced block config: autotuning every test's variants would take far over 10 minutes
+      FTT_EFTA_CONFIG=64,64,4,3 timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -x -m gpu -p no:cacheprovider \
+        tests/test_efta_triton.py tests/test_abft_gemm.py 2>&1
       ;;
     attention)
       python3 scripts/bench_attention.py --out "$dir" 2>&1 | grep -v Warning | tail -80 ;;
     quick)
-      python3 scripts/bench_attention.py --out "$dir" --quick 2>&1 | grep -v Warning | tail -40 ;;
+      python3 scripts/bench_attention.py --out "$dir" --quick 2>&1 | grep --line-buffered -v Warning ;;
     coverage)
       local model=""
       [ -d .gpucarry/minilm ] && model="--model .gpucarry/minilm"
@@ -73,4 +77,4 @@ run_part() {
   esac
 }
 
-for part in "$@"; do run_part "$part"; done
+for part in "$@"; do mkdir -p "$OUT/$part"; run_part "$part" 2>&1 | tee "$OUT/$part/log.txt"; done
