@@ -17,6 +17,7 @@
 #   campaign   the issue-5 campaign on the qwen2-0.5b-config model, fp16, Triton paths
 #   falsepos   every attention / Linear call of fp16 generations (GPT-2 124M and Qwen2-0.5B configs)
 set -u
+export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -42,13 +43,13 @@ run_part() {
       done
       ;;
     tests)  # one forced block config: autotuning every test's variants would take far over 10 minutes
-      FTT_EFTA_CONFIG=64,64,4,3 timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -x -m gpu -p no:cacheprovider \
+      FTT_EFTA_CONFIG=64,64,4,3 FTT_ABFT_GEMM_TUNE=0 timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -x -m gpu -p no:cacheprovider \
         tests/test_efta_triton.py tests/test_abft_gemm.py 2>&1
       ;;
     attention)
       python3 scripts/bench_attention.py --out "$dir" 2>&1 | grep -v Warning | tail -80 ;;
     quick)
-      python3 scripts/bench_attention.py --out "$dir" --quick 2>&1 | grep --line-buffered -v Warning ;;
+      timeout ${QUICK_TIMEOUT:-600} python3 scripts/bench_attention.py --out "$dir" --quick 2>&1 | grep --line-buffered -v Warning ;;
     coverage)
       local model=""
       [ -d .gpucarry/minilm ] && model="--model .gpucarry/minilm"
