@@ -312,7 +312,10 @@ def test_gpu_real_shapes_clean_and_flips(dtype):
                 total[key] += st[key]
             ref = x.double() @ w.double().t() + b.double()
             err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-            assert err < 4 * ULP[dtype], (dist, m, k, n, err)
+            # output rounding (4 ulp of the dtype) plus fp32 accumulation, whose rounding errors grow
+            # like sqrt(k)·u; a TF32 product (u = 2^-11) would exceed this more than tenfold
+            tol = 4 * ULP[dtype] + 4 * k**0.5 * 2.0**-24
+            assert err < tol, (dist, m, k, n, err, tol)
     assert total == ZERO, f"false positives over {calls} calls: {total}"
     for bit in HIGH_BIT[dtype]:
         x = torch.randn(4, 256, 1024, device="cuda", generator=g).to(dtype)
