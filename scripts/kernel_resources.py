@@ -10,11 +10,17 @@ rarely taken repair branches cost little at run time.
 
     python scripts/kernel_resources.py                      # the standard variants
     python scripts/kernel_resources.py --arch 90 --csv out.csv
+    python scripts/kernel_resources.py --loops              # + instruction mix of each loop's body
+
+``--loops`` disassembles the cubin (the wheel's ``nvdisasm``) and prints, for every loop that
+contains a tensor-core instruction, the size of its body and its instruction mix: a static proxy
+for the per-key-block cost of each variant (the clean key loop is the first one listed).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import os
 import re
@@ -89,10 +95,43 @@ def ptxas_info(ptx: str) -> dict:
             "spill_stores": grab(r"(\d+) bytes spill stores"), "spill_loads": grab(r"(\d+) bytes spill loads")}
 
 
+def loop_census(cubin: bytes) -> list[tuple[int, collections.Counter]]:
+    """(body size, opcode counts) of every backward-branch loop with an HGMMA/HMMA, in code order."""
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name], capture_output=True,
+                              text=True).stdout
+    finally:
+        os.unlink(f.name)
+    label_at: dict[str, int] = {}
+    ops: list[str] = []
+    for line in sass.splitlines():
+        if m := re.match(r"^\s*(\.L_x_\d+):", line):
+            label_at[m.group(1)] = len(ops)
+        elif m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            ops.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).split()[0].split(".")[0])
+            if ops[-1] == "BRA" and (t := re.search(r"(\.L_x_\d+)", m.group(1))):
+                ops[-1] = ("BRA", t.group(1))  # type: ignore[assignment]
+    loops = []
+    for i, op in enumerate(ops):
+        if isinstance(op, tuple) and label_at.get(op[1], i + 1) <= i:
+            body = collections.Counter(o if isinstance(o, str) else "BRA" for o in ops[label_at[op[1]]:i + 1])
+            if body["HGMMA"] + body["HMMA"]:
+                loops.append((label_at[op[1]], i - label_at[op[1]] + 1, body))
+    return [(n, c) for _, n, c in sorted(loops, key=lambda t: t[0])]
+
+
+LOOP_OPS = ("HGMMA", "HMMA", "MUFU", "FFMA", "FADD", "FMUL", "FSETP", "LOP3", "SHFL", "BAR", "STS", "LDS", "LDSM",
+            "LDG", "STL", "LDL")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability ×10 (90: Hopper)")
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--loops", action="store_true", help="also print each loop body's instruction mix")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     rows = []
@@ -111,6 +150,10 @@ def main() -> int:
         print(f"{name:32s} [{dtype}] warps {nw}: {info.get('registers')} regs, spill stores "
               f"{info.get('spill_stores')} B, loads {info.get('spill_loads')} B, shared {c.metadata.shared} B",
               flush=True)
+        if args.loops:
+            for n, body in loop_census(c.asm["cubin"]):
+                print(f"    loop body {n} instructions: " + ", ".join(f"{k} {body[k]}" for k in LOOP_OPS if body[k]),
+                      flush=True)
     if args.csv:
         keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
         with open(args.csv, "w", newline="") as f:
