@@ -131,6 +131,7 @@ def _efta_forward(
     counters: torch.Tensor,
     backend: str,
     pasa_beta: float | None = None,
+    pasa_precision: str = "fp32",
 ) -> torch.Tensor:
     """EFTA forward adding its events into ``counters`` (no validation beyond the backend choice).
 
@@ -141,6 +142,8 @@ def _efta_forward(
         counters: int32 (sites, kinds) block on q's device (e.g. a (6, 5) view into a bigger tensor).
         pasa: PASA shifted FP16 score GEMM (``docs/pasa.md``); fp16/bf16 inputs only.
         pasa_beta: PASA shift factor; None = optimal for fp16 and the backend's key block.
+        pasa_precision: PASA's softmax-state precision, ``"fp32"`` or ``"fp16"`` (seed 002's full
+            low-precision allocation; only with ``detect=False``).
     Returns:
         (B, Hq, M, D) in q's dtype.
     """
@@ -160,13 +163,13 @@ def _efta_forward(
         # The Triton kernel opts in to PASA with a module attribute PASA_SUPPORTED = True and then
         # takes the keywords pasa=True, pasa_beta=... (docs/pasa.md, "kernel interface").
         if kmod is not None and getattr(kmod, "PASA_SUPPORTED", False):
-            kwargs.update(pasa=True, pasa_beta=pasa_beta)
+            kwargs.update(pasa=True, pasa_beta=pasa_beta, pasa_precision=pasa_precision)
         elif backend == "triton":
             raise NotImplementedError(
                 "PASA is not implemented in the Triton EFTA kernel yet; use backend='reference' "
                 "(or 'auto', which takes the reference path for pasa=True)")
         else:
-            return efta_reference(q, k, v, pasa=True, pasa_beta=pasa_beta, **kwargs)
+            return efta_reference(q, k, v, pasa=True, pasa_beta=pasa_beta, pasa_precision=pasa_precision, **kwargs)
     if kmod is not None:
         if backend == "triton":
             return kmod.efta_triton_forward(q, k, v, **kwargs)
@@ -177,7 +180,7 @@ def _efta_forward(
             return kmod.efta_triton_forward(q, k, v, **kwargs)
         except unsupported:
             pass
-    kwargs.update(pasa=bool(pasa), pasa_beta=pasa_beta)
+    kwargs.update(pasa=bool(pasa), pasa_beta=pasa_beta, pasa_precision=pasa_precision)
     return efta_reference(q, k, v, **kwargs)
 
 

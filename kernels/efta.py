@@ -394,7 +394,8 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
                    exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap,
                    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
-                   INJ_M: tl.constexpr, INJ_P: tl.constexpr, INTERP: tl.constexpr, REPAIR: tl.constexpr):
+                   INJ_M: tl.constexpr, INJ_P: tl.constexpr, INTERP: tl.constexpr, REPAIR: tl.constexpr,
+                   HALF: tl.constexpr):
     """Steps 2–4 for one key block: bias and masks, running max (SNVR check), P = exp(x) (inverse
     check). s: (BLOCK_M, BLOCK_N) scores after step 1; m_i: (BLOCK_M,) running max.
 
@@ -432,7 +433,11 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
                     cnt = _bump(cnt, _ROWMAX + _UNC, nbm)
     x = s - base[:, None]
     # ---- 4. P = exp(x), inverse-function check ----
+    if HALF:  # PASA's full FP16 allocation: x and P held in fp16
+        x = x.to(tl.float16).to(tl.float32)
     p = tl.exp(x)
+    if HALF:
+        p = p.to(tl.float16).to(tl.float32)
     if INJ_P != 0:
         p = _inject(p, Inj, 2, INJ_P, bh, offs_m[:, None], offs_n[None, :], M, N)
     if DETECT:
@@ -701,7 +706,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
               CORRECT: tl.constexpr, INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr,
               INJ_L: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr, DOT_F32: tl.constexpr,
               INTERP: tl.constexpr, EVEN_D: tl.constexpr, CS_PRE: tl.constexpr, PASA: tl.constexpr,
-              REPAIR: tl.constexpr):
+              HALF_STATE: tl.constexpr, REPAIR: tl.constexpr):
     """Steps 1–5 over the key blocks [scan_lo, scan_hi) for one block of query rows.
 
     The clean pass (REPAIR=False) has no data-dependent branch and no block-wide reduction in the
@@ -774,7 +779,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
         sm, m_new, p, bad_row, cnt, nf = _softmax_steps(
             s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
             Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap,
-            HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P, INTERP, False)
+            HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P, INTERP, False, HALF_STATE)
         if DETECT:
             if REPAIR:
                 # One block-wide test per key block (step-1 groups that failed, plus rows that raised a
@@ -836,7 +841,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
                         s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
                         Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin, exp_pmax,
                         snvr_rel, snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P,
-                        INTERP, True)
+                        INTERP, True, HALF_STATE)
             else:  # the clean pass only raises flags: rows, and the step-1 groups that failed
                 flag_rows = flag_rows | bad_row
                 n1_rows += nbad_row
@@ -845,11 +850,20 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
 
         # ---- 5. rescale, row sum, GEMM II (+ checksum columns) ----
         alpha = tl.where((m_i == -float("inf")) & (m_new == -float("inf")), 1.0, tl.exp(m_i - m_new))
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if HALF_STATE:  # seed 002's full FP16 allocation: every state update rounded to fp16
+            alpha = alpha.to(tl.float16).to(tl.float32)
+            l_i = ((l_i * alpha).to(tl.float16).to(tl.float32)
+                   + tl.sum(p, axis=1).to(tl.float16).to(tl.float32)).to(tl.float16).to(tl.float32)
+        else:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
         if INJ_L != 0:
             l_i = _inject(l_i, Inj, 3, INJ_L, bh, offs_m, jblk, M, nblocks)
         pd = p.to(v.dtype)
-        acc = _dot(pd, v, acc * alpha[:, None], DOT_F32)
+        if HALF_STATE:  # P·V an FP16 GEMM with FP16 accumulation
+            pv = tl.dot(pd, v, out_dtype=tl.float16).to(tl.float32)
+            acc = ((acc * alpha[:, None]).to(tl.float16).to(tl.float32) + pv).to(tl.float16).to(tl.float32)
+        else:
+            acc = _dot(pd, v, acc * alpha[:, None], DOT_F32)
         if DETECT:
             lc = lc * alpha + tl.sum(tl.sum(tl.reshape(p, (BLOCK_M, L, 16)), axis=2), axis=1)
             if CS_PRE:
@@ -883,7 +897,8 @@ def _efta_fwd(
     INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr, INJ_L: tl.constexpr,
     INJ_O: tl.constexpr, NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
     DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr, CS_PRE: tl.constexpr,
-    SPLIT: tl.constexpr, PASA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     L: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
     FLT_MAX: tl.constexpr = 3.4028234663852886e38
@@ -947,7 +962,8 @@ def _efta_fwd(
                 Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
                 exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
                 BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
-                INJ_S, INJ_M, INJ_P, INJ_L, PARTS, SCALE_CS, DOT_F32, INTERP, EVEN_D, CS_PRE, PASA, rep == 1)
+                INJ_S, INJ_M, INJ_P, INJ_L, PARTS, SCALE_CS, DOT_F32, INTERP, EVEN_D, CS_PRE, PASA, HALF_STATE,
+                rep == 1)
         if rep == 0:
             todo = todo * 0
             if DETECT:
@@ -1084,7 +1100,8 @@ def _prune(configs, named_args, **kwargs):
 
 _efta_fwd_tuned = triton.autotune(
     configs=[_cfg(c) for c in CONFIGS_PREFILL + CONFIGS_DECODE],
-    key=["M_KEY", "N_KEY", "BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT", "CORRECT", "PASA"],
+    key=["M_KEY", "N_KEY", "BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT", "CORRECT", "PASA",
+         "HALF_STATE"],
     prune_configs_by={"early_config_prune": _prune},
     restore_value=["Cnt", "Flag"],
 )(_efta_fwd)
@@ -1226,6 +1243,7 @@ def efta_triton_forward(
     counters: torch.Tensor,
     pasa: bool = False,
     pasa_beta: float | None = None,
+    pasa_precision: str = "fp32",
 ) -> torch.Tensor:
     """EFTA forward through the fused Triton kernel; events are added into ``counters``.
 
@@ -1242,6 +1260,10 @@ def efta_triton_forward(
         pasa: PASA (seed 002, ``docs/pasa.md``): every key block shifted by β times its mean, the
             score GEMM in FP16 with FP16 accumulation, the pseudo-average frame; float16 inputs.
         pasa_beta: PASA shift factor; None = `ft_transformers.pasa.optimal_beta` for key blocks of 64.
+        pasa_precision: with PASA, ``"fp32"`` keeps the online-softmax state (m, l, O) in fp32;
+            ``"fp16"`` is seed 002's full low-precision allocation (x, P, α, l, O rounded to fp16 at
+            every update, P·V with FP16 accumulation), without checks (``detect=False``), like the
+            reference path.
 
     Returns:
         (B, Hq, M, D) in q's dtype.
@@ -1282,6 +1304,14 @@ def efta_triton_forward(
     if scale is None:
         scale = D**-0.5
     correct = bool(correct and detect)
+    if pasa_precision not in ("fp32", "fp16"):
+        raise ValueError(f"pasa_precision must be 'fp32' or 'fp16', got {pasa_precision!r}")
+    half_state = pasa_precision == "fp16"
+    if half_state and not pasa:
+        raise ValueError("pasa_precision='fp16' is PASA's allocation: it needs pasa=True")
+    if half_state and detect:
+        raise ValueError("pasa_precision='fp16' (fp16 softmax state) has no fp16-level check thresholds: run it "
+                         "with detect=False, or use pasa_precision='fp32'")
     if pasa and q.dtype != torch.float16:
         raise EftaUnsupported(f"the Triton kernel runs PASA on float16 inputs, got {q.dtype} (the reference path "
                               "takes bfloat16)")
@@ -1376,7 +1406,7 @@ def efta_triton_forward(
         MASK_KIND=mask_kind, DETECT=bool(detect), CORRECT=correct,
         INJ_S=modes[0], INJ_M=modes[1], INJ_P=modes[2], INJ_L=modes[3], INJ_O=modes[4],
         NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
-        EVEN_D=D == block_d, CS_PRE=cs_pre, SPLIT=nsplit > 1, PASA=bool(pasa),
+        EVEN_D=D == block_d, CS_PRE=cs_pre, SPLIT=nsplit > 1, PASA=bool(pasa), HALF_STATE=half_state,
     )
     if cfg is not None:
         grid = (triton.cdiv(M, cfg[0]) * nsplit, Hq, B)

@@ -10,6 +10,8 @@ Variants, timed side by side at every shape with ``triton.testing.do_bench`` (or
 * ``efta_detect``  — EFTA, detection only (``correct=False``)
 * ``efta_correct`` — EFTA, detection + correction (the default protection)
 * ``efta_pasa``    — EFTA detection + correction with PASA (FP16 score GEMM on shifted keys; fp16 only)
+* ``pasa_off``     — PASA with the checks off, softmax state in fp32 (fp16 only)
+* ``pasa_fp16``    — PASA with the checks off, seed 002's full FP16 allocation (state and P·V in fp16)
 * ``decoupled``    — the unfused baseline as seed 000 describes it: materialised fp32 scores,
   checksum ABFT on both GEMMs, the softmax computed twice and compared (PyTorch ops)
 
@@ -39,9 +41,11 @@ import sys
 import time
 from functools import partial
 
-VARIANTS = ("sdpa_flash", "sdpa_cudnn", "ours_off", "efta_detect", "efta_correct", "efta_pasa", "decoupled")
+VARIANTS = ("sdpa_flash", "sdpa_cudnn", "ours_off", "efta_detect", "efta_correct", "efta_pasa", "pasa_off",
+            "pasa_fp16", "decoupled")
 OURS = {"ours_off": (False, False), "efta_detect": (True, False), "efta_correct": (True, True),
-        "efta_pasa": (True, True)}
+        "efta_pasa": (True, True), "pasa_off": (False, False), "pasa_fp16": (False, False)}
+PASA_STATE = {"efta_pasa": "fp32", "pasa_off": "fp32", "pasa_fp16": "fp16"}  # PASA variants: state precision
 HD_SETTINGS = ((16, 64), (32, 128))
 TOKENS = 16384
 
@@ -183,11 +187,14 @@ def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
                 counters = new_counters(device)
                 ncalls = [0]
 
-                def fn(detect=detect, correct=correct, counters=counters, ncalls=ncalls, pasa=variant == "efta_pasa"):
+                state = PASA_STATE.get(variant, "fp32")
+
+                def fn(detect=detect, correct=correct, counters=counters, ncalls=ncalls, pasa=variant in PASA_STATE,
+                       state=state):
                     ncalls[0] += 1
                     return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None,
                                                  attn_mask=None, window=None, detect=detect, correct=correct,
-                                                 plan=plan, counters=counters, pasa=pasa)
+                                                 plan=plan, counters=counters, pasa=pasa, pasa_precision=state)
             with torch.no_grad():
                 out = fn()  # compile / autotune outside the timing
                 if device == "cuda":
@@ -241,11 +248,12 @@ def _warm(combo):
         v = torch.randn(B, H, N, D, device="cuda", dtype=dtype)
         with torch.no_grad():
             for name, (detect, correct) in OURS.items():
-                if name == "efta_pasa" and dtype != torch.float16:
+                if name in PASA_STATE and dtype != torch.float16:
                     continue
                 K.efta_triton_forward(q, k, v, scale=D**-0.5, causal=causal, bias=None, attn_mask=None,
                                       window=None, detect=detect, correct=correct, plan=FaultPlan(None),
-                                      counters=new_counters("cuda"), pasa=name == "efta_pasa")
+                                      counters=new_counters("cuda"), pasa=name in PASA_STATE,
+                                      pasa_precision=PASA_STATE.get(name, "fp32"))
         torch.cuda.synchronize()
         return combo, time.time() - t0, ""
     except Exception as exc:
@@ -357,6 +365,7 @@ def targets(rows) -> None:
     line("decode throughput ours_off / sdpa_flash", ratios(dec, "sdpa_flash", "ours_off"), ">= 0.9")
     line("decode throughput efta_correct / sdpa_flash", ratios(dec, "sdpa_flash", "efta_correct"), "-")
     line("prefill time efta_pasa / efta_correct (fp16)", ratios(pre, "efta_pasa", "efta_correct"), "report")
+    line("prefill time pasa_fp16 / pasa_off (fp16 vs fp32 state)", ratios(pre, "pasa_fp16", "pasa_off"), "report")
     line("speed-up efta_correct over decoupled", ratios(pre + dec, "decoupled", "efta_correct"), ">= 5 everywhere")
     oom = [k for k, v in shapes_.items() if "efta_correct" in v and "decoupled" not in v]
     print(f"  shapes where EFTA ran and the decoupled baseline did not: {oom or 'none'}")
@@ -440,10 +449,10 @@ def main(argv=None) -> int:
                       f"(geomean over {len(sel)} shapes)")
     targets(all_rows)
     print(f"false positives on clean inputs (EFTA variants): {fp_total} detections in {calls_total} calls")
-    bad = [r for r in all_rows if r["variant"] in OURS and r["variant"] != "efta_pasa" and not r["error"]
+    bad = [r for r in all_rows if r["variant"] in OURS and r["variant"] not in PASA_STATE and not r["error"]
            and not r["max_abs_err"] <= (2e-3 if r["dtype"] == "float16" else 1.6e-2)]
     print(f"shapes where our output differs from sdpa_flash beyond fp16 2e-3 / bf16 1.6e-2: {len(bad)}")
-    pasa_err = [r["max_abs_err"] for r in all_rows if r["variant"] == "efta_pasa" and not r["error"]]
+    pasa_err = [r["max_abs_err"] for r in all_rows if r["variant"] in PASA_STATE and not r["error"]]
     if pasa_err:  # FP16 accumulation of the scores: reported, not held to the fp32-score tolerance
         print(f"PASA (FP16 scores) max |difference| from sdpa_flash: {max(pasa_err):.2e}")
     plot(csv_path, png)

@@ -79,7 +79,7 @@ def rand_qkv(B, Hq, Hkv, M, N, D, dtype=torch.float32, seed=0, dist="normal", de
 
 
 def kernel(q, k, v, *, scale=None, causal=False, bias=None, attn_mask=None, window=None, detect=True,
-           correct=True, inject=None, counters=None, pasa=False):
+           correct=True, inject=None, counters=None, pasa=False, **extra):
     """Run the kernel; returns (out, FaultStats, plan)."""
     plan = inject if isinstance(inject, FaultPlan) else FaultPlan(inject)
     counters = new_counters(q.device) if counters is None else counters
@@ -87,7 +87,7 @@ def kernel(q, k, v, *, scale=None, causal=False, bias=None, attn_mask=None, wind
         out = K.efta_triton_forward(
             q, k, v, scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, causal=causal, bias=bias,
             attn_mask=attn_mask, window=window, detect=detect, correct=correct, plan=plan, counters=counters,
-            pasa=pasa)
+            pasa=pasa, **extra)
     return out, FaultStats(counters), plan
 
 
@@ -495,6 +495,30 @@ def test_pasa_injection_corrected(site):
             assert stats["detected"] >= 1 and stats["detected"] == stats["corrected"] + stats["recomputed"]
             # within two fp16 ulps of the output (a recomputed row is accumulated in fp32, not fp16)
             assert maxdiff(out, clean) <= 2.0**-9 * clean.abs().max().item(), (site, bit, seed, stats.by_site())
+
+
+def test_pasa_fp16_state_matches_reference():
+    """Seed 002's full FP16 allocation: same accuracy class as the reference's emulation, well
+    below FP16 scores at x0 = 20, and finite at x0 = 30 where FP16 scores overflow."""
+    shape = (1, 2, 2, 64, 256, 128)
+    for x0 in (20.0, 30.0):
+        q, k, v = _pasa_inputs(*shape, seed=53, x0=x0)
+        exact = ref_attention(q, k, v)
+        out, stats, _ = kernel(q, k, v, pasa=True, detect=False, correct=False, pasa_precision="fp16")
+        assert torch.isfinite(out).all() and all(val == 0 for val in stats.values())
+        rcount = new_counters("cpu")
+        rout = efta_reference(q.cpu(), k.cpu(), v.cpu(), scale=128**-0.5, causal=False, bias=None,
+                              attn_mask=None, window=None, detect=False, correct=False, plan=FaultPlan(None),
+                              counters=rcount, pasa=True, pasa_precision="fp16")
+        e_kernel, e_ref = _rel_rmse(out, exact), _rel_rmse(rout, exact)
+        fp32_state, _, _ = kernel(q, k, v, pasa=True, detect=False, correct=False)
+        assert e_kernel < 2.0 * e_ref + 1e-4, (x0, e_kernel, e_ref)
+        assert _rel_rmse(fp32_state, exact) <= e_kernel  # fp16 state costs accuracy, never gains it
+        assert e_kernel < 5e-3, (x0, e_kernel)
+    with pytest.raises(ValueError, match="detect=False"):
+        kernel(q, k, v, pasa=True, pasa_precision="fp16")
+    with pytest.raises(ValueError, match="pasa=True"):
+        kernel(q, k, v, detect=False, correct=False, pasa_precision="fp16")
 
 
 def test_pasa_public_api_and_dtypes():
