@@ -594,7 +594,7 @@ def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, skb, skh, skn, skd, svb, svh, 
 
 
 @triton.jit
-def _finish(acc, l_i, lc, nvalid, oc1, oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, svn, svd, b, h, bh, offs_m,
+def _finish(acc, l_i, lc, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, svn, svd, b, h, bh, offs_m,
             offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, nsplit, gu,
             Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, Out, sob, soh, som, sod,
             Cnt, cst0, cst1, Flag, call_id,
@@ -604,7 +604,8 @@ def _finish(acc, l_i, lc, nvalid, oc1, oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, 
     """Steps 6–8 for a block of query rows once every key has been seen: row-sum check, normalisation,
     output injection, unified output verification and repair, recompute of flagged rows, the event
     atomics, and the store. acc (BLOCK_M, BLOCK_D) fp32 and l_i, lc, nvalid (BLOCK_M,) are the loop's
-    (or the split-key merge's) state; oc1, oc2 (16, BLOCK_M) the transposed output checksums; vmax
+    (or the split-key merge's) state; oc1, oc2 (16, BLOCK_M) the transposed output checksums (oc2 only
+    meaningful where ``have_oc2``: otherwise a failing output group is recomputed, never located); vmax
     (16,) max_n Σ_l |V|. ``nsplit`` > 1 when the keys were split across programs (one more rescale per
     split in the rounding bounds)."""
     BLOCK_M: tl.constexpr = acc.shape[0]
@@ -651,7 +652,7 @@ def _finish(acc, l_i, lc, nvalid, oc1, oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, 
                 tr = tl.floor(t + 0.5)
                 ok = bad & (tl.abs(t - tr) <= 0.25) & (tr >= 1.0) & (tr <= lv)
                 loc = tl.where(ok, tr - 1.0, 0.0).to(tl.int32)
-                ok = ok & (loc * 16 + r16[None, :] < D)  # a real column
+                ok = ok & (loc * 16 + r16[None, :] < D) & (have_oc2 != 0)  # a real column; without Oc2, recompute
                 redo = bad & ~ok
                 cnt = _bump(cnt, _OUTPUT + _COR, tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0))
                 cnt = _bump(cnt, _OUTPUT + _REC, tl.sum(tl.sum(redo.to(tl.int32), axis=1), axis=0))
@@ -683,6 +684,31 @@ def _finish(acc, l_i, lc, nvalid, oc1, oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, 
 
 
 @triton.jit
+def _output_flags(acc, l_i, lc, nvalid, oc1, vmax, nf, bh, offs_m, offs_d, row_ok, M, D, nblocks, gu, Inj,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INJ_O: tl.constexpr):
+    """Would steps 6–7 of `_finish` flag anything? The same row-sum and Oc1 tests (the same output
+    faults injected), counting nothing: the number of (row, group) tests that fail. With the clean
+    pass, which carries no Oc2, a non-zero answer sends the query block through the repairing pass."""
+    BLOCK_M: tl.constexpr = acc.shape[0]
+    LVP: tl.constexpr = BLOCK_D // 16
+    FLT_MAX: tl.constexpr = 3.4028234663852886e38
+    nf = nf | tl.max((~(vmax <= FLT_MAX)).to(tl.int32), axis=0)
+    chk = nf == 0
+    tau_l = 2.0 * gu * (BLOCK_N + 2 * nblocks + 4)
+    fine = (l_i >= 1.0 - tau_l) & (l_i <= nvalid.to(tl.float32) * (1.0 + tau_l)) & (tl.abs(l_i - lc) <= tau_l * l_i)
+    bad6 = tl.where(nvalid > 0, ~fine, l_i != 0.0) & row_ok & chk
+    lzero = l_i[:, None] == 0.0
+    o = tl.where(lzero, 0.0, acc / l_i[:, None])
+    if INJ_O != 0:
+        o = _inject(o, Inj, 4, INJ_O, bh, offs_m[:, None], offs_d[None, :], M, D)
+    o1 = tl.where(lzero, 0.0, tl.trans(oc1) / l_i[:, None])
+    d1 = o1 - tl.sum(tl.reshape(o, (BLOCK_M, LVP, 16)), axis=1)
+    thr = (2.0 * gu * (BLOCK_N + 2 * nblocks + tl.cdiv(D, 16) + 4)) * vmax
+    bad7 = ~(tl.abs(d1) <= thr[None, :]) & row_ok[:, None] & chk
+    return tl.sum(bad6.to(tl.int32), axis=0) + tl.sum(tl.sum(bad7.to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
 def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Empty loop state: m (−inf), l, O (BLOCK_M, BLOCK_D), the row-sum twin lc, the GEMM II checksums
     Oc1ᵀ, Oc2ᵀ (16, BLOCK_M), nvalid (int32), vmax (16,), and the event slots (32,) int32.
@@ -706,7 +732,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
               CORRECT: tl.constexpr, INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr,
               INJ_L: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr, DOT_F32: tl.constexpr,
               INTERP: tl.constexpr, EVEN_D: tl.constexpr, CS_PRE: tl.constexpr, PASA: tl.constexpr,
-              HALF_STATE: tl.constexpr, REPAIR: tl.constexpr):
+              HALF_STATE: tl.constexpr, OC2: tl.constexpr, REPAIR: tl.constexpr):
     """Steps 1–5 over the key blocks [scan_lo, scan_hi) for one block of query rows.
 
     The clean pass (REPAIR=False) has no data-dependent branch and no block-wide reduction in the
@@ -869,16 +895,19 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
             if CS_PRE:
                 vbase = VC + cb * (2 * PARTS * 16 * BLOCK_N) + r16[:, None] * BLOCK_N + offs_j[None, :]
                 a0, a1, a2 = _load_parts(vbase, 16 * BLOCK_N, PARTS)
-                c0, c1, c2 = _load_parts(vbase + PARTS * 16 * BLOCK_N, 16 * BLOCK_N, PARTS)
                 aic = tl.load(SC + cb * 4 + 1)
-                cic = tl.load(SC + cb * 4 + 2)
+                if OC2:
+                    c0, c1, c2 = _load_parts(vbase + PARTS * 16 * BLOCK_N, 16 * BLOCK_N, PARTS)
+                    cic = tl.load(SC + cb * 4 + 2)
             else:
                 vcmax = tl.max(vtile, axis=0)  # ≥ max |Vc1|; ·LVP ≥ max |Vc2|
                 a0, a1, a2, aic = _split(v1t, vcmax, v.dtype, PARTS, SCALE_CS)
-                c0, c1, c2, cic = _split(v2t, vcmax * LVP, v.dtype, PARTS, SCALE_CS)
+                if OC2:
+                    c0, c1, c2, cic = _split(v2t, vcmax * LVP, v.dtype, PARTS, SCALE_CS)
             pt = tl.trans(pd)
             oc1 = oc1 * alpha[None, :] + _parts_dot(pt, a0, a1, a2, PARTS, DOT_F32, True) * aic
-            oc2 = oc2 * alpha[None, :] + _parts_dot(pt, c0, c1, c2, PARTS, DOT_F32, True) * cic
+            if OC2:  # the weighted checksum only locates output faults: carried when it may be needed
+                oc2 = oc2 * alpha[None, :] + _parts_dot(pt, c0, c1, c2, PARTS, DOT_F32, True) * cic
         m_i = m_new
     return m_i, l_i, acc, lc, oc1, oc2, nvalid, vmax, cnt, nf, flag_rows, n1_rows
 
@@ -947,7 +976,10 @@ def _efta_fwd(
     cs_row = (b * Hkv + hk) * nblocks  # first row of this (batch, kv head) in the checksum tables
     KSb = KS + cs_row * BLOCK_N * BLOCK_D  # PASA: this (batch, kv head)'s shifted keys
     r16 = tl.arange(0, 16)
-    # pass 0 is the clean pass; pass 1, the repairing one, runs only if pass 0 raised a flag
+    # Pass 0 is the clean pass; pass 1, the repairing one, runs only if pass 0 raised a flag. The clean
+    # pass does not carry Oc2, which only locates output faults; pass 1 does. The exception is the
+    # split-key decode, whose merge needs every partial's Oc2.
+    OC2_CLEAN: tl.constexpr = CORRECT and SPLIT
     m_i, l_i, acc, lc, oc1, oc2, nvalid, vmax, cnt = _fresh_state(BLOCK_M, BLOCK_D)
     nf_loop = nf
     flag_rows = row_ok & False
@@ -963,12 +995,16 @@ def _efta_fwd(
                 exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
                 BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
                 INJ_S, INJ_M, INJ_P, INJ_L, PARTS, SCALE_CS, DOT_F32, INTERP, EVEN_D, CS_PRE, PASA, HALF_STATE,
-                rep == 1)
+                OC2_CLEAN or (CORRECT and rep == 1), rep == 1)
         if rep == 0:
             todo = todo * 0
             if DETECT:
                 todo = tl.sum((flag_rows | (n1_rows > 0)).to(tl.int32), axis=0)
                 n1 = tl.sum(n1_rows, axis=0)
+                if CORRECT and not OC2_CLEAN:
+                    if todo == 0:  # the clean pass carried no Oc2: if steps 6–7 will find something, redo
+                        todo = _output_flags(acc, l_i, lc, nvalid, oc1, vmax, nf_loop, bh, offs_m, offs_d, row_ok,
+                                             M, D, nblocks, gu, Inj, BLOCK_N, BLOCK_D, INJ_O)
     if DETECT:
         if (todo > 0) & (tl.sum(cnt, axis=0) == 0):
             # the clean pass saw failing step-1 groups that the second pass does not have: a
@@ -994,8 +1030,9 @@ def _efta_fwd(
             slots = tl.arange(0, 32)
             tl.atomic_add(Cnt + (slots // 5) * cst0 + (slots % 5) * cst1, cnt, mask=cnt != 0)
     else:
-        _finish(acc, l_i, lc, nvalid, oc1, oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, svn, svd, b, h, bh, offs_m,
-                offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, 1, gu,
+        have_oc2 = (todo > 0) | OC2_CLEAN  # Oc2 was carried (pass 1 ran, or the split merge needs it)
+        _finish(acc, l_i, lc, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, svn, svd, b, h, bh,
+                offs_m, offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, 1, gu,
                 Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, Out, sob, soh, som, sod,
                 Cnt, cst0, cst1, Flag, call_id, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND,
                 DETECT, CORRECT, INJ_O, DOT_F32, EVEN_D)
@@ -1059,7 +1096,7 @@ def _efta_combine(
         vmax = _max_nan(vmax, tl.load(rec + (36 + BLOCK_D) * BLOCK_M + r16))
         nf = nf | (tl.load(rec + (36 + BLOCK_D) * BLOCK_M + 16) != 0).to(tl.int32)
         m_i = m_new
-    _finish(acc, l_i, lc, nvalid, oc1, oc2, vmax, nf, tl.zeros((32,), tl.int32), q, Kb, Vb, skn, skd, svn, svd,
+    _finish(acc, l_i, lc, nvalid, oc1, oc2, 1, vmax, nf, tl.zeros((32,), tl.int32), q, Kb, Vb, skn, skd, svn, svd,
             b, h, bh, offs_m, offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, nsplit, gu,
             Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, Out, sob, soh, som, sod,
             Cnt, cst0, cst1, Flag, call_id, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND,

@@ -61,18 +61,33 @@ VARIANTS = [
 ]
 
 
+# How the runtime specialises the integer arguments of a call on contiguous tensors with sizes that
+# are multiples of 16 (Triton turns an int equal to 1 into a constant and marks one divisible by 16):
+# last-dim strides and the counter block's inner stride are 1; no GQA and no split (GROUP = nsplit = 1)
+ONE = ("sqd", "skd", "svd", "sod", "cst1", "GROUP", "nsplit")
+NOT_DIV16 = ("cst0", "window", "call_id", "sbb", "sbh", "sbm", "sbn", "smb", "smh", "smm", "smn")
+
+
 def compile_variant(dtype: str, over: dict, num_warps: int, num_stages: int, arch: int):
+    """Compile one variant as a call on aligned, contiguous tensors would specialise it: pointers
+    and the other integer arguments divisible by 16 (without that, loads are scalar and the loop is
+    not pipelined, which misstates registers and loop bodies)."""
     fn = K._efta_fwd
     consts = {k: v for k, v in {**BASE, **FP[dtype], **over}.items() if k in fn.arg_names}
-    sig = {}
-    for name in fn.arg_names:
+    consts.update({name: 1 for name in ONE if name in fn.arg_names})
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
         elif name in POINTERS:
             sig[name] = f"*{dtype}" if POINTERS[name] == "in" else POINTERS[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+            if name not in FLOATS and name not in NOT_DIV16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps,
                                                                           "num_stages": num_stages})
 
