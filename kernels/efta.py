@@ -26,8 +26,10 @@ Layout of one program (query block × (batch, head)), tutorial style:
   fault, so they are computed only in the (rare) branch where some group failed: same D2, same
   counters, a third less checksum work on the clean path.
 * **GEMM II checksums**: ``Vc1`` and ``Vc2`` (two N = 16 operands, same splitting) go through the
-  same ``P`` and the same α rescale as ``O``; they have to be carried. They are computed
-  transposed (``Vcᵀ·Pᵀ``, M = 16: mma.sync), see the comment at ``oc1``.
+  same ``P`` and the same α rescale as ``O``. They are computed transposed (``Vcᵀ·Pᵀ``, M = 16:
+  mma.sync, see `_fresh_state`). ``Oc2`` only locates output faults. The clean pass carries only
+  ``Oc1``, probes steps 6–7 with it (`_output_flags`), and leaves ``Oc2`` to the repairing pass.
+  The split-key decode is the exception: its merge needs ``Oc2`` from every partial.
 * **Steps 3–5**: SNVR row-max check, per-element inverse check of ``P = exp(x)`` via ``log``,
   row sum ``l`` (fp32 sum of P) and its independent twin ``lc`` (a differently ordered grouped
   reduction of the same P), ``O += P·V`` with P rounded to the input dtype (as flash attention
