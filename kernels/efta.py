@@ -14,8 +14,7 @@ Layout of one program (query block × (batch, head)), tutorial style:
   additive masks and an additive bias read through (possibly zero) strides; key padding at N.
 * **Checksum tables** (prefill): a pre-pass (`_efta_checksums`, one program per key block) reduces
   every key block once — ``Kc1``, ``max_d Σ_l |K|``, ``Vc1ᵀ``, ``Vc2ᵀ``, ``max_n Σ_l |V|``, already
-  split into input-dtype slices — and the main loop loads them like K and V. Decode (M ≤ 16, one
-  query block) reduces them in the loop instead (same helpers, no extra pass over the cache).
+  split into input-dtype slices — and the main loop loads them like K and V, in decode too.
   The checked kernel uses key blocks of 64 (``CS_BLOCK_N``, the reference's block).
 * **Step 1** (GEMM I checksums, stride s = 16): ``Kc1 = Σ_l K[l·16+r]`` (fp32 sums of the K
   tile). The checksum GEMM ``Q·Kc1ᵀ`` keeps fp32 accuracy
@@ -356,21 +355,16 @@ def _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S: tl.constexpr, PAS
 
 
 @triton.jit
-def _score_checksum(q, k, KC, KA, SC, cb, offs_d, scale, L: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PARTS: tl.constexpr, SCALE_CS: tl.constexpr, DOT_F32: tl.constexpr, CS_PRE: tl.constexpr,
-                    PASA: tl.constexpr):
-    """Sc1 = Q·Kc1ᵀ (BLOCK_M, 16) fp32 for key block k (row cb of the pre-pass tables when CS_PRE,
-    else reduced from k here), kabs (16,) = max_d Σ_l |K|, and 1 if the block is non-finite."""
+def _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D: tl.constexpr, PARTS: tl.constexpr,
+                    DOT_F32: tl.constexpr, PASA: tl.constexpr):
+    """Sc1 = Q·Kc1ᵀ (BLOCK_M, 16) fp32 for the key block in row cb of the pre-pass tables, kabs (16,)
+    = max_d Σ_l |K|, and 1 if the block is non-finite."""
     r16 = tl.arange(0, 16)
-    if CS_PRE:
-        kabs = tl.load(KA + cb * 16 + r16)
-        k0, k1, k2 = _load_parts(KC + cb * (PARTS * 16 * BLOCK_D) + offs_d[:, None] + r16[None, :] * BLOCK_D,
-                                 16 * BLOCK_D, PARTS)
-        kic = tl.load(SC + cb * 4)
-        knf = (tl.load(SC + cb * 4 + 3) != 0).to(tl.int32)
-    else:
-        kc1, kabs, knf = _k_checksums(k, L)
-        k0, k1, k2, kic = _split(tl.trans(kc1), tl.max(kabs, axis=0), k.dtype, PARTS, SCALE_CS)
+    kabs = tl.load(KA + cb * 16 + r16)
+    k0, k1, k2 = _load_parts(KC + cb * (PARTS * 16 * BLOCK_D) + offs_d[:, None] + r16[None, :] * BLOCK_D,
+                             16 * BLOCK_D, PARTS)
+    kic = tl.load(SC + cb * 4)
+    knf = (tl.load(SC + cb * 4 + 3) != 0).to(tl.int32)
     if PASA:
         sc1 = _parts_dot(q, k0, k1, k2, PARTS, DOT_F32, False) * kic
     else:
@@ -733,8 +727,8 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
               HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, DETECT: tl.constexpr,
               CORRECT: tl.constexpr, INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr,
               INJ_L: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr, DOT_F32: tl.constexpr,
-              INTERP: tl.constexpr, EVEN_D: tl.constexpr, CS_PRE: tl.constexpr, PASA: tl.constexpr,
-              HALF_STATE: tl.constexpr, OC2: tl.constexpr, REPAIR: tl.constexpr):
+              INTERP: tl.constexpr, EVEN_D: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr,
+              OC2: tl.constexpr, REPAIR: tl.constexpr):
     """Steps 1–5 over the key blocks [scan_lo, scan_hi) for one block of query rows.
 
     The clean pass (REPAIR=False) has no data-dependent branch and no block-wide reduction in the
@@ -749,7 +743,6 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
     (BLOCK_M,) bool and failing step-1 groups per row (BLOCK_M,) int32.
     """
     L: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
-    LVP: tl.constexpr = BLOCK_D // 16  # head-dim groups (padded D)
     offs_j = tl.arange(0, BLOCK_N)
     m_i, l_i, acc, lc, oc1, oc2, nvalid, vmax, cnt = _fresh_state(BLOCK_M, BLOCK_D)
     wl = (tl.arange(0, L) + 1).to(tl.float32)
@@ -775,13 +768,9 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
         s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32)
         if DETECT or PASA:
             cb = cs_row + jblk  # this key block's row in the checksum tables
-            sc1, kabs, knf = _score_checksum(q, k, KC, KA, SC, cb, offs_d, scale, L, BLOCK_D, PARTS, SCALE_CS,
-                                             DOT_F32, CS_PRE, PASA)
+            sc1, kabs, knf = _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D, PARTS, DOT_F32, PASA)
         if DETECT:
-            if CS_PRE:
-                vtile = tl.load(VA + cb * 16 + r16)
-            else:  # decode: each key block is visited by one query block, reduce it here
-                v1t, v2t, vtile = _v_checksums(v, LVP, INTERP)
+            vtile = tl.load(VA + cb * 16 + r16)
             nf = nf | knf  # a non-finite key is an input problem, not a fault
             vmax = _max_nan(vmax, vtile)
             chk = nf == 0
@@ -817,8 +806,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
                 flags = tl.sum(nbad_row + bad_row.to(tl.int32) * 65536, axis=0)
                 if flags > 0:
                     s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32)
-                    sc1, kabs, knf = _score_checksum(q, k, KC, KA, SC, cb, offs_d, scale, L, BLOCK_D, PARTS, SCALE_CS,
-                                                     DOT_F32, CS_PRE, PASA)
+                    sc1, kabs, knf = _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D, PARTS, DOT_F32, PASA)
                     sg, d1, bad = _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L)
                     nbad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
                     if nbad > 0:
@@ -894,18 +882,12 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
             acc = _dot(pd, v, acc * alpha[:, None], DOT_F32)
         if DETECT:
             lc = lc * alpha + tl.sum(tl.sum(tl.reshape(p, (BLOCK_M, L, 16)), axis=2), axis=1)
-            if CS_PRE:
-                vbase = VC + cb * (2 * PARTS * 16 * BLOCK_N) + r16[:, None] * BLOCK_N + offs_j[None, :]
-                a0, a1, a2 = _load_parts(vbase, 16 * BLOCK_N, PARTS)
-                aic = tl.load(SC + cb * 4 + 1)
-                if OC2:
-                    c0, c1, c2 = _load_parts(vbase + PARTS * 16 * BLOCK_N, 16 * BLOCK_N, PARTS)
-                    cic = tl.load(SC + cb * 4 + 2)
-            else:
-                vcmax = tl.max(vtile, axis=0)  # ≥ max |Vc1|; ·LVP ≥ max |Vc2|
-                a0, a1, a2, aic = _split(v1t, vcmax, v.dtype, PARTS, SCALE_CS)
-                if OC2:
-                    c0, c1, c2, cic = _split(v2t, vcmax * LVP, v.dtype, PARTS, SCALE_CS)
+            vbase = VC + cb * (2 * PARTS * 16 * BLOCK_N) + r16[:, None] * BLOCK_N + offs_j[None, :]
+            a0, a1, a2 = _load_parts(vbase, 16 * BLOCK_N, PARTS)
+            aic = tl.load(SC + cb * 4 + 1)
+            if OC2:
+                c0, c1, c2 = _load_parts(vbase + PARTS * 16 * BLOCK_N, 16 * BLOCK_N, PARTS)
+                cic = tl.load(SC + cb * 4 + 2)
             pt = tl.trans(pd)
             oc1 = oc1 * alpha[None, :] + _parts_dot(pt, a0, a1, a2, PARTS, DOT_F32, True) * aic
             if OC2:  # the weighted checksum only locates output faults: carried when it may be needed
@@ -927,7 +909,7 @@ def _efta_fwd(
     MASK_KIND: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
     INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr, INJ_L: tl.constexpr,
     INJ_O: tl.constexpr, NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
-    DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr, CS_PRE: tl.constexpr,
+    DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr,
     SPLIT: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -996,7 +978,7 @@ def _efta_fwd(
                 Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
                 exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
                 BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
-                INJ_S, INJ_M, INJ_P, INJ_L, PARTS, SCALE_CS, DOT_F32, INTERP, EVEN_D, CS_PRE, PASA, HALF_STATE,
+                INJ_S, INJ_M, INJ_P, INJ_L, PARTS, SCALE_CS, DOT_F32, INTERP, EVEN_D, PASA, HALF_STATE,
                 OC2_CLEAN or (CORRECT and rep == 1), rep == 1)
         if rep == 0:
             todo = todo * 0
@@ -1407,10 +1389,11 @@ def efta_triton_forward(
         work = torch.empty(B * Hq * -(-M // block_m) * nsplit * ((36 + block_d) * block_m + 17),
                            dtype=torch.float32, device=dev)
 
-    # checksum tables: computed once per key block by the pre-pass when several query blocks (prefill)
-    # would otherwise each recompute them; decode (M ≤ 16, one query block) computes them in the loop
-    # (PASA always runs the pre-pass: it also writes the shifted keys)
-    cs_pre = (bool(detect) and M > 16) or pasa
+    # checksum tables, computed once per key block by the pre-pass: in prefill every query block (and
+    # with GQA every query head) would otherwise reduce each key block again, and in decode the in-loop
+    # reduction outweighed the single query's GEMMs (16.7x the unchecked time on the H100, against 2x
+    # with the pre-pass). PASA's pre-pass also writes the shifted keys.
+    cs_pre = bool(detect) or pasa
     nb = -(-N // CS_BLOCK_N)
     tables: tuple[torch.Tensor, ...] = (counters,) * 5  # unused placeholders
     kshift = counters
@@ -1445,7 +1428,7 @@ def efta_triton_forward(
         MASK_KIND=mask_kind, DETECT=bool(detect), CORRECT=correct,
         INJ_S=modes[0], INJ_M=modes[1], INJ_P=modes[2], INJ_L=modes[3], INJ_O=modes[4],
         NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
-        EVEN_D=D == block_d, CS_PRE=cs_pre, SPLIT=nsplit > 1, PASA=bool(pasa), HALF_STATE=half_state,
+        EVEN_D=D == block_d, SPLIT=nsplit > 1, PASA=bool(pasa), HALF_STATE=half_state,
     )
     if cfg is not None:
         grid = (triton.cdiv(M, cfg[0]) * nsplit, Hq, B)
