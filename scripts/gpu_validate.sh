@@ -9,7 +9,8 @@
 #   smoke      clean smoke of the main kernel variants and the split-key decode (~1 min)
 #   tests      GPU tests of both kernels under one forced block config
 #   attention  scripts/bench_attention.py (all shapes, fp16 + bf16; ~6 min) -> bench_attention.csv/png
-#   quick      scripts/bench_attention.py --quick (fp16, 12 shapes; ~1 min)
+#   quick      scripts/bench_attention.py --quick (fp16, 12 shapes; ~2 min with compilation)
+#   quickgraph the same timed under CUDA graphs (kernel time without host launch overhead)
 #   coverage   EFTA coverage campaign: 1,000 flips per site x bit class, 100,000 clean calls over four
 #              distributions, a protected MiniLM run (carry .gpucarry/minilm, see efta_coverage.py)
 #   linear     V-ABFT: calibration, GPU tests, bench_linear, the seed 004 study (docs/vabft.md)
@@ -50,6 +51,9 @@ run_part() {
       python3 scripts/bench_attention.py --out "$dir" 2>&1 | grep -v Warning | tail -80 ;;
     quick)
       timeout ${QUICK_TIMEOUT:-600} python3 scripts/bench_attention.py --out "$dir" --quick 2>&1 | grep --line-buffered -v Warning ;;
+    quickgraph)  # the same under CUDA graphs: kernel time without the host's launch overhead
+      timeout ${QUICK_TIMEOUT:-600} python3 scripts/bench_attention.py --out "$dir" --quick --cudagraph 2>&1 \
+        | grep --line-buffered -v Warning ;;
     coverage)
       local model=""
       [ -d .gpucarry/minilm ] && model="--model .gpucarry/minilm"
