@@ -27,7 +27,7 @@ Layout of one program (query block × (batch, head)), tutorial style:
 * **GEMM II checksums**: ``Vc1`` and ``Vc2`` (two N = 16 operands, same splitting) go through the
   same ``P`` and the same α rescale as ``O``. They are computed transposed (``Vcᵀ·Pᵀ``, M = 16:
   mma.sync, see `_fresh_state`). ``Oc2`` only locates output faults. The clean pass carries only
-  ``Oc1``, probes steps 6–7 with it (`_output_flags`), and leaves ``Oc2`` to the repairing pass.
+  ``Oc1``, probes steps 6–7 with it (`_output_tests`), and leaves ``Oc2`` to the repairing pass.
   The split-key decode is the exception: its merge needs ``Oc2`` from every partial.
 * **Steps 3–5**: SNVR row-max check, per-element inverse check of ``P = exp(x)`` via ``log``,
   row sum ``l`` (fp32 sum of P) and its independent twin ``lc`` (a differently ordered grouped
@@ -590,6 +590,42 @@ def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, skb, skh, skn, skd, svb, svh, 
 
 
 @triton.jit
+def _normalise(acc, l_i, bh, offs_m, offs_d, M, D, Inj, INJ_O: tl.constexpr):
+    """Step 7's O = acc / l (0 for rows that saw no key), with the `attn.output` faults applied."""
+    o = tl.where(l_i[:, None] == 0.0, 0.0, acc / l_i[:, None])
+    if INJ_O != 0:
+        o = _inject(o, Inj, 4, INJ_O, bh, offs_m[:, None], offs_d[None, :], M, D)
+    return o
+
+
+@triton.jit
+def _output_tests(acc, l_i, lc, nvalid, oc1, vmax, nf, bh, offs_m, offs_d, row_ok, M, D, nblocks, nsplit, gu, Inj,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INJ_O: tl.constexpr):
+    """The tests of steps 6–7, counting nothing. Returns O (normalised, output faults applied), O
+    grouped (BLOCK_M, LVP, 16), O1 = Oc1ᵀ/l and D1 = O1 − Σ_l O (BLOCK_M, 16), the rows failing the
+    row-sum test (BLOCK_M,), the (row, group) pairs failing the output test (BLOCK_M, 16), and nf with
+    non-finite V folded in. `_finish` counts and repairs from these; on the clean pass, which carries
+    no Oc2, any failure sends the query block through the repairing pass first."""
+    BLOCK_M: tl.constexpr = acc.shape[0]
+    LVP: tl.constexpr = BLOCK_D // 16
+    FLT_MAX: tl.constexpr = 3.4028234663852886e38
+    nf = nf | tl.max((~(vmax <= FLT_MAX)).to(tl.int32), axis=0)  # non-finite V
+    chk = nf == 0
+    # ---- 6. row sum check ----
+    tau_l = 2.0 * gu * (BLOCK_N + 2 * (nblocks + nsplit - 1) + 4)
+    fine = (l_i >= 1.0 - tau_l) & (l_i <= nvalid.to(tl.float32) * (1.0 + tau_l)) & (tl.abs(l_i - lc) <= tau_l * l_i)
+    bad6 = tl.where(nvalid > 0, ~fine, l_i != 0.0) & row_ok & chk
+    # ---- 7. normalise, inject, unified verification ----
+    o = _normalise(acc, l_i, bh, offs_m, offs_d, M, D, Inj, INJ_O)
+    o1 = tl.where(l_i[:, None] == 0.0, 0.0, tl.trans(oc1) / l_i[:, None])
+    og = tl.reshape(o, (BLOCK_M, LVP, 16))
+    d1 = o1 - tl.sum(og, axis=1)
+    thr = (2.0 * gu * (BLOCK_N + 2 * (nblocks + nsplit - 1) + tl.cdiv(D, 16) + 4)) * vmax
+    bad7 = ~(tl.abs(d1) <= thr[None, :]) & row_ok[:, None] & chk
+    return o, og, o1, d1, bad6, bad7, nf
+
+
+@triton.jit
 def _finish(acc, l_i, lc, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, svn, svd, b, h, bh, offs_m,
             offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, nsplit, gu,
             Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, Out, sob, soh, som, sod,
@@ -606,18 +642,16 @@ def _finish(acc, l_i, lc, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, 
     split in the rounding bounds)."""
     BLOCK_M: tl.constexpr = acc.shape[0]
     LVP: tl.constexpr = BLOCK_D // 16
-    FLT_MAX: tl.constexpr = 3.4028234663852886e38
     wv = (tl.arange(0, LVP) + 1).to(tl.float32)
     r16 = tl.arange(0, 16)
-    # ---- 6. row sum check ----
     redo_rows = row_ok & False
-    if DETECT:
-        nf = nf | tl.max((~(vmax <= FLT_MAX)).to(tl.int32), axis=0)  # non-finite V
-        chk = nf == 0
-        tau_l = 2.0 * gu * (BLOCK_N + 2 * (nblocks + nsplit - 1) + 4)
-        fine = (l_i >= 1.0 - tau_l) & (l_i <= nvalid.to(tl.float32) * (1.0 + tau_l)) \
-            & (tl.abs(l_i - lc) <= tau_l * l_i)
-        bad6 = tl.where(nvalid > 0, ~fine, l_i != 0.0) & row_ok & chk
+    if not DETECT:
+        o = _normalise(acc, l_i, bh, offs_m, offs_d, M, D, Inj, INJ_O)
+    else:
+        o, og, o1, d1, bad6, bad7, nf = _output_tests(acc, l_i, lc, nvalid, oc1, vmax, nf, bh, offs_m, offs_d,
+                                                      row_ok, M, D, nblocks, nsplit, gu, Inj, BLOCK_N, BLOCK_D,
+                                                      INJ_O)
+        # ---- 6. row sum: count; the rows are recomputed ----
         n6 = tl.sum(bad6.to(tl.int32), axis=0)
         cnt = _bump(cnt, _ROWSUM + _DET, n6)
         if CORRECT:
@@ -625,25 +659,15 @@ def _finish(acc, l_i, lc, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, 
             redo_rows = bad6
         else:
             cnt = _bump(cnt, _ROWSUM + _UNC, n6)
-
-    # ---- 7. normalise, inject, unified verification ----
-    lzero = l_i[:, None] == 0.0
-    o = tl.where(lzero, 0.0, acc / l_i[:, None])
-    if INJ_O != 0:
-        o = _inject(o, Inj, 4, INJ_O, bh, offs_m[:, None], offs_d[None, :], M, D)
-    if DETECT:
-        o1 = tl.where(lzero, 0.0, tl.trans(oc1) / l_i[:, None])
-        o2 = tl.where(lzero, 0.0, tl.trans(oc2) / l_i[:, None])
-        og = tl.reshape(o, (BLOCK_M, LVP, 16))
-        d1 = o1 - tl.sum(og, axis=1)
-        d2 = o2 - tl.sum(og * wv[None, :, None], axis=1)
+        # ---- 7. output groups (rows already flagged by step 6 are recomputed anyway) ----
         lv = tl.cdiv(D, 16)
-        thr = (2.0 * gu * (BLOCK_N + 2 * (nblocks + nsplit - 1) + lv + 4)) * vmax
-        bad = ~(tl.abs(d1) <= thr[None, :]) & (row_ok & ~redo_rows)[:, None] & chk
+        bad = bad7 & ~redo_rows[:, None]
         nbad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
         if nbad > 0:
             cnt = _bump(cnt, _OUTPUT + _DET, nbad)
             if CORRECT:
+                o2 = tl.where(l_i[:, None] == 0.0, 0.0, tl.trans(oc2) / l_i[:, None])
+                d2 = o2 - tl.sum(og * wv[None, :, None], axis=1)
                 t = d2 / d1
                 tr = tl.floor(t + 0.5)
                 ok = bad & (tl.abs(t - tr) <= 0.25) & (tr >= 1.0) & (tr <= lv)
@@ -677,31 +701,6 @@ def _finish(acc, l_i, lc, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, 
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
              o.to(Out.dtype.element_ty), mask=io_ok)
 
-
-
-@triton.jit
-def _output_flags(acc, l_i, lc, nvalid, oc1, vmax, nf, bh, offs_m, offs_d, row_ok, M, D, nblocks, gu, Inj,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INJ_O: tl.constexpr):
-    """Would steps 6–7 of `_finish` flag anything? The same row-sum and Oc1 tests (the same output
-    faults injected), counting nothing: the number of (row, group) tests that fail. With the clean
-    pass, which carries no Oc2, a non-zero answer sends the query block through the repairing pass."""
-    BLOCK_M: tl.constexpr = acc.shape[0]
-    LVP: tl.constexpr = BLOCK_D // 16
-    FLT_MAX: tl.constexpr = 3.4028234663852886e38
-    nf = nf | tl.max((~(vmax <= FLT_MAX)).to(tl.int32), axis=0)
-    chk = nf == 0
-    tau_l = 2.0 * gu * (BLOCK_N + 2 * nblocks + 4)
-    fine = (l_i >= 1.0 - tau_l) & (l_i <= nvalid.to(tl.float32) * (1.0 + tau_l)) & (tl.abs(l_i - lc) <= tau_l * l_i)
-    bad6 = tl.where(nvalid > 0, ~fine, l_i != 0.0) & row_ok & chk
-    lzero = l_i[:, None] == 0.0
-    o = tl.where(lzero, 0.0, acc / l_i[:, None])
-    if INJ_O != 0:
-        o = _inject(o, Inj, 4, INJ_O, bh, offs_m[:, None], offs_d[None, :], M, D)
-    o1 = tl.where(lzero, 0.0, tl.trans(oc1) / l_i[:, None])
-    d1 = o1 - tl.sum(tl.reshape(o, (BLOCK_M, LVP, 16)), axis=1)
-    thr = (2.0 * gu * (BLOCK_N + 2 * nblocks + tl.cdiv(D, 16) + 4)) * vmax
-    bad7 = ~(tl.abs(d1) <= thr[None, :]) & row_ok[:, None] & chk
-    return tl.sum(bad6.to(tl.int32), axis=0) + tl.sum(tl.sum(bad7.to(tl.int32), axis=1), axis=0)
 
 
 @triton.jit
@@ -987,8 +986,10 @@ def _efta_fwd(
                 n1 = tl.sum(n1_rows, axis=0)
                 if CORRECT and not OC2_CLEAN:
                     if todo == 0:  # the clean pass carried no Oc2: if steps 6–7 will find something, redo
-                        todo = _output_flags(acc, l_i, lc, nvalid, oc1, vmax, nf_loop, bh, offs_m, offs_d, row_ok,
-                                             M, D, nblocks, gu, Inj, BLOCK_N, BLOCK_D, INJ_O)
+                        _, _, _, _, bad6, bad7, _ = _output_tests(acc, l_i, lc, nvalid, oc1, vmax, nf_loop, bh, offs_m,
+                                                                  offs_d, row_ok, M, D, nblocks, 1, gu, Inj, BLOCK_N,
+                                                                  BLOCK_D, INJ_O)
+                        todo = tl.sum(bad6.to(tl.int32), axis=0) + tl.sum(tl.sum(bad7.to(tl.int32), axis=1), axis=0)
     if DETECT:
         if (todo > 0) & (tl.sum(cnt, axis=0) == 0):
             # the clean pass saw failing step-1 groups that the second pass does not have: a
