@@ -27,3 +27,21 @@ def rerun_interpreted(path: str, timeout: int) -> None:
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
+
+
+def interpreted_tests(path: str, subprocess_mode: bool, timeout: int):
+    """The pair a Triton test file defines at module level, as
+    ``_interpreter_available, test_interpreted_in_subprocess = interpreted_tests(__file__, SUBPROCESS, T)``:
+    an autouse fixture that skips the file's other tests in subprocess mode, and the test that reruns
+    the file under the interpreter there."""
+
+    @pytest.fixture(autouse=True)
+    def _interpreter_available(request):
+        skip_unless_interpreting(request, subprocess_mode)
+
+    def test_interpreted_in_subprocess():
+        if not subprocess_mode:
+            pytest.skip("this session runs the kernel directly")
+        rerun_interpreted(path, timeout=timeout)
+
+    return _interpreter_available, test_interpreted_in_subprocess

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreted import rerun_interpreted, skip_unless_interpreting
+from interpreted import interpreted_tests
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -40,15 +40,7 @@ ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7
 HIGH_BIT = {torch.float32: (27, 28, 29, 30), torch.float16: (12, 13, 14), torch.bfloat16: (11, 12, 13, 14)}
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_available(request):
-    skip_unless_interpreting(request, SUBPROCESS)
-
-
-def test_interpreted_in_subprocess():
-    if not SUBPROCESS:
-        pytest.skip("this session runs the kernel directly")
-    rerun_interpreted(__file__, timeout=900)
+_interpreter_available, test_interpreted_in_subprocess = interpreted_tests(__file__, SUBPROCESS, timeout=900)
 
 
 def _rand(shape, dtype, seed, scale=1.0, dist=None):

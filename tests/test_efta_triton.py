@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 from float64_attention import ref_attention
-from interpreted import rerun_interpreted, skip_unless_interpreting
+from interpreted import interpreted_tests
 from nonfinite_cases import NONFINITE_CASES, nonfinite_case
 
 if not torch.cuda.is_available():
@@ -44,15 +44,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SUBPROCESS = DEV == "cpu" and not K.interpreting()
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_available(request):
-    skip_unless_interpreting(request, SUBPROCESS)
-
-
-def test_interpreted_in_subprocess():
-    if not SUBPROCESS:
-        pytest.skip("this session runs the kernel directly")
-    rerun_interpreted(__file__, timeout=1800)
+_interpreter_available, test_interpreted_in_subprocess = interpreted_tests(__file__, SUBPROCESS, timeout=1800)
 
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
