@@ -65,7 +65,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 
 from ..injection import FaultPlan
 from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
-from .tl_common import call_flag
+from .tl_common import call_flag, runs_interpreted
 from .tl_common import dot as _mma
 
 __all__ = [
@@ -385,13 +385,8 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
 
 
 def interpreting() -> bool:
-    """True when this module's kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` was
-    set before triton was imported)."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(_gemm_kernel, InterpretedFunction)
+    """True when this module's kernels run through Triton's CPU interpreter (`tl_common.runs_interpreted`)."""
+    return runs_interpreted(_gemm_kernel)
 
 
 _INTERP = interpreting()

@@ -96,7 +96,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 
 from ..injection import FaultPlan
 from ..sites import ATTENTION_SITES, COUNTER_SHAPE
-from .tl_common import call_flag
+from .tl_common import call_flag, runs_interpreted
 from .tl_common import dot as _dot
 
 __all__ = ["efta_triton_forward", "Bounds", "BOUNDS", "EftaUnsupported", "interpreting"]
@@ -155,14 +155,8 @@ _HDR_K = tl.constexpr(_HDR)
 
 
 def interpreting() -> bool:
-    """True when this module's kernels run through Triton's CPU interpreter: ``TRITON_INTERPRET=1``
-    was set before triton itself was imported (triton decides at import, for its own library too)."""
-    try:
-        import triton.language.standard as std
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover - very old or very new triton
-        return False
-    return isinstance(_efta_fwd, InterpretedFunction) and isinstance(std.cdiv, InterpretedFunction)
+    """True when this module's kernels run through Triton's CPU interpreter (`tl_common.runs_interpreted`)."""
+    return runs_interpreted(_efta_fwd)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Helpers shared by the kernels: a Triton dot, and the host-side per-call non-finite flag."""
+"""Helpers shared by the kernels: a Triton dot, the host-side per-call non-finite flag, and whether
+a kernel runs in Triton's CPU interpreter."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["call_flag", "dot"]
+__all__ = ["call_flag", "dot", "runs_interpreted"]
 
 
 @triton.jit
@@ -18,6 +19,18 @@ def dot(a, b, acc, F32: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+def runs_interpreted(fn) -> bool:
+    """True when the jit function ``fn`` runs through Triton's CPU interpreter: ``TRITON_INTERPRET=1``
+    was set before triton itself was imported. Triton decides at its own import, for its library
+    functions too, so both must be interpreted; setting the variable later leaves them compiled."""
+    try:
+        import triton.language.standard as std
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - very old or very new triton
+        return False
+    return isinstance(fn, InterpretedFunction) and isinstance(std.cdiv, InterpretedFunction)
 
 
 # ------------------------------------------------------------------------------------------------
