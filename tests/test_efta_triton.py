@@ -84,7 +84,7 @@ def kernel(q, k, v, *, scale=None, causal=False, bias=None, attn_mask=None, wind
 
 
 def reference(q, k, v, *, scale=None, causal=False, bias=None, attn_mask=None, window=None, detect=True,
-              correct=True, inject=None):
+              correct=True, inject=None, **extra):
     """The PyTorch reference on CPU copies; returns (out, FaultStats)."""
     if efta_reference is None:
         pytest.skip("ft_transformers.efta_reference is not available")
@@ -93,7 +93,7 @@ def reference(q, k, v, *, scale=None, causal=False, bias=None, attn_mask=None, w
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = efta_reference(
         q.cpu(), k.cpu(), v.cpu(), scale=scale, causal=causal, bias=cpu(bias), attn_mask=cpu(attn_mask),
-        window=window, detect=detect, correct=correct, plan=FaultPlan(inject), counters=counters)
+        window=window, detect=detect, correct=correct, plan=FaultPlan(inject), counters=counters, **extra)
     return out, FaultStats(counters)
 
 
@@ -498,10 +498,7 @@ def test_pasa_fp16_state_matches_reference():
         exact = ref_attention(q, k, v)
         out, stats, _ = kernel(q, k, v, pasa=True, detect=False, correct=False, pasa_precision="fp16")
         assert torch.isfinite(out).all() and all(val == 0 for val in stats.values())
-        rcount = new_counters("cpu")
-        rout = efta_reference(q.cpu(), k.cpu(), v.cpu(), scale=128**-0.5, causal=False, bias=None,
-                              attn_mask=None, window=None, detect=False, correct=False, plan=FaultPlan(None),
-                              counters=rcount, pasa=True, pasa_precision="fp16")
+        rout, _ = reference(q, k, v, detect=False, correct=False, pasa=True, pasa_precision="fp16")
         e_kernel, e_ref = _rel_rmse(out, exact), _rel_rmse(rout, exact)
         fp32_state, _, _ = kernel(q, k, v, pasa=True, detect=False, correct=False)
         assert e_kernel < 2.0 * e_ref + 1e-4, (x0, e_kernel, e_ref)
