@@ -55,6 +55,13 @@ _TINY_P = 2.0**-125  # exp(x) for x < -87 lies below this
 _RECOMPUTE_CHUNK = 1 << 24  # elements of gathered K/V per chunk of the row recompute
 
 
+def _additive(keep: torch.Tensor) -> torch.Tensor:
+    """A bool mask (True = attend) as the additive 0 / −inf it stands for (fp32, same shape). Added,
+    not filled in, as SDPA applies it and as the kernel must (Triton's select on a loaded mask hits a
+    compiler bug): a NaN or +inf score at a masked position stays NaN."""
+    return torch.zeros(keep.shape, dtype=torch.float32, device=keep.device).masked_fill_(~keep, _NEG_INF)
+
+
 def _g(k: float) -> float:
     """The γ_k rounding bound 1.01·k·u."""
     return 1.01 * k * U
@@ -149,7 +156,7 @@ class _Ctx:
             if self.amask5 is not None:
                 s = s + self.amask5.expand(full)[b, h, g, m].float()
             if self.bmask5 is not None:
-                s = s.masked_fill(~self.bmask5.expand(full)[b, h, g, m], _NEG_INF)
+                s = s + _additive(self.bmask5.expand(full)[b, h, g, m])
             pos = self.positional(m, cols)
             if pos is not None:
                 s = s.masked_fill(~pos, _NEG_INF)
@@ -494,7 +501,7 @@ def efta_reference(
             if amask5 is not None:
                 Sv += amask5[..., j0:j0 + w].to(f32)
             if bmask5 is not None:
-                Sv.masked_fill_(~bmask5[..., j0:j0 + w], _NEG_INF)
+                Sv += _additive(bmask5[..., j0:j0 + w])
             if positional:
                 Sv.masked_fill_(~ctx.positional(mrow, torch.arange(j0, j0 + w, device=dev)), _NEG_INF)
             if w < block_n:

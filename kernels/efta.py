@@ -322,10 +322,12 @@ def _bias_mask(s, offs_m, offs_n, b, h, M, N, window,
     if CHECK_NF:
         if HAS_BIAS or MASK_KIND == 2:
             nf = tl.max(tl.max(((add > 3.4028234663852886e38) | (add != add)).to(tl.int32), axis=1), axis=0)
-    if MASK_KIND == 1:  # bool, True = attend
+    if MASK_KIND == 1:  # bool, True = attend; applied as an additive 0 / −inf, like SDPA does
+        # (a select on the loaded mask, `where(mt != 0, s, -inf)`, crashes Triton 3.6-3.9's
+        # TritonGPU-to-LLVM conversion once the repair code is compiled in)
         mt = tl.load(Mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn,
                      mask=inb, other=0)
-        s = tl.where(mt != 0, s, -float("inf"))
+        s = s + tl.where(mt != 0, 0.0, -float("inf"))
     if CAUSAL:
         s = tl.where(offs_n[None, :] <= offs_m[:, None] + (N - M), s, -float("inf"))
     if HAS_WINDOW:
@@ -1123,6 +1125,14 @@ _efta_fwd_tuned = triton.autotune(
 )(_efta_fwd)
 
 
+# The autotuned launch's winners, by the autotuner's own key (bucketed M and N, the flags, the dtypes),
+# so that a cached shape launches the kernel directly: `Autotuner.run` spends ~0.1 ms of host time per
+# call building its key over the kernel's ~90 arguments, which alone made q_len-1 decode host-bound
+# (0.26-0.47 ms per call on the H100 host against SDPA's 0.02-0.03 ms; 15 us under a CUDA graph).
+_TUNED: dict[tuple, triton.Config] = {}
+LAST_CONFIG: list = [None]  # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the last launch (benchmarks read it)
+
+
 def _forced_config():
     env = os.environ.get("FTT_EFTA_CONFIG")  # "BLOCK_M,BLOCK_N,num_warps,num_stages"
     if not env:
@@ -1425,14 +1435,22 @@ def efta_triton_forward(
         NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
         EVEN_D=D == block_d, SPLIT=nsplit > 1, PASA=bool(pasa), HALF_STATE=half_state,
     )
-    if cfg is not None:
-        grid = (triton.cdiv(M, cfg[0]) * nsplit, Hq, B)
-        _efta_fwd[grid](*args, **meta, BLOCK_M=cfg[0], BLOCK_N=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-    else:
-        def grid(meta_):
-            return (triton.cdiv(M, meta_["BLOCK_M"]) * nsplit, Hq, B)
+    if cfg is None:  # autotuned: our own cache of the winners (see _TUNED), the autotuner on a miss
+        tkey = (dev, q.dtype, bias4.dtype, mask4.dtype, args[-2], args[-1], *meta.values())
+        tuned = _TUNED.get(tkey)
+        if tuned is None:
+            def grid(meta_):
+                return (triton.cdiv(M, meta_["BLOCK_M"]) * nsplit, Hq, B)
 
-        _efta_fwd_tuned[grid](*args, **meta)
+            _efta_fwd_tuned[grid](*args, **meta)
+            _TUNED[tkey] = tuned = _efta_fwd_tuned.best_config
+        else:
+            _efta_fwd[(triton.cdiv(M, tuned.kwargs["BLOCK_M"]) * nsplit, Hq, B)](*args, **meta, **tuned.all_kwargs())
+        LAST_CONFIG[0] = (tuned.kwargs["BLOCK_M"], tuned.kwargs["BLOCK_N"], tuned.num_warps, tuned.num_stages)
+    else:
+        _efta_fwd[(triton.cdiv(M, cfg[0]) * nsplit, Hq, B)](*args, **meta, BLOCK_M=cfg[0], BLOCK_N=cfg[1],
+                                                             num_warps=cfg[2], num_stages=cfg[3])
+        LAST_CONFIG[0] = cfg
     if nsplit > 1:
         _efta_combine[(triton.cdiv(M, block_m), Hq, B)](
             q, k, v, out, counters, flag, bias4, mask4, inj, work, *strides,

@@ -213,9 +213,8 @@ def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
             if variant in OURS:
                 row["calls"] = ncalls[0]
                 row["detected_clean"] = int(counters[:, 0].sum().item())
-                best = getattr(K._efta_fwd_tuned, "best_config", None)
-                forced = os.environ.get("FTT_EFTA_CONFIG")
-                row["config"] = forced or (str(best.all_kwargs()) if best is not None else "")
+                launched = K.LAST_CONFIG[0]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+                row["config"] = ",".join(map(str, launched)) if launched is not None else ""
         except Exception as exc:  # a backend that does not take this shape
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         rows.append(row)

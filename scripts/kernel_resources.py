@@ -56,6 +56,8 @@ VARIANTS = [
     ("prefill PASA", "fp16", dict(PASA=True), 8, 3),
     ("prefill PASA fp16 state, no checks", "fp16", dict(PASA=True, HALF_STATE=True, DETECT=False, CORRECT=False), 8, 3),
     ("decode split detect+correct", "fp16", dict(BLOCK_M=16, SPLIT=True), 4, 3),
+    ("decode split detect+correct, bool mask", "fp16", dict(BLOCK_M=16, SPLIT=True, MASK_KIND=1), 4, 3),
+    ("prefill detect+correct BM=64, bool mask", "fp16", dict(BLOCK_M=64, MASK_KIND=1), 4, 3),
     ("injection, all sites", "fp16", dict(INJ_S=1, INJ_M=1, INJ_P=2, INJ_L=1, INJ_O=1, NO_SKIP=True, BLOCK_M=64), 4, 2),
     ("prefill detect+correct", "fp32", dict(BLOCK_M=64), 4, 3),
 ]
@@ -81,6 +83,8 @@ def compile_variant(dtype: str, over: dict, num_warps: int, num_stages: int, arc
             sig[name] = "constexpr"
         elif name in POINTERS:
             sig[name] = f"*{dtype}" if POINTERS[name] == "in" else POINTERS[name]
+            if name == "Mask" and consts.get("MASK_KIND") == 1:
+                sig[name] = "*u8"  # a bool mask reaches the kernel as its uint8 view
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"

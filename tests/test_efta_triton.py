@@ -538,7 +538,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
     ((16, 32, 32, 1, 4096, 128), dict(causal=True)),  # decode
     ((4, 16, 16, 7, 3000, 64), dict(causal=True, window=1024)),  # chunked prefill, sliding window
     ((2, 8, 8, 512, 512, 64), dict(bias=True, scale=1.0)),  # T5-style bias
-], ids=["causal1k", "full1k", "gqa2k_d128", "decode4k", "window", "t5bias"])
+    ((2, 14, 2, 1, 544, 64), dict(causal=True, pad=True)),  # decode on a static cache, left padding
+    ((2, 8, 8, 256, 256, 64), dict(pad=True)),  # encoder (BERT-like) with padding
+], ids=["causal1k", "full1k", "gqa2k_d128", "decode4k", "window", "t5bias", "decode_pad", "encoder_pad"])
 def test_gpu_matches_fp32_attention(shape, kw, dtype):
     B, Hq, Hkv, M, N, D = shape
     kw = dict(kw)
@@ -555,6 +557,11 @@ def test_gpu_matches_fp32_attention(shape, kw, dtype):
     if kw.get("window") is not None:
         ok &= j > i - kw["window"]
     add = torch.zeros(M, N, device="cuda").masked_fill(~ok, -math.inf)
+    if kw.pop("pad", False):  # bool mask (B, 1, M, N): batch 1's first third of the keys padded
+        keep = torch.ones(B, 1, M, N, dtype=torch.bool, device="cuda")
+        keep[1, :, :, : N // 3] = False
+        kw["attn_mask"] = keep
+        add = add.masked_fill(~keep, -math.inf)
     if kw.get("bias") is not None:
         add = add + kw["bias"]
     ref = torch.nn.functional.scaled_dot_product_attention(
