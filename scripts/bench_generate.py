@@ -262,37 +262,34 @@ def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup
     mask = torch.ones_like(ids)
 
     if wl.kind == "prefill":
-        def call() -> None:
+        def run() -> None:
             with torch.inference_mode():
                 model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
 
-        for _ in range(warmup):
-            call()
-        between()
-        _reset_peak(device)
-        samples = []
-        for _ in range(repeats):
-            samples.append(timer(call))
-            between()
+        def sample() -> float:  # ms of one prefill
+            return timer(run)
     else:
         clock = StepClock(device, wl.batch)
 
-        def generate() -> None:
+        def run() -> None:
             clock.reset()
             with torch.inference_mode():
                 model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=wl.new_tokens,
                                min_new_tokens=wl.new_tokens, do_sample=False,
                                stopping_criteria=StoppingCriteriaList([clock]), **(gen_kwargs or {}))
 
-        for _ in range(warmup):
-            generate()
+        def sample() -> float:  # ms per decoded token of one generation
+            run()
+            return clock.per_token_ms()
+
+    for _ in range(warmup):
+        run()
+    between()
+    _reset_peak(device)
+    samples = []
+    for _ in range(repeats):
+        samples.append(sample())
         between()
-        _reset_peak(device)
-        samples = []
-        for _ in range(repeats):
-            generate()
-            samples.append(clock.per_token_ms())
-            between()
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else math.nan
     t = torch.tensor(samples, dtype=torch.float64)
     return float(t.median()), float(t.std()) if len(samples) > 1 else 0.0, peak
