@@ -26,9 +26,8 @@ clean inputs none of them changes a check's verdict):
   ``m_new`` there, ``x = +inf`` trips the check. In clean runs the max is exact (max x = 0, or
   −inf for a fully masked block), so neither change can cause a false positive; the cap also keeps
   an undetected shift of m from overflowing exp when |m| is huge.
-* Step 4: ``P = exp(x)`` is flushed to 0 where ``x < −87`` (results < 1.7e-38; within the step-4
-  range check), and ``P`` is clamped to 2^-126 before the ``log`` of the check (for x ≥ −87 every
-  P below that is a fault either way). CPU exp/log take slow paths on −inf, 0 and subnormals.
+* Step 4: ``P = exp(x)`` is flushed to 0 where ``x < −87`` (results < 1.7e-38, which the check
+  treats as exp(−87) anyway). CPU exp takes slow paths on −inf, 0 and subnormals.
 * Non-finite inputs: −inf in q, k or v also counts as ``nonfinite_input`` (it is as bad as +inf
   there); in ``bias`` and an additive ``attn_mask`` −inf is a mask value, so only NaN and +inf count.
 * Step 7 skips the rows flagged by step 6 (they are recomputed from scratch anyway), so one fault
@@ -36,6 +35,9 @@ clean inputs none of them changes a check's verdict):
 """
 
 from __future__ import annotations
+
+import math
+import struct
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +53,10 @@ U16 = 2.0**-11  # fp16 unit roundoff
 _FP16_ETA = 2.0**-25  # fp16 absolute rounding error bound in the subnormal range
 PASA_PRECISIONS = ("fp32", "fp16")
 _NEG_INF = float("-inf")
-_TINY_P = 2.0**-125  # exp(x) for x < -87 lies below this
+_XMIN = -87.0  # step 4: x below it counts as _XMIN, and P as exp(_XMIN) unless larger
+_PMIN_BITS = struct.unpack("<i", struct.pack("<f", math.exp(_XMIN)))[0]  # fp32 exp(−87) as int32 bits
+_LOG2E = 1.4426950408889634
+_EXP_ULPS = 64.0
 _RECOMPUTE_CHUNK = 1 << 24  # elements of gathered K/V per chunk of the row recompute
 
 
@@ -219,6 +224,23 @@ def _exp_ftz(x: torch.Tensor) -> torch.Tensor:
     """
     p = torch.exp(x.clamp(min=-87.0))
     return p.masked_fill_(x < -87.0, 0.0)
+
+
+def _exp_group_test(x: torch.Tensor, P: torch.Tensor, s: int) -> torch.Tensor:
+    """Step 4: the product identity Π_l P[i, l·s+r] = exp(Σ_l x[i, l·s+r]) per group (row i, residue r),
+    checked in log2 without underflow: log2 Π P = Σ exponents + log2 Π mantissas (each in [1, 2)).
+
+    Below x_min = −87 (masked keys included) x counts as x_min and P as exp(x_min) unless it is larger;
+    the clamp of P is on its bits, so a NaN or negative P stays far off. x, P: (..., L·s) fp32.
+    Returns (..., s) bool: |Σ log2 P − log2(e)·Σ x| > 64·u·log2(e)·(3L + |Σ x|).
+    """
+    L = x.shape[-1] // s
+    xs = torch.fmax(x, x.new_tensor(_XMIN)).view(*x.shape[:-1], L, s).sum(-2)
+    pb = P.contiguous().view(torch.int32).clamp(min=_PMIN_BITS)
+    e = (pb >> 23).view(*x.shape[:-1], L, s).sum(-2) - 127 * L  # a negative P gives a hugely negative e
+    mant = ((pb & 0x7FFFFF) | 0x3F800000).view(torch.float32).view(*x.shape[:-1], L, s)
+    d = e.to(torch.float32) + torch.log2(mant.prod(-2)) - xs * _LOG2E
+    return ~(d.abs() <= (xs.abs() + 3.0 * L) * (_EXP_ULPS * U * _LOG2E))
 
 
 def _locate(d1: torch.Tensor, d2: torch.Tensor, bad: torch.Tensor, ngroups: int
@@ -531,7 +553,7 @@ def efta_reference(
                     all_masked = (m_new == _NEG_INF) & (mb == _NEG_INF) & (m == _NEG_INF)
                     base = torch.where(all_masked, torch.zeros_like(m_new), m_new)
                     x = S - base
-        # 4. P = exp(x) (inverse-function check).
+        # 4. P = exp(x) (product check per group).
         if half_state:
             x = _round16(x)
         P = _exp_ftz(x)
@@ -539,14 +561,7 @@ def efta_reference(
             P = _round16(P)
         P = _apply(sf_probs, P, (B, Hq, M, block_n), j0)
         if detect:
-            # P is clamped to the smallest normal before the log: for x ≥ −87 any P below it is a
-            # fault either way (|log P − x| ≥ 0.33), and log is ~4× slower on 0 and subnormals.
-            err = torch.log(P.clamp(min=2.0**-126)).sub_(x).abs_()
-            fine = err <= x.abs().mul_(64.0 * U).add_(64.0 * U)  # |log P − x| ≤ 64·u·(1 + |x|)
-            small = x < -87.0
-            if bool(small.any()):
-                fine = torch.where(small, (P >= 0) & (P <= _TINY_P), fine)
-            bad = ~fine
+            bad = _exp_group_test(x, P, s)  # (B, Hkv, GM, s): groups (row, residue) that fail
             if bool(bad.any()):
                 nbad = bad.sum()
                 _count(counters, "attn.probs", "detected", nbad)
@@ -554,7 +569,8 @@ def efta_reference(
                     _count(counters, "attn.probs", "uncorrectable", nbad)
                 else:
                     _count(counters, "attn.probs", "corrected", nbad)
-                    P = torch.where(bad, _exp_ftz(x), P)
+                    redo = bad.unsqueeze(-2).expand(*bad.shape[:-1], block_n // s, s).reshape(P.shape)
+                    P = torch.where(redo, _exp_ftz(x), P)
         # 5. rescale and accumulate (O, and Oc = [Oc1 | Oc2 | lc] through the same α).
         alpha = torch.exp(m - m_new)
         alpha = torch.where((m == _NEG_INF) & (m_new == _NEG_INF), torch.ones_like(alpha), alpha)

@@ -29,7 +29,8 @@ Layout of one program (query block × (batch, head)), tutorial style:
   mma.sync, see `_fresh_state`). ``Oc2`` only locates output faults. The clean pass carries only
   ``Oc1``, probes steps 6–7 with it (`_output_tests`), and leaves ``Oc2`` to the repairing pass.
   The split-key decode is the exception: its merge needs ``Oc2`` from every partial.
-* **Steps 3–5**: SNVR row-max check, per-element inverse check of ``P = exp(x)`` via ``log``,
+* **Steps 3–5**: SNVR row-max check, the product check of ``P = exp(x)`` per group of 16 keys
+  (`_exp_test`: exponent sums plus one ``lg2`` of the mantissa product per group),
   row sum ``l`` (fp32 sum of P) and its independent twin ``lc`` (a differently ordered grouped
   reduction of the same P), ``O += P·V`` with P rounded to the input dtype (as flash attention
   does), ``Oc1/Oc2 += P·Vc`` with the *same* rounded P, all rescaled by the same α.
@@ -62,8 +63,9 @@ additive mask tile when it is loaded, K with its block checksums, and V through 
 row's sliding window) are not inspected.
 
 Interpreter (``TRITON_INTERPRET=1``, CPU tensors): one fixed small config; a few helpers take an
-``INTERP`` switch (tl.log instead of the PTX ``lg2.approx``, NaN-propagating maxima written with
-tl.max because the interpreter runs custom reductions element by element, bf16 dots in fp32).
+``INTERP`` switch (tl.log2 instead of the PTX ``lg2.approx``; because the interpreter runs custom
+reductions element by element, a sum of logs for the mantissa product and NaN-propagating maxima
+written with tl.max; bf16 dots in fp32).
 
 Counters: atomics into the caller's (6, 5) int32 block (any strides), site rows as in
 ``ft_transformers.sites``: step 1 → ``attn.scores``, 3 → ``attn.rowmax``, 4 → ``attn.probs``,
@@ -82,6 +84,7 @@ skipping), so faults land exactly where they land in the reference.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -127,9 +130,8 @@ class Bounds:
     gamma: float = 1.01  # g(k) = gamma·k·u
     snvr_rel: float = 2.0**-20  # step 3: τ_m = min(snvr_rel·(1 + |m_new|), snvr_cap)
     snvr_cap: float = 1.0
-    exp_ulps: float = 64.0  # step 4: |log P − x| ≤ exp_ulps·u·(1 + |x|)
-    exp_xmin: float = -87.0  # step 4: below it, P must lie in [0, exp_pmax]
-    exp_pmax: float = 2.0**-125
+    exp_ulps: float = 64.0  # step 4: |Σ log2 P − log2(e)·Σ x| ≤ exp_ulps·u·log2(e)·(3L + |Σ x|) per group
+    exp_xmin: float = -87.0  # step 4: x below it counts as exp_xmin, P as exp(exp_xmin) unless larger
     gemm_slack_cuda: float = 2.0
     gemm_slack_interp: float = 1.0
 
@@ -152,6 +154,9 @@ _HDR = 6  # ints per site in the injection table header
 _SCORES, _ROWMAX, _PROBS, _ROWSUM, _OUTPUT = (tl.constexpr(5 * i) for i in range(5))
 _DET, _COR, _REC, _UNC, _NONF = (tl.constexpr(i) for i in range(5))
 _HDR_K = tl.constexpr(_HDR)
+_LOG2E = tl.constexpr(1.4426950408889634)
+# step 4: bits of fp32 exp(exp_xmin), the floor of P in the product check (positive fp32 order like int32)
+_PMIN_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", math.exp(BOUNDS.exp_xmin)))[0])
 
 
 def interpreting() -> bool:
@@ -235,15 +240,45 @@ def _v_checksums(v, LVP: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _log(x, INTERP: tl.constexpr):
-    """Natural log for the step-4 check. On the GPU one MUFU lg2.approx (abs. error ≤ 2^-22 near 1,
-    rel. 2^-22 elsewhere: far inside 64·u·(1 + |x|)); tl.log would be a ~25-instruction libdevice call."""
+def _log2(x, INTERP: tl.constexpr):
+    """log2 for the step-4 check. On the GPU one MUFU lg2.approx (abs. error ≤ 2^-22 near 1, rel.
+    2^-22 elsewhere: far inside the check's tolerance); tl.log2 would be a libdevice call."""
     if INTERP:
-        y = tl.log(x)
+        y = tl.log2(x)
     else:
         y = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                      pack=1) * 0.6931471805599453
+                                      pack=1)
     return y
+
+
+@triton.jit
+def _mul(a, b):
+    return a * b
+
+
+@triton.jit
+def _exp_test(x, p, exp_tol, exp_xmin, INTERP: tl.constexpr):
+    """Step-4 check of one key block, per group (row i, residue r): the product identity
+    Π_l P[i, l·16+r] = exp(Σ_l x[i, l·16+r]) (seed 000 §4.2, case 2), in log2 and without underflow:
+    log2 Π P = Σ (exponent of P) + log2 Π (mantissa of P), the mantissas in [1, 2) so their product
+    stays ≤ 2^L. x < exp_xmin (masked keys included) counts as exp_xmin and P as exp(exp_xmin) unless
+    it is larger (every P is clamped there in the integer domain: a NaN or negative P stays wrong).
+
+    x, p: (BLOCK_M, BLOCK_N) fp32. Returns (BLOCK_M, 16) bool, the groups that fail
+    |Σ log2 P − log2(e)·Σ x| ≤ exp_tol·log2(e)·(3L + |Σ x|).
+    """
+    BM: tl.constexpr = x.shape[0]
+    L: tl.constexpr = x.shape[1] // 16
+    xs = tl.sum(tl.reshape(tl.maximum(x, exp_xmin), (BM, L, 16)), axis=1)
+    pb = tl.maximum(p.to(tl.int32, bitcast=True), _PMIN_BITS)
+    e = tl.sum(tl.reshape(pb >> 23, (BM, L, 16)), axis=1) - 127 * L  # negative P: far below any x
+    mant = ((pb & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    if INTERP:  # the interpreter runs custom reductions element by element
+        lm = tl.sum(tl.reshape(tl.log2(mant), (BM, L, 16)), axis=1)
+    else:
+        lm = _log2(tl.reduce(tl.reshape(mant, (BM, L, 16)), 1, _mul), INTERP)
+    d = e.to(tl.float32) + lm - xs * _LOG2E
+    return ~(tl.abs(d) <= exp_tol * _LOG2E * (3.0 * L + tl.abs(xs)))
 
 
 @triton.jit
@@ -383,12 +418,12 @@ def _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L: tl.constexpr):
 @triton.jit
 def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
                    Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj,
-                   exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap,
+                   exp_tol, exp_xmin, snvr_rel, snvr_cap,
                    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
                    INJ_M: tl.constexpr, INJ_P: tl.constexpr, INTERP: tl.constexpr, REPAIR: tl.constexpr,
                    HALF: tl.constexpr):
-    """Steps 2–4 for one key block: bias and masks, running max (SNVR check), P = exp(x) (inverse
+    """Steps 2–4 for one key block: bias and masks, running max (SNVR check), P = exp(x) (product
     check). s: (BLOCK_M, BLOCK_N) scores after step 1; m_i: (BLOCK_M,) running max.
 
     Without REPAIR (the clean path) the checks only raise flags; with REPAIR (taken when some flag of
@@ -424,7 +459,7 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
                 else:
                     cnt = _bump(cnt, _ROWMAX + _UNC, nbm)
     x = s - base[:, None]
-    # ---- 4. P = exp(x), inverse-function check ----
+    # ---- 4. P = exp(x), product check per group ----
     if HALF:  # PASA's full FP16 allocation: x and P held in fp16
         x = x.to(tl.float16).to(tl.float32)
     p = tl.exp(x)
@@ -433,18 +468,17 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
     if INJ_P != 0:
         p = _inject(p, Inj, 2, INJ_P, bh, offs_m[:, None], offs_n[None, :], M, N)
     if DETECT:
-        err = tl.abs(_log(tl.maximum(p, 1.1754943508222875e-38), INTERP) - x)
-        fine = err <= exp_tol * (1.0 + tl.abs(x))
-        fine = tl.where(x < exp_xmin, (p >= 0.0) & (p <= exp_pmax), fine)
-        badp = ~fine & row_ok[:, None] & chk
-        bad_row = bad_row | (tl.max(badp.to(tl.int32), axis=1) > 0)
+        badg = _exp_test(x, p, exp_tol, exp_xmin, INTERP) & row_ok[:, None] & chk
+        bad_row = bad_row | (tl.max(badg.to(tl.int32), axis=1) > 0)
         if REPAIR:
-            nbp = tl.sum(tl.sum(badp.to(tl.int32), axis=1), axis=0)
+            nbp = tl.sum(tl.sum(badg.to(tl.int32), axis=1), axis=0)
             if nbp > 0:
                 cnt = _bump(cnt, _PROBS + _DET, nbp)
-                if CORRECT:
+                if CORRECT:  # recompute exp over every member of a failing group
                     cnt = _bump(cnt, _PROBS + _COR, nbp)
-                    p = tl.where(badp, tl.exp(x), p)
+                    redo = tl.reshape(tl.broadcast_to(badg[:, None, :], (x.shape[0], x.shape[1] // 16, 16)),
+                                      (x.shape[0], x.shape[1]))
+                    p = tl.where(redo, tl.exp(x), p)
                 else:
                     cnt = _bump(cnt, _PROBS + _UNC, nbp)
     return s, m_new, p, bad_row, cnt, nf
@@ -717,7 +751,7 @@ def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, cs_row, Inj, b, h, bh,
               offs_m, offs_d, row_ok, d_ok, M, N, nblocks, window, scale, scan_lo, scan_hi,
               Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
-              exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
+              exp_tol, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, DETECT: tl.constexpr,
               CORRECT: tl.constexpr, INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr,
@@ -790,7 +824,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
         # ---- 2.–4. bias and masks, running max, exp (clean path: the checks only raise flags) ----
         sm, m_new, p, bad_row, cnt, nf = _softmax_steps(
             s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
-            Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap,
+            Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin, snvr_rel, snvr_cap,
             HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P, INTERP, False, HALF_STATE)
         if DETECT:
             if REPAIR:
@@ -850,14 +884,15 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
                         s_in = s + dcur[:, None]
                     sm, m_new, p, bad_row, cnt, nf = _softmax_steps(
                         s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
-                        Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin, exp_pmax,
+                        Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin,
                         snvr_rel, snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P,
                         INTERP, True, HALF_STATE)
             else:  # the clean pass only raises flags: rows, and the step-1 groups that failed
                 flag_rows = flag_rows | bad_row
                 n1_rows += nbad_row
             chk = nf == 0
-            nvalid += tl.sum((sm > -float("inf")).to(tl.int32), axis=1)
+            if HAS_BIAS or MASK_KIND != 0:  # without them the count has a closed form (after the loop)
+                nvalid += tl.sum((sm > -float("inf")).to(tl.int32), axis=1)
 
         # ---- 5. rescale, row sum, GEMM II (+ checksum columns) ----
         alpha = tl.where((m_i == -float("inf")) & (m_new == -float("inf")), 1.0, tl.exp(m_i - m_new))
@@ -888,6 +923,17 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
             if OC2:  # the weighted checksum only locates output faults: carried when it may be needed
                 oc2 = oc2 * alpha[None, :] + _parts_dot(pt, c0, c1, c2, PARTS, DOT_F32, True) * cic
         m_i = m_new
+    if DETECT and not (HAS_BIAS or MASK_KIND != 0):
+        # unmasked keys per row: those in [scan_lo, scan_hi) below N, the causal limit and above the
+        # window (what counting S > −inf gives while the scores are finite; a non-finite score raises
+        # a step-1 flag, and the repairing pass uses the same count)
+        hi_j = tl.minimum(scan_hi, N) + tl.zeros((BLOCK_M,), tl.int32)
+        if CAUSAL:
+            hi_j = tl.minimum(hi_j, offs_m + (N - M) + 1)
+        lo_j = scan_lo + tl.zeros((BLOCK_M,), tl.int32)
+        if HAS_WINDOW:
+            lo_j = tl.maximum(lo_j, offs_m + (N - M - window) + 1)
+        nvalid = tl.maximum(hi_j - lo_j, 0)
     return m_i, l_i, acc, lc, oc1, oc2, nvalid, vmax, cnt, nf, flag_rows, n1_rows
 
 
@@ -897,7 +943,7 @@ def _efta_fwd(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     sbb, sbh, sbm, sbn, smb, smh, smm, smn, cst0, cst1,
     Hq, Hkv, M, N, D, GROUP, scale, window, call_id, nsplit,
-    gu, exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap,
+    gu, exp_tol, exp_xmin, snvr_rel, snvr_cap,
     pasa_t1, s_floor, gamma, gamma_last,  # PASA: step-1 bound coefficient and floor, recovery factors
     M_KEY, N_KEY,  # autotune keys only (bucketed M, N)
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -971,7 +1017,7 @@ def _efta_fwd(
                 q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, cs_row, Inj, b, h, bh,
                 offs_m, offs_d, row_ok, d_ok, M, N, nblocks, window, scale, scan_lo, scan_hi,
                 Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
-                exp_tol, exp_xmin, exp_pmax, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
+                exp_tol, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
                 BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
                 INJ_S, INJ_M, INJ_P, INJ_L, PARTS, SCALE_CS, DOT_F32, INTERP, EVEN_D, PASA, HALF_STATE,
                 OC2_CLEAN or (CORRECT and rep == 1), rep == 1)
@@ -1424,7 +1470,7 @@ def efta_triton_forward(
     args = (
         q, k, v, out, counters, flag, bias4, mask4, inj, *tables, work, kshift, *strides,
         Hq, Hkv, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit,
-        gu, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_xmin, BOUNDS.exp_pmax,
+        gu, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_xmin,
         BOUNDS.snvr_rel, BOUNDS.snvr_cap, *pasa_args[:4],
         min(_pow2_bucket(M), 256), _pow2_bucket(N),
     )

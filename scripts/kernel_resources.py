@@ -37,7 +37,7 @@ from triton.compiler import ASTSource
 POINTERS = {"Q": "in", "K": "in", "V": "in", "Out": "in", "KC": "in", "VC": "in", "KS": "*fp16", "Cnt": "*i32",
             "Flag": "*i32", "Inj": "*i32", "Bias": "*fp32", "Mask": "*fp32", "KA": "*fp32", "VA": "*fp32",
             "SC": "*fp32", "W": "*fp32"}
-FLOATS = {"scale", "gu", "exp_tol", "exp_xmin", "exp_pmax", "snvr_rel", "snvr_cap", "pasa_t1", "s_floor", "gamma",
+FLOATS = {"scale", "gu", "exp_tol", "exp_xmin", "snvr_rel", "snvr_cap", "pasa_t1", "s_floor", "gamma",
           "gamma_last"}
 BASE = dict(BLOCK_D=64, CAUSAL=True, HAS_WINDOW=False, HAS_BIAS=False, MASK_KIND=0, DETECT=True, CORRECT=True,
             INJ_S=0, INJ_M=0, INJ_P=0, INJ_L=0, INJ_O=0, NO_SKIP=False, PARTS=2, SCALE_CS=True, DOT_F32=False,

@@ -193,10 +193,10 @@ def test_private_forward_counter_view():
 
 
 def _verifications(B, Hq, M, N, D, block_n=64, s=16):
-    """Number of individual checks one call makes (steps 1, 3, 4, 6, 7)."""
+    """Number of individual checks one call makes (steps 1, 3, 4, 6, 7; steps 1 and 4 per group)."""
     nb = -(-N // block_n)
     rows = B * Hq * M
-    return rows * (nb * s + nb + nb * block_n + 1 + s)
+    return rows * (nb * s + nb + nb * s + 1 + s)
 
 
 def test_no_false_positives_clean():
@@ -218,7 +218,7 @@ def test_no_false_positives_clean():
                 total_checks += _verifications(B, Hq, M, N, D)
                 calls += 1
     assert calls == 192
-    assert total_checks > 4_000_000  # ≈ 4.9 M individual checks
+    assert total_checks > 2_000_000  # ≈ 2.3 M individual checks (steps 1 and 4 count per group)
     assert detected == 0, f"{detected} false positives in {total_checks} verifications"
 
 
@@ -450,3 +450,36 @@ def test_rowmax_flipped_to_infinity(m0):
     assert stats.by_site()["attn.rowmax"]["detected"] == 1
     bare, _ = run(q, k, v, scale=1.0, inject=spec, detect=False)
     assert _maxdiff(bare, clean) > 1e-2
+
+
+def test_exp_group_check_covers_bits_that_reach_pv():
+    """Step 4's product check per group, against float64 exp: silent on clean groups (masked keys,
+    underflow and flushed zeros included); every sign and exponent flip caught, and the mantissa
+    flips that survive P's rounding to fp16 (bits 13 and up): from bit 12 when |x| ≤ 5, from bit 14
+    when |x| ≤ 50, from bit 16 in groups that also hold masked or underflowed keys (each counts as
+    x = −87 and widens the tolerance). A NaN P is caught too."""
+    from ft_transformers.efta_reference import _exp_group_test
+
+    gen = torch.Generator().manual_seed(0)
+    rows = 4000
+    for spread, masked, low in ((5.0, False, 12), (50.0, False, 14), (5.0, True, 16), (50.0, True, 16)):
+        x = -torch.rand(rows, 64, dtype=torch.float64, generator=gen) * spread
+        x[:, 0] = 0.0
+        if masked:
+            x[:, 40:] = float("-inf")
+            x[:, 20:24] = -95.0  # exp underflows: P flushed to 0 or subnormal
+        P = torch.exp(x).float()
+        if masked:
+            P[::2, 20:24] = 0.0
+        x32 = x.float()
+        assert not _exp_group_test(x32, P, 16).any()
+        col = torch.randint(0, 36, (rows,), generator=gen)
+        col = col + 4 * (col >= 20)  # keys that are neither masked nor below exp's range
+        for bit in range(low, 32):
+            Pi = P.clone().view(torch.int32)
+            Pi[torch.arange(rows), col] ^= (1 << bit) if bit < 31 else -(1 << 31)
+            bad = _exp_group_test(x32, Pi.view(torch.float32), 16)
+            assert int(bad.sum()) == rows and bool(bad[torch.arange(rows), col % 16].all()), (spread, masked, bit)
+        Pn = P.clone()
+        Pn[0, 3] = float("nan")
+        assert bool(_exp_group_test(x32, Pn, 16)[0, 3])
