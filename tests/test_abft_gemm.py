@@ -309,14 +309,29 @@ def test_gpu_real_shapes_clean_and_flips(dtype):
             tol = 4 * ULP[dtype] + 4 * k**0.5 * 2.0**-24
             assert err < tol, (dist, m, k, n, err, tol)
     assert total == ZERO, f"false positives over {calls} calls: {total}"
+    # single 0→1 flips of high exponent bits (what seed 004 measures). The fused kernel verifies in its
+    # fp32 accumulators, the reference (cuBLAS) its rounded output: every flip the reference finds, the
+    # kernel finds too, and repairs; a small value scaled up may stay below the output-side threshold only
+    x = torch.randn(4, 256, 1024, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(2048, 1024, device="cuda", generator=g) / 32).to(dtype)
+    clean = F.linear(x, w)
     for bit in HIGH_BIT[dtype]:
-        x = torch.randn(4, 256, 1024, device="cuda", generator=g).to(dtype)
-        w = (torch.randn(2048, 1024, device="cuda", generator=g) / 32).to(dtype)
-        spec = FaultSpec(site="linear.output", bit=bit, count=8, seed=bit)
-        with torch.no_grad():
-            y_t, st_t = ftt.checked_linear(x, w, inject=spec, backend="triton")
-            y_r, st_r = ftt.checked_linear(x, w, inject=spec, backend="reference")
-        assert dict(st_t) == dict(st_r), (bit, dict(st_t), dict(st_r))
-        assert st_t["detected"] >= 4 and st_t["uncorrectable"] == 0
-        clean = F.linear(x, w)
-        torch.testing.assert_close(y_t.float(), clean.float(), rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
+        checked = det_t = det_r = 0
+        for seed in range(5000):  # fp32 bit 27 is 0 only in values below ~2^-8
+            spec = FaultSpec(site="linear.output", bit=bit, count=1, seed=seed)
+            r, c = FaultPlan(spec).for_site("linear.output", (1024, 2048), dtype, "cuda").positions[0].tolist()
+            if (clean.reshape(-1, 2048)[r, c].view(_ITY[dtype]) >> bit) & 1:
+                continue
+            with torch.no_grad():
+                y_t, st_t = ftt.checked_linear(x, w, inject=spec, backend="triton")
+                y_r, st_r = ftt.checked_linear(x, w, inject=spec, backend="reference")
+            assert st_t["uncorrectable"] == 0 and st_r["detected"] <= st_t["detected"], (bit, seed, dict(st_t),
+                                                                                         dict(st_r))
+            if st_t["detected"]:
+                torch.testing.assert_close(y_t.float(), clean.float(), rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
+            det_t += st_t["detected"]
+            det_r += st_r["detected"]
+            checked += 1
+            if checked == 8:
+                break
+        assert checked >= 4 and det_t >= checked - 1, (bit, checked, det_t, det_r)
