@@ -327,8 +327,9 @@ def test_gpu_real_shapes_clean_and_flips(dtype):
                 y_r, st_r = ftt.checked_linear(x, w, inject=spec, backend="reference")
             assert st_t["uncorrectable"] == 0 and st_r["detected"] <= st_t["detected"], (bit, seed, dict(st_t),
                                                                                          dict(st_r))
-            if st_t["detected"]:
-                torch.testing.assert_close(y_t.float(), clean.float(), rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
+            if st_t["detected"]:  # repaired: the located element is recomputed as a dot in another order
+                tol = (4 * ULP[dtype] + 4 * 1024**0.5 * 2.0**-24) * clean.abs().max().item()
+                torch.testing.assert_close(y_t.float(), clean.float(), rtol=0.0, atol=tol)
             det_t += st_t["detected"]
             det_r += st_r["detected"]
             checked += 1
