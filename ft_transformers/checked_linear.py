@@ -49,10 +49,10 @@ LOCATE_TOL = 0.25  # |D2/D1 − (n+1)| ≤ this locates a single error at column
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BACKENDS = ("auto", "triton", "reference")
-# backend="auto" sends these dtypes to the Triton kernel on CUDA. fp32 stays on the PyTorch path
-# until the kernel's fp32 variant has passed on the GPU (docs/vabft.md, "Status"); backend="triton"
-# runs any of the three. A dtype whose kernel call raises (e.g. a compile failure) falls back too.
-_AUTO_TRITON_DTYPES = (torch.float16, torch.bfloat16)
+# backend="auto" sends these dtypes to the Triton kernel on CUDA (all three passed the GPU tests on the
+# H100, docs/vabft.md "Status"). A dtype whose kernel call raises (e.g. a compile failure on an untested
+# GPU) falls back to the PyTorch path.
+_AUTO_TRITON_DTYPES = _DTYPES
 _TRITON_FAILED: set[torch.dtype] = set()
 
 # On CPU a flag read costs nothing, so the repair steps are skipped when no row needs them
