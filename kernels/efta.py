@@ -240,15 +240,10 @@ def _v_checksums(v, LVP: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _log2(x, INTERP: tl.constexpr):
-    """log2 for the step-4 check. On the GPU one MUFU lg2.approx (abs. error ≤ 2^-22 near 1, rel.
-    2^-22 elsewhere: far inside the check's tolerance); tl.log2 would be a libdevice call."""
-    if INTERP:
-        y = tl.log2(x)
-    else:
-        y = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-    return y
+def _lg2(x):
+    """log2 on the GPU for the step-4 check: one MUFU lg2.approx (abs. error ≤ 2^-22 near 1, rel. 2^-22
+    elsewhere: far inside the check's tolerance); tl.log2 would be a libdevice call."""
+    return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -276,7 +271,7 @@ def _exp_test(x, p, exp_tol, exp_xmin, INTERP: tl.constexpr):
     if INTERP:  # the interpreter runs custom reductions element by element
         lm = tl.sum(tl.reshape(tl.log2(mant), (BM, L, 16)), axis=1)
     else:
-        lm = _log2(tl.reduce(tl.reshape(mant, (BM, L, 16)), 1, _mul), INTERP)
+        lm = _lg2(tl.reduce(tl.reshape(mant, (BM, L, 16)), 1, _mul))
     d = e.to(tl.float32) + lm - xs * _LOG2E
     return ~(tl.abs(d) <= exp_tol * _LOG2E * (3.0 * L + tl.abs(xs)))
 
