@@ -49,10 +49,9 @@ LOCATE_TOL = 0.25  # |D2/D1 − (n+1)| ≤ this locates a single error at column
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BACKENDS = ("auto", "triton", "reference")
-# backend="auto" sends these dtypes to the Triton kernel on CUDA (all three passed the GPU tests on the
-# H100, docs/vabft.md "Status"). A dtype whose kernel call raises (e.g. a compile failure on an untested
-# GPU) falls back to the PyTorch path.
-_AUTO_TRITON_DTYPES = _DTYPES
+# backend="auto" sends every supported dtype to the Triton kernel on CUDA (all three passed the GPU tests
+# on the H100, docs/vabft.md "Status"); a dtype whose kernel call raised (e.g. a compile failure on an
+# untested GPU) is recorded here and falls back to the PyTorch path from then on.
 _TRITON_FAILED: set[torch.dtype] = set()
 
 # On CPU a flag read costs nothing, so the repair steps are skipped when no row needs them
@@ -168,7 +167,7 @@ def _checked_linear_forward(
         plan: the call's faults (site ``linear.output``), or None.
         counters: (sites, kinds) int32 counter block to add into, or None.
         cache_owner: object to cache the weight checksums on (the module), or None.
-        backend: ``"auto"`` (Triton kernel on CUDA for fp16/bf16 when available, falling back to the
+        backend: ``"auto"`` (the Triton kernel on CUDA when available, falling back to the
             PyTorch path if it raises), ``"triton"`` or ``"reference"``.
     Returns:
         y (..., N) in x's dtype (the autocast dtype under autocast).
@@ -186,10 +185,8 @@ def _checked_linear_forward(
             "torch.inference_mode() (x, weight or bias requires grad and grad mode is on)"
         )
     fwd = _resolve_backend(backend, x.device)
-    if fwd is not None and backend == "auto":
-        eff = cast or x.dtype
-        if eff not in _AUTO_TRITON_DTYPES or eff in _TRITON_FAILED:
-            fwd = None
+    if fwd is not None and backend == "auto" and (cast or x.dtype) in _TRITON_FAILED:
+        fwd = None
     if fwd is not None:
         kw = dict(weight_is_kn=weight_is_kn, emax=emax, csigma=csigma, detect=detect, correct=correct, plan=plan,
                   counters=counters, cache_owner=cache_owner)
