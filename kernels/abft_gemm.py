@@ -106,8 +106,10 @@ CONFIG_INJECT = (64, 64, 32, 4, 3)  # fixed while injecting (positions bucketed 
 CONFIG_INTERPRET = (16, 32, 32, 4, 1)
 GROUP_M = 8
 CS_K_CHUNK = 512  # columns of x per checksum program (K is split over several per row block)
+CS_STAGES = 3  # loads in flight in a checksum program's loop
 VERIFY_ROWS = 32  # rows per verify program (≥ 16: its recompute uses tl.dot)
 VERIFY_BLOCK = (64, 64)  # (BLOCK_N, BLOCK_K) of the verify kernel's repair/recompute loops
+VERIFY_TILES = 16  # partial sums (N tiles, or K splits) one verify load takes per row
 _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 
@@ -118,11 +120,13 @@ _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 @triton.jit
 def _checksum_rows(X, W12, S, Flag, split, offs_m, offs_am, m_ok, M, K, k_chunk, sxm, sxk, call_id,
-                   BLOCK_M: tl.constexpr, CS_BK: tl.constexpr):
+                   BLOCK_M: tl.constexpr, CS_BK: tl.constexpr, CS_STAGES: tl.constexpr):
     """x·w1, x·w2 and the row statistics (max, min, sum) of x over one K chunk of one row block.
 
     Plain fp32, accumulated elementwise in (BLOCK_M, CS_BK) tiles and reduced once after the loop
-    (no reductions inside the loop: cheaper, and clear of a Triton pass that asserts on them)."""
+    (no reductions inside the loop: cheaper, and clear of a Triton pass that asserts on them). The
+    loop's loads are software-pipelined CS_STAGES deep: the program holds the GEMM's whole shared
+    memory, so without loads in flight it would idle its SM on memory latency."""
     offs_k = tl.arange(0, CS_BK)
     k_lo = split * k_chunk
     k_hi = tl.minimum(K, k_lo + k_chunk)
@@ -131,7 +135,7 @@ def _checksum_rows(X, W12, S, Flag, split, offs_m, offs_am, m_ok, M, K, k_chunk,
     sm = tl.zeros((BLOCK_M, CS_BK), tl.float32)
     mx = tl.full((BLOCK_M, CS_BK), -float("inf"), tl.float32)
     mn = tl.full((BLOCK_M, CS_BK), float("inf"), tl.float32)
-    for k0 in range(k_lo, k_hi, CS_BK):
+    for k0 in tl.range(k_lo, k_hi, CS_BK, num_stages=CS_STAGES):
         kk = k0 + offs_k
         k_ok = kk < k_hi
         xt = tl.load(X + offs_am[:, None] * sxm + kk[None, :] * sxk, mask=k_ok[None, :], other=0.0)
@@ -161,12 +165,17 @@ def _checksum_rows(X, W12, S, Flag, split, offs_m, offs_am, m_ok, M, K, k_chunk,
 
 
 @triton.jit
-def _gemm_tile(X, W, Y, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, m_ok,
+def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, m_ok,
                M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                HAS_BIAS: tl.constexpr, DETECT: tl.constexpr, VERIFY_OUTPUT: tl.constexpr,
-               INJ: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) tile: fp32 GEMM + bias, rounding, injection, row partial sums, store."""
+               INJ: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
+               TMA: tl.constexpr, W_KN: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile: fp32 GEMM + bias, rounding, injection, row partial sums, store.
+
+    TMA: operands are loaded (and y stored) through tensor descriptors ``Xd`` (M, K), ``Wd`` ((N, K),
+    or (K, N) when W_KN) and ``Yd`` (M, N), whose out-of-bounds rows/columns read as zero and are not
+    written; otherwise through the pointers X, W, Y and strides."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -175,7 +184,13 @@ def _gemm_tile(X, W, Y, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, 
     b_ptrs = W + offs_k[:, None] * swk + offs_bn[None, :] * swn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if TMA:
+            a = Xd.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            if W_KN:
+                b = Wd.load([kb * BLOCK_K, pid_n * BLOCK_N])
+            else:
+                b = Wd.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
@@ -183,8 +198,9 @@ def _gemm_tile(X, W, Y, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, 
             a = tl.load(a_ptrs, mask=offs_k[None, :] < rem, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < rem, other=0.0)
         acc = _mma(a, b, acc, DOT_F32)
-        a_ptrs += BLOCK_K * sxk
-        b_ptrs += BLOCK_K * swk
+        if not TMA:
+            a_ptrs += BLOCK_K * sxk
+            b_ptrs += BLOCK_K * swk
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     yv = acc.to(Y.dtype.element_ty)
@@ -219,17 +235,21 @@ def _gemm_tile(X, W, Y, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, 
         prow = P + (pid_n * M + offs_m) * 2
         tl.store(prow, s1, mask=m_ok)
         tl.store(prow + 1, s2, mask=m_ok)
-    tl.store(Y + offs_m[:, None] * sym + offs_n[None, :] * syn, yv, mask=m_ok[:, None] & n_ok[None, :])
+    if TMA:
+        Yd.store([pid_m * BLOCK_M, pid_n * BLOCK_N], yv)
+    else:
+        tl.store(Y + offs_m[:, None] * sym + offs_n[None, :] * syn, yv, mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["call_id", "n_split"])
-def _gemm_kernel(X, W, Y, Bias, W12, P, S, Inj, Flag, Ws,
+def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Ws,
                  M, N, K, sxm, sxk, swn, swk, sym, syn,
                  inv_n, call_id, k_chunk, n_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DETECT: tl.constexpr,
                  VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr, DOT_F32: tl.constexpr,
-                 EVEN_K: tl.constexpr, CS_BK: tl.constexpr):
+                 EVEN_K: tl.constexpr, CS_BK: tl.constexpr, CS_STAGES: tl.constexpr, TMA: tl.constexpr,
+                 W_KN: tl.constexpr):
     """Grouped-order grid over the output tiles (+ n_split checksum programs per row block, each
     over k_chunk columns of x, when DETECT)."""
     pid = tl.program_id(0)
@@ -250,15 +270,17 @@ def _gemm_kernel(X, W, Y, Bias, W12, P, S, Inj, Flag, Ws,
             tl.store(Ws, 0)  # per-call recompute slot counter (read by the verify kernel)
         if pid_n >= num_pid_n:
             _checksum_rows(X, W12, S, Flag, pid_n - num_pid_n, offs_m, offs_am, m_ok, M, K, k_chunk, sxm, sxk,
-                           call_id, BLOCK_M, CS_BK)
+                           call_id, BLOCK_M, CS_BK, CS_STAGES)
         else:
-            _gemm_tile(X, W, Y, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, m_ok,
+            _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, m_ok,
                        M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n,
-                       BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K)
+                       BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K,
+                       TMA, W_KN)
     else:
-        _gemm_tile(X, W, Y, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, m_ok,
+        _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, m_ok,
                    M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n,
-                   BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K)
+                   BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K,
+                   TMA, W_KN)
 
 
 @triton.jit(do_not_specialize=["call_id", "w_finite", "T", "n_split"])
@@ -266,31 +288,38 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
                    M, N, K, T, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
                    inv_n, fn, inv_k, call_id, w_finite, capacity,
                    th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
-                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                    HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
                    DOT_F32: tl.constexpr):
     """Compare checksums of BLOCK_R rows, count, repair located single errors, recompute the rest."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < M
+    # the GEMM tiles' row partial sums and the checksum programs' partials, BLOCK_T tiles (or splits)
+    # per load: a loop of one small load per tile would chain T memory latencies
+    offs_t = tl.arange(0, BLOCK_T)
     s1 = tl.zeros((BLOCK_R,), tl.float32)
     s2 = tl.zeros((BLOCK_R,), tl.float32)
-    for t in range(0, T):
-        prow = P + (t * M + rows) * 2
-        s1 += tl.load(prow, mask=r_ok, other=0.0)
-        s2 += tl.load(prow + 1, mask=r_ok, other=0.0)
+    for t0 in range(0, T, BLOCK_T):
+        tt = t0 + offs_t
+        lm = (tt[:, None] < T) & r_ok[None, :]
+        prow = P + (tt[:, None] * M + rows[None, :]) * 2
+        s1 += tl.sum(tl.load(prow, mask=lm, other=0.0), axis=0)
+        s2 += tl.sum(tl.load(prow + 1, mask=lm, other=0.0), axis=0)
     c1 = tl.zeros((BLOCK_R,), tl.float32) + tl.load(B12)
     c2 = tl.zeros((BLOCK_R,), tl.float32) + tl.load(B12 + 1)
     sm = tl.zeros((BLOCK_R,), tl.float32)
     mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
     mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
-    for sp in range(0, n_split):
-        srow = S + (sp * M + rows) * 8
-        c1 += tl.load(srow + 0, mask=r_ok, other=0.0)
-        c2 += tl.load(srow + 1, mask=r_ok, other=0.0)
-        mx = tl.maximum(mx, tl.load(srow + 2, mask=r_ok, other=0.0))
-        mn = tl.minimum(mn, tl.load(srow + 3, mask=r_ok, other=0.0))
-        sm += tl.load(srow + 4, mask=r_ok, other=0.0)
+    for sp0 in range(0, n_split, BLOCK_T):
+        sp = sp0 + offs_t
+        lm = (sp[:, None] < n_split) & r_ok[None, :]
+        srow = S + (sp[:, None] * M + rows[None, :]) * 8
+        c1 += tl.sum(tl.load(srow + 0, mask=lm, other=0.0), axis=0)
+        c2 += tl.sum(tl.load(srow + 1, mask=lm, other=0.0), axis=0)
+        mx = tl.maximum(mx, tl.max(tl.load(srow + 2, mask=lm, other=-float("inf")), axis=0))
+        mn = tl.minimum(mn, tl.min(tl.load(srow + 3, mask=lm, other=float("inf")), axis=0))
+        sm += tl.sum(tl.load(srow + 4, mask=lm, other=0.0), axis=0)
     mu = sm * inv_k
     var = tl.maximum((mx - mu) * (mu - mn), 0.0)
     # T_m (SPEC §5, WeightChecksums.thresholds): host-folded weight constants
@@ -406,6 +435,36 @@ class _Launch:
     y: torch.Tensor  # (M, N)
     swn: int
     swk: int
+    kn: bool = False  # w is stored (K, N)
+    tma: bool = False  # load x, w and store y through TMA tensor descriptors (`_tma_ok`)
+
+
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """Whether tensor descriptors can address these 2-D tensors: a Hopper-or-newer GPU (or the
+    interpreter), unit inner stride, 16-byte aligned base and row stride. ``FTT_ABFT_GEMM_TMA=0``
+    turns them off (pointer loads, for comparison)."""
+    if os.environ.get("FTT_ABFT_GEMM_TMA", "1") == "0":
+        return False
+    dev = ts[0].device
+    if not _INTERP and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
+        return False
+    for t in ts:
+        es = t.element_size()
+        if t.stride(1) != 1 or (t.stride(0) * es) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def _descriptors(cfg, L: _Launch):
+    """(Xd, Wd, Yd) tensor descriptors with the config's block shapes, or (x, w, y) without TMA."""
+    if not L.tma:
+        return L.x, L.w, L.y
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
+
+    bm, bn, bk = cfg[:3]
+    return (TensorDescriptor.from_tensor(L.x, [bm, bk]),
+            TensorDescriptor.from_tensor(L.w, [bk, bn] if L.kn else [bn, bk]),
+            TensorDescriptor.from_tensor(L.y, [bm, bn]))
 
 
 def _bucket(m: int) -> int:
@@ -484,9 +543,10 @@ def _split(k: int) -> tuple[int, int]:
     return triton.cdiv(triton.cdiv(k, n_split), 64) * 64, n_split  # chunks start 64-aligned
 
 
-def _cs_bk(bm: int) -> int:
-    """Column width of the checksum programs' fp32 tiles (5 of them live across the loop)."""
-    return max(16, min(64, 4096 // bm))
+def _cs_bk(bm: int, warps: int) -> int:
+    """Column width of the checksum programs' fp32 tiles: 5 of them live across the loop, at most 16
+    values per thread each (more made the 4-warp 128 x 128 config spill)."""
+    return max(16, min(64, 512 * warps // bm))
 
 
 def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, S, inj, flag, ws, call_id, detect, verify_output, dot_f32):
@@ -496,13 +556,15 @@ def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, S, inj, flag, ws, call_id, de
     t = triton.cdiv(n, bn)
     k_chunk, n_split = _split(k)
     grid = (triton.cdiv(m, bm) * (t + (n_split if detect else 0)),)
+    xd, wd, yd = _descriptors(cfg, L)
     _gemm_kernel[grid](
-        L.x, L.w, L.y, bias if bias is not None else L.y, w12, P, S, inj if inj is not None else ws, flag, ws,
+        L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, w12, P, S, inj if inj is not None else ws,
+        flag, ws,
         m, n, k, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1),
         1.0 / n, call_id, k_chunk, n_split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, HAS_BIAS=bias is not None, DETECT=detect,
-        VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0, CS_BK=_cs_bk(bm),
-        num_warps=warps, num_stages=stages,
+        VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0, CS_BK=_cs_bk(bm, warps),
+        CS_STAGES=CS_STAGES, TMA=L.tma, W_KN=L.kn, num_warps=warps, num_stages=stages,
     )
 
 
@@ -515,7 +577,7 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, kn: bool):
         return CONFIG_INTERPRET
     m, k = L.x.shape
     n = L.y.shape[1]
-    key = (L.x.dtype, kn, bias is not None, detect, verify_output, _bucket(m), n, k)
+    key = (L.x.dtype, kn, L.tma, bias is not None, detect, verify_output, _bucket(m), n, k)
     cfg = _TUNE_CACHE.get(key)
     if cfg is not None:
         return cfg
@@ -531,7 +593,7 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, kn: bool):
     w12 = torch.zeros((k, 2), dtype=torch.float32, device=dev)
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     y_scratch = torch.empty_like(L.y)
-    Ls = _Launch(L.x, L.w, L.b, y_scratch, L.swn, L.swk)
+    Ls = _Launch(L.x, L.w, L.b, y_scratch, L.swn, L.swk, L.kn, L.tma)
     best, best_t = None, float("inf")
     for c in cands:
         def run(c=c):
@@ -636,7 +698,7 @@ def checked_gemm(
                    or counters.device != dev):
         raise ValueError(f"counters must be an int32 {COUNTER_SHAPE} tensor on {dev}")
     swn, swk = (weight.stride(1), weight.stride(0)) if weight_is_kn else (weight.stride(0), weight.stride(1))
-    L = _Launch(x2d, weight, bias, y, swn, swk)
+    L = _Launch(x2d, weight, bias, y, swn, swk, weight_is_kn, _tma_ok(x2d, weight, y))
     dot_f32 = x2d.dtype == torch.float32 or _INTERP
     verify_output = mode == "output"
     if plan:
@@ -675,7 +737,7 @@ def checked_gemm(
         m, n, k, t, n_split, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1),
         counters.stride(0), counters.stride(1),
         1.0 / n, float(n), 1.0 / k, call_id, int(bool(wc.finite)), int(capacity), *th, reverify,
-        BLOCK_R=VERIFY_ROWS, BLOCK_N=vbn, BLOCK_K=vbk, HAS_BIAS=bias is not None, CORRECT=correct,
+        BLOCK_R=VERIFY_ROWS, BLOCK_N=vbn, BLOCK_K=vbk, BLOCK_T=VERIFY_TILES, HAS_BIAS=bias is not None, CORRECT=correct,
         DEBUG=debug is not None, DOT_F32=dot_f32, num_warps=4,
     )
     return y

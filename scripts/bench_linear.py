@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import platform
 from pathlib import Path
 
@@ -41,9 +42,42 @@ def shapes(quick: bool) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_torch_checked: bool
-              ) -> tuple[dict[str, float], int, float]:
-    """Times (ms) of each method on ``F.linear(x, w, b)``; the fused call's event count and max error."""
+def _graphed(fn):
+    """``fn`` captured once into a CUDA graph (after a warm-up call that also tunes): its replay."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def _pointer_loads(fn):
+    """``fn`` with the kernel's TMA descriptors switched off (``FTT_ABFT_GEMM_TMA=0``) for its call."""
+    def run():
+        old = os.environ.get("FTT_ABFT_GEMM_TMA")
+        os.environ["FTT_ABFT_GEMM_TMA"] = "0"
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["FTT_ABFT_GEMM_TMA"]
+            else:
+                os.environ["FTT_ABFT_GEMM_TMA"] = old
+    return run
+
+
+def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_torch_checked: bool,
+              graph: bool = False, pointer: bool = False) -> tuple[dict[str, float], int, float]:
+    """Times (ms) of each method on ``F.linear(x, w, b)``; the fused call's event count and max error.
+
+    ``graph``: also time cuBLAS, fused and plain as CUDA-graph replays (``*_graph``: GPU time without
+    the host's launch work). ``pointer``: also time the fused kernel with pointer loads instead of
+    TMA descriptors (``fused_ptr``)."""
     import triton.testing
     from ft_transformers.kernels import abft_gemm
 
@@ -77,9 +111,16 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
         err = float((y.double() - ref).abs().max() / ref.abs().max())
         events = int(cnt.sum())
         fns = {"cublas": cublas, "fused": fused, "triton_plain": plain}
+        if pointer:
+            fns["fused_ptr"] = _pointer_loads(fused)
+            fns["plain_ptr"] = _pointer_loads(plain)
         if with_torch_checked:
             fns["torch_checked"] = torch_checked
+        if graph:
+            for name in ("cublas", "fused", "triton_plain"):
+                fns[f"{name}_graph"] = _graphed(fns[name])
         times = {name: triton.testing.do_bench(fn, warmup=10, rep=rep) for name, fn in fns.items()}
+        events = int(cnt.sum())  # every fused call of the run, graph replays included
     return times, events, err
 
 
@@ -90,6 +131,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--no-torch-checked", action="store_true", help="skip the PyTorch checked path")
     ap.add_argument("--rep", type=int, default=50, help="do_bench rep (ms)")
+    ap.add_argument("--graph", action="store_true", help="also time cuBLAS, fused and plain as CUDA-graph replays")
+    ap.add_argument("--pointer", action="store_true",
+                    help="also time fused and plain with pointer loads instead of TMA descriptors")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_linear.py needs a CUDA device (the Triton kernel is compiled for it)")
@@ -104,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             x = torch.randn(m, k, device=dev, generator=g).to(dt)
             w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt)
             b = torch.randn(n, device=dev, generator=g).to(dt)
-            times, events, err = bench_one(x, w, b, args.rep, not args.no_torch_checked)
+            times, events, err = bench_one(x, w, b, args.rep, not args.no_torch_checked, args.graph, args.pointer)
             flops = 2.0 * m * n * k
             row = {"kind": kind, "dtype": dt_name, "M": m, "N": n, "K": k, "events": events, "rel_err": err}
             for name, ms in times.items():
@@ -115,11 +159,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row["fused_vs_plain"] = round(times["triton_plain"] / times["fused"], 3)
             if "torch_checked" in times:
                 row["torch_checked_vs_cublas"] = round(times["cublas"] / times["torch_checked"], 3)
+            if "fused_ptr" in times:
+                row["fused_ptr_vs_cublas"] = round(times["cublas"] / times["fused_ptr"], 3)
+                row["plain_ptr_vs_cublas"] = round(times["cublas"] / times["plain_ptr"], 3)
+            if "fused_graph" in times:
+                row["fused_vs_cublas_graph"] = round(times["cublas_graph"] / times["fused_graph"], 3)
+                row["plain_vs_cublas_graph"] = round(times["cublas_graph"] / times["triton_plain_graph"], 3)
             rows.append(row)
+            extra = ""
+            if "fused_ptr" in times:
+                extra += (f"  pointer-loads fused {row['fused_ptr_vs_cublas']:.3f}x "
+                          f"plain {row['plain_ptr_vs_cublas']:.3f}x")
+            if "fused_graph" in times:
+                extra += (f"  graphs: fused {row['fused_vs_cublas_graph']:.3f}x "
+                          f"plain {row['plain_vs_cublas_graph']:.3f}x")
             print(f"{dt_name:8s} {kind:6s} M={m:5d} N={n:5d} K={k:5d}  cuBLAS {row['cublas_tflops']:6.1f} TF/s  "
                   f"fused {row['fused_tflops']:6.1f} ({row['fused_vs_cublas']:.3f}x)  plain "
                   f"{row['plain_vs_cublas']:.3f}x  torch-checked "
-                  f"{row.get('torch_checked_vs_cublas', float('nan')):.3f}x"
+                  f"{row.get('torch_checked_vs_cublas', float('nan')):.3f}x{extra}"
                   f"  events {events}  err {err:.1e}", flush=True)
     keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
     with open(args.out.with_suffix(".csv"), "w", newline="") as fh:

@@ -14,6 +14,7 @@
 #   coverage   EFTA coverage campaign: 1,000 flips per site x bit class, 100,000 clean calls over four
 #              distributions, a protected MiniLM run (carry .gpucarry/minilm, see efta_coverage.py)
 #   linear     V-ABFT: calibration, GPU tests, bench_linear, the seed 004 study (docs/vabft.md)
+#   gemm       the checked GEMM's GPU tests and bench_linear with CUDA-graph and pointer-load columns
 #   generate   scripts/bench_generate.py (end to end, issue 7)
 #   campaign   the issue-5 campaign on the qwen2-0.5b-config model, fp16, Triton paths
 #   falsepos   every attention / Linear call of fp16 generations (GPT-2 124M and Qwen2-0.5B configs)
@@ -66,6 +67,11 @@ run_part() {
       python3 scripts/bench_linear.py --out "$dir/bench_linear" 2>&1 | tail -30
       python3 scripts/vabft_study.py --device cuda --trials 100000 --big-trials 20 --out "$dir/vabft_study" \
         --plot "$dir/vabft_detection.png" 2>&1 | tail -20 ;;
+    gemm)  # the checked GEMM alone: its GPU tests, then bench_linear with CUDA-graph and pointer-load columns
+      FTT_ABFT_GEMM_TUNE=0 timeout ${TESTS_TIMEOUT:-180} python3 -m pytest -q -x -m gpu -p no:cacheprovider \
+        tests/test_abft_gemm.py 2>&1
+      timeout ${BENCH_TIMEOUT:-420} python3 scripts/bench_linear.py --no-torch-checked --graph --pointer \
+        --out "$dir/bench_linear" 2>&1 | grep --line-buffered -v Warning ;;
     generate)
       python3 scripts/bench_generate.py --out "$dir" --budget-s 480 --no-progress 2>&1 | tail -40 ;;
     campaign)

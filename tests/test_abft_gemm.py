@@ -79,12 +79,20 @@ ZERO = {"detected": 0, "corrected": 0, "recomputed": 0, "uncorrectable": 0, "non
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kn", [False, True], ids=["linear", "conv1d"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("mkn", [(37, 80, 50), (9, 1100, 20)], ids=["ragged", "ksplit"])
+@pytest.mark.parametrize("mkn", [(37, 80, 50), (9, 1100, 20), (37, 80, 56)], ids=["ragged", "ksplit", "tma"])
 def test_matches_float64_matmul(dtype, kn, with_bias, mkn):
-    m, k, n = mkn  # ragged: every tile edge is masked; K > 512: several checksum programs per row block
+    # ragged: every tile edge is masked (pointer loads: rows of 50 or 1100 elements are not 16-byte
+    # aligned); K > 512: several checksum programs per row block; tma: ragged edges again, but every
+    # row stride is 16-byte aligned, so tiles move through tensor descriptors (zero-filled edges)
+    m, k, n = mkn
     x = _rand((m, k), dtype, 1)
     w = _rand((k, n) if kn else (n, k), dtype, 2, scale=k**-0.5)
     b = _rand((n,), dtype, 3) if with_bias else None
+    tma = G._tma_ok(x, w, torch.empty((m, n), dtype=dtype, device=DEV))
+    if n == 50:
+        assert not tma  # y's rows (100 or 200 bytes) are not 16-byte aligned
+    elif n == 56:
+        assert tma == (G.interpreting() or torch.cuda.get_device_capability()[0] >= 9)
     y, st = _run(x, w, b, kn=kn)
     ref = _ref64(x, w, b, kn)
     assert y.shape == (m, n) and y.dtype == dtype
