@@ -35,12 +35,7 @@ def _triton_module():
     return kmod if hasattr(kmod, "efta_triton_forward") else None
 
 
-# dtypes for which backend="auto" picks the Triton kernel on CUDA: all three since the fp16/bf16
-# checksum path was fixed and its GPU tests passed on the H100 (docs/triton_efta_gpu.md).
-_AUTO_TRITON_DTYPES = _DTYPES
-
-
-def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = torch.float32):
+def _resolve_backend(backend: str, device: torch.device):
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}")
     if backend == "reference":
@@ -53,7 +48,9 @@ def _resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = to
                 "available (not implemented yet, or triton is not installed); use backend='reference'"
             )
         return kmod
-    return kmod if device.type == "cuda" and dtype in _AUTO_TRITON_DTYPES else None
+    # auto: the Triton kernel for CUDA tensors of every supported dtype (GPU tests pass for all three
+    # on the H100, docs/triton_efta_gpu.md); dtypes are validated by the caller
+    return kmod if device.type == "cuda" else None
 
 
 def _validate(q, k, v, scale, bias, attn_mask, window) -> None:
@@ -154,7 +151,7 @@ def _efta_forward(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     correct = bool(correct and detect)
-    kmod = _resolve_backend(backend, q.device, q.dtype)
+    kmod = _resolve_backend(backend, q.device)
     if window is not None:
         window = operator.index(window)
     kwargs = dict(scale=float(scale), causal=bool(causal), bias=bias, attn_mask=attn_mask, window=window,

@@ -8,20 +8,24 @@ as the PyTorch path (`ft_transformers.checked_linear`, which stays the fallback 
 
 Design (two launches, no host synchronisation):
 
-1. ``_gemm_kernel`` — a grouped-order tiled GEMM over (BLOCK_M × BLOCK_N) output tiles with one
-   extra column of programs (``pid_n == T``, T = number of N tiles) when checking:
+1. ``_gemm_kernel`` — a grouped-order tiled GEMM over (BLOCK_M × BLOCK_N) output tiles (T tiles
+   per row block); operands come through TMA tensor descriptors on Hopper when their layout allows
+   (unit inner stride, 16-byte aligned rows), through pointers otherwise:
 
-   * GEMM programs: fp32 accumulator ``acc`` (tensor cores for fp16/bf16, IEEE fp32 FMAs for fp32),
-     bias added in fp32, rounded to y's dtype, flips of site ``linear.output`` applied to the
-     *rounded* value (so bit positions mean what they mean on the reference path). The epilogue
-     then reduces the tile's rows into two partial sums ``Σ_n v[m,n]`` and ``Σ_n (n+1)/N·v[m,n]``
-     (v = acc, or the flipped rounded value where a flip landed) and stores them in a (T, M, 2)
-     fp32 buffer: two FMAs per output element, no atomics, a fixed summation order.
-   * Checksum programs (one per row block): stream the x rows once and compute, in plain fp32 on the
-     CUDA cores (no split operands, no extra tensor-core dot), the checksums ``x·w1`` and ``x·w2``
+   * fp32 accumulator ``acc`` (tensor cores for fp16/bf16, IEEE fp32 FMAs for fp32), bias added in
+     fp32, rounded to y's dtype, flips of site ``linear.output`` applied to the *rounded* value (so
+     bit positions mean what they mean on the reference path). The epilogue then reduces the
+     tile's rows into two partial sums ``Σ_n v[m,n]`` and ``Σ_n (n+1)/N·v[m,n]`` (v = acc, or the
+     flipped rounded value where a flip landed) into a (T, M, 2) fp32 buffer: two FMAs per output
+     element, no atomics, a fixed summation order.
+   * Checksums, shared out over the row block's tiles: tile ``pid_n`` also takes the K blocks
+     ``kb ≡ pid_n (mod T)`` of the x tiles it has just loaded (again, from L2) and computes, in plain fp32 on the
+     CUDA cores (no split operands, no extra tensor-core dot), partial ``x·w1`` and ``x·w2``
      (``w1 = Σ_n W[n,:]``, ``w2 = Σ_n (n+1)·W[n,:]``: the cached `WeightChecksums.w12`) and the
-     row statistics of x (max, min, sum) for the V-ABFT threshold. They cost about a quarter of one
-     GEMM tile per row block, i.e. ~1/(4T) of the GEMM, and run concurrently with it.
+     row statistics of x (max, min, sum) for the V-ABFT threshold, into a (T, M, 8) buffer. Every
+     element of x is used once, x is not read again from memory, and no program is added: an earlier version
+     ran separate checksum programs that re-read x, and each held a GEMM-sized share of shared
+     memory (one per SM) while doing little arithmetic; they cost up to 60 % at K-heavy shapes.
 
    Why not append ``w1``/``w2`` as extra output columns of the same GEMM: the checksum operand must
    keep fp32 accuracy, which in fp16/bf16 means splitting it into 2–3 slices of the input dtype
@@ -36,7 +40,7 @@ Design (two launches, no host synchronisation):
    ``corrected``; other faulty rows are recomputed in the kernel (``x[m]·Wᵀ + b``), at most
    ``capacity`` (16) rows per call, claimed through one atomic on a per-call slot counter →
    ``recomputed``; the rest → ``uncorrectable``. Counters are atomics into the caller's (6, 5)
-   int32 block. Non-finite x (found by the checksum programs) or W/b (known when the weight
+   int32 block. Non-finite x (found by the GEMM tiles) or W/b (known when the weight
    checksums were built) count one ``nonfinite_input`` and switch the call's checks off, as on
    the reference path.
 
@@ -105,11 +109,9 @@ CONFIGS_FP32 = [(64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (32, 64, 32, 4, 3)]  # 
 CONFIG_INJECT = (64, 64, 32, 4, 3)  # fixed while injecting (positions bucketed per row block)
 CONFIG_INTERPRET = (16, 32, 32, 4, 1)
 GROUP_M = 8
-CS_K_CHUNK = 512  # columns of x per checksum program (K is split over several per row block)
-CS_STAGES = 3  # loads in flight in a checksum program's loop
 VERIFY_ROWS = 32  # rows per verify program (≥ 16: its recompute uses tl.dot)
 VERIFY_BLOCK = (64, 64)  # (BLOCK_N, BLOCK_K) of the verify kernel's repair/recompute loops
-VERIFY_TILES = 16  # partial sums (N tiles, or K splits) one verify load takes per row
+VERIFY_TILES = 16  # tiles' partial sums one verify load takes per row
 _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 
@@ -119,59 +121,16 @@ _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 
 @triton.jit
-def _checksum_rows(X, W12, S, Flag, split, offs_m, offs_am, m_ok, M, K, k_chunk, sxm, sxk, call_id,
-                   BLOCK_M: tl.constexpr, CS_BK: tl.constexpr, CS_STAGES: tl.constexpr):
-    """x·w1, x·w2 and the row statistics (max, min, sum) of x over one K chunk of one row block.
-
-    Plain fp32, accumulated elementwise in (BLOCK_M, CS_BK) tiles and reduced once after the loop
-    (no reductions inside the loop: cheaper, and clear of a Triton pass that asserts on them). The
-    loop's loads are software-pipelined CS_STAGES deep: the program holds the GEMM's whole shared
-    memory, so without loads in flight it would idle its SM on memory latency."""
-    offs_k = tl.arange(0, CS_BK)
-    k_lo = split * k_chunk
-    k_hi = tl.minimum(K, k_lo + k_chunk)
-    c1 = tl.zeros((BLOCK_M, CS_BK), tl.float32)
-    c2 = tl.zeros((BLOCK_M, CS_BK), tl.float32)
-    sm = tl.zeros((BLOCK_M, CS_BK), tl.float32)
-    mx = tl.full((BLOCK_M, CS_BK), -float("inf"), tl.float32)
-    mn = tl.full((BLOCK_M, CS_BK), float("inf"), tl.float32)
-    for k0 in tl.range(k_lo, k_hi, CS_BK, num_stages=CS_STAGES):
-        kk = k0 + offs_k
-        k_ok = kk < k_hi
-        xt = tl.load(X + offs_am[:, None] * sxm + kk[None, :] * sxk, mask=k_ok[None, :], other=0.0)
-        xt = xt.to(tl.float32)
-        w1 = tl.load(W12 + kk * 2, mask=k_ok, other=0.0)
-        w2 = tl.load(W12 + kk * 2 + 1, mask=k_ok, other=0.0)
-        c1 += xt * w1[None, :]
-        c2 += xt * w2[None, :]
-        sm += xt
-        mx = tl.maximum(mx, tl.where(k_ok[None, :], xt, -float("inf")))
-        mn = tl.minimum(mn, tl.where(k_ok[None, :], xt, float("inf")))
-    c1r = tl.sum(c1, axis=1)
-    c2r = tl.sum(c2, axis=1)
-    smr = tl.sum(sm, axis=1)
-    mxr = tl.max(mx, axis=1)
-    mnr = tl.min(mn, axis=1)
-    # NaN makes the sum NaN (max/min may ignore it); ±inf shows in max/min
-    nf = ~(tl.abs(smr) < float("inf")) | (mxr == float("inf")) | (mnr == -float("inf"))
-    if tl.max((nf & m_ok).to(tl.int32), axis=0) > 0:
-        tl.atomic_max(Flag, call_id)
-    srow = S + (split * M + offs_m) * 8
-    tl.store(srow + 0, c1r, mask=m_ok)
-    tl.store(srow + 1, c2r, mask=m_ok)
-    tl.store(srow + 2, mxr, mask=m_ok)
-    tl.store(srow + 3, mnr, mask=m_ok)
-    tl.store(srow + 4, smr, mask=m_ok)
-
-
-@triton.jit
-def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, m_ok,
-               M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n,
+def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, num_pid_m, num_pid_n, offs_m,
+               offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                HAS_BIAS: tl.constexpr, DETECT: tl.constexpr, VERIFY_OUTPUT: tl.constexpr,
                INJ: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
                TMA: tl.constexpr, W_KN: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) tile: fp32 GEMM + bias, rounding, injection, row partial sums, store.
+    """One (BLOCK_M, BLOCK_N) tile: fp32 GEMM + bias, rounding, injection, row partial sums, store;
+    when DETECT also its share of the row checksums: the K blocks ``kb ≡ pid_n (mod T)`` of x, which
+    the tile has just loaded, give partial ``x·w1``, ``x·w2`` and row max / min / sum (plain fp32 on the
+    CUDA cores, one K block in T per tile: no extra reads of x, no extra programs).
 
     TMA: operands are loaded (and y stored) through tensor descriptors ``Xd`` (M, K), ``Wd`` ((N, K),
     or (K, N) when W_KN) and ``Yd`` (M, N), whose out-of-bounds rows/columns read as zero and are not
@@ -183,6 +142,11 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_
     a_ptrs = X + offs_am[:, None] * sxm + offs_k[None, :] * sxk
     b_ptrs = W + offs_k[:, None] * swk + offs_bn[None, :] * swn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    c1 = tl.zeros((BLOCK_M,), tl.float32)
+    c2 = tl.zeros((BLOCK_M,), tl.float32)
+    sm = tl.zeros((BLOCK_M,), tl.float32)
+    mx = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    mn = tl.full((BLOCK_M,), float("inf"), tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         if TMA:
             a = Xd.load([pid_m * BLOCK_M, kb * BLOCK_K])
@@ -198,6 +162,20 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_
             a = tl.load(a_ptrs, mask=offs_k[None, :] < rem, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < rem, other=0.0)
         acc = _mma(a, b, acc, DOT_F32)
+        if DETECT:
+            if kb % num_pid_n == pid_n:
+                kk = kb * BLOCK_K + offs_k
+                k_ok = kk < K
+                # the x block reloaded (from L2: the tile has just read it) so that ``a`` feeds only
+                # the dot and stays in the pipelined shared-memory buffers (taking ``a`` itself cost
+                # 8-25 % more on the H100: fewer pipeline stages, spills)
+                af = tl.load(X + offs_am[:, None] * sxm + kk[None, :] * sxk, mask=k_ok[None, :],
+                             other=0.0).to(tl.float32)
+                c1 += tl.sum(af * tl.load(W12 + kk * 2, mask=k_ok, other=0.0)[None, :], axis=1)
+                c2 += tl.sum(af * tl.load(W12 + kk * 2 + 1, mask=k_ok, other=0.0)[None, :], axis=1)
+                sm += tl.sum(af, axis=1)
+                mx = tl.maximum(mx, tl.max(tl.where(k_ok[None, :], af, -float("inf")), axis=1))
+                mn = tl.minimum(mn, tl.min(tl.where(k_ok[None, :], af, float("inf")), axis=1))
         if not TMA:
             a_ptrs += BLOCK_K * sxk
             b_ptrs += BLOCK_K * swk
@@ -235,28 +213,34 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_
         prow = P + (pid_n * M + offs_m) * 2
         tl.store(prow, s1, mask=m_ok)
         tl.store(prow + 1, s2, mask=m_ok)
+        # NaN makes the sum NaN (max/min may ignore it); ±inf shows in max/min
+        nf = ~(tl.abs(sm) < float("inf")) | (mx == float("inf")) | (mn == -float("inf"))
+        if tl.max((nf & m_ok).to(tl.int32), axis=0) > 0:
+            tl.atomic_max(Flag, call_id)
+        srow = S + (pid_n * M + offs_m) * 8
+        tl.store(srow + 0, c1, mask=m_ok)
+        tl.store(srow + 1, c2, mask=m_ok)
+        tl.store(srow + 2, mx, mask=m_ok)
+        tl.store(srow + 3, mn, mask=m_ok)
+        tl.store(srow + 4, sm, mask=m_ok)
     if TMA:
         Yd.store([pid_m * BLOCK_M, pid_n * BLOCK_N], yv)
     else:
         tl.store(Y + offs_m[:, None] * sym + offs_n[None, :] * syn, yv, mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["call_id", "n_split"])
+@triton.jit(do_not_specialize=["call_id"])
 def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Ws,
-                 M, N, K, sxm, sxk, swn, swk, sym, syn,
-                 inv_n, call_id, k_chunk, n_split,
+                 M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DETECT: tl.constexpr,
                  VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr, DOT_F32: tl.constexpr,
-                 EVEN_K: tl.constexpr, CS_BK: tl.constexpr, CS_STAGES: tl.constexpr, TMA: tl.constexpr,
-                 W_KN: tl.constexpr):
-    """Grouped-order grid over the output tiles (+ n_split checksum programs per row block, each
-    over k_chunk columns of x, when DETECT)."""
+                 EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KN: tl.constexpr):
+    """Grouped-order grid over the output tiles."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    ncols = num_pid_n + (n_split if DETECT else 0)
-    in_group = GROUP * ncols
+    in_group = GROUP * num_pid_n
     group_id = pid // in_group
     first_m = group_id * GROUP
     gsize = tl.minimum(num_pid_m - first_m, GROUP)
@@ -268,24 +252,14 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Ws,
     if DETECT:
         if pid == 0:
             tl.store(Ws, 0)  # per-call recompute slot counter (read by the verify kernel)
-        if pid_n >= num_pid_n:
-            _checksum_rows(X, W12, S, Flag, pid_n - num_pid_n, offs_m, offs_am, m_ok, M, K, k_chunk, sxm, sxk,
-                           call_id, BLOCK_M, CS_BK, CS_STAGES)
-        else:
-            _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, m_ok,
-                       M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n,
-                       BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K,
-                       TMA, W_KN)
-    else:
-        _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, pid_m, pid_n, num_pid_m, offs_m, offs_am, m_ok,
-                   M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n,
-                   BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K,
-                   TMA, W_KN)
+    _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, num_pid_m, num_pid_n, offs_m,
+               offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
+               BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K, TMA, W_KN)
 
 
-@triton.jit(do_not_specialize=["call_id", "w_finite", "T", "n_split"])
+@triton.jit(do_not_specialize=["call_id", "w_finite", "T"])
 def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
-                   M, N, K, T, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
+                   M, N, K, T, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
                    inv_n, fn, inv_k, call_id, w_finite, capacity,
                    th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -295,8 +269,8 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < M
-    # the GEMM tiles' row partial sums and the checksum programs' partials, BLOCK_T tiles (or splits)
-    # per load: a loop of one small load per tile would chain T memory latencies
+    # the T tiles' row partial sums and checksum partials, BLOCK_T tiles per load: a loop of one
+    # small load per tile would chain T memory latencies
     offs_t = tl.arange(0, BLOCK_T)
     s1 = tl.zeros((BLOCK_R,), tl.float32)
     s2 = tl.zeros((BLOCK_R,), tl.float32)
@@ -311,9 +285,9 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
     sm = tl.zeros((BLOCK_R,), tl.float32)
     mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
     mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
-    for sp0 in range(0, n_split, BLOCK_T):
+    for sp0 in range(0, T, BLOCK_T):
         sp = sp0 + offs_t
-        lm = (sp[:, None] < n_split) & r_ok[None, :]
+        lm = (sp[:, None] < T) & r_ok[None, :]
         srow = S + (sp[:, None] * M + rows[None, :]) * 8
         c1 += tl.sum(tl.load(srow + 0, mask=lm, other=0.0), axis=0)
         c2 += tl.sum(tl.load(srow + 1, mask=lm, other=0.0), axis=0)
@@ -324,7 +298,7 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
     var = tl.maximum((mx - mu) * (mu - mn), 0.0)
     # T_m (SPEC §5, WeightChecksums.thresholds): host-folded weight constants
     thr = th_var23 * tl.sqrt(mu * mu * th_v2 + var * th_v3) + th_det * tl.abs(mu) + th_var4 * tl.sqrt(var) + th_bias
-    # checks on for this call: no non-finite x seen by the checksum programs, finite W and b
+    # checks on for this call: no non-finite x seen by the GEMM tiles, finite W and b
     # (tl.where, not `&`, to combine with the scalar: the interpreter mis-types bool & 0-d bool)
     ok = (tl.load(Flag) != call_id) & (w_finite != 0)
     d1 = s1 - c1
@@ -439,6 +413,10 @@ class _Launch:
     tma: bool = False  # load x, w and store y through TMA tensor descriptors (`_tma_ok`)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # host side: triton.cdiv costs microseconds per call
+
+
 def _tma_ok(*ts: torch.Tensor) -> bool:
     """Whether tensor descriptors can address these 2-D tensors: a Hopper-or-newer GPU (or the
     interpreter), unit inner stride, 16-byte aligned base and row stride. ``FTT_ABFT_GEMM_TMA=0``
@@ -537,34 +515,21 @@ def _threshold_consts(wc, emax: float, csigma: float) -> tuple[float, ...]:
             emax * (n * abs(wc.bias_mu) + csigma * math.sqrt(n) * wc.bias_sd))
 
 
-def _split(k: int) -> tuple[int, int]:
-    """(k_chunk, n_split): the checksum programs of a row block each take ≤ CS_K_CHUNK columns of x."""
-    n_split = max(1, triton.cdiv(k, CS_K_CHUNK))
-    return triton.cdiv(triton.cdiv(k, n_split), 64) * 64, n_split  # chunks start 64-aligned
-
-
-def _cs_bk(bm: int, warps: int) -> int:
-    """Column width of the checksum programs' fp32 tiles: 5 of them live across the loop, at most 16
-    values per thread each (more made the 4-warp 128 x 128 config spill)."""
-    return max(16, min(64, 512 * warps // bm))
-
-
 def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, S, inj, flag, ws, call_id, detect, verify_output, dot_f32):
     bm, bn, bk, warps, stages = cfg
     m, k = L.x.shape
     n = L.y.shape[1]
-    t = triton.cdiv(n, bn)
-    k_chunk, n_split = _split(k)
-    grid = (triton.cdiv(m, bm) * (t + (n_split if detect else 0)),)
+    t = _cdiv(n, bn)
+    grid = (-(-m // bm) * t,)
     xd, wd, yd = _descriptors(cfg, L)
     _gemm_kernel[grid](
         L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, w12, P, S, inj if inj is not None else ws,
         flag, ws,
         m, n, k, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1),
-        1.0 / n, call_id, k_chunk, n_split,
+        1.0 / n, call_id,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, HAS_BIAS=bias is not None, DETECT=detect,
-        VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0, CS_BK=_cs_bk(bm, warps),
-        CS_STAGES=CS_STAGES, TMA=L.tma, W_KN=L.kn, num_warps=warps, num_stages=stages,
+        VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0,
+        TMA=L.tma, W_KN=L.kn, num_warps=warps, num_stages=stages,
     )
 
 
@@ -587,8 +552,8 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, kn: bool):
         return cands[0]
     dev = L.x.device
     bn_min = min(c[1] for c in cands)
-    P = torch.empty((triton.cdiv(n, bn_min), m, 2), dtype=torch.float32, device=dev)
-    S = torch.empty((_split(k)[1], m, _STATS_W), dtype=torch.float32, device=dev)
+    P = torch.empty((_cdiv(n, bn_min), m, 2), dtype=torch.float32, device=dev)
+    S = torch.empty((_cdiv(n, bn_min), m, _STATS_W), dtype=torch.float32, device=dev)
     ws = torch.zeros(2, dtype=torch.int32, device=dev)
     w12 = torch.zeros((k, 2), dtype=torch.float32, device=dev)
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -718,10 +683,9 @@ def checked_gemm(
         wc = WeightChecksums.compute(weight, bias, weight_is_kn=weight_is_kn)
     if emax is None:
         emax = default_emax(y.dtype, dev.type, mode, k=k)
-    t = triton.cdiv(n, cfg[1])
+    t = _cdiv(n, cfg[1])
     P = torch.empty((t, m, 2), dtype=torch.float32, device=dev)
-    n_split = _split(k)[1]
-    S = torch.empty((n_split, m, _STATS_W), dtype=torch.float32, device=dev)
+    S = torch.empty((t, m, _STATS_W), dtype=torch.float32, device=dev)
     ws = torch.empty(2, dtype=torch.int32, device=dev)
     _launch_gemm(cfg, L, bias=bias, w12=wc.w12, P=P, S=S, inj=inj, flag=flag, ws=ws, call_id=call_id,
                  detect=True, verify_output=verify_output, dot_f32=dot_f32)
@@ -731,10 +695,10 @@ def checked_gemm(
     if correct and not verify_output:
         reverify = max(1.0, default_emax(y.dtype, dev.type, "output", k=k) / float(emax))
     vbn, vbk = VERIFY_BLOCK
-    _verify_kernel[(triton.cdiv(m, VERIFY_ROWS),)](
+    _verify_kernel[(_cdiv(m, VERIFY_ROWS),)](
         x2d, weight, y, bias if bias is not None else y, wc.b12, P, S, flag, ws, counters,
         debug if debug is not None else P,
-        m, n, k, t, n_split, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1),
+        m, n, k, t, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1),
         counters.stride(0), counters.stride(1),
         1.0 / n, float(n), 1.0 / k, call_id, int(bool(wc.finite)), int(capacity), *th, reverify,
         BLOCK_R=VERIFY_ROWS, BLOCK_N=vbn, BLOCK_K=vbk, BLOCK_T=VERIFY_TILES, HAS_BIAS=bias is not None, CORRECT=correct,

@@ -105,6 +105,11 @@ run_all() {
             "$REPO"/.lbcarry2/wheels/*.whl || die "wheel install failed"
     fi
     export PYTHONPATH="$site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+    # the package maps kernels/ and patches/ into ft_transformers (pyproject): PYTHONPATH=$REPO alone
+    # does not find ft_transformers.patches, so install the checkout (editable, no dependencies)
+    $PY -c 'import ft_transformers.patches, ft_transformers.kernels' 2>/dev/null \
+        || $PY -m pip install -q --no-deps --no-build-isolation -e "$REPO" > /dev/null 2>&1 \
+        || die "pip install -e $REPO failed"
     local model="${MODEL:-}"
     if [ -z "$model" ]; then model="$(assemble_model)" || exit 2; fi
     local results="${RESULTS:-/tmp/lb_gpu}" out="${OUT:-$results/out}"
