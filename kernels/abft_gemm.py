@@ -23,9 +23,10 @@ Design (two launches, no host synchronisation):
      CUDA cores (no split operands, no extra tensor-core dot), partial ``x·w1`` and ``x·w2``
      (``w1 = Σ_n W[n,:]``, ``w2 = Σ_n (n+1)·W[n,:]``: the cached `WeightChecksums.w12`) and the
      row statistics of x (max, min, sum) for the V-ABFT threshold, into a (T, M, 8) buffer. Every
-     element of x is used once, x is not read again from memory, and no program is added: an earlier version
-     ran separate checksum programs that re-read x, and each held a GEMM-sized share of shared
-     memory (one per SM) while doing little arithmetic; they cost up to 60 % at K-heavy shapes.
+     element of x enters the checksums once, re-read from L2 right after the tile's own load, and
+     no program is added: an earlier version ran separate checksum programs that re-read x from
+     memory, and each held a GEMM-sized share of shared memory (one per SM) while doing little
+     arithmetic; they cost up to 60 % at K-heavy shapes.
 
    Why not append ``w1``/``w2`` as extra output columns of the same GEMM: the checksum operand must
    keep fp32 accuracy, which in fp16/bf16 means splitting it into 2–3 slices of the input dtype
@@ -129,8 +130,8 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, nu
                TMA: tl.constexpr, W_KN: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile: fp32 GEMM + bias, rounding, injection, row partial sums, store;
     when DETECT also its share of the row checksums: the K blocks ``kb ≡ pid_n (mod T)`` of x, which
-    the tile has just loaded, give partial ``x·w1``, ``x·w2`` and row max / min / sum (plain fp32 on the
-    CUDA cores, one K block in T per tile: no extra reads of x, no extra programs).
+    the tile has just loaded (read again from L2), give partial ``x·w1``, ``x·w2`` and row max / min /
+    sum (plain fp32 on the CUDA cores, one K block in T per tile, no extra programs).
 
     TMA: operands are loaded (and y stored) through tensor descriptors ``Xd`` (M, K), ``Wd`` ((N, K),
     or (K, N) when W_KN) and ``Yd`` (M, N), whose out-of-bounds rows/columns read as zero and are not
@@ -274,21 +275,18 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
     offs_t = tl.arange(0, BLOCK_T)
     s1 = tl.zeros((BLOCK_R,), tl.float32)
     s2 = tl.zeros((BLOCK_R,), tl.float32)
+    c1 = tl.zeros((BLOCK_R,), tl.float32) + tl.load(B12)
+    c2 = tl.zeros((BLOCK_R,), tl.float32) + tl.load(B12 + 1)
+    sm = tl.zeros((BLOCK_R,), tl.float32)
+    mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
+    mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
     for t0 in range(0, T, BLOCK_T):
         tt = t0 + offs_t
         lm = (tt[:, None] < T) & r_ok[None, :]
         prow = P + (tt[:, None] * M + rows[None, :]) * 2
         s1 += tl.sum(tl.load(prow, mask=lm, other=0.0), axis=0)
         s2 += tl.sum(tl.load(prow + 1, mask=lm, other=0.0), axis=0)
-    c1 = tl.zeros((BLOCK_R,), tl.float32) + tl.load(B12)
-    c2 = tl.zeros((BLOCK_R,), tl.float32) + tl.load(B12 + 1)
-    sm = tl.zeros((BLOCK_R,), tl.float32)
-    mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
-    mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
-    for sp0 in range(0, T, BLOCK_T):
-        sp = sp0 + offs_t
-        lm = (sp[:, None] < T) & r_ok[None, :]
-        srow = S + (sp[:, None] * M + rows[None, :]) * 8
+        srow = S + (tt[:, None] * M + rows[None, :]) * 8
         c1 += tl.sum(tl.load(srow + 0, mask=lm, other=0.0), axis=0)
         c2 += tl.sum(tl.load(srow + 1, mask=lm, other=0.0), axis=0)
         mx = tl.maximum(mx, tl.max(tl.load(srow + 2, mask=lm, other=-float("inf")), axis=0))
@@ -520,7 +518,7 @@ def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, S, inj, flag, ws, call_id, de
     m, k = L.x.shape
     n = L.y.shape[1]
     t = _cdiv(n, bn)
-    grid = (-(-m // bm) * t,)
+    grid = (_cdiv(m, bm) * t,)
     xd, wd, yd = _descriptors(cfg, L)
     _gemm_kernel[grid](
         L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, w12, P, S, inj if inj is not None else ws,

@@ -43,7 +43,10 @@ def shapes(quick: bool) -> list[tuple[str, int, int, int]]:
 
 
 def _graphed(fn):
-    """``fn`` captured once into a CUDA graph (after a warm-up call that also tunes): its replay."""
+    """``fn`` captured once into a CUDA graph (after a warm-up call that also tunes): its replay.
+
+    Timed with ``do_bench`` like the eager columns, so L2 is flushed between replays (triton's
+    ``do_bench_cudagraph``, which bench_attention uses, replays without flushing)."""
     fn()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
