@@ -70,7 +70,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 
 from ..injection import FaultPlan
 from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
-from .tl_common import call_flag, runs_interpreted
+from .tl_common import call_flag, on_tensor_device, runs_interpreted
 from .tl_common import dot as _mma
 
 __all__ = [
@@ -588,6 +588,7 @@ def _check_device(t: torch.Tensor) -> None:
                               f"TRITON_INTERPRET=1), got {dev}{hint}; use backend='reference'")
 
 
+@on_tensor_device
 def checked_gemm(
     x2d: torch.Tensor,
     weight: torch.Tensor,

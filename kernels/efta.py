@@ -99,7 +99,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 
 from ..injection import FaultPlan
 from ..sites import ATTENTION_SITES, COUNTER_SHAPE
-from .tl_common import call_flag, runs_interpreted
+from .tl_common import call_flag, on_tensor_device, runs_interpreted
 from .tl_common import dot as _dot
 
 __all__ = ["efta_triton_forward", "Bounds", "BOUNDS", "EftaUnsupported", "interpreting"]
@@ -1294,6 +1294,7 @@ def _pow2_bucket(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
+@on_tensor_device
 def efta_triton_forward(
     q: torch.Tensor,
     k: torch.Tensor,

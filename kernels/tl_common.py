@@ -1,13 +1,15 @@
-"""Helpers shared by the kernels: a Triton dot, the host-side per-call non-finite flag, and whether
-a kernel runs in Triton's CPU interpreter."""
+"""Helpers shared by the kernels: a Triton dot, the host-side per-call non-finite flag, the launch
+device guard, and whether a kernel runs in Triton's CPU interpreter."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["call_flag", "dot", "runs_interpreted"]
+__all__ = ["call_flag", "dot", "on_tensor_device", "runs_interpreted"]
 
 
 @triton.jit
@@ -31,6 +33,24 @@ def runs_interpreted(fn) -> bool:
     except ImportError:  # pragma: no cover - very old or very new triton
         return False
     return isinstance(fn, InterpretedFunction) and isinstance(std.cdiv, InterpretedFunction)
+
+
+def on_tensor_device(fn):
+    """Run ``fn(t, ...)`` with ``t``'s GPU as the current CUDA device.
+
+    Triton launches on the current device's stream. A model spread over several GPUs
+    (``device_map``) calls layers whose tensors live on another GPU than the current one; without
+    this guard their kernels would run on the wrong GPU. The check costs ~1 µs; the context switch
+    is entered only when the devices differ.
+    """
+    @functools.wraps(fn)
+    def wrapper(t, *args, **kwargs):
+        dev = t.device
+        if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+            with torch.cuda.device(dev):
+                return fn(t, *args, **kwargs)
+        return fn(t, *args, **kwargs)
+    return wrapper
 
 
 # ------------------------------------------------------------------------------------------------

@@ -449,6 +449,51 @@ def test_accelerate_two_processes_equal_one(tiny_dir, tmp_path):
     assert s1 == s2 and (one / "result.json").read_text() == (two / "result.json").read_text()
 
 
+def test_compare_runs_checks_events_layer_by_layer(tiny_dir, tmp_path, capsys):
+    """compare_runs finds a run equal to itself, a moved event as a mismatch, and sums events per
+    device as run_config's layer_devices places the blocks."""
+    import io
+    import shutil
+
+    from longbench import compare_runs as C
+
+    common = ["--model", str(tiny_dir), "--data-dir", str(dp_data(tmp_path)), "--tasks", "trec",
+              "--max-length", "48", "--max-new-tokens", "2", "--no-progress", "--threads", "1", "--mode", "efta",
+              "--fault-site", "attn.scores", "--fault-bit", "30", "--seed", "1"]
+    one = P.main(common + ["--out-dir", str(tmp_path / "a")])
+    cfg = json.loads((one / "run_config.json").read_text())
+    assert cfg["layer_devices"] == {"cpu": [0, 1]}  # the tiny Llama's two blocks
+    E.main(["--pred-dir", str(one), "--direct", "--no-plot"])
+    other = tmp_path / "b" / one.parent.name
+    shutil.copytree(one.parent, other)
+    buf = io.StringIO()
+    assert C.compare_model_dirs(one.parent, other, out=buf), buf.getvalue()
+    assert "events of 5 rows identical" in buf.getvalue()
+
+    # the per-device sums against the task report's per-layer counts (shards.aggregate_events)
+    cfg["layer_devices"] = {"cuda:0": [0], "cuda:1": [1]}
+    (other / one.name / "run_config.json").write_text(json.dumps(cfg))
+    per_layer = Counter()
+    for r in json.loads((one / "trec.fault_report.json").read_text())["by_layer_site"]:
+        per_layer[r["layer"]] += r["detected"]
+    assert per_layer[0] > 0 and per_layer[1] > 0
+    dev = C.events_by_device(other / one.name)
+    assert dev["cuda:0"]["events"]["detected"] == per_layer[0]
+    assert dev["cuda:1"]["events"]["detected"] == per_layer[1]
+
+    # one event moved to the other block: same totals, but attributed to the wrong layer
+    ev = other / one.name / "trec.ft_events.jsonl"
+    rows = read_preds(ev)
+    row = next(r for r in rows if r["events"])
+    row["events"][0][1] = 1 - row["events"][0][1]
+    ev.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    buf = io.StringIO()
+    assert not C.compare_model_dirs(one.parent, other, out=buf)
+    out = buf.getvalue()
+    assert "fault events differ in 1 row(s)" in out and out.rstrip().endswith("MISMATCH")
+    assert "B's events by device: cuda:0 (layers 0): " in out
+
+
 # ---------------------------------------------------------------------------------------------
 # packs (a compact copy of a model to carry to the GPU machine)
 # ---------------------------------------------------------------------------------------------

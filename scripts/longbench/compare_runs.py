@@ -2,7 +2,9 @@
 
 For every run folder present in both, compares the scores (``result.json``, as written by
 longbench_eval.py), the predictions row by row (``pred`` by ``_id``, and the row order), and the
-fault-report totals; prints one OK / MISMATCH line per run and a last line ``OK`` or ``MISMATCH``.
+fault-report totals, and every row's fault-tolerance events (step, layer, module, site, kind, count);
+prints one OK / MISMATCH line per run, for a run whose blocks sit on several devices (``device_map``)
+its events per device, and a last line ``OK`` or ``MISMATCH``.
 Exit status 0 when everything matches, 1 otherwise.
 
     python scripts/longbench/compare_runs.py out/single/SmolLM2-135M-Instruct.Q4_1 out/dp/SmolLM2-135M-Instruct.Q4_1
@@ -57,8 +59,45 @@ def compare_run(a: Path, b: Path) -> tuple[bool, str]:
         keys = ("rows", "flips_injected", "totals")
         if any(ta.get(k) != tb.get(k) for k in keys):
             problems.append(f"fault reports differ: {[(k, ta.get(k), tb.get(k)) for k in keys]}")
+    ev_a, ev_b = _events(a), _events(b)
+    if ev_a != ev_b:
+        bad = sorted(k for k in set(ev_a) | set(ev_b) if ev_a.get(k) != ev_b.get(k))
+        problems.append(f"fault events differ in {len(bad)} row(s), e.g. {bad[:3]}")
     summary = f"{same}/{total} predictions identical"
+    if ev_a and ev_a == ev_b:
+        summary += f", events of {len(ev_a)} rows identical"
     return not problems, summary if not problems else summary + "; " + "; ".join(problems)
+
+
+def _events(run: Path) -> dict[tuple[str, str], tuple]:
+    """``{(task file, _id): (steps, flips, events)}`` from every ``<task>.ft_events.jsonl`` of a run."""
+    out = {}
+    for p in sorted(run.glob("*.ft_events.jsonl")):
+        if ".rank" in p.name:
+            continue
+        for r in _rows(p):
+            out[(p.name, r.get("_id"))] = (r.get("steps"), r.get("flips"), r.get("events"))
+    return out
+
+
+def events_by_device(run: Path) -> dict[str, dict]:
+    """Per device of ``run_config.json``'s ``layer_devices``: its layers and the summed event counts."""
+    cfg = json.loads((run / "run_config.json").read_text())
+    where = {layer: dev for dev, layers in (cfg.get("layer_devices") or {}).items() for layer in layers}
+    out = {dev: {"layers": layers, "events": {}} for dev, layers in (cfg.get("layer_devices") or {}).items()}
+    for (_task, _id), (_steps, _flips, events) in _events(run).items():
+        for _step, layer, _module, _site, kind, count in events or []:
+            dev = where.get(layer, "unplaced")
+            slot = out.setdefault(dev, {"layers": [], "events": {}})["events"]
+            slot[kind] = slot.get(kind, 0) + count
+    return out
+
+
+def _span(layers: list[int]) -> str:
+    """``[3, 4, 5]`` -> ``3-5``; anything not a run of two or more -> comma-separated."""
+    if len(layers) > 1 and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return ",".join(map(str, layers))
 
 
 def compare_model_dirs(a: str | Path, b: str | Path, out=sys.stdout) -> bool:
@@ -77,6 +116,12 @@ def compare_model_dirs(a: str | Path, b: str | Path, out=sys.stdout) -> bool:
         same, summary = compare_run(a / run, b / run)
         ok &= same
         print(f"{run}: {'OK' if same else 'MISMATCH'} ({summary})", file=out)
+        per_dev = events_by_device(b / run)
+        if len(per_dev) > 1:
+            print("  B's events by device: " + "; ".join(
+                f"{dev} (layers {_span(d['layers'])}): "
+                + (", ".join(f"{v} {k}" for k, v in d["events"].items() if v) or "no events")
+                for dev, d in per_dev.items()), file=out)
     print("OK" if ok else "MISMATCH", file=out)
     return ok
 

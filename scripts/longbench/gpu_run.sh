@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # LongBench on the GPU machine: SmolLM2 over every row of a data folder in five runs (eager and sdpa
 # baselines, efta protected, faulty unprotected, faulty protected), scored; then the same under
-# `accelerate launch --multi_gpu --num_processes 2` when 2 GPUs are visible, checked equal (OK/MISMATCH).
+# `accelerate launch --multi_gpu --num_processes 2` when 2 GPUs are visible, checked equal (OK/MISMATCH);
+# PHASE=devmap runs the modes once more as one process with the model split over both GPUs
+# (`--device-map balanced`), checked equal to the single-GPU run, events listed per device.
 #
 # The embedded SmolLM2 GGUF (94 MiB) is over what one device call carries (64 MiB), and every
 # smaller conversion changes the model (docs/longbench.md), so it travels in two parts, one per call:
@@ -13,8 +15,10 @@
 #                      (at once: the machine keeps part 1 only while warm, 30 s after a call)
 #
 # `run [DATA_DIR]` (default .lbcarry2/data) also takes MODEL=<.gguf | HF folder | pack folder> to skip
-# the parts. Knobs (environment): PHASE=all|single|dp, MODES="eager sdpa efta faulty-unprotected
-# faulty-protected", LIMIT=N (rows per task), MAX_LENGTH=N, DTYPE=auto|float32|bfloat16|float16,
+# the parts. Knobs (environment): PHASE=all|single|dp|devmap, MODES="eager sdpa efta faulty-unprotected
+# faulty-protected", FT_SCOPE=all|attention|linear (what the library modes protect), LIMIT=N (rows per
+# task), MAX_LENGTH=N, DTYPE=auto|float32|bfloat16|float16, LANES=2 (with 2 GPUs the single-GPU runs
+# go two at a time, one per GPU; LANES=1: one after another on GPU $SINGLE_GPU, default 0),
 # FAULT="--fault-site attn.scores --fault-bit 30 --seed 0", RESULTS=<folder> (default /tmp/lb_gpu).
 # Rerunning resumes (rows already predicted are kept), so a run cut by the time limit goes on in the
 # next call. What comes back: $OUT/longbench_results.tgz, $OUT/comparison_*.md, $OUT/gpu_run.log.
@@ -132,28 +136,61 @@ run_all() {
     local eval_flags=(--direct --reference eager)
     $PY -c 'import evaluate' 2>/dev/null && eval_flags=(--reference eager)
 
-    predict_all() {  # $1: single|dp ; runs every mode into $results/$1
-        local where="$1" launcher=("$PY")
+    run_mode() {  # $1: single|dp|devmap, $2: mode, $3: log file ; one mode's predictions into $results/$1
+        local where="$1" m="$2" mlog="$3" launcher=("$PY") args
         if [ "$where" = dp ]; then
             launcher=("$PY" -m accelerate.commands.launch --multi_gpu --num_processes 2 --num_machines 1
                       --mixed_precision no --dynamo_backend no --main_process_port 29533)
         fi
-        local m args
-        for m in $modes; do
-            case "$m" in
-                eager|sdpa|efta) args=(--mode "$m") ;;
-                faulty-unprotected) args=(--mode eager "${fault[@]}") ;;
-                faulty-protected) args=(--mode efta "${fault[@]}") ;;
-                *) die "unknown mode $m in MODES" ;;
-            esac
-            local t0=$SECONDS
-            echo "-- $where $m: ${launcher[*]} scripts/longbench_pred.py ${args[*]}" | tee -a "$log"
-            "${launcher[@]}" "$REPO/scripts/longbench_pred.py" "${common[@]}" "${args[@]}" \
-                --out-dir "$results/$where" 2>&1 | grep -v -e '^Loading weights' -e 'de-quantizing GGUF' | tee -a "$log"
-            local rc=${PIPESTATUS[0]}
-            echo "-- $where $m: exit $rc, $((SECONDS - t0)) s" | tee -a "$log"
+        case "$m" in
+            eager|sdpa) args=(--mode "$m") ;;
+            efta) args=(--mode "$m" --ft-scope "${FT_SCOPE:-all}") ;;
+            faulty-unprotected) args=(--mode eager "${fault[@]}" --ft-scope "${FT_SCOPE:-all}") ;;
+            faulty-protected) args=(--mode efta "${fault[@]}" --ft-scope "${FT_SCOPE:-all}") ;;
+            *) echo "gpu_run.sh: unknown mode $m in MODES" | tee -a "$mlog"; return 2 ;;
+        esac
+        [ "$where" = devmap ] && args+=(--device-map balanced)
+        local t0=$SECONDS
+        echo "-- $where $m (GPUs ${CUDA_VISIBLE_DEVICES:-all}): ${launcher[*]} scripts/longbench_pred.py ${args[*]}" \
+            | tee -a "$mlog"
+        "${launcher[@]}" "$REPO/scripts/longbench_pred.py" "${common[@]}" "${args[@]}" \
+            --out-dir "$results/$where" 2>&1 | grep -v -e '^Loading weights' -e 'de-quantizing GGUF' | tee -a "$mlog"
+        local rc=${PIPESTATUS[0]}
+        echo "-- $where $m: exit $rc, $((SECONDS - t0)) s" | tee -a "$mlog"
+        return "$rc"
+    }
+
+    predict_all() {  # $1: single|dp|devmap ; runs every mode into $results/$1
+        local where="$1" lanes=1 m
+        [ "$where" = single ] && [ "$ngpu" -ge 2 ] && lanes="${LANES:-2}"
+        if [ "$lanes" -gt 1 ]; then
+            # single-GPU runs side by side, mode i on GPU i mod lanes (each run still uses one GPU)
+            local lane pids=() rc=0
+            for ((lane = 0; lane < lanes; lane++)); do
+                : > "$out/single_gpu$lane.log"
+                (
+                    j=0
+                    for m in $modes; do
+                        if [ $((j % lanes)) = "$lane" ]; then
+                            CUDA_VISIBLE_DEVICES=$lane run_mode single "$m" "$out/single_gpu$lane.log" > /dev/null \
+                                || exit $?
+                        fi
+                        j=$((j + 1))
+                    done
+                ) &
+                pids+=($!)
+            done
+            for ((lane = 0; lane < lanes; lane++)); do
+                wait "${pids[$lane]}" || rc=$?
+                cat "$out/single_gpu$lane.log" >> "$log"
+                grep -e '^-- ' "$out/single_gpu$lane.log"
+            done
             [ "$rc" = 0 ] || return "$rc"
-        done
+        else
+            for m in $modes; do
+                run_mode "$where" "$m" "$log" || return $?
+            done
+        fi
         local tag
         tag="$(ls "$results/$where" | head -1)"
         $PY "$REPO/scripts/longbench_eval.py" --pred-dir "$results/$where/$tag" "${eval_flags[@]}" 2>&1 | tee -a "$log"
@@ -162,7 +199,11 @@ run_all() {
 
     local phase="${PHASE:-all}" status=0
     if [ "$phase" = all ] || [ "$phase" = single ]; then
-        CUDA_VISIBLE_DEVICES="${SINGLE_GPU:-0}" predict_all single || status=$?
+        if [ "$ngpu" -ge 2 ] && [ "${LANES:-2}" -gt 1 ]; then
+            predict_all single || status=$?
+        else
+            CUDA_VISIBLE_DEVICES="${SINGLE_GPU:-0}" predict_all single || status=$?
+        fi
     fi
     if [ "$status" = 0 ] && { [ "$phase" = all ] || [ "$phase" = dp ]; }; then
         if [ "$ngpu" -ge 2 ]; then
@@ -178,7 +219,18 @@ run_all() {
             echo "== data-parallel check skipped: $ngpu GPU visible (needs 2)" | tee -a "$log"
         fi
     fi
-    tar -C "$results" -czf "$out/longbench_results.tgz" --exclude='*.tmp' single dp 2>/dev/null \
+    if [ "$status" = 0 ] && [ "$phase" = devmap ]; then
+        [ "$ngpu" -ge 2 ] || die "PHASE=devmap needs 2 GPUs, $ngpu visible"
+        predict_all devmap || status=$?
+        if [ "$status" = 0 ]; then
+            local tag
+            tag="$(ls "$results/single" | head -1)"
+            echo "== one model over 2 GPUs (device_map balanced) vs 1 GPU:" | tee -a "$log"
+            $PY "$REPO/scripts/longbench/compare_runs.py" "$results/single/$tag" "$results/devmap/$tag" 2>&1 \
+                | tee -a "$log" "$out/devmap_check.txt"
+        fi
+    fi
+    tar -C "$results" -czf "$out/longbench_results.tgz" --exclude='*.tmp' $(cd "$results" && ls -d single dp devmap 2>/dev/null) 2>/dev/null \
         || tar -C "$results" -czf "$out/longbench_results.tgz" single 2>/dev/null
     echo "== done (status $status): results in $results, archive $out/longbench_results.tgz" | tee -a "$log"
     return "$status"
@@ -190,5 +242,5 @@ case "$cmd" in
     prepare) prepare "$@" ;;
     stage) stage ;;
     run) run_all "$@" ;;
-    *) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) awk 'NR > 1 && !/^#/ {exit} NR > 1' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -319,6 +319,20 @@ def apply_mode(model, mode: str, ft_scope: str = "all"):
     return ftt.enable_fault_tolerance(model, cfg)
 
 
+def layer_devices(model) -> dict[str, list[int]]:
+    """Which device holds each block: ``{"cuda:0": [0, 1, ...], "cuda:1": [...]}`` (the blocks are the
+    longest ``nn.ModuleList`` of the model, the indices the fault report's ``layer``)."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    out: dict[str, list[int]] = {}
+    if lists:
+        for i, block in enumerate(max(lists, key=len)):
+            p = next(block.parameters(), None)
+            out.setdefault(str(p.device) if p is not None else "none", []).append(i)
+    return out
+
+
 def max_prompt_length(model, requested: int | None) -> int:
     if requested is not None:
         return int(requested)
@@ -535,7 +549,8 @@ def main(argv=None) -> Path:
         "dtype": str(dtype).replace("torch.", ""),
         "ft_scope": args.ft_scope if mode in LIBRARY_MODES else None,
         "attn_implementation": getattr(model.config, "_attn_implementation", attn),
-        "device": str(model.device), "device_map": args.device_map, "world_size": dist.world,
+        "device": str(model.device), "device_map": args.device_map, "layer_devices": layer_devices(model),
+        "world_size": dist.world,
         "longbench_e": args.longbench_e, "limit": args.limit, "versions": _versions(),
     }
     if dist.is_main:
