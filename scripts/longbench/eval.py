@@ -169,6 +169,8 @@ def compare_runs(runs: list[Path], scorer: Scorer, *, common_rows: bool = True,
             lab = f"{run_label(infos[n], n)} #{k}"
             k += 1
         labels[n] = lab
+    if reference is not None and reference not in names:
+        raise ValueError(f"--reference {reference!r} is not one of the runs here: {', '.join(names)}")
     if reference is None:
         clean = [n for n in names if infos[n].get("mode") and infos[n].get("fault") is None]
         reference = clean[0] if clean else names[0]
@@ -336,6 +338,9 @@ def main(argv=None) -> dict:
         raise SystemExit(f"no prediction files under {pred_dir}")
     scorer = Scorer(not args.direct, rouge_backend=args.rouge_backend, code_sim_backend=args.code_sim_backend,
                     faithful=args.classification == "published")
+    if args.reference is not None and args.reference not in {r.name for r in runs}:
+        raise SystemExit(f"--reference {args.reference!r} is not one of the runs in {pred_dir}: "
+                         f"{', '.join(sorted(r.name for r in runs))}")
     summaries = {}
     for r in runs:
         summaries[r.name] = score_run(r, scorer)

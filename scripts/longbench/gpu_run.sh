@@ -133,8 +133,8 @@ run_all() {
     [ -n "${MAX_LENGTH:-}" ] && common+=(--max-length "$MAX_LENGTH")
     read -r -a fault <<< "${FAULT:---fault-site attn.scores --fault-bit 30 --seed 0}"
     local modes="${MODES:-eager sdpa efta faulty-unprotected faulty-protected}"
-    local eval_flags=(--direct --reference eager)
-    $PY -c 'import evaluate' 2>/dev/null && eval_flags=(--reference eager)
+    local eval_flags=(--direct)
+    $PY -c 'import evaluate' 2>/dev/null && eval_flags=()
 
     run_mode() {  # $1: single|dp|devmap, $2: mode, $3: log file ; one mode's predictions into $results/$1
         local where="$1" m="$2" mlog="$3" launcher=("$PY") args
@@ -193,8 +193,12 @@ run_all() {
         fi
         local tag
         tag="$(ls "$results/$where" | head -1)"
-        $PY "$REPO/scripts/longbench_eval.py" --pred-dir "$results/$where/$tag" "${eval_flags[@]}" 2>&1 | tee -a "$log"
-        cp "$results/$where/$tag/comparison.md" "$out/comparison_$where.md" 2>/dev/null
+        local ref=()
+        [ -d "$results/$where/$tag/eager" ] && ref=(--reference eager)
+        $PY "$REPO/scripts/longbench_eval.py" --pred-dir "$results/$where/$tag" "${eval_flags[@]}" "${ref[@]}" 2>&1 \
+            | tee -a "$log"
+        [ "${PIPESTATUS[0]}" = 0 ] || return 1
+        cp "$results/$where/$tag/comparison.md" "$out/comparison_$where.md"
     }
 
     local phase="${PHASE:-all}" status=0
@@ -205,30 +209,20 @@ run_all() {
             CUDA_VISIBLE_DEVICES="${SINGLE_GPU:-0}" predict_all single || status=$?
         fi
     fi
+    on_two_gpus() {  # $1: dp|devmap, $2: what it is ; its runs, then checked against the single-GPU runs
+        [ "$ngpu" -ge 2 ] || { echo "== $1 skipped: $ngpu GPU visible (needs 2)" | tee -a "$log"; return 0; }
+        predict_all "$1" || return $?
+        local tag
+        tag="$(ls "$results/single" | head -1)"
+        echo "== $2 vs 1 GPU:" | tee -a "$log"
+        $PY "$REPO/scripts/longbench/compare_runs.py" "$results/single/$tag" "$results/$1/$tag" 2>&1 \
+            | tee -a "$log" "$out/$1_check.txt"
+    }
     if [ "$status" = 0 ] && { [ "$phase" = all ] || [ "$phase" = dp ]; }; then
-        if [ "$ngpu" -ge 2 ]; then
-            predict_all dp || status=$?
-            if [ "$status" = 0 ]; then
-                local tag
-                tag="$(ls "$results/single" | head -1)"
-                echo "== 2 processes vs 1 GPU:" | tee -a "$log"
-                $PY "$REPO/scripts/longbench/compare_runs.py" "$results/single/$tag" "$results/dp/$tag" 2>&1 \
-                    | tee -a "$log" "$out/dp_check.txt"
-            fi
-        else
-            echo "== data-parallel check skipped: $ngpu GPU visible (needs 2)" | tee -a "$log"
-        fi
+        on_two_gpus dp "2 processes (accelerate launch)" || status=$?
     fi
     if [ "$status" = 0 ] && [ "$phase" = devmap ]; then
-        [ "$ngpu" -ge 2 ] || die "PHASE=devmap needs 2 GPUs, $ngpu visible"
-        predict_all devmap || status=$?
-        if [ "$status" = 0 ]; then
-            local tag
-            tag="$(ls "$results/single" | head -1)"
-            echo "== one model over 2 GPUs (device_map balanced) vs 1 GPU:" | tee -a "$log"
-            $PY "$REPO/scripts/longbench/compare_runs.py" "$results/single/$tag" "$results/devmap/$tag" 2>&1 \
-                | tee -a "$log" "$out/devmap_check.txt"
-        fi
+        on_two_gpus devmap "one model over 2 GPUs (device_map balanced)" || status=$?
     fi
     tar -C "$results" -czf "$out/longbench_results.tgz" --exclude='*.tmp' $(cd "$results" && ls -d single dp devmap 2>/dev/null) 2>/dev/null \
         || tar -C "$results" -czf "$out/longbench_results.tgz" single 2>/dev/null
