@@ -470,6 +470,14 @@ def test_compare_runs_checks_events_layer_by_layer(tiny_dir, tmp_path, capsys):
     assert C.compare_model_dirs(one.parent, other, out=buf), buf.getvalue()
     assert "events of 5 rows identical" in buf.getvalue()
 
+    # a run of the first rows only (--limit) compares on those rows
+    part = P.main(common + ["--out-dir", str(tmp_path / "c"), "--limit", "2"])
+    buf = io.StringIO()
+    assert not C.compare_model_dirs(one.parent, part.parent, out=buf)  # other rows, other scores
+    buf = io.StringIO()
+    assert C.compare_model_dirs(one.parent, part.parent, out=buf, rows_of_b=True), buf.getvalue()
+    assert "2/2 predictions identical, events of 2 rows identical" in buf.getvalue()
+
     # the per-device sums against the task report's per-layer counts (shards.aggregate_events)
     cfg["layer_devices"] = {"cuda:0": [0], "cuda:1": [1]}
     (other / one.name / "run_config.json").write_text(json.dumps(cfg))
@@ -658,6 +666,8 @@ def test_cli_three_modes_then_eval(tiny_dir, tmp_path):
     via_evaluate = E.Scorer(True)("trec", read_preds(prot / "trec.jsonl"))
     direct = E.Scorer(False)("trec", read_preds(prot / "trec.jsonl"))
     assert via_evaluate["score"] == direct["score"]
+    with pytest.raises(SystemExit, match="--reference 'sdpa' is not one of the runs"):
+        E.main(["--pred-dir", str(clean.parent), "--direct", "--no-plot", "--reference", "sdpa"])
 
 
 @pytest.mark.slow

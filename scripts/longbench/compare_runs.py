@@ -23,26 +23,49 @@ def _rows(path: Path) -> list[dict]:
         return [json.loads(x) for x in f if x.strip()]
 
 
-def compare_run(a: Path, b: Path) -> tuple[bool, str]:
-    """``(same, one-line summary)`` for two run folders."""
-    problems = []
+def _score_problems(a: Path, b: Path) -> list[str]:
     ra, rb = a / "result.json", b / "result.json"
     if not ra.is_file() or not rb.is_file():
-        problems.append("result.json missing (run longbench_eval.py first)")
-    elif json.loads(ra.read_text()) != json.loads(rb.read_text()):
-        sa, sb = json.loads(ra.read_text()), json.loads(rb.read_text())
-        diff = {k: (sa.get(k), sb.get(k)) for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k)}
-        problems.append(f"scores differ {diff}")
+        return ["result.json missing (run longbench_eval.py first)"]
+    sa, sb = json.loads(ra.read_text()), json.loads(rb.read_text())
+    if sa == sb:
+        return []
+    diff = {k: (sa.get(k), sb.get(k)) for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k)}
+    return [f"scores differ {diff}"]
+
+
+def _report_problems(a: Path, b: Path) -> list[str]:
+    fa, fb = a / "fault_report.json", b / "fault_report.json"
+    if fa.is_file() != fb.is_file():
+        return ["fault_report.json in one folder only"]
+    if not fa.is_file():
+        return []
+    ta, tb = json.loads(fa.read_text()), json.loads(fb.read_text())
+    keys = ("rows", "flips_injected", "totals")
+    if any(ta.get(k) != tb.get(k) for k in keys):
+        return [f"fault reports differ: {[(k, ta.get(k), tb.get(k)) for k in keys]}"]
+    return []
+
+
+def compare_run(a: Path, b: Path, rows_of_b: bool = False) -> tuple[bool, str]:
+    """``(same, one-line summary)`` for two run folders.
+
+    ``rows_of_b``: B predicted only some of A's rows (e.g. ``--limit``): compare those rows' predictions
+    and events, in A's order; the scores and report totals, which cover other rows, are not compared.
+    """
+    problems = [] if rows_of_b else _score_problems(a, b) + _report_problems(a, b)
     tasks_a = {p.name for p in a.glob("*.jsonl") if ".ft_events" not in p.name and ".rank" not in p.name}
     tasks_b = {p.name for p in b.glob("*.jsonl") if ".ft_events" not in p.name and ".rank" not in p.name}
-    if tasks_a != tasks_b:
+    if tasks_a != tasks_b and not (rows_of_b and tasks_b <= tasks_a):
         problems.append(f"task files differ: only in A {sorted(tasks_a - tasks_b)}, "
                         f"only in B {sorted(tasks_b - tasks_a)}")
     same = total = 0
     for name in sorted(tasks_a & tasks_b):
         xa, xb = _rows(a / name), _rows(b / name)
-        ida, idb = [r.get("_id") for r in xa], [r.get("_id") for r in xb]
-        if ida != idb:
+        idb = [r.get("_id") for r in xb]
+        if rows_of_b:
+            xa = [r for r in xa if r.get("_id") in set(idb)]
+        if [r.get("_id") for r in xa] != idb:
             problems.append(f"{name}: rows or their order differ ({len(xa)} vs {len(xb)} rows)")
         if len(set(idb)) != len(idb):
             problems.append(f"{name}: duplicate rows in B")
@@ -51,15 +74,9 @@ def compare_run(a: Path, b: Path) -> tuple[bool, str]:
         same += sum(pb.get(r.get("_id")) == r.get("pred") for r in xa)
     if same != total:
         problems.append(f"{total - same} of {total} predictions differ")
-    fa, fb = a / "fault_report.json", b / "fault_report.json"
-    if fa.is_file() != fb.is_file():
-        problems.append("fault_report.json in one folder only")
-    elif fa.is_file():
-        ta, tb = json.loads(fa.read_text()), json.loads(fb.read_text())
-        keys = ("rows", "flips_injected", "totals")
-        if any(ta.get(k) != tb.get(k) for k in keys):
-            problems.append(f"fault reports differ: {[(k, ta.get(k), tb.get(k)) for k in keys]}")
     ev_a, ev_b = _events(a), _events(b)
+    if rows_of_b:
+        ev_a = {k: v for k, v in ev_a.items() if k in ev_b}
     if ev_a != ev_b:
         bad = sorted(k for k in set(ev_a) | set(ev_b) if ev_a.get(k) != ev_b.get(k))
         problems.append(f"fault events differ in {len(bad)} row(s), e.g. {bad[:3]}")
@@ -100,7 +117,7 @@ def _span(layers: list[int]) -> str:
     return ",".join(map(str, layers))
 
 
-def compare_model_dirs(a: str | Path, b: str | Path, out=sys.stdout) -> bool:
+def compare_model_dirs(a: str | Path, b: str | Path, out=sys.stdout, rows_of_b: bool = False) -> bool:
     """Compare every run folder the two model folders share; print a line each and a verdict."""
     a, b = Path(a), Path(b)
     runs_a = {p.name for p in a.iterdir() if (p / "run_config.json").is_file()} if a.is_dir() else set()
@@ -113,7 +130,7 @@ def compare_model_dirs(a: str | Path, b: str | Path, out=sys.stdout) -> bool:
         if run not in runs_a or run not in runs_b:
             print(f"{run}: only in {'A' if run in runs_a else 'B'} (not compared)", file=out)
             continue
-        same, summary = compare_run(a / run, b / run)
+        same, summary = compare_run(a / run, b / run, rows_of_b)
         ok &= same
         print(f"{run}: {'OK' if same else 'MISMATCH'} ({summary})", file=out)
         per_dev = events_by_device(b / run)
@@ -130,8 +147,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("a", help="model folder of runs (reference, e.g. one GPU)")
     p.add_argument("b", help="model folder of runs to check (e.g. data parallel)")
+    p.add_argument("--rows-of-b", action="store_true",
+                   help="B holds only some of A's rows (e.g. run with --limit): compare those rows and their "
+                        "events, not the scores or report totals")
     args = p.parse_args(argv)
-    return 0 if compare_model_dirs(args.a, args.b) else 1
+    return 0 if compare_model_dirs(args.a, args.b, rows_of_b=args.rows_of_b) else 1
 
 
 if __name__ == "__main__":
