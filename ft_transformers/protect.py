@@ -232,7 +232,7 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
             if layout is None:
                 continue
             ctx = _ModuleContext(state, state.recorder.add_slot(name, layer), False, in_scope(layer), layout)
-            module.forward = types.MethodType(_checked_forward, module)
+            _install_forward(module)
             _CACHE_OWNERS[id(module)] = module
             state.patched.append(module)
         module._ftt = ctx
@@ -243,6 +243,28 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
     return model
 
 
+def _install_forward(module: torch.nn.Module) -> None:
+    """Route ``module``'s calls through the checked GEMM.
+
+    A module that accelerate hooked (``device_map``, offloading) keeps its hook: the checked forward
+    replaces the hook's inner ``_old_forward``, so the hook still moves the input to the weight's
+    device first (e.g. a tied ``lm_head`` whose weight sits on another GPU than the last block).
+    """
+    checked = types.MethodType(_checked_forward, module)
+    if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__:
+        module._ftt_inner_forward = module._old_forward
+        module._old_forward = checked
+    else:
+        module.forward = checked
+
+
+def _uninstall_forward(module: torch.nn.Module) -> None:
+    if "_ftt_inner_forward" in module.__dict__:
+        module._old_forward = module.__dict__.pop("_ftt_inner_forward")
+    elif "forward" in module.__dict__:
+        del module.forward
+
+
 def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
     """Undo `enable_fault_tolerance`: original attention implementation and forwards restored."""
     state = getattr(model, _STATE_ATTR, None)
@@ -251,8 +273,7 @@ def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
     for h in state.hooks:
         h.remove()
     for module in state.patched:
-        if "forward" in module.__dict__:
-            del module.forward
+        _uninstall_forward(module)
         _CACHE_OWNERS.pop(id(module), None)
     for module in model.modules():
         for attr in ("_ftt", "_ftt_vabft_checksums"):

@@ -33,7 +33,9 @@ from longbench.pred import layer_devices  # noqa: E402
 
 import ft_transformers as ftt  # noqa: E402
 
-DEFAULT_FAULTS = "attn.scores:30,linear.output:30"
+def default_faults(dtype: str) -> str:
+    """One flip of the top exponent bit at the attention scores (fp32) and at the Linear outputs."""
+    return f"attn.scores:30,linear.output:{30 if dtype == 'float32' else 14}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,8 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--faults", default=DEFAULT_FAULTS,
-                   help="comma-separated site:bit, one flip per targeted call (empty: clean run)")
+    p.add_argument("--faults", default=None,
+                   help="comma-separated site:bit, one flip per targeted call (empty: clean run); default: "
+                        "the top exponent bit of the fp32 scores and of the Linear outputs' dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the comparison as JSON here")
     args = p.parse_args(argv)
@@ -116,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     cfg = model_config(args.model, tiny=args.tiny, max_positions=args.prompt + args.new_tokens)
+    if args.faults is None:
+        args.faults = default_faults(args.dtype)
     specs = fault_specs(args.faults, args.seed)
     ids = torch.randint(3, cfg.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
     with tempfile.TemporaryDirectory() as tmp:

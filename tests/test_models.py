@@ -75,6 +75,37 @@ def test_disable_restores_model():
         ftt.fault_report(model)
 
 
+def test_accelerate_hooks_survive_protection():
+    """A module accelerate hooked (device_map placement) keeps its hook under protection: the hook
+    still runs around the checked GEMM, and disabling protection leaves the hook in place."""
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class Count(hooks.ModelHook):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            self.calls += 1
+            return args, kwargs
+
+    model = make_model("llama")
+    ids, mask = padded_batch()
+    ref = _forward(model, "llama", ids, mask)
+    hook = Count()
+    hooks.add_hook_to_module(model.lm_head, hook)
+    ftt.enable_fault_tolerance(model)
+    spec = ftt.FaultSpec(site="linear.output", bit=30, layers=["lm_head"])
+    with torch.no_grad(), ftt.inject_faults(model, spec) as log:
+        out = _forward(model, "llama", ids, mask)
+    assert hook.calls == 1 and log.injected == 1  # the hook ran, and so did the checked GEMM it wraps
+    assert ftt.fault_report(model).totals()["corrected"] == 1
+    assert (_valid("llama", out, mask) - _valid("llama", ref, mask)).abs().max().item() < TOL
+    ftt.disable_fault_tolerance(model)
+    assert torch.equal(_forward(model, "llama", ids, mask), ref) and hook.calls == 2
+    assert "_ftt_inner_forward" not in model.lm_head.__dict__
+
+
 def test_set_attn_implementation_and_from_config():
     model = make_model("llama", attn="efta")
     assert model.config._attn_implementation == "efta"
