@@ -33,6 +33,7 @@ from longbench.pred import layer_devices  # noqa: E402
 
 import ft_transformers as ftt  # noqa: E402
 
+
 def default_faults(dtype: str) -> str:
     """One flip of the top exponent bit at the attention scores (fp32) and at the Linear outputs."""
     return f"attn.scores:30,linear.output:{30 if dtype == 'float32' else 14}"
