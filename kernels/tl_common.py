@@ -40,8 +40,8 @@ def on_tensor_device(fn):
 
     Triton launches on the current device's stream. A model spread over several GPUs
     (``device_map``) calls layers whose tensors live on another GPU than the current one; without
-    this guard their kernels would run on the wrong GPU. The check costs ~1 µs; the context switch
-    is entered only when the devices differ.
+    this guard their kernels would run on the wrong GPU. The device switch happens only when the
+    devices differ.
     """
     @functools.wraps(fn)
     def wrapper(t, *args, **kwargs):
