@@ -36,14 +36,12 @@ clean inputs none of them changes a check's verdict):
 
 from __future__ import annotations
 
-import math
-import struct
-
 import torch
 import torch.nn.functional as F
 
 from . import pasa as _pasa
 from .counters import add_count
+from .exp_check import EXP_ULPS, EXP_XMIN, LOG2E, PMIN_BITS
 from .injection import FaultPlan, SiteFaults
 
 __all__ = ["efta_reference", "broadcast_to_scores", "PASA_PRECISIONS"]
@@ -53,10 +51,6 @@ U16 = 2.0**-11  # fp16 unit roundoff
 _FP16_ETA = 2.0**-25  # fp16 absolute rounding error bound in the subnormal range
 PASA_PRECISIONS = ("fp32", "fp16")
 _NEG_INF = float("-inf")
-_XMIN = -87.0  # step 4: x below it counts as _XMIN, and P as exp(_XMIN) unless larger
-_PMIN_BITS = struct.unpack("<i", struct.pack("<f", math.exp(_XMIN)))[0]  # fp32 exp(−87) as int32 bits
-_LOG2E = 1.4426950408889634
-_EXP_ULPS = 64.0
 _RECOMPUTE_CHUNK = 1 << 24  # elements of gathered K/V per chunk of the row recompute
 
 
@@ -222,8 +216,8 @@ def _exp_ftz(x: torch.Tensor) -> torch.Tensor:
     CPU exp takes a slow path for underflowing and −inf arguments (about 10× slower), and masked
     keys are −inf. The flush is within the step-4 contract (0 ≤ P ≤ 2^-125 below −87).
     """
-    p = torch.exp(x.clamp(min=-87.0))
-    return p.masked_fill_(x < -87.0, 0.0)
+    p = torch.exp(x.clamp(min=EXP_XMIN))
+    return p.masked_fill_(x < EXP_XMIN, 0.0)
 
 
 def _exp_group_test(x: torch.Tensor, P: torch.Tensor, s: int) -> torch.Tensor:
@@ -235,12 +229,12 @@ def _exp_group_test(x: torch.Tensor, P: torch.Tensor, s: int) -> torch.Tensor:
     Returns (..., s) bool: |Σ log2 P − log2(e)·Σ x| > 64·u·log2(e)·(3L + |Σ x|).
     """
     L = x.shape[-1] // s
-    xs = torch.fmax(x, x.new_tensor(_XMIN)).view(*x.shape[:-1], L, s).sum(-2)
-    pb = P.contiguous().view(torch.int32).clamp(min=_PMIN_BITS)
+    xs = torch.fmax(x, x.new_tensor(EXP_XMIN)).view(*x.shape[:-1], L, s).sum(-2)
+    pb = P.contiguous().view(torch.int32).clamp(min=PMIN_BITS)
     e = (pb >> 23).view(*x.shape[:-1], L, s).sum(-2) - 127 * L  # a negative P gives a hugely negative e
     mant = ((pb & 0x7FFFFF) | 0x3F800000).view(torch.float32).view(*x.shape[:-1], L, s)
-    d = e.to(torch.float32) + torch.log2(mant.prod(-2)) - xs * _LOG2E
-    return ~(d.abs() <= (xs.abs() + 3.0 * L) * (_EXP_ULPS * U * _LOG2E))
+    d = e.to(torch.float32) + torch.log2(mant.prod(-2)) - xs * LOG2E
+    return ~(d.abs() <= (xs.abs() + 3.0 * L) * (EXP_ULPS * U * LOG2E))
 
 
 def _locate(d1: torch.Tensor, d2: torch.Tensor, bad: torch.Tensor, ngroups: int

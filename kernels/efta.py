@@ -84,7 +84,6 @@ skipping), so faults land exactly where they land in the reference.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import struct
 from dataclasses import dataclass
@@ -97,6 +96,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only where triton is missing
     raise ImportError("ft_transformers.kernels.efta needs triton") from exc
 
+from ..exp_check import EXP_ULPS, EXP_XMIN, LOG2E, PMIN_BITS
 from ..injection import FaultPlan
 from ..sites import ATTENTION_SITES, COUNTER_SHAPE
 from .tl_common import call_flag, on_tensor_device, runs_interpreted
@@ -130,8 +130,8 @@ class Bounds:
     gamma: float = 1.01  # g(k) = gamma·k·u
     snvr_rel: float = 2.0**-20  # step 3: τ_m = min(snvr_rel·(1 + |m_new|), snvr_cap)
     snvr_cap: float = 1.0
-    exp_ulps: float = 64.0  # step 4: |Σ log2 P − log2(e)·Σ x| ≤ exp_ulps·u·log2(e)·(3L + |Σ x|) per group
-    exp_xmin: float = -87.0  # step 4: x below it counts as exp_xmin, P as exp(exp_xmin) unless larger
+    exp_ulps: float = EXP_ULPS  # step 4: |Σ log2 P − log2(e)·Σ x| ≤ exp_ulps·u·log2(e)·(3L + |Σ x|) per group
+    exp_xmin: float = EXP_XMIN  # step 4: x below it counts as exp_xmin, P as exp(exp_xmin) unless larger
     gemm_slack_cuda: float = 2.0
     gemm_slack_interp: float = 1.0
 
@@ -154,9 +154,9 @@ _HDR = 6  # ints per site in the injection table header
 _SCORES, _ROWMAX, _PROBS, _ROWSUM, _OUTPUT = (tl.constexpr(5 * i) for i in range(5))
 _DET, _COR, _REC, _UNC, _NONF = (tl.constexpr(i) for i in range(5))
 _HDR_K = tl.constexpr(_HDR)
-_LOG2E = tl.constexpr(1.4426950408889634)
-# step 4: bits of fp32 exp(exp_xmin), the floor of P in the product check (positive fp32 order like int32)
-_PMIN_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", math.exp(BOUNDS.exp_xmin)))[0])
+_LOG2E = tl.constexpr(LOG2E)
+# step 4: bits of fp32 exp(EXP_XMIN), the floor of P in the product check (positive fp32 order like int32)
+_PMIN_BITS = tl.constexpr(PMIN_BITS)
 
 
 def interpreting() -> bool:
