@@ -56,6 +56,7 @@ the GPU's semantics).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -531,7 +532,7 @@ def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, S, inj, flag, ws, call_id, de
     )
 
 
-def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, kn: bool):
+def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
     """The block sizes for this call: forced, interpreter, or timed once per shape key (CUDA)."""
     forced = _forced_config()
     if forced is not None:
@@ -540,7 +541,7 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, kn: bool):
         return CONFIG_INTERPRET
     m, k = L.x.shape
     n = L.y.shape[1]
-    key = (L.x.dtype, kn, L.tma, bias is not None, detect, verify_output, _bucket(m), n, k)
+    key = (L.x.dtype, L.kn, L.tma, bias is not None, detect, verify_output, _bucket(m), n, k)
     cfg = _TUNE_CACHE.get(key)
     if cfg is not None:
         return cfg
@@ -556,7 +557,7 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, kn: bool):
     w12 = torch.zeros((k, 2), dtype=torch.float32, device=dev)
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     y_scratch = torch.empty_like(L.y)
-    Ls = _Launch(L.x, L.w, L.b, y_scratch, L.swn, L.swk, L.kn, L.tma)
+    Ls = dataclasses.replace(L, y=y_scratch)
     best, best_t = None, float("inf")
     for c in cands:
         def run(c=c):
@@ -671,8 +672,7 @@ def checked_gemm(
     else:
         inj = None
     if inj is None:
-        cfg = _pick_config(L, bias=bias, detect=detect, verify_output=verify_output, dot_f32=dot_f32,
-                           kn=weight_is_kn)
+        cfg = _pick_config(L, bias=bias, detect=detect, verify_output=verify_output, dot_f32=dot_f32)
     flag, call_id = call_flag(dev)
     if not detect:
         _launch_gemm(cfg, L, bias=bias, w12=y, P=y, S=y, inj=inj, flag=flag, ws=flag, call_id=call_id,

@@ -44,6 +44,8 @@ def _gemm_rel_tol(dtype, k):
     plus fp32 accumulation, whose rounding errors grow like sqrt(k)·u; a TF32 product (u = 2^-11)
     would exceed it more than tenfold."""
     return 4 * ULP[dtype] + 4 * k**0.5 * 2.0**-24
+
+
 HIGH_BIT = {torch.float32: (27, 28, 29, 30), torch.float16: (12, 13, 14), torch.bfloat16: (11, 12, 13, 14)}
 
 
