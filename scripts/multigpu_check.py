@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import model_config  # noqa: E402
+from longbench.compare_runs import describe_device, events_per_device  # noqa: E402
 from longbench.pred import layer_devices  # noqa: E402
 
 import ft_transformers as ftt  # noqa: E402
@@ -103,16 +104,6 @@ def load(path: Path, dtype: torch.dtype, *, device: str | None = None, device_ma
     return ftt.enable_fault_tolerance(model.eval(), ftt.FTConfig())
 
 
-def per_device(events: list[list], placement: dict[str, list[int]]) -> dict[str, dict]:
-    """Per device of ``placement`` (`layer_devices`): its blocks and the summed event counts."""
-    where = {layer: dev for dev, layers in placement.items() for layer in layers}
-    out: dict[str, dict] = {dev: {"layers": layers, "events": {}} for dev, layers in placement.items()}
-    for _step, layer, _module, _site, kind, count in events:
-        slot = out.setdefault(where.get(layer, "outside the blocks"), {"layers": [], "events": {}})["events"]
-        slot[kind] = slot.get(kind, 0) + count
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM
@@ -149,17 +140,15 @@ def main(argv: list[str] | None = None) -> int:
         "gpus": torch.cuda.device_count() if args.device == "cuda" else 0,
         "devices_used": sorted(many_where), "flips": [one["flips"], many["flips"]],
         "totals": [one["totals"], many["totals"]], "events": len(one["events"]), "checks": checks,
-        "events_by_device": per_device(many["events"], many_where),
-        "single_device_events": per_device(one["events"], one_where),
+        "events_by_device": events_per_device(many["events"], many_where),
+        "single_device_events": events_per_device(one["events"], one_where),
     }
     for name, ok in checks.items():
         print(f"{name}: {'OK' if ok else 'MISMATCH'}")
     print(f"flips injected: {one['flips']} (one device) / {many['flips']} (spread); "
           f"events: {len(one['events'])} / {len(many['events'])}; totals {many['totals']}")
     for dev, d in result["events_by_device"].items():
-        lay = d["layers"]
-        where = f"{dev} (blocks {lay[0]}-{lay[-1]})" if lay else dev
-        print(f"  {where}: " + (", ".join(f"{v} {k}" for k, v in d["events"].items() if v) or "no events"))
+        print("  " + describe_device(dev, d))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

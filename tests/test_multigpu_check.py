@@ -31,7 +31,7 @@ def test_per_device_sums_by_placement():
     events = [[0, 0, "m.layers.0.self_attn", "attn.scores", "detected", 2],
               [1, 1, "m.layers.1.mlp.up_proj", "linear.output", "detected", 3],
               [1, -1, "lm_head", "linear.output", "corrected", 1]]
-    got = MG.per_device(events, {"cuda:0": [0], "cuda:1": [1]})
+    got = MG.events_per_device(events, {"cuda:0": [0], "cuda:1": [1]})
     assert got == {"cuda:0": {"layers": [0], "events": {"detected": 2}},
                    "cuda:1": {"layers": [1], "events": {"detected": 3}},
                    "outside the blocks": {"layers": [], "events": {"corrected": 1}}}

@@ -97,17 +97,29 @@ def _events(run: Path) -> dict[tuple[str, str], tuple]:
     return out
 
 
-def events_by_device(run: Path) -> dict[str, dict]:
-    """Per device of ``run_config.json``'s ``layer_devices``: its layers and the summed event counts."""
-    cfg = json.loads((run / "run_config.json").read_text())
-    where = {layer: dev for dev, layers in (cfg.get("layer_devices") or {}).items() for layer in layers}
-    out = {dev: {"layers": layers, "events": {}} for dev, layers in (cfg.get("layer_devices") or {}).items()}
-    for (_task, _id), (_steps, _flips, events) in _events(run).items():
-        for _step, layer, _module, _site, kind, count in events or []:
-            dev = where.get(layer, "unplaced")
-            slot = out.setdefault(dev, {"layers": [], "events": {}})["events"]
-            slot[kind] = slot.get(kind, 0) + count
+def events_per_device(events: list[list], placement: dict[str, list[int]]) -> dict[str, dict]:
+    """Per device of ``placement`` (``{device: [block, ...]}``, as `longbench.pred.layer_devices`
+    gives): its blocks and the summed counts of ``events`` (``[step, layer, module, site, kind,
+    count]`` rows); events of layers outside every block (e.g. ``lm_head``) under "outside the blocks"."""
+    where = {layer: dev for dev, layers in placement.items() for layer in layers}
+    out: dict[str, dict] = {dev: {"layers": layers, "events": {}} for dev, layers in placement.items()}
+    for _step, layer, _module, _site, kind, count in events:
+        slot = out.setdefault(where.get(layer, "outside the blocks"), {"layers": [], "events": {}})["events"]
+        slot[kind] = slot.get(kind, 0) + count
     return out
+
+
+def describe_device(dev: str, d: dict) -> str:
+    """One device of `events_per_device` as text: ``cuda:1 (layers 11-29): 14250 detected, ...``."""
+    where = f"{dev} (layers {_span(d['layers'])})" if d["layers"] else dev
+    return f"{where}: " + (", ".join(f"{v} {k}" for k, v in d["events"].items() if v) or "no events")
+
+
+def events_by_device(run: Path) -> dict[str, dict]:
+    """`events_per_device` of every row's events of a run, placed by its ``run_config.json``'s ``layer_devices``."""
+    cfg = json.loads((run / "run_config.json").read_text())
+    events = [e for (_steps, _flips, evs) in _events(run).values() for e in evs or []]
+    return events_per_device(events, cfg.get("layer_devices") or {})
 
 
 def _span(layers: list[int]) -> str:
@@ -135,10 +147,8 @@ def compare_model_dirs(a: str | Path, b: str | Path, out=sys.stdout, rows_of_b: 
         print(f"{run}: {'OK' if same else 'MISMATCH'} ({summary})", file=out)
         per_dev = events_by_device(b / run)
         if len(per_dev) > 1:
-            print("  B's events by device: " + "; ".join(
-                f"{dev} (layers {_span(d['layers'])}): "
-                + (", ".join(f"{v} {k}" for k, v in d["events"].items() if v) or "no events")
-                for dev, d in per_dev.items()), file=out)
+            print("  B's events by device: " + "; ".join(describe_device(dev, d) for dev, d in per_dev.items()),
+                  file=out)
     print("OK" if ok else "MISMATCH", file=out)
     return ok
 
