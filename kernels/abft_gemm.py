@@ -128,7 +128,7 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, nu
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                HAS_BIAS: tl.constexpr, DETECT: tl.constexpr, VERIFY_OUTPUT: tl.constexpr,
                INJ: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
-               TMA: tl.constexpr, W_KN: tl.constexpr):
+               TMA: tl.constexpr, W_KN: tl.constexpr, TMA_STORE: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile: fp32 GEMM + bias, rounding, injection, row partial sums, store;
     when DETECT also its share of the row checksums: the K blocks ``kb ≡ pid_n (mod T)`` of x, which
     the tile has just loaded (read again from L2), give partial ``x·w1``, ``x·w2`` and row max / min /
@@ -136,7 +136,9 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, nu
 
     TMA: operands are loaded (and y stored) through tensor descriptors ``Xd`` (M, K), ``Wd`` ((N, K),
     or (K, N) when W_KN) and ``Yd`` (M, N), whose out-of-bounds rows/columns read as zero and are not
-    written; otherwise through the pointers X, W, Y and strides."""
+    written; otherwise through the pointers X, W, Y and strides. TMA_STORE: y through ``Yd`` too (not
+    in the one-launch GEMM, whose verifying program reads the other tiles' y: a TMA store is
+    asynchronous, and Triton waits only until its shared-memory source may be reused)."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -225,20 +227,31 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, nu
         tl.store(srow + 2, mx, mask=m_ok)
         tl.store(srow + 3, mn, mask=m_ok)
         tl.store(srow + 4, sm, mask=m_ok)
-    if TMA:
+    if TMA_STORE:
         Yd.store([pid_m * BLOCK_M, pid_n * BLOCK_N], yv)
     else:
         tl.store(Y + offs_m[:, None] * sym + offs_n[None, :] * syn, yv, mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["call_id"])
+@triton.jit(do_not_specialize=["call_id", "w_finite"])
 def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Ws,
                  M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
+                 Sem, B12, Cnt, Dbg, scn0, scn1, fn, inv_k, w_finite, capacity,
+                 th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DETECT: tl.constexpr,
                  VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr, DOT_F32: tl.constexpr,
-                 EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KN: tl.constexpr):
-    """Grouped-order grid over the output tiles."""
+                 EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KN: tl.constexpr, TMA_STORE: tl.constexpr,
+                 ONE_LAUNCH: tl.constexpr, VERIFY_R: tl.constexpr, VBLOCK_N: tl.constexpr,
+                 VBLOCK_K: tl.constexpr, VBLOCK_T: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr):
+    """Grouped-order grid over the output tiles.
+
+    ONE_LAUNCH (a call of one row block, M ≤ BLOCK_M: decode and other short inputs): the program
+    that finishes last verifies the call itself, VERIFY_R rows at a time, so no second launch is
+    needed. Each program counts itself done on the semaphore ``Sem`` (a per-device int32 cell, 0
+    between calls) after its stores (barrier, then an acq_rel atomic: its stores are visible to
+    whoever sees the count); the one that sees T − 1 resets the cell and verifies. The verify
+    arguments (``Sem`` … ``reverify_scale``) are those of ``_verify_kernel``; unused otherwise."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -251,25 +264,44 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Ws,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_am = offs_m % M  # wrapped rows: in-bounds loads without a mask, never stored
-    if DETECT:
+    if DETECT and not ONE_LAUNCH:
         if pid == 0:
             tl.store(Ws, 0)  # per-call recompute slot counter (read by the verify kernel)
     _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, num_pid_m, num_pid_n, offs_m,
                offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
-               BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K, TMA, W_KN)
+               BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K, TMA, W_KN,
+               TMA_STORE)
+    if ONE_LAUNCH:
+        tl.debug_barrier()  # every thread's stores (y, partials, flag) before the count
+        done = tl.atomic_add(Sem, 1, sem="acq_rel")
+        if done == num_pid_n - 1:
+            tl.atomic_xchg(Sem, 0)  # ready for the next call (every program has counted)
+            used = tl.zeros([], tl.int32)
+            for r0 in range(0, BLOCK_M, VERIFY_R):
+                used += _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, r0 + tl.arange(0, VERIFY_R),
+                                     used, r0 == 0, M, N, K, num_pid_n, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
+                                     inv_n, fn, inv_k, call_id, w_finite, capacity,
+                                     th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
+                                     VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, True)
 
 
-@triton.jit(do_not_specialize=["call_id", "w_finite", "T"])
-def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
-                   M, N, K, T, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
-                   inv_n, fn, inv_k, call_id, w_finite, capacity,
-                   th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
-                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
-                   DOT_F32: tl.constexpr):
-    """Compare checksums of BLOCK_R rows, count, repair located single errors, recompute the rest."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+@triton.jit
+def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, used, count_nonf,
+                 M, N, K, T, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
+                 inv_n, fn, inv_k, call_id, w_finite, capacity,
+                 th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
+                 DOT_F32: tl.constexpr, LOCAL_SLOTS: tl.constexpr):
+    """Compare checksums of the rows ``rows`` (BLOCK_R,), count, repair located single errors,
+    recompute the rest; returns how many recompute slots the rows asked for.
+
+    Recompute slots: LOCAL_SLOTS (one program verifies the whole call) starts from ``used``, the
+    slots its earlier row chunks asked for; otherwise they are claimed with one atomic on the
+    call's counter ``Ws``. ``count_nonf``: this program counts the call's ``nonfinite_input``.
+    P, S, Y and Flag are read past L1 (``.cg``): in the one-launch GEMM other programs wrote them
+    during this launch."""
+    BLOCK_R: tl.constexpr = rows.shape[0]
     r_ok = rows < M
     # the T tiles' row partial sums and checksum partials, BLOCK_T tiles per load: a loop of one
     # small load per tile would chain T memory latencies
@@ -285,21 +317,21 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
         tt = t0 + offs_t
         lm = (tt[:, None] < T) & r_ok[None, :]
         prow = P + (tt[:, None] * M + rows[None, :]) * 2
-        s1 += tl.sum(tl.load(prow, mask=lm, other=0.0), axis=0)
-        s2 += tl.sum(tl.load(prow + 1, mask=lm, other=0.0), axis=0)
+        s1 += tl.sum(tl.load(prow, mask=lm, other=0.0, cache_modifier=".cg"), axis=0)
+        s2 += tl.sum(tl.load(prow + 1, mask=lm, other=0.0, cache_modifier=".cg"), axis=0)
         srow = S + (tt[:, None] * M + rows[None, :]) * 8
-        c1 += tl.sum(tl.load(srow + 0, mask=lm, other=0.0), axis=0)
-        c2 += tl.sum(tl.load(srow + 1, mask=lm, other=0.0), axis=0)
-        mx = tl.maximum(mx, tl.max(tl.load(srow + 2, mask=lm, other=-float("inf")), axis=0))
-        mn = tl.minimum(mn, tl.min(tl.load(srow + 3, mask=lm, other=float("inf")), axis=0))
-        sm += tl.sum(tl.load(srow + 4, mask=lm, other=0.0), axis=0)
+        c1 += tl.sum(tl.load(srow + 0, mask=lm, other=0.0, cache_modifier=".cg"), axis=0)
+        c2 += tl.sum(tl.load(srow + 1, mask=lm, other=0.0, cache_modifier=".cg"), axis=0)
+        mx = tl.maximum(mx, tl.max(tl.load(srow + 2, mask=lm, other=-float("inf"), cache_modifier=".cg"), axis=0))
+        mn = tl.minimum(mn, tl.min(tl.load(srow + 3, mask=lm, other=float("inf"), cache_modifier=".cg"), axis=0))
+        sm += tl.sum(tl.load(srow + 4, mask=lm, other=0.0, cache_modifier=".cg"), axis=0)
     mu = sm * inv_k
     var = tl.maximum((mx - mu) * (mu - mn), 0.0)
     # T_m (SPEC §5, WeightChecksums.thresholds): host-folded weight constants
     thr = th_var23 * tl.sqrt(mu * mu * th_v2 + var * th_v3) + th_det * tl.abs(mu) + th_var4 * tl.sqrt(var) + th_bias
     # checks on for this call: no non-finite x seen by the GEMM tiles, finite W and b
     # (tl.where, not `&`, to combine with the scalar: the interpreter mis-types bool & 0-d bool)
-    ok = (tl.load(Flag) != call_id) & (w_finite != 0)
+    ok = (tl.load(Flag, cache_modifier=".cg") != call_id) & (w_finite != 0)
     d1 = s1 - c1
     bad = tl.where(ok, ~(tl.abs(d1) <= thr) & r_ok, False)
     if DEBUG:
@@ -311,6 +343,7 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
     n_fix = n_bad * 0
     n_rec = n_bad * 0
     n_unc = n_bad
+    n_need = n_bad * 0
     if CORRECT:
         d2 = s2 - c2 * inv_n
         tq = d2 / d1 * fn
@@ -341,7 +374,8 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
             for n0 in range(0, N, BLOCK_N):
                 cols = n0 + offs_j
                 lm2 = loc[:, None] & (cols[None, :] < N) & (cols[None, :] != col[:, None])
-                rs += tl.sum(tl.load(Y + rows[:, None] * sym + cols[None, :] * syn, mask=lm2, other=0.0)
+                rs += tl.sum(tl.load(Y + rows[:, None] * sym + cols[None, :] * syn, mask=lm2, other=0.0,
+                                         cache_modifier=".cg")
                              .to(tl.float32), axis=1)
             fixed = loc & (tl.abs(rs - c1) <= thr * reverify_scale)
         need = bad & ~fixed
@@ -349,7 +383,10 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
         n_fix = tl.sum(fixed.to(tl.int32), axis=0)
         n_unc = n_need
         if n_need > 0:
-            base = tl.atomic_add(Ws, n_need)  # fixed capacity per call: claim slots
+            if LOCAL_SLOTS:
+                base = used
+            else:
+                base = tl.atomic_add(Ws, n_need)  # fixed capacity per call: claim slots
             rank = tl.cumsum(need.to(tl.int32), axis=0) - 1
             take = need & (base + rank < capacity)
             n_rec = tl.sum(take.to(tl.int32), axis=0)
@@ -381,9 +418,28 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg,
         tl.atomic_add(cbase + _REC * scn1, n_rec)
     if n_unc > 0:
         tl.atomic_add(cbase + _UNC * scn1, n_unc)
-    if pid == 0:
+    if count_nonf:
         if ok.to(tl.int32) == 0:
             tl.atomic_add(cbase + _NONF * scn1, 1)
+    return n_need
+
+
+@triton.jit(do_not_specialize=["call_id", "w_finite", "T"])
+def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws,
+                   M, N, K, T, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
+                   Cnt, Dbg, scn0, scn1, fn, inv_k, w_finite, capacity,
+                   th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
+                   DOT_F32: tl.constexpr):
+    """The second launch (calls of more than one row block): BLOCK_R rows per program."""
+    pid = tl.program_id(0)
+    _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, pid * BLOCK_R + tl.arange(0, BLOCK_R), 0, pid == 0,
+                 M, N, K, T, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_n, fn, inv_k, call_id, w_finite,
+                 capacity, th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
+                 BLOCK_N, BLOCK_K, BLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, False)
+
+
 
 
 def interpreting() -> bool:
@@ -514,21 +570,68 @@ def _threshold_consts(wc, emax: float, csigma: float) -> tuple[float, ...]:
             emax * (n * abs(wc.bias_mu) + csigma * math.sqrt(n) * wc.bias_sd))
 
 
-def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, S, inj, flag, ws, call_id, detect, verify_output, dot_f32):
+@dataclass
+class _Verify:
+    """The verification arguments of one call (`_verify_kernel`'s, and the one-launch GEMM's)."""
+
+    b12: torch.Tensor  # (2,) fp32: bias checksums
+    counters: torch.Tensor  # (6, 5) int32
+    debug: torch.Tensor | None  # (M, 4) fp32 or None
+    w_finite: bool
+    capacity: int
+    th: tuple[float, ...]  # `_threshold_consts`
+    reverify: float
+    correct: bool
+
+    def args(self, n: int, k: int, placeholder: torch.Tensor) -> tuple:
+        """From ``Cnt`` to ``reverify_scale`` in the kernels' order (``Dbg`` = placeholder if None)."""
+        c = self.counters
+        return (c, self.debug if self.debug is not None else placeholder, c.stride(0), c.stride(1), float(n),
+                1.0 / k, int(self.w_finite), int(self.capacity), *self.th, self.reverify)
+
+
+_SEMS: dict[torch.device, torch.Tensor] = {}
+
+
+def _semaphore(device: torch.device) -> torch.Tensor:
+    """The one-launch GEMM's per-device int32 done-counter (0 between calls: the last program resets it)."""
+    sem = _SEMS.get(device)
+    if sem is None:
+        sem = torch.zeros(1, dtype=torch.int32, device=device)
+        _SEMS[device] = sem
+    return sem
+
+
+def _one_launch(m: int, cfg) -> bool:
+    """Whether this call verifies inside the GEMM launch: one row block (``FTT_ABFT_GEMM_ONE_LAUNCH=0``: never)."""
+    return m <= cfg[0] and os.environ.get("FTT_ABFT_GEMM_ONE_LAUNCH", "1") != "0"
+
+
+def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, S, inj, flag, ws, call_id, detect, verify_output, dot_f32,
+                 verify: _Verify | None = None):
+    """The GEMM launch; with ``verify`` (a one-row-block call, `_one_launch`) it verifies too."""
     bm, bn, bk, warps, stages = cfg
     m, k = L.x.shape
     n = L.y.shape[1]
     t = _cdiv(n, bn)
     grid = (_cdiv(m, bm) * t,)
     xd, wd, yd = _descriptors(cfg, L)
+    one = verify is not None
+    if one:
+        vargs = (_semaphore(L.x.device), verify.b12, *verify.args(n, k, P))
+    else:
+        vargs = (flag, flag, flag, flag, 0, 0, 1.0, 1.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
+    vbn, vbk = VERIFY_BLOCK
     _gemm_kernel[grid](
         L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, w12, P, S, inj if inj is not None else ws,
         flag, ws,
         m, n, k, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1),
-        1.0 / n, call_id,
+        1.0 / n, call_id, *vargs,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, HAS_BIAS=bias is not None, DETECT=detect,
         VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0,
-        TMA=L.tma, W_KN=L.kn, num_warps=warps, num_stages=stages,
+        TMA=L.tma, W_KN=L.kn, TMA_STORE=L.tma and not one, ONE_LAUNCH=one, VERIFY_R=min(bm, VERIFY_ROWS),
+        VBLOCK_N=vbn, VBLOCK_K=vbk, VBLOCK_T=VERIFY_TILES, CORRECT=one and verify.correct,
+        DEBUG=one and verify.debug is not None, num_warps=warps, num_stages=stages,
     )
 
 
@@ -686,20 +789,22 @@ def checked_gemm(
     P = torch.empty((t, m, 2), dtype=torch.float32, device=dev)
     S = torch.empty((t, m, _STATS_W), dtype=torch.float32, device=dev)
     ws = torch.empty(2, dtype=torch.int32, device=dev)
-    _launch_gemm(cfg, L, bias=bias, w12=wc.w12, P=P, S=S, inj=inj, flag=flag, ws=ws, call_id=call_id,
-                 detect=True, verify_output=verify_output, dot_f32=dot_f32)
-    th = _threshold_consts(wc, float(emax), float(csigma))
     # a repaired row is re-verified as stored (rounded): with the output-side unit error
     reverify = 1.0
     if correct and not verify_output:
         reverify = max(1.0, default_emax(y.dtype, dev.type, "output", k=k) / float(emax))
+    ver = _Verify(wc.b12, counters, debug, bool(wc.finite), int(capacity),
+                  _threshold_consts(wc, float(emax), float(csigma)), reverify, correct)
+    one = _one_launch(m, cfg)
+    _launch_gemm(cfg, L, bias=bias, w12=wc.w12, P=P, S=S, inj=inj, flag=flag, ws=ws, call_id=call_id,
+                 detect=True, verify_output=verify_output, dot_f32=dot_f32, verify=ver if one else None)
+    if one:
+        return y
     vbn, vbk = VERIFY_BLOCK
     _verify_kernel[(_cdiv(m, VERIFY_ROWS),)](
-        x2d, weight, y, bias if bias is not None else y, wc.b12, P, S, flag, ws, counters,
-        debug if debug is not None else P,
-        m, n, k, t, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1),
-        counters.stride(0), counters.stride(1),
-        1.0 / n, float(n), 1.0 / k, call_id, int(bool(wc.finite)), int(capacity), *th, reverify,
+        x2d, weight, y, bias if bias is not None else y, wc.b12, P, S, flag, ws,
+        m, n, k, t, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1), 1.0 / n, call_id,
+        *ver.args(n, k, P),
         BLOCK_R=VERIFY_ROWS, BLOCK_N=vbn, BLOCK_K=vbk, BLOCK_T=VERIFY_TILES, HAS_BIAS=bias is not None, CORRECT=correct,
         DEBUG=debug is not None, DOT_F32=dot_f32, num_warps=4,
     )

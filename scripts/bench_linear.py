@@ -8,13 +8,15 @@ Side by side in one run, per shape (M, N, K) and dtype (fp16, bf16), all on one 
 * ``torch_checked``— the PyTorch checked path (`checked_linear(..., backend="reference")`).
 
 Shapes: M = N = K squares ≥ 2048 (the issue's ≥ 0.90× cuBLAS target), decode shapes M = 1…16 at
-real model widths (Qwen2-0.5B 896→4864 and 4864→896, SmolLM2-135M 576→1536), and transformer-layer
-shapes (batch·seq = 4096 tokens through Qwen2-0.5B / Llama-7B projections). Times are medians of
+real model widths (Qwen2-0.5B 896→4864 and 4864→896, SmolLM2-135M 576→1536), short inputs of
+M = 64, 128 tokens at Qwen2-0.5B widths, and transformer-layer shapes (batch·seq = 4096 tokens through
+Qwen2-0.5B / Llama-7B projections); ``--kinds`` picks among them. Times are medians of
 ``triton.testing.do_bench`` (L2 flushed between runs); TFLOP/s = 2·M·N·K / time. Writes CSV, a
 markdown table headed by device and versions, and a plot of throughput relative to cuBLAS.
 
     python scripts/bench_linear.py --out docs/img/vabft_bench_linear          # full
     python scripts/bench_linear.py --quick --out /tmp/bench         # a few shapes
+    python scripts/bench_linear.py --kinds decode,short --graph --two-launch   # one launch vs two
 """
 
 from __future__ import annotations
@@ -35,11 +37,14 @@ LAYERS = [(4096, 896 * 3, 896), (4096, 4864, 896), (4096, 896, 4864), (4096, 409
           (4096, 11008, 4096), (4096, 4096, 11008)]
 
 
-def shapes(quick: bool) -> list[tuple[str, int, int, int]]:
-    out = [("square", s, s, s) for s in (SQUARES[:2] if quick else SQUARES)]
-    out += [("decode", m, n, k) for (m, n, k) in (DECODE[::3] if quick else DECODE)]
-    out += [("layer", m, n, k) for (m, n, k) in (LAYERS[:2] if quick else LAYERS)]
-    return out
+SHORT = [(m, n, k) for (n, k) in ((4864, 896), (896, 4864)) for m in (64, 128)]  # one row block of a large config
+KINDS = ("square", "decode", "short", "layer")
+
+
+def shapes(quick: bool, kinds: tuple[str, ...] = KINDS) -> list[tuple[str, int, int, int]]:
+    lists = {"square": [(s, s, s) for s in SQUARES], "decode": DECODE, "short": SHORT, "layer": LAYERS}
+    picks = {"square": slice(0, 2), "decode": slice(None, None, 3), "short": slice(None, None, 2), "layer": slice(0, 2)}
+    return [(kind, *mnk) for kind in kinds for mnk in (lists[kind][picks[kind]] if quick else lists[kind])]
 
 
 def _graphed(fn):
@@ -59,28 +64,31 @@ def _graphed(fn):
     return g.replay
 
 
-def _pointer_loads(fn):
-    """``fn`` with the kernel's TMA descriptors switched off (``FTT_ABFT_GEMM_TMA=0``) for its call."""
+def _with_env(fn, name: str, value: str):
+    """``fn`` run with the environment variable ``name`` set to ``value`` for its call."""
     def run():
-        old = os.environ.get("FTT_ABFT_GEMM_TMA")
-        os.environ["FTT_ABFT_GEMM_TMA"] = "0"
+        old = os.environ.get(name)
+        os.environ[name] = value
         try:
             return fn()
         finally:
             if old is None:
-                del os.environ["FTT_ABFT_GEMM_TMA"]
+                del os.environ[name]
             else:
-                os.environ["FTT_ABFT_GEMM_TMA"] = old
+                os.environ[name] = old
     return run
 
 
 def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_torch_checked: bool,
-              graph: bool = False, pointer: bool = False) -> tuple[dict[str, float], int, float]:
+              graph: bool = False, pointer: bool = False,
+              two_launch: bool = False) -> tuple[dict[str, float], int, float]:
     """Times (ms) of each method on ``F.linear(x, w, b)``; the fused call's event count and max error.
 
     ``graph``: also time cuBLAS, fused and plain as CUDA-graph replays (``*_graph``: GPU time without
     the host's launch work). ``pointer``: also time the fused kernel with pointer loads instead of
-    TMA descriptors (``fused_ptr``)."""
+    TMA descriptors (``fused_ptr``). ``two_launch``: also time the fused call with its verification
+    in a second launch (``fused_two``, ``FTT_ABFT_GEMM_ONE_LAUNCH=0``; differs from ``fused`` only
+    where the call has one row block, M ≤ BLOCK_M)."""
     import triton.testing
     from ft_transformers.kernels import abft_gemm
 
@@ -115,12 +123,14 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
         events = int(cnt.sum())
         fns = {"cublas": cublas, "fused": fused, "triton_plain": plain}
         if pointer:
-            fns["fused_ptr"] = _pointer_loads(fused)
-            fns["plain_ptr"] = _pointer_loads(plain)
+            fns["fused_ptr"] = _with_env(fused, "FTT_ABFT_GEMM_TMA", "0")
+            fns["plain_ptr"] = _with_env(plain, "FTT_ABFT_GEMM_TMA", "0")
+        if two_launch:
+            fns["fused_two"] = _with_env(fused, "FTT_ABFT_GEMM_ONE_LAUNCH", "0")
         if with_torch_checked:
             fns["torch_checked"] = torch_checked
         if graph:
-            for name in ("cublas", "fused", "triton_plain"):
+            for name in ("cublas", "fused", "triton_plain") + (("fused_two",) if two_launch else ()):
                 fns[f"{name}_graph"] = _graphed(fns[name])
         times = {name: triton.testing.do_bench(fn, warmup=10, rep=rep) for name, fn in fns.items()}
         events = int(cnt.sum())  # every fused call of the run, graph replays included
@@ -137,7 +147,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--graph", action="store_true", help="also time cuBLAS, fused and plain as CUDA-graph replays")
     ap.add_argument("--pointer", action="store_true",
                     help="also time fused and plain with pointer loads instead of TMA descriptors")
+    ap.add_argument("--two-launch", action="store_true",
+                    help="also time the fused call with its verification in a second launch (fused_two)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated shape kinds of {KINDS}")
     args = ap.parse_args(argv)
+    kinds = tuple(args.kinds.split(","))
+    if not set(kinds) <= set(KINDS):
+        ap.error(f"--kinds takes names from {KINDS}, got {args.kinds!r}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_linear.py needs a CUDA device (the Triton kernel is compiled for it)")
     dev = torch.device("cuda")
@@ -146,12 +162,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for dt_name in args.dtypes.split(","):
         dt = getattr(torch, dt_name)
-        for (kind, m, n, k) in shapes(args.quick):
+        for (kind, m, n, k) in shapes(args.quick, kinds):
             g = torch.Generator(device=dev).manual_seed(0)
             x = torch.randn(m, k, device=dev, generator=g).to(dt)
             w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt)
             b = torch.randn(n, device=dev, generator=g).to(dt)
-            times, events, err = bench_one(x, w, b, args.rep, not args.no_torch_checked, args.graph, args.pointer)
+            times, events, err = bench_one(x, w, b, args.rep, not args.no_torch_checked, args.graph, args.pointer,
+                                           args.two_launch)
             flops = 2.0 * m * n * k
             row = {"kind": kind, "dtype": dt_name, "M": m, "N": n, "K": k, "events": events, "rel_err": err}
             for name, ms in times.items():
@@ -165,6 +182,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if "fused_ptr" in times:
                 row["fused_ptr_vs_cublas"] = round(times["cublas"] / times["fused_ptr"], 3)
                 row["plain_ptr_vs_cublas"] = round(times["cublas"] / times["plain_ptr"], 3)
+            if "fused_two" in times:
+                row["two_vs_cublas"] = round(times["cublas"] / times["fused_two"], 3)
+            if "fused_two_graph" in times:
+                row["two_vs_cublas_graph"] = round(times["cublas_graph"] / times["fused_two_graph"], 3)
             if "fused_graph" in times:
                 row["fused_vs_cublas_graph"] = round(times["cublas_graph"] / times["fused_graph"], 3)
                 row["plain_vs_cublas_graph"] = round(times["cublas_graph"] / times["triton_plain_graph"], 3)
@@ -176,6 +197,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if "fused_graph" in times:
                 extra += (f"  graphs: fused {row['fused_vs_cublas_graph']:.3f}x "
                           f"plain {row['plain_vs_cublas_graph']:.3f}x")
+            if "fused_two" in times:
+                extra += f"  two launches {row['two_vs_cublas']:.3f}x"
+                if "two_vs_cublas_graph" in row:
+                    extra += f" (graphs {row['two_vs_cublas_graph']:.3f}x)"
             print(f"{dt_name:8s} {kind:6s} M={m:5d} N={n:5d} K={k:5d}  cuBLAS {row['cublas_tflops']:6.1f} TF/s  "
                   f"fused {row['fused_tflops']:6.1f} ({row['fused_vs_cublas']:.3f}x)  plain "
                   f"{row['plain_vs_cublas']:.3f}x  torch-checked "

@@ -204,6 +204,61 @@ def test_many_flips_capacity_and_flags_like_reference(dtype):
     assert st_t == ZERO
 
 
+class _NoSecondLaunch:
+    """Stands in for `_verify_kernel`: a one-row-block call must verify inside the GEMM launch."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("the verify kernel was launched for a one-row-block call")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", [None, "64,32,32,4,1"], ids=["rows16", "rows64-two-chunks"])
+def test_one_launch_verifies_like_reference(dtype, config, monkeypatch):
+    """A call of one row block (M ≤ BLOCK_M: decode) is verified by the last GEMM program, not by a
+    second launch: single flips located and repaired, rows with several flips recomputed up to the
+    capacity (slots carried across the verifying program's row chunks), the rest uncorrectable,
+    non-finite inputs counted once; all counted exactly like the reference path."""
+    if config is not None:
+        monkeypatch.setenv("FTT_ABFT_GEMM_CONFIG", config)
+    monkeypatch.setattr(G, "_verify_kernel", _NoSecondLaunch())
+    m = 13 if config is None else 40
+    k, n = 32, 24
+    bit = HIGH_BIT[dtype][-1]
+    x = _rand((m, k), dtype, 61, 2.0)
+    w = _rand((n, k), dtype, 62, k**-0.5)
+    b = _rand((n,), dtype, 63)
+    for count in (1, 5, 3 * m):
+        spec = FaultSpec(site="linear.output", bit=bit, count=count, seed=count)
+        with torch.no_grad():
+            y_t, st_t = ftt.checked_linear(x, w, b, inject=spec, backend="triton")
+            y_r, st_r = ftt.checked_linear(x, w, b, inject=spec, backend="reference")
+        st_t, st_r = dict(st_t), dict(st_r)
+        if count < 3 * m:
+            assert st_t == st_r, (count, st_t, st_r)
+        else:  # a small 1→0 flip among many may hide below the reference's output-side threshold
+            assert st_t["detected"] >= st_r["detected"] > 0 and st_t["recomputed"] == st_r["recomputed"], (st_t, st_r)
+            assert st_t["detected"] == st_t["corrected"] + st_t["recomputed"] + st_t["uncorrectable"], st_t
+        assert st_t["detected"] > 0
+        if count == 3 * m and m > G.RECOMPUTE_ROWS:  # more faulty rows than recompute slots
+            assert st_t["recomputed"] == G.RECOMPUTE_ROWS and st_t["uncorrectable"] > 0, st_t
+        elif count == 3 * m:
+            assert st_t["recomputed"] > 1 and st_t["uncorrectable"] == 0, st_t
+        else:
+            assert st_t["uncorrectable"] == 0, st_t
+            ref = _ref64(x, w, b)  # every flip repaired: the clean product (repairs use their own fp32 dots)
+            tol = _gemm_rel_tol(dtype, k) * float(ref.abs().max())
+            torch.testing.assert_close(y_t.double().cpu(), ref, rtol=0, atol=tol)
+    xn = x.clone()
+    xn[m - 1, 3] = float("nan")
+    y, st = _run(xn, w, b)
+    assert st == dict(ZERO, nonfinite_input=1)
+    y2, st2 = _run(x, w, b)  # and the next call is checked again (the semaphore was reset)
+    assert st2 == ZERO
+    ref = _ref64(x, w, b)
+    torch.testing.assert_close(y2.double().cpu(), ref, rtol=0, atol=_gemm_rel_tol(dtype, k) * float(ref.abs().max()))
+    assert int(G._semaphore(x.device).item()) == 0
+
+
 def test_accumulator_mode_catches_low_bits_the_output_mode_misses():
     """bf16 bit-8 flips (×4 or ÷4 of one element) hidden in output-side rounding noise are found in
     the accumulators."""
