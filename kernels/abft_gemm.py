@@ -6,7 +6,7 @@ fp32 accumulator tiles, so the threshold's unit error is fp32-level (``default_e
 "accumulator")``, ~1e-6 instead of 2u of fp16/bf16). Same checks, same counters, same injection site
 as the PyTorch path (`ft_transformers.checked_linear`, which stays the fallback and the oracle).
 
-Design (two launches, no host synchronisation):
+Design (one or two launches, no host synchronisation):
 
 1. ``_gemm_kernel`` — a grouped-order tiled GEMM over (BLOCK_M × BLOCK_N) output tiles (T tiles
    per row block); operands come through TMA tensor descriptors on Hopper when their layout allows
@@ -44,6 +44,11 @@ Design (two launches, no host synchronisation):
    int32 block. Non-finite x (found by the GEMM tiles) or W/b (known when the weight
    checksums were built) count one ``nonfinite_input`` and switch the call's checks off, as on
    the reference path.
+
+   Calls of at most ``ONE_LAUNCH_ROWS`` (16) rows, i.e. decode, skip this launch: the GEMM program
+   that finishes last (a per-device semaphore, reset by that program) runs the same verification
+   over the call's rows. On the H100 under CUDA graphs that is 4 % faster at M ≤ 16 (up to 10 % at
+   M = 1); at M = 64–128 one program verifying every row was 10–50 % slower than the second launch.
 
 Block sizes: the ``CONFIGS_*`` lists below are the only place; ``_pick_config`` times the
 candidates once per (dtype, layout, flags, M bucket, N, K) on CUDA and caches the winner (set
@@ -106,7 +111,9 @@ class AbftGemmUnsupported(ValueError):
 
 CONFIGS_LARGE = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]
 CONFIGS_MID = [(64, 128, 64, 4, 4), (64, 256, 64, 8, 3)]  # 16 < M ≤ 64
-CONFIGS_SMALL = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3)]  # M ≤ 16 (decode)
+# M ≤ 16 (decode); the narrow tiles give more programs where N is small (896: 14 programs at BLOCK_N = 64)
+CONFIGS_SMALL = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3),
+                 (16, 32, 256, 4, 3), (16, 16, 512, 4, 3)]
 CONFIGS_FP32 = [(64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (32, 64, 32, 4, 3)]  # IEEE fp32 FMAs
 CONFIG_INJECT = (64, 64, 32, 4, 3)  # fixed while injecting (positions bucketed per row block)
 CONFIG_INTERPRET = (16, 32, 32, 4, 1)
@@ -114,6 +121,8 @@ GROUP_M = 8
 VERIFY_ROWS = 32  # rows per verify program (≥ 16: its recompute uses tl.dot)
 VERIFY_BLOCK = (64, 64)  # (BLOCK_N, BLOCK_K) of the verify kernel's repair/recompute loops
 VERIFY_TILES = 16  # tiles' partial sums one verify load takes per row
+ONE_LAUNCH_ROWS = 16  # calls of at most this many rows (decode) verify inside the GEMM launch (H100: 4 % faster
+# than two launches under CUDA graphs at M ≤ 16; 10-50 % slower at M = 64-128, where one program verifies all rows)
 _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 
@@ -246,12 +255,12 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Ws,
                  VBLOCK_K: tl.constexpr, VBLOCK_T: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr):
     """Grouped-order grid over the output tiles.
 
-    ONE_LAUNCH (a call of one row block, M ≤ BLOCK_M: decode and other short inputs): the program
-    that finishes last verifies the call itself, VERIFY_R rows at a time, so no second launch is
-    needed. Each program counts itself done on the semaphore ``Sem`` (a per-device int32 cell, 0
-    between calls) after its stores (barrier, then an acq_rel atomic: its stores are visible to
-    whoever sees the count); the one that sees T − 1 resets the cell and verifies. The verify
-    arguments (``Sem`` … ``reverify_scale``) are those of ``_verify_kernel``; unused otherwise."""
+    ONE_LAUNCH (a call of at most VERIFY_R = ONE_LAUNCH_ROWS rows: decode): the program that finishes
+    last verifies the call itself, so no second launch is needed. Each program counts itself done on
+    the semaphore ``Sem`` (a per-device int32 cell, 0 between calls) after its stores (barrier, then
+    an acq_rel atomic: its stores are visible to whoever sees the count); the one that sees T − 1
+    resets the cell and verifies. The verify arguments (``Sem`` … ``reverify_scale``) are those of
+    ``_verify_kernel``; unused otherwise."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -276,17 +285,14 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Ws,
         done = tl.atomic_add(Sem, 1, sem="acq_rel")
         if done == num_pid_n - 1:
             tl.atomic_xchg(Sem, 0)  # ready for the next call (every program has counted)
-            used = tl.zeros([], tl.int32)
-            for r0 in range(0, BLOCK_M, VERIFY_R):
-                used += _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, r0 + tl.arange(0, VERIFY_R),
-                                     used, r0 == 0, M, N, K, num_pid_n, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
-                                     inv_n, fn, inv_k, call_id, w_finite, capacity,
-                                     th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
-                                     VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, True)
+            _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, tl.arange(0, VERIFY_R), True, M, N, K,
+                         num_pid_n, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_n, fn, inv_k, call_id, w_finite,
+                         capacity, th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
+                         VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, True)
 
 
 @triton.jit
-def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, used, count_nonf,
+def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, count_nonf,
                  M, N, K, T, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
                  inv_n, fn, inv_k, call_id, w_finite, capacity,
                  th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
@@ -294,11 +300,11 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, used, count
                  HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
                  DOT_F32: tl.constexpr, LOCAL_SLOTS: tl.constexpr):
     """Compare checksums of the rows ``rows`` (BLOCK_R,), count, repair located single errors,
-    recompute the rest; returns how many recompute slots the rows asked for.
+    recompute the rest.
 
-    Recompute slots: LOCAL_SLOTS (one program verifies the whole call) starts from ``used``, the
-    slots its earlier row chunks asked for; otherwise they are claimed with one atomic on the
-    call's counter ``Ws``. ``count_nonf``: this program counts the call's ``nonfinite_input``.
+    Recompute slots: LOCAL_SLOTS (this program verifies the whole call) takes the first ``capacity``
+    faulty rows; otherwise slots are claimed with one atomic on the call's counter ``Ws``.
+    ``count_nonf``: this program counts the call's ``nonfinite_input``.
     P, S, Y and Flag are read past L1 (``.cg``): in the one-launch GEMM other programs wrote them
     during this launch."""
     BLOCK_R: tl.constexpr = rows.shape[0]
@@ -343,7 +349,6 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, used, count
     n_fix = n_bad * 0
     n_rec = n_bad * 0
     n_unc = n_bad
-    n_need = n_bad * 0
     if CORRECT:
         d2 = s2 - c2 * inv_n
         tq = d2 / d1 * fn
@@ -384,7 +389,7 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, used, count
         n_unc = n_need
         if n_need > 0:
             if LOCAL_SLOTS:
-                base = used
+                base = 0
             else:
                 base = tl.atomic_add(Ws, n_need)  # fixed capacity per call: claim slots
             rank = tl.cumsum(need.to(tl.int32), axis=0) - 1
@@ -421,7 +426,6 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, used, count
     if count_nonf:
         if ok.to(tl.int32) == 0:
             tl.atomic_add(cbase + _NONF * scn1, 1)
-    return n_need
 
 
 @triton.jit(do_not_specialize=["call_id", "w_finite", "T"])
@@ -434,7 +438,7 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws,
                    DOT_F32: tl.constexpr):
     """The second launch (calls of more than one row block): BLOCK_R rows per program."""
     pid = tl.program_id(0)
-    _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, pid * BLOCK_R + tl.arange(0, BLOCK_R), 0, pid == 0,
+    _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, pid * BLOCK_R + tl.arange(0, BLOCK_R), pid == 0,
                  M, N, K, T, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_n, fn, inv_k, call_id, w_finite,
                  capacity, th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
                  BLOCK_N, BLOCK_K, BLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, False)
@@ -602,14 +606,15 @@ def _semaphore(device: torch.device) -> torch.Tensor:
     return sem
 
 
-def _one_launch(m: int, cfg) -> bool:
-    """Whether this call verifies inside the GEMM launch: one row block (``FTT_ABFT_GEMM_ONE_LAUNCH=0``: never)."""
-    return m <= cfg[0] and os.environ.get("FTT_ABFT_GEMM_ONE_LAUNCH", "1") != "0"
+def _one_launch(m: int) -> bool:
+    """Whether this call verifies inside the GEMM launch: M ≤ ONE_LAUNCH_ROWS (``FTT_ABFT_GEMM_ONE_LAUNCH=0``:
+    never). Every config's BLOCK_M is ≥ 16, so such a call is one row block."""
+    return m <= ONE_LAUNCH_ROWS and os.environ.get("FTT_ABFT_GEMM_ONE_LAUNCH", "1") != "0"
 
 
 def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, S, inj, flag, ws, call_id, detect, verify_output, dot_f32,
                  verify: _Verify | None = None):
-    """The GEMM launch; with ``verify`` (a one-row-block call, `_one_launch`) it verifies too."""
+    """The GEMM launch; with ``verify`` (a call of at most ONE_LAUNCH_ROWS rows, `_one_launch`) it verifies too."""
     bm, bn, bk, warps, stages = cfg
     m, k = L.x.shape
     n = L.y.shape[1]
@@ -629,7 +634,7 @@ def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, S, inj, flag, ws, call_id, de
         1.0 / n, call_id, *vargs,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, HAS_BIAS=bias is not None, DETECT=detect,
         VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0,
-        TMA=L.tma, W_KN=L.kn, TMA_STORE=L.tma and not one, ONE_LAUNCH=one, VERIFY_R=min(bm, VERIFY_ROWS),
+        TMA=L.tma, W_KN=L.kn, TMA_STORE=L.tma and not one, ONE_LAUNCH=one, VERIFY_R=ONE_LAUNCH_ROWS,
         VBLOCK_N=vbn, VBLOCK_K=vbk, VBLOCK_T=VERIFY_TILES, CORRECT=one and verify.correct,
         DEBUG=one and verify.debug is not None, num_warps=warps, num_stages=stages,
     )
@@ -795,7 +800,7 @@ def checked_gemm(
         reverify = max(1.0, default_emax(y.dtype, dev.type, "output", k=k) / float(emax))
     ver = _Verify(wc.b12, counters, debug, bool(wc.finite), int(capacity),
                   _threshold_consts(wc, float(emax), float(csigma)), reverify, correct)
-    one = _one_launch(m, cfg)
+    one = _one_launch(m)
     _launch_gemm(cfg, L, bias=bias, w12=wc.w12, P=P, S=S, inj=inj, flag=flag, ws=ws, call_id=call_id,
                  detect=True, verify_output=verify_output, dot_f32=dot_f32, verify=ver if one else None)
     if one:
