@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from . import pasa as _pasa
 from .counters import add_count
-from .exp_check import EXP_ULPS, EXP_XMIN, LOG2E, PMIN_BITS
+from .exp_check import EXP_MAX_GROUP, EXP_ULPS, EXP_XMIN, LOG2E, P_MIN
 from .injection import FaultPlan, SiteFaults
 
 __all__ = ["efta_reference", "broadcast_to_scores", "PASA_PRECISIONS"]
@@ -52,6 +52,7 @@ _FP16_ETA = 2.0**-25  # fp16 absolute rounding error bound in the subnormal rang
 PASA_PRECISIONS = ("fp32", "fp16")
 _NEG_INF = float("-inf")
 _RECOMPUTE_CHUNK = 1 << 24  # elements of gathered K/V per chunk of the row recompute
+_FTZ_XMIN = -87.0  # exp(x) below it is subnormal: flushed to 0 (`_exp_ftz`)
 
 
 def _additive(keep: torch.Tensor) -> torch.Tensor:
@@ -211,29 +212,31 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def _exp_ftz(x: torch.Tensor) -> torch.Tensor:
-    """exp(x), flushed to 0 where x < −87 (subnormal results; exp there is < 1.7e-38).
+    """exp(x), flushed to 0 where x < −87 (subnormal results; exp there is < 1.7e-38), as the GPU's
+    ``ex2.approx.ftz`` does from −87.3 on.
 
     CPU exp takes a slow path for underflowing and −inf arguments (about 10× slower), and masked
-    keys are −inf. The flush is within the step-4 contract (0 ≤ P ≤ 2^-125 below −87).
+    keys are −inf. The flush is within the step-4 contract (P below P_min counts as P_min).
     """
-    p = torch.exp(x.clamp(min=EXP_XMIN))
-    return p.masked_fill_(x < EXP_XMIN, 0.0)
+    p = torch.exp(x.clamp(min=_FTZ_XMIN))
+    return p.masked_fill_(x < _FTZ_XMIN, 0.0)
 
 
 def _exp_group_test(x: torch.Tensor, P: torch.Tensor, s: int) -> torch.Tensor:
     """Step 4: the product identity Π_l P[i, l·s+r] = exp(Σ_l x[i, l·s+r]) per group (row i, residue r),
-    checked in log2 without underflow: log2 Π P = Σ exponents + log2 Π mantissas (each in [1, 2)).
+    checked in log2 on the fp32 product of the group.
 
-    Below x_min = −87 (masked keys included) x counts as x_min and P as exp(x_min) unless it is larger;
-    the clamp of P is on its bits, so a NaN or negative P stays far off. x, P: (..., L·s) fp32.
-    Returns (..., s) bool: |Σ log2 P − log2(e)·Σ x| > 64·u·log2(e)·(3L + |Σ x|).
+    Below x_min = −20 (masked keys included) x counts as x_min and P as P_min = exp(x_min) unless it is
+    larger (a NaN-propagating max: a NaN P stays NaN, a negative one becomes P_min), so the product of
+    L ≤ 4 clamped values cannot underflow. x, P: (..., L·s) fp32.
+    Returns (..., s) bool: |log2 Π P − log2(e)·Σ x| > 64·u·log2(e)·(3L + |Σ x|).
     """
     L = x.shape[-1] // s
+    if L > EXP_MAX_GROUP:
+        raise ValueError(f"step 4 groups of {L} keys: at most {EXP_MAX_GROUP} (the clamped product would underflow)")
     xs = torch.fmax(x, x.new_tensor(EXP_XMIN)).view(*x.shape[:-1], L, s).sum(-2)
-    pb = P.contiguous().view(torch.int32).clamp(min=PMIN_BITS)
-    e = (pb >> 23).view(*x.shape[:-1], L, s).sum(-2) - 127 * L  # a negative P gives a hugely negative e
-    mant = ((pb & 0x7FFFFF) | 0x3F800000).view(torch.float32).view(*x.shape[:-1], L, s)
-    d = e.to(torch.float32) + torch.log2(mant.prod(-2)) - xs * LOG2E
+    pc = torch.maximum(P, P.new_tensor(P_MIN))  # torch.maximum propagates NaN
+    d = torch.log2(pc.view(*x.shape[:-1], L, s).prod(-2)) - xs * LOG2E
     return ~(d.abs() <= (xs.abs() + 3.0 * L) * (EXP_ULPS * U * LOG2E))
 
 

@@ -13,7 +13,7 @@ Layout of one program (query block × (batch, head)), tutorial style:
   aligned, with key blocks that are fully masked for the whole query block skipped; bool or
   additive masks and an additive bias read through (possibly zero) strides; key padding at N.
 * **Checksum tables** (prefill): a pre-pass (`_efta_checksums`, one program per key block) reduces
-  every key block once — ``Kc1``, ``max_d Σ_l |K|``, ``Vc1ᵀ``, ``Vc2ᵀ``, ``max_n Σ_l |V|``, already
+  every key block once — ``Kc1``, ``max_d Σ_l |K|``, ``Vc1``, ``Vc2``, ``max_n Σ_l |V|``, already
   split into input-dtype slices — and the main loop loads them like K and V, in decode too.
   The checked kernel uses key blocks of 64 (``CS_BLOCK_N``, the reference's block).
 * **Step 1** (GEMM I checksums, stride s = 16): ``Kc1 = Σ_l K[l·16+r]`` (fp32 sums of the K
@@ -25,12 +25,19 @@ Layout of one program (query block × (batch, head)), tutorial style:
   fault, so they are computed only in the (rare) branch where some group failed: same D2, same
   counters, a third less checksum work on the clean path.
 * **GEMM II checksums**: ``Vc1`` and ``Vc2`` (two N = 16 operands, same splitting) go through the
-  same ``P`` and the same α rescale as ``O``. They are computed transposed (``Vcᵀ·Pᵀ``, M = 16:
-  mma.sync, see `_fresh_state`). ``Oc2`` only locates output faults. The clean pass carries only
-  ``Oc1``, probes steps 6–7 with it (`_output_tests`), and leaves ``Oc2`` to the repairing pass.
-  The split-key decode is the exception: its merge needs ``Oc2`` from every partial.
+  same ``P`` and the same α rescale as ``O``: ``Oc = P·Vc``, P the register operand as in ``P·V``
+  and the pre-pass's ``Vc`` slices (N = 16 dots next to ``P·V``), stored transposed so that the
+  dot's B operand is K-major like Q·Kc's. (Stored N-major, as V is, the kernels with in-loop
+  injection computed wrong ``Oc`` on the H100 with Triton 3.6: every output group failed step 7,
+  or an illegal address with both passes in one launch.) ``Oc2`` only locates output faults. The
+  clean pass carries only ``Oc1``, probes steps 6–7 with it (`_output_tests`), and leaves ``Oc2``
+  to the repairing pass. The split-key decode is the exception: its merge needs ``Oc2`` from every
+  partial.
+* **Two launches in prefill with correction**: the clean pass, and the repairing pass only for the
+  query blocks whose clean pass raised a flag (``PHASE``; `efta_triton_forward`). Compiled into one
+  kernel, the repairing pass's state made ptxas spill inside the clean loop.
 * **Steps 3–5**: SNVR row-max check, the product check of ``P = exp(x)`` per group of 16 keys
-  (`_exp_test`: exponent sums plus one ``lg2`` of the mantissa product per group),
+  (`_exp_test`: the fp32 product of the group's clamped P and one ``lg2`` of it per group),
   row sum ``l`` (fp32 sum of P) and its independent twin ``lc`` (a differently ordered grouped
   reduction of the same P), ``O += P·V`` with P rounded to the input dtype (as flash attention
   does), ``Oc1/Oc2 += P·Vc`` with the *same* rounded P, all rescaled by the same α.
@@ -63,9 +70,9 @@ additive mask tile when it is loaded, K with its block checksums, and V through 
 row's sliding window) are not inspected.
 
 Interpreter (``TRITON_INTERPRET=1``, CPU tensors): one fixed small config; a few helpers take an
-``INTERP`` switch (tl.log2 instead of the PTX ``lg2.approx``; because the interpreter runs custom
-reductions element by element, a sum of logs for the mantissa product and NaN-propagating maxima
-written with tl.max; bf16 dots in fp32).
+``INTERP`` switch (tl.log2 and tl.exp instead of the PTX ``lg2.approx`` and ``ex2.approx.ftz``;
+because the interpreter runs custom reductions element by element, a sum of logs for the group
+product and NaN-propagating maxima written with tl.max; bf16 dots in fp32).
 
 Counters: atomics into the caller's (6, 5) int32 block (any strides), site rows as in
 ``ft_transformers.sites``: step 1 → ``attn.scores``, 3 → ``attn.rowmax``, 4 → ``attn.probs``,
@@ -96,7 +103,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only where triton is missing
     raise ImportError("ft_transformers.kernels.efta needs triton") from exc
 
-from ..exp_check import EXP_ULPS, EXP_XMIN, LOG2E, PMIN_BITS
+from ..exp_check import EXP_MAX_GROUP, EXP_ULPS, EXP_XMIN, LOG2E, P_MIN
 from ..injection import FaultPlan
 from ..sites import ATTENTION_SITES, COUNTER_SHAPE
 from .tl_common import call_flag, on_tensor_device, runs_interpreted
@@ -155,8 +162,8 @@ _SCORES, _ROWMAX, _PROBS, _ROWSUM, _OUTPUT = (tl.constexpr(5 * i) for i in range
 _DET, _COR, _REC, _UNC, _NONF = (tl.constexpr(i) for i in range(5))
 _HDR_K = tl.constexpr(_HDR)
 _LOG2E = tl.constexpr(LOG2E)
-# step 4: bits of fp32 exp(EXP_XMIN), the floor of P in the product check (positive fp32 order like int32)
-_PMIN_BITS = tl.constexpr(PMIN_BITS)
+_P_MIN = tl.constexpr(P_MIN)  # step 4: fp32 exp(EXP_XMIN), the floor of P in the product check
+_EXP_MAX_GROUP = tl.constexpr(EXP_MAX_GROUP)
 
 
 def interpreting() -> bool:
@@ -201,20 +208,13 @@ def _split(b, bmax, DT: tl.constexpr, PARTS: tl.constexpr, SCALE: tl.constexpr):
 
 
 @triton.jit
-def _parts_dot(a, p0, p1, p2, PARTS: tl.constexpr, F32: tl.constexpr, LEFT: tl.constexpr):
-    """Σ_i a·p_i in fp32 (LEFT: Σ_i p_i·a), the slices of `_split` (not yet multiplied by ic)."""
-    if LEFT:
-        z = _dot(p0, a, tl.zeros((p0.shape[0], a.shape[1]), tl.float32), F32 or PARTS == 1)
-        if PARTS >= 2:
-            z = _dot(p1, a, z, F32)
-        if PARTS == 3:
-            z = _dot(p2, a, z, F32)
-    else:
-        z = _dot(a, p0, tl.zeros((a.shape[0], p0.shape[1]), tl.float32), F32 or PARTS == 1)
-        if PARTS >= 2:
-            z = _dot(a, p1, z, F32)
-        if PARTS == 3:
-            z = _dot(a, p2, z, F32)
+def _parts_dot(a, p0, p1, p2, PARTS: tl.constexpr, F32: tl.constexpr):
+    """Σ_i a·p_i in fp32, the slices of `_split` (not yet multiplied by ic)."""
+    z = _dot(a, p0, tl.zeros((a.shape[0], p0.shape[1]), tl.float32), F32 or PARTS == 1)
+    if PARTS >= 2:
+        z = _dot(a, p1, z, F32)
+    if PARTS == 3:
+        z = _dot(a, p2, z, F32)
     return z
 
 
@@ -230,13 +230,13 @@ def _k_checksums(k, L: tl.constexpr):
 
 @triton.jit
 def _v_checksums(v, LVP: tl.constexpr, INTERP: tl.constexpr):
-    """GEMM II checksums of a value block v (BLOCK_N, LVP·16), over the head dim, transposed:
-    Vc1ᵀ[r, n] = Σ_l V[n, l·16+r] and Vc2ᵀ[r, n] = Σ_l (l+1)·V[n, l·16+r] (16, BLOCK_N) fp32, and
+    """GEMM II checksums of a value block v (BLOCK_N, LVP·16), over the head dim:
+    Vc1[n, r] = Σ_l V[n, l·16+r] and Vc2[n, r] = Σ_l (l+1)·V[n, l·16+r] (BLOCK_N, 16) fp32, and
     vtile[r] = max_n Σ_l |V[n, l·16+r]| (16,), NaN-propagating (a non-finite V shows up there)."""
     wv = (tl.arange(0, LVP) + 1).to(tl.float32)
     vg = tl.reshape(v.to(tl.float32), (v.shape[0], LVP, 16))
     vtile = _nanmax(tl.sum(tl.abs(vg), axis=1), 0, INTERP)
-    return tl.trans(tl.sum(vg, axis=1)), tl.trans(tl.sum(vg * wv[None, :, None], axis=1)), vtile
+    return tl.sum(vg, axis=1), tl.sum(vg * wv[None, :, None], axis=1), vtile
 
 
 @triton.jit
@@ -247,6 +247,20 @@ def _lg2(x):
 
 
 @triton.jit
+def _exp(x, INTERP: tl.constexpr):
+    """exp of the scores' tile on the GPU: one MUFU ``ex2.approx.ftz`` of x·log2(e). tl.exp lowers to
+    the non-ftz ex2, which ptxas wraps in a subnormal range fix (a compare, two multiplies and a
+    select per element); results below 2^-126 (x < −87.3) flush to 0, which the reference's
+    `_exp_ftz` models from x < −87 on, and which step 4 clamps to exp(−87) anyway."""
+    if INTERP:
+        p = tl.exp(x)
+    else:
+        p = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * _LOG2E], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    return p
+
+
+@triton.jit
 def _mul(a, b):
     return a * b
 
@@ -254,25 +268,24 @@ def _mul(a, b):
 @triton.jit
 def _exp_test(x, p, exp_tol, exp_xmin, INTERP: tl.constexpr):
     """Step-4 check of one key block, per group (row i, residue r): the product identity
-    Π_l P[i, l·16+r] = exp(Σ_l x[i, l·16+r]) (seed 000 §4.2, case 2), in log2 and without underflow:
-    log2 Π P = Σ (exponent of P) + log2 Π (mantissa of P), the mantissas in [1, 2) so their product
-    stays ≤ 2^L. x < exp_xmin (masked keys included) counts as exp_xmin and P as exp(exp_xmin) unless
-    it is larger (every P is clamped there in the integer domain: a NaN or negative P stays wrong).
+    Π_l P[i, l·16+r] = exp(Σ_l x[i, l·16+r]) (seed 000 §4.2, case 2), in log2 on the fp32 product.
+    x < exp_xmin (masked keys included) counts as exp_xmin and P as P_min = exp(exp_xmin) unless it
+    is larger (NaN-propagating max: a NaN stays, a negative P becomes P_min); with L ≤ 4 the product
+    of clamped values stays a normal fp32 number (`ft_transformers.exp_check`).
 
     x, p: (BLOCK_M, BLOCK_N) fp32. Returns (BLOCK_M, 16) bool, the groups that fail
-    |Σ log2 P − log2(e)·Σ x| ≤ exp_tol·log2(e)·(3L + |Σ x|).
+    |log2 Π P − log2(e)·Σ x| ≤ exp_tol·log2(e)·(3L + |Σ x|).
     """
     BM: tl.constexpr = x.shape[0]
     L: tl.constexpr = x.shape[1] // 16
+    tl.static_assert(L <= _EXP_MAX_GROUP)
     xs = tl.sum(tl.reshape(tl.maximum(x, exp_xmin), (BM, L, 16)), axis=1)
-    pb = tl.maximum(p.to(tl.int32, bitcast=True), _PMIN_BITS)
-    e = tl.sum(tl.reshape(pb >> 23, (BM, L, 16)), axis=1) - 127 * L  # negative P: far below any x
-    mant = ((pb & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    pc = tl.reshape(tl.maximum(p, _P_MIN, propagate_nan=tl.PropagateNan.ALL), (BM, L, 16))
     if INTERP:  # the interpreter runs custom reductions element by element
-        lm = tl.sum(tl.reshape(tl.log2(mant), (BM, L, 16)), axis=1)
+        lp = tl.sum(tl.log2(pc), axis=1)
     else:
-        lm = _lg2(tl.reduce(tl.reshape(mant, (BM, L, 16)), 1, _mul))
-    d = e.to(tl.float32) + lm - xs * _LOG2E
+        lp = _lg2(tl.reduce(pc, 1, _mul))
+    d = lp - xs * _LOG2E
     return ~(tl.abs(d) <= exp_tol * _LOG2E * (3.0 * L + tl.abs(xs)))
 
 
@@ -392,9 +405,9 @@ def _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D: tl.constexpr, PAR
     kic = tl.load(SC + cb * 4)
     knf = (tl.load(SC + cb * 4 + 3) != 0).to(tl.int32)
     if PASA:
-        sc1 = _parts_dot(q, k0, k1, k2, PARTS, DOT_F32, False) * kic
+        sc1 = _parts_dot(q, k0, k1, k2, PARTS, DOT_F32) * kic
     else:
-        sc1 = _parts_dot(q, k0, k1, k2, PARTS, DOT_F32, False) * (kic * scale)
+        sc1 = _parts_dot(q, k0, k1, k2, PARTS, DOT_F32) * (kic * scale)
     return sc1, kabs, knf
 
 
@@ -457,7 +470,7 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
     # ---- 4. P = exp(x), product check per group ----
     if HALF:  # PASA's full FP16 allocation: x and P held in fp16
         x = x.to(tl.float16).to(tl.float32)
-    p = tl.exp(x)
+    p = _exp(x, INTERP)
     if HALF:
         p = p.to(tl.float16).to(tl.float32)
     if INJ_P != 0:
@@ -473,7 +486,7 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
                     cnt = _bump(cnt, _PROBS + _COR, nbp)
                     redo = tl.reshape(tl.broadcast_to(badg[:, None, :], (x.shape[0], x.shape[1] // 16, 16)),
                                       (x.shape[0], x.shape[1]))
-                    p = tl.where(redo, tl.exp(x), p)
+                    p = tl.where(redo, _exp(x, INTERP), p)
                 else:
                     cnt = _bump(cnt, _PROBS + _UNC, nbp)
     return s, m_new, p, bad_row, cnt, nf
@@ -550,7 +563,7 @@ def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, skb, skh, skn, skd, svb, svh, 
 
     Program (key block j, kv head, batch) → row cb = (b·Hkv + hk)·nblocks + j of the tables:
     KC (rows, PARTS, 16, BLOCK_D) the slices of Kc1 (`_split`, input dtype), VC (rows, 2, PARTS, 16,
-    BLOCK_N) the slices of Vc1ᵀ and Vc2ᵀ, KA (rows, 16) max_d Σ_l |K|, VA (rows, 16) max_n Σ_l |V|,
+    BLOCK_N) the slices of Vc1 and Vc2, transposed, KA (rows, 16) max_d Σ_l |K|, VA (rows, 16) max_n Σ_l |V|,
     SC (rows, 4) fp32: the inverse scales of Kc1, Vc1, Vc2 and 1.0 if the key block is non-finite.
 
     PASA: the block is first shifted by β times its mean with the fp16 shifting matrix
@@ -589,11 +602,11 @@ def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, skb, skh, skn, skd, svb, svh, 
         tl.store(kp + 16 * BLOCK_D, k1)
     if PARTS == 3:
         tl.store(kp + 32 * BLOCK_D, k2)
-    v1t, v2t, vtile = _v_checksums(v, LVP, INTERP)
+    v1, v2, vtile = _v_checksums(v, LVP, INTERP)
     vcmax = tl.max(vtile, axis=0)  # ≥ max |Vc1|; ·LVP ≥ max |Vc2|
-    vp = VC + cb * (2 * PARTS * 16 * BLOCK_N) + r16[:, None] * BLOCK_N + offs_j[None, :]
-    a0, a1, a2, aic = _split(v1t, vcmax, v.dtype, PARTS, SCALE_CS)
-    c0, c1, c2, cic = _split(v2t, vcmax * LVP, v.dtype, PARTS, SCALE_CS)
+    vp = VC + cb * (2 * PARTS * 16 * BLOCK_N) + offs_j[:, None] + r16[None, :] * BLOCK_N  # stored as (16, BLOCK_N)
+    a0, a1, a2, aic = _split(v1, vcmax, v.dtype, PARTS, SCALE_CS)
+    c0, c1, c2, cic = _split(v2, vcmax * LVP, v.dtype, PARTS, SCALE_CS)
     tl.store(vp, a0)
     tl.store(vp + PARTS * 16 * BLOCK_N, c0)
     if PARTS >= 2:
@@ -627,7 +640,7 @@ def _normalise(acc, l_i, bh, offs_m, offs_d, M, D, Inj, INJ_O: tl.constexpr):
 def _output_tests(acc, l_i, lc, nvalid, oc1, vmax, nf, bh, offs_m, offs_d, row_ok, M, D, nblocks, nsplit, gu, Inj,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INJ_O: tl.constexpr):
     """The tests of steps 6–7, counting nothing. Returns O (normalised, output faults applied), O
-    grouped (BLOCK_M, LVP, 16), O1 = Oc1ᵀ/l and D1 = O1 − Σ_l O (BLOCK_M, 16), the rows failing the
+    grouped (BLOCK_M, LVP, 16), O1 = Oc1/l and D1 = O1 − Σ_l O (BLOCK_M, 16), the rows failing the
     row-sum test (BLOCK_M,), the (row, group) pairs failing the output test (BLOCK_M, 16), and nf with
     non-finite V folded in. `_finish` counts and repairs from these; on the clean pass, which carries
     no Oc2, any failure sends the query block through the repairing pass first."""
@@ -642,7 +655,7 @@ def _output_tests(acc, l_i, lc, nvalid, oc1, vmax, nf, bh, offs_m, offs_d, row_o
     bad6 = tl.where(nvalid > 0, ~fine, l_i != 0.0) & row_ok & chk
     # ---- 7. normalise, inject, unified verification ----
     o = _normalise(acc, l_i, bh, offs_m, offs_d, M, D, Inj, INJ_O)
-    o1 = tl.where(l_i[:, None] == 0.0, 0.0, tl.trans(oc1) / l_i[:, None])
+    o1 = tl.where(l_i[:, None] == 0.0, 0.0, oc1 / l_i[:, None])
     og = tl.reshape(o, (BLOCK_M, LVP, 16))
     d1 = o1 - tl.sum(og, axis=1)
     thr = (2.0 * gu * (BLOCK_N + 2 * (nblocks + nsplit - 1) + tl.cdiv(D, 16) + 4)) * vmax
@@ -661,7 +674,7 @@ def _finish(acc, l_i, lc, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, 
     """Steps 6–8 for a block of query rows once every key has been seen: row-sum check, normalisation,
     output injection, unified output verification and repair, recompute of flagged rows, the event
     atomics, and the store. acc (BLOCK_M, BLOCK_D) fp32 and l_i, lc, nvalid (BLOCK_M,) are the loop's
-    (or the split-key merge's) state; oc1, oc2 (16, BLOCK_M) the transposed output checksums (oc2 only
+    (or the split-key merge's) state; oc1, oc2 (BLOCK_M, 16) the output checksums (oc2 only
     meaningful where ``have_oc2``: otherwise a failing output group is recomputed, never located); vmax
     (16,) max_n Σ_l |V|. ``nsplit`` > 1 when the keys were split across programs (one more rescale per
     split in the rounding bounds)."""
@@ -691,7 +704,7 @@ def _finish(acc, l_i, lc, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, 
         if nbad > 0:
             cnt = _bump(cnt, _OUTPUT + _DET, nbad)
             if CORRECT:
-                o2 = tl.where(l_i[:, None] == 0.0, 0.0, tl.trans(oc2) / l_i[:, None])
+                o2 = tl.where(l_i[:, None] == 0.0, 0.0, oc2 / l_i[:, None])
                 d2 = o2 - tl.sum(og * wv[None, :, None], axis=1)
                 t = d2 / d1
                 tr = tl.floor(t + 0.5)
@@ -731,14 +744,14 @@ def _finish(acc, l_i, lc, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, 
 @triton.jit
 def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Empty loop state: m (−inf), l, O (BLOCK_M, BLOCK_D), the row-sum twin lc, the GEMM II checksums
-    Oc1ᵀ, Oc2ᵀ (16, BLOCK_M), nvalid (int32), vmax (16,), and the event slots (32,) int32.
+    Oc1, Oc2 (BLOCK_M, 16), nvalid (int32), vmax (16,), and the event slots (32,) int32.
 
-    The GEMM II checksums are carried transposed, Oc1ᵀ = Vc1ᵀ·Pᵀ and Oc2ᵀ = Vc2ᵀ·Pᵀ, through the same
-    α rescale as O. Transposed, the dot has M = 16 and compiles to mma.sync. As P·Vc, a wgmma with a
-    register-built operand accumulated across the loop, it gave wrong sums on the H100."""
+    The GEMM II checksums Oc1 = P·Vc1 and Oc2 = P·Vc2 go through the same α rescale as O. Vc comes
+    from the pre-pass's table (loaded, like V): an earlier version built it in registers inside the
+    loop, and that wgmma operand gave wrong sums on the H100."""
     return (tl.full((BLOCK_M,), -float("inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
             tl.zeros((BLOCK_M, BLOCK_D), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
-            tl.zeros((16, BLOCK_M), tl.float32), tl.zeros((16, BLOCK_M), tl.float32),
+            tl.zeros((BLOCK_M, 16), tl.float32), tl.zeros((BLOCK_M, 16), tl.float32),
             tl.zeros((BLOCK_M,), tl.int32), tl.zeros((16,), tl.float32), tl.zeros((32,), tl.int32))
 
 
@@ -762,7 +775,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
     same (deterministic) injected faults, and counts and repairs in the contract's order.
 
     Returns the online-softmax state m_i, l_i (BLOCK_M,), acc (BLOCK_M, BLOCK_D); the checksum
-    state lc (BLOCK_M,), oc1, oc2 (16, BLOCK_M), nvalid (BLOCK_M,) int32, vmax (16,); the event
+    state lc (BLOCK_M,), oc1, oc2 (BLOCK_M, 16), nvalid (BLOCK_M,) int32, vmax (16,); the event
     slots cnt (32,) int32 (REPAIR only); nf; and the clean pass's flags: rows with a raised flag
     (BLOCK_M,) bool and failing step-1 groups per row (BLOCK_M,) int32.
     """
@@ -839,7 +852,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
                             # weighted checksum, only now: Sc2 = Q·Kc2ᵀ, D2 = Sc2 − Σ_l (l+1)·S[i, l·s+r]
                             kc2 = tl.sum(tl.reshape(k.to(tl.float32), (L, 16, BLOCK_D)) * wl[:, None, None], axis=0)
                             c0, c1, c2, cic = _split(tl.trans(kc2), tl.max(kabs, axis=0) * L, k.dtype, PARTS, SCALE_CS)
-                            sc2 = _parts_dot(q, c0, c1, c2, PARTS, DOT_F32, False) * cic
+                            sc2 = _parts_dot(q, c0, c1, c2, PARTS, DOT_F32) * cic
                             if not PASA:
                                 sc2 = sc2 * scale
                             d2 = sc2 - tl.sum(sg * wl[None, :, None], axis=1)
@@ -907,16 +920,15 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
             acc = _dot(pd, v, acc * alpha[:, None], DOT_F32)
         if DETECT:
             lc = lc * alpha + tl.sum(tl.sum(tl.reshape(p, (BLOCK_M, L, 16)), axis=2), axis=1)
-            vbase = VC + cb * (2 * PARTS * 16 * BLOCK_N) + r16[:, None] * BLOCK_N + offs_j[None, :]
+            vbase = VC + cb * (2 * PARTS * 16 * BLOCK_N) + offs_j[:, None] + r16[None, :] * BLOCK_N
             a0, a1, a2 = _load_parts(vbase, 16 * BLOCK_N, PARTS)
             aic = tl.load(SC + cb * 4 + 1)
             if OC2:
                 c0, c1, c2 = _load_parts(vbase + PARTS * 16 * BLOCK_N, 16 * BLOCK_N, PARTS)
                 cic = tl.load(SC + cb * 4 + 2)
-            pt = tl.trans(pd)
-            oc1 = oc1 * alpha[None, :] + _parts_dot(pt, a0, a1, a2, PARTS, DOT_F32, True) * aic
+            oc1 = oc1 * alpha[:, None] + _parts_dot(pd, a0, a1, a2, PARTS, DOT_F32) * aic
             if OC2:  # the weighted checksum only locates output faults: carried when it may be needed
-                oc2 = oc2 * alpha[None, :] + _parts_dot(pt, c0, c1, c2, PARTS, DOT_F32, True) * cic
+                oc2 = oc2 * alpha[:, None] + _parts_dot(pd, c0, c1, c2, PARTS, DOT_F32) * cic
         m_i = m_new
     if DETECT and not (HAS_BIAS or MASK_KIND != 0):
         # unmasked keys per row: those in [scan_lo, scan_hi) below N, the causal limit and above the
@@ -934,7 +946,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
 
 @triton.jit(do_not_specialize=["call_id"])
 def _efta_fwd(
-    Q, K, V, Out, Cnt, Flag, Bias, Mask, Inj, KC, VC, KA, VA, SC, W, KS,
+    Q, K, V, Out, Cnt, Flag, Bias, Mask, Inj, KC, VC, KA, VA, SC, W, KS, Rep,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     sbb, sbh, sbm, sbn, smb, smh, smm, smn, cst0, cst1,
     Hq, Hkv, M, N, D, GROUP, scale, window, call_id, nsplit,
@@ -946,8 +958,8 @@ def _efta_fwd(
     INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr, INJ_L: tl.constexpr,
     INJ_O: tl.constexpr, NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
     DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr,
-    SPLIT: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr, PHASE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     L: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
     FLT_MAX: tl.constexpr = 3.4028234663852886e38
@@ -955,6 +967,14 @@ def _efta_fwd(
 
     start_m = tl.program_id(0) // nsplit
     split = tl.program_id(0) % nsplit  # which share of the key blocks (split-key decode); 0 otherwise
+    # PHASE 0: clean and repairing pass in this launch. 1: the clean pass only; a program whose pass
+    # raised a flag stores 1 + (failing step-1 groups) in Rep and leaves its block to the PHASE 2
+    # launch (else 0, and it finishes here). 2: the repairing pass for the programs Rep names.
+    rep_at = Rep + (tl.program_id(2) * Hq + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+    if PHASE == 2:
+        rep_val = tl.load(rep_at)
+        if rep_val == 0:
+            return
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     bh = tl.program_id(2) * Hq + tl.program_id(1)  # index into the sites' (B·Hq, ...) shapes
@@ -1007,16 +1027,19 @@ def _efta_fwd(
     todo = tl.full([], 1, tl.int32)
     n1 = tl.full([], 0, tl.int32)
     for rep in tl.static_range(2):
-        if todo > 0:
-            m_i, l_i, acc, lc, oc1, oc2, nvalid, vmax, cnt, nf_loop, flag_rows, n1_rows = _key_loop(
-                q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, cs_row, Inj, b, h, bh,
-                offs_m, offs_d, row_ok, d_ok, M, N, nblocks, window, scale, scan_lo, scan_hi,
-                Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
-                exp_tol, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
-                BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
-                INJ_S, INJ_M, INJ_P, INJ_L, PARTS, SCALE_CS, DOT_F32, INTERP, EVEN_D, PASA, HALF_STATE,
-                OC2_CLEAN or (CORRECT and rep == 1), rep == 1)
-        if rep == 0:
+        if (rep == 0 and PHASE != 2) or (rep == 1 and PHASE != 1):
+            if todo > 0:
+                m_i, l_i, acc, lc, oc1, oc2, nvalid, vmax, cnt, nf_loop, flag_rows, n1_rows = _key_loop(
+                    q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, cs_row, Inj, b, h, bh,
+                    offs_m, offs_d, row_ok, d_ok, M, N, nblocks, window, scale, scan_lo, scan_hi,
+                    Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
+                    exp_tol, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
+                    BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
+                    INJ_S, INJ_M, INJ_P, INJ_L, PARTS, SCALE_CS, DOT_F32, INTERP, EVEN_D, PASA, HALF_STATE,
+                    OC2_CLEAN or (CORRECT and rep == 1), rep == 1)
+        if rep == 0 and PHASE == 2:  # the clean launch flagged this block
+            n1 = rep_val - 1
+        if rep == 0 and PHASE != 2:
             todo = todo * 0
             if DETECT:
                 todo = tl.sum((flag_rows | (n1_rows > 0)).to(tl.int32), axis=0)
@@ -1027,6 +1050,10 @@ def _efta_fwd(
                                                                   offs_d, row_ok, M, D, nblocks, 1, gu, Inj, BLOCK_N,
                                                                   BLOCK_D, INJ_O)
                         todo = tl.sum(bad6.to(tl.int32), axis=0) + tl.sum(tl.sum(bad7.to(tl.int32), axis=1), axis=0)
+        if rep == 0 and PHASE == 1:
+            tl.store(rep_at, tl.where(todo > 0, n1 + 1, 0))
+            if todo > 0:
+                return
     if DETECT:
         if (todo > 0) & (tl.sum(cnt, axis=0) == 0):
             # the clean pass saw failing step-1 groups that the second pass does not have: a
@@ -1043,7 +1070,7 @@ def _efta_fwd(
         tl.store(rec + 2 * BLOCK_M + rows, lc)
         tl.store(rec + 3 * BLOCK_M + rows, nvalid.to(tl.float32))
         tl.store(rec + 4 * BLOCK_M + rows[:, None] * BLOCK_D + offs_d[None, :], acc)
-        ocp = rec + (4 + BLOCK_D) * BLOCK_M + r16[:, None] * BLOCK_M + rows[None, :]
+        ocp = rec + (4 + BLOCK_D) * BLOCK_M + rows[:, None] * 16 + r16[None, :]
         tl.store(ocp, oc1)
         tl.store(ocp + 16 * BLOCK_M, oc2)
         tl.store(rec + (36 + BLOCK_D) * BLOCK_M + r16, vmax)
@@ -1071,7 +1098,7 @@ def _efta_combine(
     DOT_F32: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Split-key decode, second half: merge the ``nsplit`` partial states that `_efta_fwd` (SPLIT)
-    wrote for one query block — (m, l, lc, nvalid, O, Oc1ᵀ, Oc2ᵀ) rescaled to the common maximum
+    wrote for one query block — (m, l, lc, nvalid, O, Oc1, Oc2) rescaled to the common maximum
     exactly like the loop's α, Σ|V| maxima and non-finite flags — then finish (steps 6–8)."""
     REC: tl.constexpr = (36 + BLOCK_D) * BLOCK_M + 17
     start_m = tl.program_id(0)
@@ -1097,8 +1124,8 @@ def _efta_combine(
     lc = tl.zeros((BLOCK_M,), tl.float32)
     nvalid = tl.zeros((BLOCK_M,), tl.int32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    oc1 = tl.zeros((16, BLOCK_M), tl.float32)
-    oc2 = tl.zeros((16, BLOCK_M), tl.float32)
+    oc1 = tl.zeros((BLOCK_M, 16), tl.float32)
+    oc2 = tl.zeros((BLOCK_M, 16), tl.float32)
     vmax = tl.zeros((16,), tl.float32)
     nf = tl.full([], 0, tl.int32)
     base = W + ((b * Hq + h) * tl.cdiv(M, BLOCK_M) + start_m) * nsplit * REC
@@ -1112,9 +1139,9 @@ def _efta_combine(
         lc = lc * a + tl.load(rec + 2 * BLOCK_M + rows) * c
         nvalid += tl.load(rec + 3 * BLOCK_M + rows).to(tl.int32)
         acc = acc * a[:, None] + tl.load(rec + 4 * BLOCK_M + rows[:, None] * BLOCK_D + offs_d[None, :]) * c[:, None]
-        ocp = rec + (4 + BLOCK_D) * BLOCK_M + r16[:, None] * BLOCK_M + rows[None, :]
-        oc1 = oc1 * a[None, :] + tl.load(ocp) * c[None, :]
-        oc2 = oc2 * a[None, :] + tl.load(ocp + 16 * BLOCK_M) * c[None, :]
+        ocp = rec + (4 + BLOCK_D) * BLOCK_M + rows[:, None] * 16 + r16[None, :]
+        oc1 = oc1 * a[:, None] + tl.load(ocp) * c[:, None]
+        oc2 = oc2 * a[:, None] + tl.load(ocp + 16 * BLOCK_M) * c[:, None]
         vmax = _max_nan(vmax, tl.load(rec + (36 + BLOCK_D) * BLOCK_M + r16))
         nf = nf | (tl.load(rec + (36 + BLOCK_D) * BLOCK_M + 16) != 0).to(tl.int32)
         m_i = m_new
@@ -1160,7 +1187,7 @@ def _prune(configs, named_args, **kwargs):
 _efta_fwd_tuned = triton.autotune(
     configs=[_cfg(c) for c in CONFIGS_PREFILL + CONFIGS_DECODE],
     key=["M_KEY", "N_KEY", "BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT", "CORRECT", "PASA",
-         "HALF_STATE"],
+         "HALF_STATE", "PHASE"],
     prune_configs_by={"early_config_prune": _prune},
     restore_value=["Cnt", "Flag"],
 )(_efta_fwd)
@@ -1432,6 +1459,14 @@ def efta_triton_forward(
     nsplit = 1 if pasa else _num_splits(B * Hq, M, N, cfg, any(modes[:4]), dev, interp)  # PASA: one frame
     block_m = cfg[0] if cfg is not None else 16  # the autotuner's decode configs all have BLOCK_M = 16
     work = counters  # unused placeholder
+    # prefill with correction: the repairing pass runs in a second launch, only for the query blocks
+    # whose clean pass raised a flag (it holds more state than the clean loop: compiled into the same
+    # kernel, it made ptxas spill inside the clean loop; on the H100 that cost ~20% of the call).
+    # FTT_EFTA_TWO_LAUNCH=0 keeps both passes in one launch (benchmarks, diagnosis).
+    phased = correct and nsplit == 1 and M > 16 and os.environ.get("FTT_EFTA_TWO_LAUNCH", "1") != "0"
+    rep_buf = counters  # unused placeholder
+    if phased:
+        rep_buf = torch.empty(B * Hq * -(-M // 16), dtype=torch.int32, device=dev)
     if nsplit > 1:
         work = torch.empty(B * Hq * -(-M // block_m) * nsplit * ((36 + block_d) * block_m + 17),
                            dtype=torch.float32, device=dev)
@@ -1464,7 +1499,7 @@ def efta_triton_forward(
                *counters.stride())
     gu = BOUNDS.gamma * BOUNDS.u * slack
     args = (
-        q, k, v, out, counters, flag, bias4, mask4, inj, *tables, work, kshift, *strides,
+        q, k, v, out, counters, flag, bias4, mask4, inj, *tables, work, kshift, rep_buf, *strides,
         Hq, Hkv, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit,
         gu, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_xmin,
         BOUNDS.snvr_rel, BOUNDS.snvr_cap, *pasa_args[:4],
@@ -1475,7 +1510,7 @@ def efta_triton_forward(
         MASK_KIND=mask_kind, DETECT=bool(detect), CORRECT=correct,
         INJ_S=modes[0], INJ_M=modes[1], INJ_P=modes[2], INJ_L=modes[3], INJ_O=modes[4],
         NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
-        EVEN_D=D == block_d, SPLIT=nsplit > 1, PASA=bool(pasa), HALF_STATE=half_state,
+        EVEN_D=D == block_d, SPLIT=nsplit > 1, PASA=bool(pasa), HALF_STATE=half_state, PHASE=int(phased),
     )
     if cfg is None:  # autotuned: our own cache of the winners (see _TUNED), the autotuner on a miss
         tkey = (dev, q.dtype, bias4.dtype, mask4.dtype, args[-2], args[-1], *meta.values())
@@ -1493,6 +1528,10 @@ def efta_triton_forward(
         _efta_fwd[(triton.cdiv(M, cfg[0]) * nsplit, Hq, B)](*args, **meta, BLOCK_M=cfg[0], BLOCK_N=cfg[1],
                                                              num_warps=cfg[2], num_stages=cfg[3])
         LAST_CONFIG[0] = cfg
+    if phased:  # the repairing pass: its programs return at once unless the clean launch flagged them
+        bm, bn, nw, ns = LAST_CONFIG[0]
+        _efta_fwd[(triton.cdiv(M, bm), Hq, B)](*args, **{**meta, "PHASE": 2}, BLOCK_M=bm, BLOCK_N=bn,
+                                               num_warps=nw, num_stages=ns)
     if nsplit > 1:
         _efta_combine[(triton.cdiv(M, block_m), Hq, B)](
             q, k, v, out, counters, flag, bias4, mask4, inj, work, *strides,

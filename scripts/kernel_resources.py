@@ -36,12 +36,12 @@ from triton.compiler import ASTSource
 
 POINTERS = {"Q": "in", "K": "in", "V": "in", "Out": "in", "KC": "in", "VC": "in", "KS": "*fp16", "Cnt": "*i32",
             "Flag": "*i32", "Inj": "*i32", "Bias": "*fp32", "Mask": "*fp32", "KA": "*fp32", "VA": "*fp32",
-            "SC": "*fp32", "W": "*fp32"}
+            "SC": "*fp32", "W": "*fp32", "Rep": "*i32"}
 FLOATS = {"scale", "gu", "exp_tol", "exp_xmin", "snvr_rel", "snvr_cap", "pasa_t1", "s_floor", "gamma",
           "gamma_last"}
 BASE = dict(BLOCK_D=64, CAUSAL=True, HAS_WINDOW=False, HAS_BIAS=False, MASK_KIND=0, DETECT=True, CORRECT=True,
             INJ_S=0, INJ_M=0, INJ_P=0, INJ_L=0, INJ_O=0, NO_SKIP=False, PARTS=2, SCALE_CS=True, DOT_F32=False,
-            INTERP=False, EVEN_D=True, SPLIT=False, PASA=False, HALF_STATE=False, BLOCK_M=128,
+            INTERP=False, EVEN_D=True, SPLIT=False, PASA=False, HALF_STATE=False, PHASE=0, BLOCK_M=128,
             BLOCK_N=64)
 FP = {"fp16": dict(PARTS=2, SCALE_CS=True), "bf16": dict(PARTS=3, SCALE_CS=False),
       "fp32": dict(PARTS=1, SCALE_CS=False, DOT_F32=True)}
@@ -49,17 +49,20 @@ FP = {"fp16": dict(PARTS=2, SCALE_CS=True), "bf16": dict(PARTS=3, SCALE_CS=False
 VARIANTS = [
     ("prefill checks off", "fp16", dict(DETECT=False, CORRECT=False, BLOCK_N=128), 8, 3),
     ("prefill detect", "fp16", dict(CORRECT=False), 8, 3),
-    ("prefill detect+correct", "fp16", dict(), 8, 3),
-    ("prefill detect+correct", "bf16", dict(), 8, 3),
-    ("prefill detect+correct D=128", "fp16", dict(BLOCK_D=128), 8, 3),
-    ("prefill detect+correct BM=64", "fp16", dict(BLOCK_M=64), 4, 3),
-    ("prefill PASA", "fp16", dict(PASA=True), 8, 3),
+    ("prefill detect+correct", "fp16", dict(PHASE=1), 8, 3),
+    ("prefill detect+correct, repair launch", "fp16", dict(PHASE=2), 8, 3),
+    ("prefill detect+correct, one launch", "fp16", dict(), 8, 3),
+    ("prefill detect+correct", "bf16", dict(PHASE=1), 8, 3),
+    ("prefill detect+correct D=128", "fp16", dict(BLOCK_D=128, PHASE=1), 8, 3),
+    ("prefill detect+correct BM=64", "fp16", dict(BLOCK_M=64, PHASE=1), 4, 3),
+    ("prefill PASA", "fp16", dict(PASA=True, PHASE=1), 8, 3),
     ("prefill PASA fp16 state, no checks", "fp16", dict(PASA=True, HALF_STATE=True, DETECT=False, CORRECT=False), 8, 3),
     ("decode split detect+correct", "fp16", dict(BLOCK_M=16, SPLIT=True), 4, 3),
     ("decode split detect+correct, bool mask", "fp16", dict(BLOCK_M=16, SPLIT=True, MASK_KIND=1), 4, 3),
-    ("prefill detect+correct BM=64, bool mask", "fp16", dict(BLOCK_M=64, MASK_KIND=1), 4, 3),
-    ("injection, all sites", "fp16", dict(INJ_S=1, INJ_M=1, INJ_P=2, INJ_L=1, INJ_O=1, NO_SKIP=True, BLOCK_M=64), 4, 2),
-    ("prefill detect+correct", "fp32", dict(BLOCK_M=64), 4, 3),
+    ("prefill detect+correct BM=64, bool mask", "fp16", dict(BLOCK_M=64, MASK_KIND=1, PHASE=1), 4, 3),
+    ("injection, all sites", "fp16", dict(INJ_S=1, INJ_M=1, INJ_P=2, INJ_L=1, INJ_O=1, NO_SKIP=True, BLOCK_M=64,
+                                          PHASE=1), 4, 2),
+    ("prefill detect+correct", "fp32", dict(BLOCK_M=64, PHASE=1), 4, 3),
 ]
 
 
@@ -153,10 +156,15 @@ def main() -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability ×10 (90: Hopper)")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--loops", action="store_true", help="also print each loop body's instruction mix")
+    ap.add_argument("--only", default="", help="comma-separated substrings: compile only the variants whose "
+                    "'name [dtype]' contains one of them")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     rows = []
+    only = [w for w in args.only.split(",") if w]
     for name, dtype, over, nw, ns in VARIANTS:
+        if only and not any(w in f"{name} [{dtype}]" for w in only):
+            continue
         t0 = time.time()
         try:
             c = compile_variant(dtype, over, nw, ns, args.arch)

@@ -454,14 +454,18 @@ def test_rowmax_flipped_to_infinity(m0):
 
 def test_exp_group_check_covers_bits_that_reach_pv():
     """Step 4's product check per group, against float64 exp: silent on clean groups (masked keys,
-    underflow and flushed zeros included); every sign and exponent flip caught, and the mantissa
-    flips that survive P's rounding to fp16 (bits 13 and up): from bit 12 when |x| ≤ 5, from bit 14
-    when |x| ≤ 50, from bit 16 in groups that also hold masked or underflowed keys (each counts as
-    x = −87 and widens the tolerance). A NaN P is caught too."""
+    underflow and flushed zeros included); for a P ≥ e^-19 (above the clamp P_min = e^-20 by more
+    than the tolerance) every sign and exponent flip caught, and the mantissa flips that survive P's
+    rounding to fp16 (bits 13 and up): from bit 12 when |x| ≤ 5, from bit 14 when |x| ≤ 50, from bit
+    16 in groups that also hold masked or underflowed keys (each counts as x = −20 and widens the
+    tolerance). A flip that keeps a P below P_min is not seen (it moves P by < P_min), a flip that
+    lifts it far above P_min is. A NaN P is caught too."""
     from ft_transformers.efta_reference import _exp_group_test
+    from ft_transformers.exp_check import P_MIN
 
     gen = torch.Generator().manual_seed(0)
     rows = 4000
+    ar = torch.arange(rows)
     for spread, masked, low in ((5.0, False, 12), (50.0, False, 14), (5.0, True, 16), (50.0, True, 16)):
         x = -torch.rand(rows, 64, dtype=torch.float64, generator=gen) * spread
         x[:, 0] = 0.0
@@ -473,13 +477,22 @@ def test_exp_group_check_covers_bits_that_reach_pv():
             P[::2, 20:24] = 0.0
         x32 = x.float()
         assert not _exp_group_test(x32, P, 16).any()
-        col = torch.randint(0, 36, (rows,), generator=gen)
-        col = col + 4 * (col >= 20)  # keys that are neither masked nor below exp's range
+        # one key per row with x ≥ −19 (col 0 always qualifies): random among those
+        col = torch.where(x32 >= -19.0, torch.rand(rows, 64, generator=gen), -1.0).argmax(1)
         for bit in range(low, 32):
             Pi = P.clone().view(torch.int32)
-            Pi[torch.arange(rows), col] ^= (1 << bit) if bit < 31 else -(1 << 31)
+            Pi[ar, col] ^= (1 << bit) if bit < 31 else -(1 << 31)
             bad = _exp_group_test(x32, Pi.view(torch.float32), 16)
-            assert int(bad.sum()) == rows and bool(bad[torch.arange(rows), col % 16].all()), (spread, masked, bit)
+            assert int(bad.sum()) == rows and bool(bad[ar, col % 16].all()), (spread, masked, bit)
+        if spread == 50.0 and not masked:  # keys far below the clamp: x ≤ −25
+            tiny = torch.where(x32 <= -25.0, torch.rand(rows, 64, generator=gen), -1.0).argmax(1)
+            assert bool((x32[ar, tiny] <= -25.0).all())
+            for bit, seen in ((23, False), (24, False), (30, True)):  # ×2^±1, ×2^±2: still < P_min; ×2^128
+                Pi = P.clone().view(torch.int32)
+                Pi[ar, tiny] ^= 1 << bit
+                assert bool((Pi.view(torch.float32)[ar, tiny] < P_MIN).all()) != seen
+                bad = _exp_group_test(x32, Pi.view(torch.float32), 16)
+                assert int(bad.sum()) == (rows if seen else 0), (bit, int(bad.sum()))
         Pn = P.clone()
         Pn[0, 3] = float("nan")
         assert bool(_exp_group_test(x32, Pn, 16)[0, 3])

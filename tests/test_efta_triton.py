@@ -484,7 +484,12 @@ def test_pasa_injection_corrected(site):
         for seed in range(2):
             out, stats, plan = kernel(q, k, v, pasa=True, inject=FaultSpec(site=site, bit=bit, seed=seed))
             assert plan.injected == 1
-            assert stats["detected"] >= 1 and stats["detected"] == stats["corrected"] + stats["recomputed"]
+            assert stats["detected"] == stats["corrected"] + stats["recomputed"]
+            # most probabilities of these inputs are below P_min = exp(−20): a bit-27 flip (×2^±16)
+            # that keeps one there is not seen by step 4 (docs/algorithms.md), and the output check
+            # below shows it harmless; a bit-30 flip makes any P < 1 huge and must be caught
+            if site != "attn.probs" or bit == 30:
+                assert stats["detected"] >= 1, (site, bit, seed)
             # within two fp16 ulps of the output (a recomputed row is accumulated in fp32, not fp16)
             assert maxdiff(out, clean) <= 2.0**-9 * clean.abs().max().item(), (site, bit, seed, stats.by_site())
 
