@@ -609,6 +609,10 @@ def test_gpu_injection_matches_reference(site):
             spec = FaultSpec(site=site, bit=bit, seed=seed)
             out, stats, _ = kernel(q, k, v, causal=True, inject=spec)
             assert maxdiff(out, clean) <= 1e-3, (bit, seed, stats.by_site())
-            assert stats["detected"] >= 1 and stats["detected"] == stats["corrected"] + stats["recomputed"]
+            assert stats["detected"] == stats["corrected"] + stats["recomputed"]
+            # a flip of bits 27-29 that keeps a P below P_min = exp(−20) is not seen by step 4
+            # (docs/algorithms.md) in the reference either; bit 30 makes any P < 1 huge
+            if site != "attn.probs" or bit == 30:
+                assert stats["detected"] >= 1, (bit, seed)
             _, rstats = reference(q, k, v, causal=True, inject=spec)
             assert counts(stats) == counts(rstats), (bit, seed, stats.by_site(), rstats.by_site())
