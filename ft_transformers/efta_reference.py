@@ -227,16 +227,16 @@ def _exp_group_test(x: torch.Tensor, P: torch.Tensor, s: int) -> torch.Tensor:
     checked in log2 on the fp32 product of the group.
 
     Below x_min = −20 (masked keys included) x counts as x_min and P as P_min = exp(x_min) unless it is
-    larger (a NaN-propagating max: a NaN P stays NaN, a negative one becomes P_min), so the product of
-    L ≤ 4 clamped values cannot underflow. x, P: (..., L·s) fp32.
+    larger (a NaN-propagating max: a NaN P stays NaN, a negative one becomes P_min), so a product of
+    up to 4 clamped values cannot underflow; larger groups (L > 4, other block/stride choices than
+    the kernel's) are multiplied in chunks of 4 and the chunks' log2 summed. x, P: (..., L·s) fp32.
     Returns (..., s) bool: |log2 Π P − log2(e)·Σ x| > 64·u·log2(e)·(3L + |Σ x|).
     """
     L = x.shape[-1] // s
-    if L > EXP_MAX_GROUP:
-        raise ValueError(f"step 4 groups of {L} keys: at most {EXP_MAX_GROUP} (the clamped product would underflow)")
     xs = torch.fmax(x, x.new_tensor(EXP_XMIN)).view(*x.shape[:-1], L, s).sum(-2)
-    pc = torch.maximum(P, P.new_tensor(P_MIN))  # torch.maximum propagates NaN
-    d = torch.log2(pc.view(*x.shape[:-1], L, s).prod(-2)) - xs * LOG2E
+    pc = torch.maximum(P, P.new_tensor(P_MIN)).view(*x.shape[:-1], L, s)  # torch.maximum propagates NaN
+    lp = sum(torch.log2(pc[..., c:c + EXP_MAX_GROUP, :].prod(-2)) for c in range(0, L, EXP_MAX_GROUP))
+    d = lp - xs * LOG2E
     return ~(d.abs() <= (xs.abs() + 3.0 * L) * (EXP_ULPS * U * LOG2E))
 
 
