@@ -217,6 +217,31 @@ def test_injection_corrected(site, inj_data):
     assert harmful >= total // 2, f"{site}: only {harmful}/{total} unprotected flips changed the output"
 
 
+@pytest.mark.parametrize("site", ["attn.scores", "attn.rowsum", "attn.output"])
+def test_repair_launch_equals_one_launch(site, monkeypatch):
+    """Prefill with correction runs the repairing pass in a second launch, for the flagged query
+    blocks only; with FTT_EFTA_TWO_LAUNCH=0 both passes share one launch. Several faults over the
+    query blocks of every head: same output bits and same counts either way, and the reference's
+    counts. Without a fault, the clean launch alone writes every row."""
+    B, Hq, Hkv, M, N, D = 1, 2, 1, 70, 130, 32  # 3 query blocks of 32 rows per head
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, seed=11)
+    spec = FaultSpec(site=site, bit=29, count=3, seed=5)
+    runs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FTT_EFTA_TWO_LAUNCH", mode)
+        clean, cstats, _ = kernel(q, k, v, causal=True)
+        out, stats, plan = kernel(q, k, v, causal=True, inject=spec)
+        assert cstats["detected"] == 0 and plan.injected == 3
+        runs[mode] = (clean, out, counts(stats))
+    assert torch.equal(runs["1"][0], runs["0"][0]) and torch.equal(runs["1"][1], runs["0"][1])
+    assert runs["1"][2] == runs["0"][2]
+    ref_out, rstats = reference(q, k, v, causal=True, inject=spec)
+    assert runs["1"][2] == counts(rstats), (runs["1"][2], counts(rstats))
+    assert rstats["detected"] >= 1  # some query block was flagged: the repair launch had work
+    assert maxdiff(runs["1"][1], ref_attention(q, k, v, causal=True)) <= 2e-4
+    assert maxdiff(runs["1"][1], ref_out) <= 2e-4
+
+
 def test_detect_false_flips_visible(inj_data):
     """Flips that can never be harmless change the unprotected output."""
     q, k, v, clean = inj_data
