@@ -251,7 +251,7 @@ def _exp(x, INTERP: tl.constexpr):
     """exp of the scores' tile on the GPU: one MUFU ``ex2.approx.ftz`` of x·log2(e). tl.exp lowers to
     the non-ftz ex2, which ptxas wraps in a subnormal range fix (a compare, two multiplies and a
     select per element); results below 2^-126 (x < −87.3) flush to 0, which the reference's
-    `_exp_ftz` models from x < −87 on, and which step 4 clamps to exp(−87) anyway."""
+    `_exp_ftz` models from x < −87 on, and which step 4 counts as P_min = exp(−20) anyway."""
     if INTERP:
         p = tl.exp(x)
     else:
@@ -747,8 +747,8 @@ def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     Oc1, Oc2 (BLOCK_M, 16), nvalid (int32), vmax (16,), and the event slots (32,) int32.
 
     The GEMM II checksums Oc1 = P·Vc1 and Oc2 = P·Vc2 go through the same α rescale as O. Vc comes
-    from the pre-pass's table (loaded, like V): an earlier version built it in registers inside the
-    loop, and that wgmma operand gave wrong sums on the H100."""
+    from the pre-pass's table, stored K-major (see the module docstring); an earlier version built it
+    in registers inside the loop, and that wgmma operand gave wrong sums on the H100."""
     return (tl.full((BLOCK_M,), -float("inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
             tl.zeros((BLOCK_M, BLOCK_D), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
             tl.zeros((BLOCK_M, 16), tl.float32), tl.zeros((BLOCK_M, 16), tl.float32),
