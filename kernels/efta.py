@@ -1523,13 +1523,14 @@ def efta_triton_forward(
             _TUNED[tkey] = tuned = _efta_fwd_tuned.best_config
         else:
             _efta_fwd[(triton.cdiv(M, tuned.kwargs["BLOCK_M"]) * nsplit, Hq, B)](*args, **meta, **tuned.all_kwargs())
-        LAST_CONFIG[0] = (tuned.kwargs["BLOCK_M"], tuned.kwargs["BLOCK_N"], tuned.num_warps, tuned.num_stages)
+        used = (tuned.kwargs["BLOCK_M"], tuned.kwargs["BLOCK_N"], tuned.num_warps, tuned.num_stages)
     else:
         _efta_fwd[(triton.cdiv(M, cfg[0]) * nsplit, Hq, B)](*args, **meta, BLOCK_M=cfg[0], BLOCK_N=cfg[1],
                                                              num_warps=cfg[2], num_stages=cfg[3])
-        LAST_CONFIG[0] = cfg
+        used = cfg
+    LAST_CONFIG[0] = used
     if phased:  # the repairing pass: its programs return at once unless the clean launch flagged them
-        bm, bn, nw, ns = LAST_CONFIG[0]
+        bm, bn, nw, ns = used
         _efta_fwd[(triton.cdiv(M, bm), Hq, B)](*args, **{**meta, "PHASE": 2}, BLOCK_M=bm, BLOCK_N=bn,
                                                num_warps=nw, num_stages=ns)
     if nsplit > 1:
