@@ -1037,23 +1037,25 @@ def _efta_fwd(
                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
                     INJ_S, INJ_M, INJ_P, INJ_L, PARTS, SCALE_CS, DOT_F32, INTERP, EVEN_D, PASA, HALF_STATE,
                     OC2_CLEAN or (CORRECT and rep == 1), rep == 1)
-        if rep == 0 and PHASE == 2:  # the clean launch flagged this block
-            n1 = rep_val - 1
-        if rep == 0 and PHASE != 2:
-            todo = todo * 0
-            if DETECT:
-                todo = tl.sum((flag_rows | (n1_rows > 0)).to(tl.int32), axis=0)
-                n1 = tl.sum(n1_rows, axis=0)
-                if CORRECT and not OC2_CLEAN:
-                    if todo == 0:  # the clean pass carried no Oc2: if steps 6–7 will find something, redo
-                        _, _, _, _, bad6, bad7, _ = _output_tests(acc, l_i, lc, nvalid, oc1, vmax, nf_loop, bh, offs_m,
-                                                                  offs_d, row_ok, M, D, nblocks, 1, gu, Inj, BLOCK_N,
-                                                                  BLOCK_D, INJ_O)
-                        todo = tl.sum(bad6.to(tl.int32), axis=0) + tl.sum(tl.sum(bad7.to(tl.int32), axis=1), axis=0)
-        if rep == 0 and PHASE == 1:
-            tl.store(rep_at, tl.where(todo > 0, n1 + 1, 0))
-            if todo > 0:
-                return
+        if rep == 0:
+            if PHASE == 2:  # the clean launch flagged this block
+                n1 = rep_val - 1
+            else:
+                todo = todo * 0
+                if DETECT:
+                    todo = tl.sum((flag_rows | (n1_rows > 0)).to(tl.int32), axis=0)
+                    n1 = tl.sum(n1_rows, axis=0)
+                    if CORRECT and not OC2_CLEAN:
+                        if todo == 0:  # the clean pass carried no Oc2: if steps 6–7 will find something, redo
+                            _, _, _, _, bad6, bad7, _ = _output_tests(acc, l_i, lc, nvalid, oc1, vmax, nf_loop, bh,
+                                                                      offs_m, offs_d, row_ok, M, D, nblocks, 1, gu,
+                                                                      Inj, BLOCK_N, BLOCK_D, INJ_O)
+                            todo = (tl.sum(bad6.to(tl.int32), axis=0)
+                                    + tl.sum(tl.sum(bad7.to(tl.int32), axis=1), axis=0))
+            if PHASE == 1:
+                tl.store(rep_at, tl.where(todo > 0, n1 + 1, 0))
+                if todo > 0:
+                    return
     if DETECT:
         if (todo > 0) & (tl.sum(cnt, axis=0) == 0):
             # the clean pass saw failing step-1 groups that the second pass does not have: a
@@ -1465,7 +1467,7 @@ def efta_triton_forward(
     # FTT_EFTA_TWO_LAUNCH=0 keeps both passes in one launch (benchmarks, diagnosis).
     phased = correct and nsplit == 1 and M > 16 and os.environ.get("FTT_EFTA_TWO_LAUNCH", "1") != "0"
     rep_buf = counters  # unused placeholder
-    if phased:
+    if phased:  # one entry per program; 16 is the smallest BLOCK_M of any config
         rep_buf = torch.empty(B * Hq * -(-M // 16), dtype=torch.int32, device=dev)
     if nsplit > 1:
         work = torch.empty(B * Hq * -(-M // block_m) * nsplit * ((36 + block_d) * block_m + 17),
