@@ -61,6 +61,7 @@ the GPU's semantics).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -243,7 +244,7 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, nu
 
 
 @triton.jit(do_not_specialize=["call_id", "w_finite"])
-def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Ws,
+def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
                  M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
                  Sem, B12, Cnt, Dbg, scn0, scn1, fn, inv_k, w_finite, capacity,
                  th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
@@ -273,6 +274,7 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Ws,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_am = offs_m % M  # wrapped rows: in-bounds loads without a mask, never stored
+    S = P + num_pid_n * M * 2  # the (T, M, 8) stats follow the (T, M, 2) row sums in one buffer
     if DETECT and not ONE_LAUNCH:
         if pid == 0:
             tl.store(Ws, 0)  # per-call recompute slot counter (read by the verify kernel)
@@ -429,7 +431,7 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, count_nonf,
 
 
 @triton.jit(do_not_specialize=["call_id", "w_finite", "T"])
-def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws,
+def _verify_kernel(X, W, Y, Bias, B12, P, Flag, Ws,
                    M, N, K, T, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
                    Cnt, Dbg, scn0, scn1, fn, inv_k, w_finite, capacity,
                    th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
@@ -438,6 +440,7 @@ def _verify_kernel(X, W, Y, Bias, B12, P, S, Flag, Ws,
                    DOT_F32: tl.constexpr):
     """The second launch (calls of more than one row block): BLOCK_R rows per program."""
     pid = tl.program_id(0)
+    S = P + T * M * 2
     _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, pid * BLOCK_R + tl.arange(0, BLOCK_R), pid == 0,
                  M, N, K, T, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_n, fn, inv_k, call_id, w_finite,
                  capacity, th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
@@ -476,15 +479,37 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # host side: triton.cdiv costs microseconds per call
 
 
-def _tma_ok(*ts: torch.Tensor) -> bool:
-    """Whether tensor descriptors can address these 2-D tensors: a Hopper-or-newer GPU (or the
-    interpreter), unit inner stride, 16-byte aligned base and row stride. ``FTT_ABFT_GEMM_TMA=0``
-    turns them off (pointer loads, for comparison)."""
-    if os.environ.get("FTT_ABFT_GEMM_TMA", "1") == "0":
+TMA_MIN_MNK = 1 << 36  # eager calls with fewer multiply-adds (M·N·K < 4096³) load through pointers, see `_tma_ok`
+_CAPABILITY: dict[torch.device, int] = {}
+
+
+def _tma_ok(m: int, n: int, k: int, *ts: torch.Tensor) -> bool:
+    """Whether this call moves its tiles through TMA tensor descriptors.
+
+    The layout must allow it: a Hopper-or-newer GPU (or the interpreter), unit inner stride,
+    16-byte aligned base and row stride. And it must pay: the three descriptors are encoded on the
+    host at every launch, ~0.1 ms of host time per call on the H100's host (pointer-load launch
+    0.12-0.15 ms, TMA 0.22-0.25 ms), which an eager call of fewer than ``TMA_MIN_MNK`` multiply-adds
+    (~0.1 ms of GPU time) cannot hide. The choice depends on the shape only, not on whether a CUDA
+    graph is being captured: a captured call must find its config already tuned by the eager
+    warm-up calls (tuning times launches, which a capture cannot).
+    ``FTT_ABFT_GEMM_TMA``: ``0`` never, ``1`` whenever the layout allows, unset or ``auto`` as above
+    (the interpreter: whenever the layout allows, so that the tests cover the descriptor path).
+    """
+    mode = os.environ.get("FTT_ABFT_GEMM_TMA", "auto")
+    if mode == "0":
         return False
     dev = ts[0].device
-    if not _INTERP and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
-        return False
+    if not _INTERP:
+        if dev.type != "cuda":
+            return False
+        cap = _CAPABILITY.get(dev)
+        if cap is None:
+            cap = _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)[0]
+        if cap < 9:
+            return False
+        if mode != "1" and m * n * k < TMA_MIN_MNK:
+            return False
     for t in ts:
         es = t.element_size()
         if t.stride(1) != 1 or (t.stride(0) * es) % 16 or t.data_ptr() % 16:
@@ -594,16 +619,43 @@ class _Verify:
                 1.0 / k, int(self.w_finite), int(self.capacity), *self.th, self.reverify)
 
 
-_SEMS: dict[torch.device, torch.Tensor] = {}
+_CELLS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _semaphore(device: torch.device) -> torch.Tensor:
-    """The one-launch GEMM's per-device int32 done-counter (0 between calls: the last program resets it)."""
-    sem = _SEMS.get(device)
-    if sem is None:
-        sem = torch.zeros(1, dtype=torch.int32, device=device)
-        _SEMS[device] = sem
-    return sem
+def _cells(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-device int32 cells that outlive calls (no allocation per call): the one-launch GEMM's
+    done-counter (0 between calls: the last program resets it) and the two-launch call's recompute
+    slot counter (zeroed by the GEMM launch's first program, then claimed by the verify launch that
+    follows it on the stream)."""
+    c = _CELLS.get(device)
+    if c is None:
+        buf = torch.zeros(2, dtype=torch.int32, device=device)
+        c = _CELLS[device] = (buf[0:1], buf[1:2])
+    return c
+
+
+def _stats_buffer(t: int, m: int, device: torch.device) -> torch.Tensor:
+    """fp32 (T·M·10,): the tiles' (T, M, 2) row sums, then their (T, M, 8) checksum partials and row
+    statistics (the kernels address the second part as ``P + T·M·2``)."""
+    return torch.empty(t * m * (2 + _STATS_W), dtype=torch.float32, device=device)
+
+
+_EMAX: dict[tuple, float] = {}
+
+
+def _emax(dtype: torch.dtype, device: torch.device, mode: str, k: int) -> float:
+    """`default_emax`, memoised per (dtype, device, mode, K): it reads the device's table and name on
+    every call. Not memoised for fp32 output-side entries, which follow the current matmul precision."""
+    from ..vabft import default_emax  # noqa: PLC0415
+
+    if mode == "output" and dtype == torch.float32:
+        return default_emax(dtype, device.type, mode, k=k)
+    key = (dtype, device, mode, k)
+    e = _EMAX.get(key)
+    if e is None:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            e = _EMAX[key] = default_emax(dtype, device.type, mode, k=k)
+    return e
 
 
 def _one_launch(m: int) -> bool:
@@ -612,9 +664,12 @@ def _one_launch(m: int) -> bool:
     return m <= ONE_LAUNCH_ROWS and os.environ.get("FTT_ABFT_GEMM_ONE_LAUNCH", "1") != "0"
 
 
-def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, S, inj, flag, ws, call_id, detect, verify_output, dot_f32,
+def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect, verify_output, dot_f32,
                  verify: _Verify | None = None):
-    """The GEMM launch; with ``verify`` (a call of at most ONE_LAUNCH_ROWS rows, `_one_launch`) it verifies too."""
+    """The GEMM launch; with ``verify`` (a call of at most ONE_LAUNCH_ROWS rows, `_one_launch`) it verifies too.
+
+    P: the `_stats_buffer` (or any placeholder without ``detect``); ws: the int32 cell the launch uses
+    (the recompute slot counter, or with ``verify`` the done-counter)."""
     bm, bn, bk, warps, stages = cfg
     m, k = L.x.shape
     n = L.y.shape[1]
@@ -623,12 +678,12 @@ def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, S, inj, flag, ws, call_id, de
     xd, wd, yd = _descriptors(cfg, L)
     one = verify is not None
     if one:
-        vargs = (_semaphore(L.x.device), verify.b12, *verify.args(n, k, P))
+        vargs = (ws, verify.b12, *verify.args(n, k, P))  # ws: the done-counter cell
     else:
         vargs = (flag, flag, flag, flag, 0, 0, 1.0, 1.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
     vbn, vbk = VERIFY_BLOCK
     _gemm_kernel[grid](
-        L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, w12, P, S, inj if inj is not None else ws,
+        L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, w12, P, inj if inj is not None else ws,
         flag, ws,
         m, n, k, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1),
         1.0 / n, call_id, *vargs,
@@ -659,8 +714,7 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
         return cands[0]
     dev = L.x.device
     bn_min = min(c[1] for c in cands)
-    P = torch.empty((_cdiv(n, bn_min), m, 2), dtype=torch.float32, device=dev)
-    S = torch.empty((_cdiv(n, bn_min), m, _STATS_W), dtype=torch.float32, device=dev)
+    P = _stats_buffer(_cdiv(n, bn_min), m, dev)  # room for every candidate's T
     ws = torch.zeros(2, dtype=torch.int32, device=dev)
     w12 = torch.zeros((k, 2), dtype=torch.float32, device=dev)
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -669,7 +723,7 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
     best, best_t = None, float("inf")
     for c in cands:
         def run(c=c):
-            _launch_gemm(c, Ls, bias=bias, w12=w12, P=P, S=S, inj=None, flag=flag, ws=ws, call_id=0,
+            _launch_gemm(c, Ls, bias=bias, w12=w12, P=P, inj=None, flag=flag, ws=ws, call_id=0,
                          detect=detect, verify_output=verify_output, dot_f32=dot_f32)
         try:
             ms = triton.testing.do_bench(run, warmup=5, rep=20)
@@ -733,8 +787,6 @@ def checked_gemm(
     Returns:
         y (M, N) in x's dtype.
     """
-    from ..vabft import WeightChecksums, default_emax  # noqa: PLC0415
-
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     for name, t in (("x", x2d), ("weight", weight), ("bias", bias)):
@@ -748,7 +800,7 @@ def checked_gemm(
     if x2d.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be 2-D (M, K) and weight 2-D, got {tuple(x2d.shape)} and {tuple(weight.shape)}")
     k_w, n = weight.shape if weight_is_kn else weight.shape[::-1]
-    m, k = x2d.shape
+    k = x2d.shape[1]
     if k != k_w:
         raise ValueError(f"x has K = {k} columns but weight {tuple(weight.shape)} has in_features = {k_w}")
     if bias is not None and tuple(bias.shape) != (n,):
@@ -756,8 +808,23 @@ def checked_gemm(
     if weight.dtype != x2d.dtype or (bias is not None and bias.dtype != x2d.dtype):
         raise TypeError("x, weight and bias must share one dtype")
     _check_device(x2d)
-    if weight.device != x2d.device or (bias is not None and bias.device != x2d.device):
+    dev = x2d.device
+    if weight.device != dev or (bias is not None and bias.device != dev):
         raise ValueError("x, weight and bias must be on one device")
+    if detect and (counters is None or tuple(counters.shape) != COUNTER_SHAPE or counters.dtype != torch.int32
+                   or counters.device != dev):
+        raise ValueError(f"counters must be an int32 {COUNTER_SHAPE} tensor on {dev}")
+    return _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, correct, plan, counters, mode,
+                         debug, capacity)
+
+
+def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, correct, plan, counters, mode, debug,
+                  capacity) -> torch.Tensor:
+    """`checked_gemm` on validated arguments (the module path validates once, in `checked_linear`)."""
+    from ..vabft import WeightChecksums  # noqa: PLC0415
+
+    n = weight.shape[1] if weight_is_kn else weight.shape[0]
+    m, k = x2d.shape
     dev = x2d.device
     y = torch.empty((m, n), dtype=x2d.dtype, device=dev)
     if m == 0 or n == 0:
@@ -767,11 +834,8 @@ def checked_gemm(
         sf = plan.for_site(SITE, (m, n), y.dtype, dev) if plan else None
         return sf.apply(y, dim=-1, start=0) if sf is not None else y
     correct = bool(correct and detect)
-    if detect and (counters is None or tuple(counters.shape) != COUNTER_SHAPE or counters.dtype != torch.int32
-                   or counters.device != dev):
-        raise ValueError(f"counters must be an int32 {COUNTER_SHAPE} tensor on {dev}")
     swn, swk = (weight.stride(1), weight.stride(0)) if weight_is_kn else (weight.stride(0), weight.stride(1))
-    L = _Launch(x2d, weight, bias, y, swn, swk, weight_is_kn, _tma_ok(x2d, weight, y))
+    L = _Launch(x2d, weight, bias, y, swn, swk, weight_is_kn, _tma_ok(m, n, k, x2d, weight, y))
     dot_f32 = x2d.dtype == torch.float32 or _INTERP
     verify_output = mode == "output"
     if plan:
@@ -782,32 +846,32 @@ def checked_gemm(
     if inj is None:
         cfg = _pick_config(L, bias=bias, detect=detect, verify_output=verify_output, dot_f32=dot_f32)
     flag, call_id = call_flag(dev)
+    sem, slots = _cells(dev)
     if not detect:
-        _launch_gemm(cfg, L, bias=bias, w12=y, P=y, S=y, inj=inj, flag=flag, ws=flag, call_id=call_id,
+        _launch_gemm(cfg, L, bias=bias, w12=y, P=y, inj=inj, flag=flag, ws=slots, call_id=call_id,
                      detect=False, verify_output=False, dot_f32=dot_f32)
         return y
     if wc is None:
         wc = WeightChecksums.compute(weight, bias, weight_is_kn=weight_is_kn)
     if emax is None:
-        emax = default_emax(y.dtype, dev.type, mode, k=k)
+        emax = _emax(y.dtype, dev, mode, k)
     t = _cdiv(n, cfg[1])
-    P = torch.empty((t, m, 2), dtype=torch.float32, device=dev)
-    S = torch.empty((t, m, _STATS_W), dtype=torch.float32, device=dev)
-    ws = torch.empty(2, dtype=torch.int32, device=dev)
+    P = _stats_buffer(t, m, dev)
     # a repaired row is re-verified as stored (rounded): with the output-side unit error
     reverify = 1.0
     if correct and not verify_output:
-        reverify = max(1.0, default_emax(y.dtype, dev.type, "output", k=k) / float(emax))
+        reverify = max(1.0, _emax(y.dtype, dev, "output", k) / float(emax))
     ver = _Verify(wc.b12, counters, debug, bool(wc.finite), int(capacity),
                   _threshold_consts(wc, float(emax), float(csigma)), reverify, correct)
     one = _one_launch(m)
-    _launch_gemm(cfg, L, bias=bias, w12=wc.w12, P=P, S=S, inj=inj, flag=flag, ws=ws, call_id=call_id,
-                 detect=True, verify_output=verify_output, dot_f32=dot_f32, verify=ver if one else None)
+    _launch_gemm(cfg, L, bias=bias, w12=wc.w12, P=P, inj=inj, flag=flag, ws=sem if one else slots,
+                 call_id=call_id, detect=True, verify_output=verify_output, dot_f32=dot_f32,
+                 verify=ver if one else None)
     if one:
         return y
     vbn, vbk = VERIFY_BLOCK
     _verify_kernel[(_cdiv(m, VERIFY_ROWS),)](
-        x2d, weight, y, bias if bias is not None else y, wc.b12, P, S, flag, ws,
+        x2d, weight, y, bias if bias is not None else y, wc.b12, P, flag, slots,
         m, n, k, t, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1), 1.0 / n, call_id,
         *ver.args(n, k, P),
         BLOCK_R=VERIFY_ROWS, BLOCK_N=vbn, BLOCK_K=vbk, BLOCK_T=VERIFY_TILES, HAS_BIAS=bias is not None, CORRECT=correct,
@@ -851,7 +915,8 @@ def checked_linear_triton_forward(
 ) -> torch.Tensor:
     """`ft_transformers.checked_linear`'s Triton backend: x (..., K) → y (..., N), events into ``counters``.
 
-    Same arguments as the reference forward (`checked_linear._checked_linear_forward`); the weight
+    Same arguments as the reference forward (`checked_linear._checked_linear_forward`), which has
+    validated shapes, dtypes and devices (they are not checked again here); the weight
     checksums are cached on ``cache_owner`` (per autocast dtype). Under autocast the operands are
     cast like autocast would and the kernel runs on the cast tensors.
     """
@@ -875,6 +940,13 @@ def checked_linear_triton_forward(
         wc = weight_checksums(w_src, b_src, weight_is_kn=weight_is_kn, cache_owner=cache_owner, cast=cast)
         if counters is None:
             counters = new_counters(x.device)
-    y = checked_gemm(x2d, weight, bias, weight_is_kn=weight_is_kn, wc=wc, emax=emax, csigma=csigma,
-                     detect=detect and wc is not None, correct=correct, plan=plan, counters=counters, mode=mode)
+    detect = detect and wc is not None
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if detect and (tuple(counters.shape) != COUNTER_SHAPE or counters.dtype != torch.int32
+                   or counters.device != x.device):
+        raise ValueError(f"counters must be an int32 {COUNTER_SHAPE} tensor on {x.device}")
+    # shapes, dtypes and devices were validated by the caller (`checked_linear._validate`)
+    y = _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, correct, plan, counters, mode, None,
+                      RECOMPUTE_ROWS)
     return y.reshape(*lead, n)
