@@ -45,10 +45,12 @@ Design (one or two launches, no host synchronisation):
    checksums were built) count one ``nonfinite_input`` and switch the call's checks off, as on
    the reference path.
 
-   Calls of at most ``ONE_LAUNCH_ROWS`` (16) rows, i.e. decode, skip this launch: the GEMM program
-   that finishes last (a per-device semaphore, reset by that program) runs the same verification
-   over the call's rows. On the H100 under CUDA graphs that is 4 % faster at M ≤ 16 (up to 10 % at
-   M = 1); at M = 64–128 one program verifying every row was 10–50 % slower than the second launch.
+   By default this launch is skipped (``FTT_ABFT_GEMM_ONE_LAUNCH=0`` keeps it): in each row block
+   the GEMM tile that finishes last (a per-device semaphore per row block, reset by that program)
+   runs the same verification over the row block's rows, and the last row block to be verified
+   settles the call's counts (see `_gemm_kernel`). The result and the counts are the two-launch
+   path's; only a call with a non-finite x somewhere may get repairs in its other rows that the
+   reference path (checks off for the whole call) does not make.
 
 Block sizes: the ``CONFIGS_*`` lists below are the only place; ``_pick_config`` times the
 candidates once per (dtype, layout, flags, M bucket, N, K) on CUDA and caches the winner (set
@@ -122,8 +124,12 @@ GROUP_M = 8
 VERIFY_ROWS = 32  # rows per verify program (≥ 16: its recompute uses tl.dot)
 VERIFY_BLOCK = (64, 64)  # (BLOCK_N, BLOCK_K) of the verify kernel's repair/recompute loops
 VERIFY_TILES = 16  # tiles' partial sums one verify load takes per row
-ONE_LAUNCH_ROWS = 16  # calls of at most this many rows (decode) verify inside the GEMM launch (H100: 4 % faster
-# than two launches under CUDA graphs at M ≤ 16; 10-50 % slower at M = 64-128, where one program verifies all rows)
+# One launch: the last tile of each row block verifies that row block, ONE_LAUNCH_VERIFY_ROWS rows at a time
+# (an earlier form, one program verifying the whole call, was 4 % faster than two launches at M ≤ 16 on the
+# H100 under CUDA graphs, but 10-50 % slower at M = 64-128); calls of more row blocks than the per-device
+# cells hold take two launches.
+ONE_LAUNCH_VERIFY_ROWS = 64
+ONE_LAUNCH_ROW_BLOCKS = 8192
 _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 
@@ -256,12 +262,16 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
                  VBLOCK_K: tl.constexpr, VBLOCK_T: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr):
     """Grouped-order grid over the output tiles.
 
-    ONE_LAUNCH (a call of at most VERIFY_R = ONE_LAUNCH_ROWS rows: decode): the program that finishes
-    last verifies the call itself, so no second launch is needed. Each program counts itself done on
-    the semaphore ``Sem`` (a per-device int32 cell, 0 between calls) after its stores (barrier, then
-    an acq_rel atomic: its stores are visible to whoever sees the count); the one that sees T − 1
-    resets the cell and verifies. The verify arguments (``Sem`` … ``reverify_scale``) are those of
-    ``_verify_kernel``; unused otherwise."""
+    ONE_LAUNCH: the GEMM verifies itself, no second launch. ``Sem`` is the per-device int32 cell
+    block of `_cells` (0 between calls): [0] row blocks verified, [1] recompute slots taken, [2:7]
+    the call's counts by kind, [8 + r] tiles of row block r done. Each program counts itself done
+    on its row block's cell after its stores (barrier, then an acq_rel atomic: its stores are
+    visible to whoever sees the count); the one that sees T − 1 resets the cell and verifies the row
+    block, VERIFY_R rows at a time, counting into [2:7] and skipping rows whose own x is non-finite.
+    It then counts the row block verified on [0]; the one that sees all row blocks publishes the
+    call's counts into ``Cnt`` — or, if any x of the call was non-finite (``Flag``) or W/b is, one
+    ``nonfinite_input`` instead, like the reference — and resets [0:7]. The verify arguments
+    (``Sem`` … ``reverify_scale``) are those of ``_verify_kernel``; unused otherwise."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -284,13 +294,32 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
                TMA_STORE)
     if ONE_LAUNCH:
         tl.debug_barrier()  # every thread's stores (y, partials, flag) before the count
-        done = tl.atomic_add(Sem, 1, sem="acq_rel")
+        done = tl.atomic_add(Sem + 8 + pid_m, 1, sem="acq_rel")
         if done == num_pid_n - 1:
-            tl.atomic_xchg(Sem, 0)  # ready for the next call (every program has counted)
-            _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, tl.arange(0, VERIFY_R), True, M, N, K,
-                         num_pid_n, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_n, fn, inv_k, call_id, w_finite,
-                         capacity, th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
-                         VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, True)
+            tl.store(Sem + 8 + pid_m, 0)  # ready for the next call (every tile has counted)
+            for r0 in range(0, tl.minimum(BLOCK_M, M - pid_m * BLOCK_M), VERIFY_R):
+                _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Sem + 1, Sem + 2, Dbg,
+                             pid_m * BLOCK_M + r0 + tl.arange(0, VERIFY_R), False, M, N, K, num_pid_n,
+                             sxm, sxk, swn, swk, sym, syn, 0, 1, inv_n, fn, inv_k, call_id, w_finite,
+                             capacity, th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
+                             VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, True)
+            tl.debug_barrier()  # every thread's counts before the row block counts as verified
+            fin = tl.atomic_add(Sem, 1, sem="acq_rel")
+            if fin == num_pid_m - 1:
+                # every verifier has finished: plain loads and stores (no atomic round trips in the tail)
+                ok = (tl.load(Flag, cache_modifier=".cg") != call_id) & (w_finite != 0)
+                c8 = tl.arange(0, 8)
+                cs = tl.load(Sem + c8, cache_modifier=".cg")  # [2:6]: detected, corrected, recomputed, uncorrectable
+                tl.store(Sem + c8, 0)
+                cbase = Cnt + _SITE_ROW * scn0
+                if ok:
+                    if tl.sum(tl.where((c8 >= 2) & (c8 < 6), cs, 0), axis=0) > 0:
+                        for kind in tl.static_range(4):
+                            c = tl.sum(tl.where(c8 == kind + 2, cs, 0), axis=0)
+                            if c > 0:
+                                tl.atomic_add(cbase + kind * scn1, c)
+                else:
+                    tl.atomic_add(cbase + _NONF * scn1, 1)
 
 
 @triton.jit
@@ -300,13 +329,15 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, count_nonf,
                  th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                  HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
-                 DOT_F32: tl.constexpr, LOCAL_SLOTS: tl.constexpr):
+                 DOT_F32: tl.constexpr, ROW_NONF: tl.constexpr):
     """Compare checksums of the rows ``rows`` (BLOCK_R,), count, repair located single errors,
     recompute the rest.
 
-    Recompute slots: LOCAL_SLOTS (this program verifies the whole call) takes the first ``capacity``
-    faulty rows; otherwise slots are claimed with one atomic on the call's counter ``Ws``.
-    ``count_nonf``: this program counts the call's ``nonfinite_input``.
+    Recompute slots are claimed with one atomic on the call's counter ``Ws``. Checks are off for
+    this call when W/b are non-finite (``w_finite`` 0) and, without ROW_NONF, when any x of the call
+    is (``Flag``; ``count_nonf``: this program counts the call's ``nonfinite_input``). ROW_NONF (the
+    one-launch GEMM, which verifies before every tile has raised the flag): only rows whose own x is
+    non-finite are skipped, and the caller settles the call's counts.
     P, S, Y and Flag are read past L1 (``.cg``): in the one-launch GEMM other programs wrote them
     during this launch."""
     BLOCK_R: tl.constexpr = rows.shape[0]
@@ -337,9 +368,11 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, count_nonf,
     var = tl.maximum((mx - mu) * (mu - mn), 0.0)
     # T_m (SPEC §5, WeightChecksums.thresholds): host-folded weight constants
     thr = th_var23 * tl.sqrt(mu * mu * th_v2 + var * th_v3) + th_det * tl.abs(mu) + th_var4 * tl.sqrt(var) + th_bias
-    # checks on for this call: no non-finite x seen by the GEMM tiles, finite W and b
+    if ROW_NONF:  # per row: x's row finite (a NaN makes the sum NaN; ±inf shows in max/min), W and b finite
+        ok = (tl.abs(sm) < float("inf")) & (mx < float("inf")) & (mn > -float("inf")) & (w_finite != 0)
+    else:  # for the call: no non-finite x seen by the GEMM tiles, finite W and b
+        ok = (tl.load(Flag, cache_modifier=".cg") != call_id) & (w_finite != 0)
     # (tl.where, not `&`, to combine with the scalar: the interpreter mis-types bool & 0-d bool)
-    ok = (tl.load(Flag, cache_modifier=".cg") != call_id) & (w_finite != 0)
     d1 = s1 - c1
     bad = tl.where(ok, ~(tl.abs(d1) <= thr) & r_ok, False)
     if DEBUG:
@@ -390,10 +423,7 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, count_nonf,
         n_fix = tl.sum(fixed.to(tl.int32), axis=0)
         n_unc = n_need
         if n_need > 0:
-            if LOCAL_SLOTS:
-                base = 0
-            else:
-                base = tl.atomic_add(Ws, n_need)  # fixed capacity per call: claim slots
+            base = tl.atomic_add(Ws, n_need)  # fixed capacity per call: claim slots
             rank = tl.cumsum(need.to(tl.int32), axis=0) - 1
             take = need & (base + rank < capacity)
             n_rec = tl.sum(take.to(tl.int32), axis=0)
@@ -425,9 +455,10 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, count_nonf,
         tl.atomic_add(cbase + _REC * scn1, n_rec)
     if n_unc > 0:
         tl.atomic_add(cbase + _UNC * scn1, n_unc)
-    if count_nonf:
-        if ok.to(tl.int32) == 0:
-            tl.atomic_add(cbase + _NONF * scn1, 1)
+    if not ROW_NONF:
+        if count_nonf:
+            if ok.to(tl.int32) == 0:
+                tl.atomic_add(cbase + _NONF * scn1, 1)
 
 
 @triton.jit(do_not_specialize=["call_id", "w_finite", "T"])
@@ -623,14 +654,15 @@ _CELLS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _cells(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-device int32 cells that outlive calls (no allocation per call): the one-launch GEMM's
-    done-counter (0 between calls: the last program resets it) and the two-launch call's recompute
-    slot counter (zeroed by the GEMM launch's first program, then claimed by the verify launch that
-    follows it on the stream)."""
+    """Per-device int32 cells that outlive calls (no allocation per call, fixed addresses for CUDA
+    graphs): ``(block, slots)``. ``block`` (8 + ONE_LAUNCH_ROW_BLOCKS,) is the one-launch GEMM's (see
+    `_gemm_kernel`), all 0 between calls (its programs reset what they used); ``slots`` (1,) is the
+    two-launch call's recompute slot counter (zeroed by the GEMM launch's first program, then
+    claimed by the verify launch that follows it on the stream)."""
     c = _CELLS.get(device)
     if c is None:
-        buf = torch.zeros(2, dtype=torch.int32, device=device)
-        c = _CELLS[device] = (buf[0:1], buf[1:2])
+        buf = torch.zeros(9 + ONE_LAUNCH_ROW_BLOCKS, dtype=torch.int32, device=device)
+        c = _CELLS[device] = (buf[:8 + ONE_LAUNCH_ROW_BLOCKS], buf[8 + ONE_LAUNCH_ROW_BLOCKS:])
     return c
 
 
@@ -658,18 +690,39 @@ def _emax(dtype: torch.dtype, device: torch.device, mode: str, k: int) -> float:
     return e
 
 
-def _one_launch(m: int) -> bool:
-    """Whether this call verifies inside the GEMM launch: M ≤ ONE_LAUNCH_ROWS (``FTT_ABFT_GEMM_ONE_LAUNCH=0``:
-    never). Every config's BLOCK_M is ≥ 16, so such a call is one row block."""
-    return m <= ONE_LAUNCH_ROWS and os.environ.get("FTT_ABFT_GEMM_ONE_LAUNCH", "1") != "0"
+def _one_launch(m: int, n: int, k: int, block_m: int, device: torch.device) -> bool:
+    """Whether this call verifies inside the GEMM launch (`_gemm_kernel`'s ONE_LAUNCH) instead of in a
+    second launch (`_verify_kernel`). Measured on the H100 (``docs/vabft.md``, session 18):
+
+    * a single row block (decode): one launch, also under CUDA graphs (0.51-0.55× cuBLAS against
+      0.48-0.54× with two);
+    * several row blocks, eager and below ``TMA_MIN_MNK`` multiply-adds: one launch, since such calls
+      are host-bound and the second launch costs ~0.1 ms of host time (2048³: 0.27× cuBLAS eagerly
+      against 0.14× with two);
+    * several row blocks otherwise (captured into a CUDA graph, or large): two launches, faster on
+      the GPU (under graphs 2048³ 0.67× against 0.57×, 4096³ 0.84× against 0.75×: the last tile
+      of each row block verifies it serially, and y cannot leave through a TMA store).
+
+    ``FTT_ABFT_GEMM_ONE_LAUNCH``: ``0`` never, ``1`` always, unset or ``auto`` as above. Calls of more
+    row blocks than the cells hold take two launches.
+    """
+    mode = os.environ.get("FTT_ABFT_GEMM_ONE_LAUNCH", "auto")
+    blocks = _cdiv(m, block_m)
+    if mode == "0" or blocks > ONE_LAUNCH_ROW_BLOCKS:
+        return False
+    if mode == "1" or blocks == 1:
+        return True
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return m * n * k < TMA_MIN_MNK
 
 
 def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect, verify_output, dot_f32,
                  verify: _Verify | None = None):
-    """The GEMM launch; with ``verify`` (a call of at most ONE_LAUNCH_ROWS rows, `_one_launch`) it verifies too.
+    """The GEMM launch; with ``verify`` (`_one_launch`) it verifies too.
 
-    P: the `_stats_buffer` (or any placeholder without ``detect``); ws: the int32 cell the launch uses
-    (the recompute slot counter, or with ``verify`` the done-counter)."""
+    P: the `_stats_buffer` (or any placeholder without ``detect``); ws: the int32 cells the launch
+    uses (the recompute slot counter, or with ``verify`` the one-launch cell block of `_cells`)."""
     bm, bn, bk, warps, stages = cfg
     m, k = L.x.shape
     n = L.y.shape[1]
@@ -689,7 +742,7 @@ def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detec
         1.0 / n, call_id, *vargs,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, HAS_BIAS=bias is not None, DETECT=detect,
         VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0,
-        TMA=L.tma, W_KN=L.kn, TMA_STORE=L.tma and not one, ONE_LAUNCH=one, VERIFY_R=ONE_LAUNCH_ROWS,
+        TMA=L.tma, W_KN=L.kn, TMA_STORE=L.tma and not one, ONE_LAUNCH=one, VERIFY_R=min(bm, ONE_LAUNCH_VERIFY_ROWS),
         VBLOCK_N=vbn, VBLOCK_K=vbk, VBLOCK_T=VERIFY_TILES, CORRECT=one and verify.correct,
         DEBUG=one and verify.debug is not None, num_warps=warps, num_stages=stages,
     )
@@ -863,7 +916,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         reverify = max(1.0, _emax(y.dtype, dev, "output", k) / float(emax))
     ver = _Verify(wc.b12, counters, debug, bool(wc.finite), int(capacity),
                   _threshold_consts(wc, float(emax), float(csigma)), reverify, correct)
-    one = _one_launch(m)
+    one = _one_launch(m, n, k, cfg[0], dev)
     _launch_gemm(cfg, L, bias=bias, w12=wc.w12, P=P, inj=inj, flag=flag, ws=sem if one else slots,
                  call_id=call_id, detect=True, verify_output=verify_output, dot_f32=dot_f32,
                  verify=ver if one else None)

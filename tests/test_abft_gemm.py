@@ -102,7 +102,9 @@ def test_matches_float64_matmul(dtype, kn, with_bias, mkn, monkeypatch):
     y, st = _run(x, w, b, kn=kn)
     ref = _ref64(x, w, b, kn)
     assert y.shape == (m, n) and y.dtype == dtype
-    tol = 2 * ULP[dtype]
+    # float32 on a GPU: the fp32 accumulation error over K = 1100 (3.6e-6 of max|y| on the H100)
+    # exceeds 2 ulp; the interpreter's dot is exact enough for the tighter bound
+    tol = _gemm_rel_tol(dtype, k) if (dtype == torch.float32 and DEV == "cuda") else 2 * ULP[dtype]
     torch.testing.assert_close(y.double().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())
     assert st == ZERO
     # detect=False is the plain GEMM: same values
@@ -219,32 +221,44 @@ class _NoSecondLaunch:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("config", [None, "64,32,32,4,1"], ids=["block16", "block64"])
-def test_one_launch_verifies_like_reference(dtype, config, monkeypatch):
-    """A call of at most 16 rows (decode) is verified by the last GEMM program, not by a second
-    launch: single flips located and repaired, rows with several flips recomputed, non-finite inputs
-    counted once; all counted exactly like the reference path. With a 64-row block too (the
-    verifying program takes the first 16 rows of its block)."""
+@pytest.mark.parametrize("config,m", [(None, 13), (None, 50), ("64,32,32,4,1", 150)],
+                         ids=["block16-one", "block16-four", "block64-three"])
+def test_one_launch_verifies_like_reference(dtype, config, m, monkeypatch):
+    """The GEMM verifies itself (the last tile of each row block verifies that block), no second
+    launch: single flips located and repaired, rows with several flips recomputed, non-finite
+    inputs counted once for the call and every other row block's counts dropped; all counted
+    exactly like the reference path. One and several row blocks (interpreter config: 16 rows)."""
     if config is not None:
         monkeypatch.setenv("FTT_ABFT_GEMM_CONFIG", config)
+    verify_kernel = G._verify_kernel
     monkeypatch.setattr(G, "_verify_kernel", _NoSecondLaunch())
-    m, k, n = G.ONE_LAUNCH_ROWS - (3 if config is None else 0), 32, 24
+    k, n = 32, 24
     bit = HIGH_BIT[dtype][-1]
     x = _rand((m, k), dtype, 61, 2.0)
     w = _rand((n, k), dtype, 62, k**-0.5)
     b = _rand((n,), dtype, 63)
     ref = _ref64(x, w, b)
     tol = _gemm_rel_tol(dtype, k) * float(ref.abs().max())  # repairs use their own fp32 dots
-    for count in (1, 5, 3 * m):
+    counts = (1, 5, 3 * m) if m <= G.RECOMPUTE_ROWS else (1, 5, 24)  # more rows than slots: see the next test
+    for count in counts:
         spec = FaultSpec(site="linear.output", bit=bit, count=count, seed=count)
         with torch.no_grad():
             y_t, st_t = ftt.checked_linear(x, w, b, inject=spec, backend="triton")
             y_r, st_r = ftt.checked_linear(x, w, b, inject=spec, backend="reference")
         st_t, st_r = dict(st_t), dict(st_r)
-        if count < 3 * m:
+        if count <= 5:
             assert st_t == st_r, (count, st_t, st_r)
-        else:  # a small 1→0 flip among many may hide below the reference's output-side threshold
-            assert st_t["detected"] >= st_r["detected"] and st_t["recomputed"] == st_r["recomputed"] > 1, (st_t, st_r)
+        else:
+            # a small 1→0 flip among many may hide below the reference's output-side threshold:
+            # against the two-launch path (its own tests compare it with the reference), bit for bit
+            with monkeypatch.context() as mp:
+                mp.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", "0")
+                mp.setattr(G, "_verify_kernel", verify_kernel)
+                with torch.no_grad():
+                    y_2, st_2 = ftt.checked_linear(x, w, b, inject=spec, backend="triton")
+            assert st_t == dict(st_2), (st_t, dict(st_2))
+            assert torch.equal(y_t, y_2)
+            assert st_t["detected"] >= st_r["detected"] and st_t["recomputed"] > 1, (st_t, st_r)
         assert st_t["detected"] > 0 and st_t["uncorrectable"] == 0, st_t
         assert st_t["detected"] == st_t["corrected"] + st_t["recomputed"], st_t
         torch.testing.assert_close(y_t.double().cpu(), ref, rtol=0, atol=tol)
@@ -252,10 +266,17 @@ def test_one_launch_verifies_like_reference(dtype, config, monkeypatch):
     xn[m - 1, 3] = float("nan")
     _, st = _run(xn, w, b)
     assert st == dict(ZERO, nonfinite_input=1)
-    y2, st2 = _run(x, w, b)  # and the next call is checked again (the semaphore was reset)
+    # a non-finite x in the last row block and flips in the others: the reference switches the
+    # call's checks off, so only nonfinite_input counts, although the other row blocks were verified
+    spec = FaultSpec(site="linear.output", bit=bit, count=4, seed=3)
+    with torch.no_grad():
+        _, st_t = ftt.checked_linear(xn, w, b, inject=spec, backend="triton")
+        _, st_r = ftt.checked_linear(xn, w, b, inject=spec, backend="reference")
+    assert dict(st_t) == dict(st_r) == dict(ZERO, nonfinite_input=1), (dict(st_t), dict(st_r))
+    y2, st2 = _run(x, w, b)  # and the next call is checked again (the cells were reset)
     assert st2 == ZERO
     torch.testing.assert_close(y2.double().cpu(), ref, rtol=0, atol=tol)
-    assert int(G._cells(x.device)[0].item()) == 0  # the done-counter
+    assert int(G._cells(x.device)[0].abs().sum().item()) == 0  # every one-launch cell back to 0
 
 
 def test_one_launch_recompute_capacity_like_two_launches(monkeypatch):
