@@ -263,15 +263,16 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
     """Grouped-order grid over the output tiles.
 
     ONE_LAUNCH: the GEMM verifies itself, no second launch. ``Sem`` is the per-device int32 cell
-    block of `_cells` (0 between calls): [0] row blocks verified, [1] recompute slots taken, [2:7]
-    the call's counts by kind, [8 + r] tiles of row block r done. Each program counts itself done
-    on its row block's cell after its stores (barrier, then an acq_rel atomic: its stores are
-    visible to whoever sees the count); the one that sees T − 1 resets the cell and verifies the row
-    block, VERIFY_R rows at a time, counting into [2:7] and skipping rows whose own x is non-finite.
-    It then counts the row block verified on [0]; the one that sees all row blocks publishes the
-    call's counts into ``Cnt`` — or, if any x of the call was non-finite (``Flag``) or W/b is, one
-    ``nonfinite_input`` instead, like the reference — and resets [0:7]. The verify arguments
-    (``Sem`` … ``reverify_scale``) are those of ``_verify_kernel``; unused otherwise."""
+    block of `_cells` (0 between calls): [0] row blocks verified, [1] recompute slots taken, [2:6]
+    the call's detected / corrected / recomputed / uncorrectable counts, [8 + r] tiles of row block
+    r done. Each program counts itself done on its row block's cell after its stores (barrier, then
+    an acq_rel atomic: its stores are visible to whoever sees the count); the one that sees T − 1
+    resets the cell and verifies the row block, VERIFY_R rows at a time, counting into [2:6] and
+    skipping rows whose own x is non-finite. It then counts the row block verified on [0]; the one
+    that sees all row blocks publishes the call's counts into ``Cnt`` — or, if any x of the call was
+    non-finite (``Flag``) or W/b is, one ``nonfinite_input`` instead, like the reference — and
+    resets [0:8]. The verify arguments (``Sem`` … ``reverify_scale``) are those of
+    ``_verify_kernel``; unused otherwise."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -514,6 +515,11 @@ TMA_MIN_MNK = 1 << 36  # eager calls with fewer multiply-adds (M·N·K < 4096³)
 _CAPABILITY: dict[torch.device, int] = {}
 
 
+def _host_bound(m: int, n: int, k: int) -> bool:
+    """An eager call this small takes longer on the host than on the GPU (H100: < TMA_MIN_MNK multiply-adds)."""
+    return m * n * k < TMA_MIN_MNK
+
+
 def _tma_ok(m: int, n: int, k: int, *ts: torch.Tensor) -> bool:
     """Whether this call moves its tiles through TMA tensor descriptors.
 
@@ -539,7 +545,7 @@ def _tma_ok(m: int, n: int, k: int, *ts: torch.Tensor) -> bool:
             cap = _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)[0]
         if cap < 9:
             return False
-        if mode != "1" and m * n * k < TMA_MIN_MNK:
+        if mode != "1" and _host_bound(m, n, k):
             return False
     for t in ts:
         es = t.element_size()
@@ -714,7 +720,7 @@ def _one_launch(m: int, n: int, k: int, block_m: int, device: torch.device) -> b
         return True
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
-    return m * n * k < TMA_MIN_MNK
+    return _host_bound(m, n, k)
 
 
 def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect, verify_output, dot_f32,
@@ -731,7 +737,7 @@ def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detec
     xd, wd, yd = _descriptors(cfg, L)
     one = verify is not None
     if one:
-        vargs = (ws, verify.b12, *verify.args(n, k, P))  # ws: the done-counter cell
+        vargs = (ws, verify.b12, *verify.args(n, k, P))  # ws: the one-launch cell block, as Sem
     else:
         vargs = (flag, flag, flag, flag, 0, 0, 1.0, 1.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
     vbn, vbk = VERIFY_BLOCK
@@ -804,6 +810,14 @@ def _check_device(t: torch.Tensor) -> None:
                               f"TRITON_INTERPRET=1), got {dev}{hint}; use backend='reference'")
 
 
+def _check_mode_counters(mode: str, detect: bool, counters: torch.Tensor | None, dev: torch.device) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if detect and (counters is None or tuple(counters.shape) != COUNTER_SHAPE or counters.dtype != torch.int32
+                   or counters.device != dev):
+        raise ValueError(f"counters must be an int32 {COUNTER_SHAPE} tensor on {dev}")
+
+
 @on_tensor_device
 def checked_gemm(
     x2d: torch.Tensor,
@@ -840,8 +854,6 @@ def checked_gemm(
     Returns:
         y (M, N) in x's dtype.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     for name, t in (("x", x2d), ("weight", weight), ("bias", bias)):
         if t is None:
             continue
@@ -864,9 +876,7 @@ def checked_gemm(
     dev = x2d.device
     if weight.device != dev or (bias is not None and bias.device != dev):
         raise ValueError("x, weight and bias must be on one device")
-    if detect and (counters is None or tuple(counters.shape) != COUNTER_SHAPE or counters.dtype != torch.int32
-                   or counters.device != dev):
-        raise ValueError(f"counters must be an int32 {COUNTER_SHAPE} tensor on {dev}")
+    _check_mode_counters(mode, detect, counters, dev)
     return _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, correct, plan, counters, mode,
                          debug, capacity)
 
@@ -994,11 +1004,7 @@ def checked_linear_triton_forward(
         if counters is None:
             counters = new_counters(x.device)
     detect = detect and wc is not None
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if detect and (tuple(counters.shape) != COUNTER_SHAPE or counters.dtype != torch.int32
-                   or counters.device != x.device):
-        raise ValueError(f"counters must be an int32 {COUNTER_SHAPE} tensor on {x.device}")
+    _check_mode_counters(mode, detect, counters, x.device)
     # shapes, dtypes and devices were validated by the caller (`checked_linear._validate`)
     y = _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, correct, plan, counters, mode, None,
                       RECOMPUTE_ROWS)
