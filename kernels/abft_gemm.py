@@ -79,7 +79,9 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 
 from ..injection import FaultPlan
 from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
+from .launch import DirectLauncher
 from .tl_common import call_flag, on_tensor_device, runs_interpreted
+from .tl_common import cdiv as _cdiv
 from .tl_common import dot as _mma
 
 __all__ = [
@@ -487,6 +489,8 @@ def interpreting() -> bool:
 
 
 _INTERP = interpreting()
+_GEMM_LAUNCH = DirectLauncher(_gemm_kernel, _INTERP)
+_VERIFY_LAUNCH = DirectLauncher(_verify_kernel, _INTERP)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -505,10 +509,6 @@ class _Launch:
     swk: int
     kn: bool = False  # w is stored (K, N)
     tma: bool = False  # load x, w and store y through TMA tensor descriptors (`_tma_ok`)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # host side: triton.cdiv costs microseconds per call
 
 
 TMA_MIN_MNK = 1 << 36  # eager calls with fewer multiply-adds (M·N·K < 4096³) load through pointers, see `_tma_ok`
@@ -741,17 +741,18 @@ def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detec
     else:
         vargs = (flag, flag, flag, flag, 0, 0, 1.0, 1.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
     vbn, vbk = VERIFY_BLOCK
-    _gemm_kernel[grid](
+    _GEMM_LAUNCH(grid, (
         L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, w12, P, inj if inj is not None else ws,
         flag, ws,
         m, n, k, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1),
         1.0 / n, call_id, *vargs,
+    ), dict(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, HAS_BIAS=bias is not None, DETECT=detect,
         VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0,
         TMA=L.tma, W_KN=L.kn, TMA_STORE=L.tma and not one, ONE_LAUNCH=one, VERIFY_R=min(bm, ONE_LAUNCH_VERIFY_ROWS),
         VBLOCK_N=vbn, VBLOCK_K=vbk, VBLOCK_T=VERIFY_TILES, CORRECT=one and verify.correct,
         DEBUG=one and verify.debug is not None, num_warps=warps, num_stages=stages,
-    )
+    ))
 
 
 def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
@@ -933,13 +934,14 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
     if one:
         return y
     vbn, vbk = VERIFY_BLOCK
-    _verify_kernel[(_cdiv(m, VERIFY_ROWS),)](
+    _VERIFY_LAUNCH((_cdiv(m, VERIFY_ROWS),), (
         x2d, weight, y, bias if bias is not None else y, wc.b12, P, flag, slots,
         m, n, k, t, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1), 1.0 / n, call_id,
         *ver.args(n, k, P),
+    ), dict(
         BLOCK_R=VERIFY_ROWS, BLOCK_N=vbn, BLOCK_K=vbk, BLOCK_T=VERIFY_TILES, HAS_BIAS=bias is not None, CORRECT=correct,
         DEBUG=debug is not None, DOT_F32=dot_f32, num_warps=4,
-    )
+    ))
     return y
 
 

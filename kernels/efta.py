@@ -106,7 +106,9 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 from ..exp_check import EXP_MAX_GROUP, EXP_ULPS, EXP_XMIN, LOG2E, P_MIN
 from ..injection import FaultPlan
 from ..sites import ATTENTION_SITES, COUNTER_SHAPE
+from .launch import DirectLauncher
 from .tl_common import call_flag, on_tensor_device, runs_interpreted
+from .tl_common import cdiv as _cdiv
 from .tl_common import dot as _dot
 
 __all__ = ["efta_triton_forward", "Bounds", "BOUNDS", "EftaUnsupported", "interpreting"]
@@ -1155,6 +1157,9 @@ def _efta_combine(
 
 
 _INTERP = interpreting()
+_FWD_LAUNCH = DirectLauncher(_efta_fwd, _INTERP)
+_CHECKSUMS_LAUNCH = DirectLauncher(_efta_checksums, _INTERP)
+_COMBINE_LAUNCH = DirectLauncher(_efta_combine, _INTERP)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1199,7 +1204,7 @@ _efta_fwd_tuned = triton.autotune(
 # so that a cached shape launches the kernel directly: `Autotuner.run` spends ~0.1 ms of host time per
 # call building its key over the kernel's ~90 arguments, which alone made q_len-1 decode host-bound
 # (0.26-0.47 ms per call on the H100 host against SDPA's 0.02-0.03 ms; 15 us under a CUDA graph).
-_TUNED: dict[tuple, triton.Config] = {}
+_TUNED: dict[tuple, tuple[int, int, int, int]] = {}  # key -> (BLOCK_M, BLOCK_N, num_warps, num_stages)
 LAST_CONFIG: list = [None]  # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the last launch (benchmarks read it)
 
 
@@ -1491,10 +1496,10 @@ def efta_triton_forward(
                   torch.empty((rows, 16), dtype=torch.float32, device=dev),
                   torch.empty((rows, 16), dtype=torch.float32, device=dev),
                   torch.empty((rows, 4), dtype=torch.float32, device=dev))
-        _efta_checksums[(nb, Hkv, B)](
+        _CHECKSUMS_LAUNCH((nb, Hkv, B), (
             k, v, *tables, kshift, *k.stride(), *v.stride(), Hkv, N, D, float(scale), *pasa_args[4:],
-            BLOCK_D=block_d, PARTS=parts, SCALE_CS=q.dtype == torch.float16, INTERP=interp, EVEN_D=D == block_d,
-            PASA=bool(pasa), BLOCK_N=CS_BLOCK_N, num_warps=4)
+        ), dict(BLOCK_D=block_d, PARTS=parts, SCALE_CS=q.dtype == torch.float16, INTERP=interp, EVEN_D=D == block_d,
+                PASA=bool(pasa), BLOCK_N=CS_BLOCK_N, num_warps=4))
 
     strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(),
                *(bias4.stride() if has_bias else (0, 0, 0, 0)), *(mask4.stride() if mask_kind else (0, 0, 0, 0)),
@@ -1522,24 +1527,27 @@ def efta_triton_forward(
                 return (triton.cdiv(M, meta_["BLOCK_M"]) * nsplit, Hq, B)
 
             _efta_fwd_tuned[grid](*args, **meta)
-            _TUNED[tkey] = tuned = _efta_fwd_tuned.best_config
+            best = _efta_fwd_tuned.best_config
+            _TUNED[tkey] = tuned = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
         else:
-            _efta_fwd[(triton.cdiv(M, tuned.kwargs["BLOCK_M"]) * nsplit, Hq, B)](*args, **meta, **tuned.all_kwargs())
-        used = (tuned.kwargs["BLOCK_M"], tuned.kwargs["BLOCK_N"], tuned.num_warps, tuned.num_stages)
+            _FWD_LAUNCH((_cdiv(M, tuned[0]) * nsplit, Hq, B), args, dict(
+                meta, BLOCK_M=tuned[0], BLOCK_N=tuned[1], num_warps=tuned[2], num_stages=tuned[3]))
+        used = tuned
     else:
-        _efta_fwd[(triton.cdiv(M, cfg[0]) * nsplit, Hq, B)](*args, **meta, BLOCK_M=cfg[0], BLOCK_N=cfg[1],
-                                                             num_warps=cfg[2], num_stages=cfg[3])
+        _FWD_LAUNCH((_cdiv(M, cfg[0]) * nsplit, Hq, B), args, dict(
+            meta, BLOCK_M=cfg[0], BLOCK_N=cfg[1], num_warps=cfg[2], num_stages=cfg[3]))
         used = cfg
     LAST_CONFIG[0] = used
     if phased:  # the repairing pass: its programs return at once unless the clean launch flagged them
         bm, bn, nw, ns = used
-        _efta_fwd[(triton.cdiv(M, bm), Hq, B)](*args, **{**meta, "PHASE": 2}, BLOCK_M=bm, BLOCK_N=bn,
-                                               num_warps=nw, num_stages=ns)
+        _FWD_LAUNCH((_cdiv(M, bm), Hq, B), args, dict(
+            meta, PHASE=2, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns))
     if nsplit > 1:
-        _efta_combine[(triton.cdiv(M, block_m), Hq, B)](
+        _COMBINE_LAUNCH((_cdiv(M, block_m), Hq, B), (
             q, k, v, out, counters, flag, bias4, mask4, inj, work, *strides,
             Hq, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit, gu,
-            **{key: meta[key] for key in ("BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT",
-                                          "CORRECT", "DOT_F32", "EVEN_D")},
-            INJ_O=modes[4], BLOCK_M=block_m, BLOCK_N=CS_BLOCK_N, num_warps=4)
+        ), dict({key: meta[key] for key in ("BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT",
+                                            "CORRECT")},
+                INJ_O=modes[4], DOT_F32=meta["DOT_F32"], EVEN_D=meta["EVEN_D"], BLOCK_M=block_m, BLOCK_N=CS_BLOCK_N,
+                num_warps=4))
     return out

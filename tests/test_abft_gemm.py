@@ -213,11 +213,9 @@ def test_many_flips_capacity_and_flags_like_reference(dtype):
     assert st_t == ZERO
 
 
-class _NoSecondLaunch:
-    """Stands in for `_verify_kernel`: a one-row-block call must verify inside the GEMM launch."""
-
-    def __getitem__(self, grid):
-        raise AssertionError("the verify kernel was launched for a one-row-block call")
+def _no_second_launch(grid, args, kwargs):
+    """Stands in for the `_verify_kernel` launcher: a one-launch call must verify inside the GEMM launch."""
+    raise AssertionError("the verify kernel was launched for a one-launch call")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -230,8 +228,8 @@ def test_one_launch_verifies_like_reference(dtype, config, m, monkeypatch):
     exactly like the reference path. One and several row blocks (interpreter config: 16 rows)."""
     if config is not None:
         monkeypatch.setenv("FTT_ABFT_GEMM_CONFIG", config)
-    verify_kernel = G._verify_kernel
-    monkeypatch.setattr(G, "_verify_kernel", _NoSecondLaunch())
+    verify_launch = G._VERIFY_LAUNCH
+    monkeypatch.setattr(G, "_VERIFY_LAUNCH", _no_second_launch)
     k, n = 32, 24
     bit = HIGH_BIT[dtype][-1]
     x = _rand((m, k), dtype, 61, 2.0)
@@ -253,7 +251,7 @@ def test_one_launch_verifies_like_reference(dtype, config, m, monkeypatch):
             # against the two-launch path (its own tests compare it with the reference), bit for bit
             with monkeypatch.context() as mp:
                 mp.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", "0")
-                mp.setattr(G, "_verify_kernel", verify_kernel)
+                mp.setattr(G, "_VERIFY_LAUNCH", verify_launch)
                 with torch.no_grad():
                     y_2, st_2 = ftt.checked_linear(x, w, b, inject=spec, backend="triton")
             assert st_t == dict(st_2), (st_t, dict(st_2))
@@ -450,3 +448,28 @@ def test_gpu_real_shapes_clean_and_flips(dtype):
             if checked == 8:
                 break
         assert checked >= 4 and det_t >= checked - 1, (bit, checked, det_t, det_r)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_direct_launch_respecialises(monkeypatch):
+    """Repeated calls go through `DirectLauncher` (no Triton binding), and a call whose pointers or
+    ints specialise differently (a 2-byte-offset view, an odd row count, M = 1) gets its own kernel:
+    every result equals float64 and the same call launched through Triton (``FTT_DIRECT_LAUNCH=0``)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = (torch.randn(768, 512, device="cuda", generator=g) / 23).half()
+    b = torch.randn(768, device="cuda", generator=g).half()
+    base = torch.randn(64 * 512 + 1, device="cuda", generator=g).half()
+    cases = [base[: 64 * 512].view(64, 512), base[1:].view(64, 512), base[: 37 * 512].view(37, 512),
+             base[: 512].view(1, 512), base[: 64 * 512].view(64, 512)]
+    before = G._GEMM_LAUNCH.direct_launches
+    for x in cases * 2:
+        y, st = _run(x, w, b)
+        ref = _ref64(x, w, b)
+        err = ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+        assert err < _gemm_rel_tol(torch.float16, 512) and st == ZERO, (x.shape, x.data_ptr() % 16, err, st)
+        monkeypatch.setenv("FTT_DIRECT_LAUNCH", "0")
+        y_jit, st_jit = _run(x, w, b)
+        monkeypatch.delenv("FTT_DIRECT_LAUNCH")
+        assert torch.equal(y, y_jit) and st_jit == ZERO
+    assert G._GEMM_LAUNCH.direct_launches - before >= len(cases)

@@ -334,14 +334,13 @@ def test_split_keys_match_float64(monkeypatch, case, dtype):
 def _spy_combine(monkeypatch) -> list:
     """Record the launches of the split-key merge kernel."""
     grids: list = []
-    real = K._efta_combine
+    real = K._COMBINE_LAUNCH
 
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
+    def spy(grid, args, kwargs):
+        grids.append(grid)
+        real(grid, args, kwargs)
 
-    monkeypatch.setattr(K, "_efta_combine", Spy())
+    monkeypatch.setattr(K, "_COMBINE_LAUNCH", spy)
     return grids
 
 

@@ -1,0 +1,135 @@
+"""Direct launches of compiled Triton kernels: the host cost of a call, without Triton's per-call binding.
+
+`JITFunction.run` binds every argument of every call, specialises each one and hashes the result
+with the compile options before it finds the compiled kernel; with the 40-90 arguments of our
+kernels that took 20-30 µs per launch on the H100's host, against 8 µs for the compiled kernel's
+own launcher (``docs/benchmarks.md``, host time). An eager decode step or a small GEMM takes less
+GPU time than that.
+
+`DirectLauncher` wraps one ``@triton.jit`` function. The first call of each *specialisation*
+goes through Triton (which compiles or finds the kernel, and returns it); later calls with the same
+specialisation launch that compiled kernel directly. The specialisation key holds everything
+Triton specialises a compiled kernel on, for the argument kinds our kernels take:
+
+* per tensor argument: its dtype and whether its address is 16-byte aligned;
+* per int argument: whether it is 1, whether it is a multiple of 16, whether it fits in int32;
+* per argument: its Python type (a bool, an int and a float at one position compile differently);
+* the constexpr and option keywords (values), and the current CUDA device.
+
+The key can only be finer than Triton's (it may separate calls Triton would share a kernel for,
+never the reverse), so a direct launch always runs the kernel Triton itself would have run. Any
+other argument kind (e.g. a TMA tensor descriptor) makes that call go through Triton every time.
+
+``FTT_DIRECT_LAUNCH=0`` sends every call through Triton (diagnosis, benchmarks of the difference).
+Under the interpreter (``TRITON_INTERPRET=1``) every call goes through Triton.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["DirectLauncher"]
+
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_SCALAR_TYPES = (float, bool, type(None))
+
+
+def _cuda_device() -> int:
+    return torch.cuda.current_device()
+
+
+def _cuda_stream(device: int) -> int:
+    """The current stream's handle, as Triton's own launch takes it (a capturing stream included)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+try:
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - triton < 3.4 has no knobs: no launch hooks either
+    _knobs = None
+
+
+def _hooks() -> tuple[Any, Any]:
+    """Triton's launch enter/exit hooks when a profiler set any, else (None, None). Triton 3.6 keeps
+    them as (possibly empty) hook chains; an empty chain is passed as None, which the launcher skips."""
+    if _knobs is None:
+        return None, None
+    enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+    if not getattr(enter, "calls", enter) and not getattr(leave, "calls", leave):
+        return None, None
+    return enter, leave
+
+
+class DirectLauncher:
+    """``launcher(grid, args, kwargs)`` runs ``fn[grid](*args, **kwargs)``, directly once seen.
+
+    Args:
+        fn: a ``@triton.jit`` function whose runtime parameters all come first (``args``, in order)
+            and whose constexpr parameters all come after them (``kwargs``, every one given).
+        interpreted: True when ``fn`` runs in Triton's interpreter (every call goes through it).
+
+    ``kwargs`` also carries the launch options (``num_warps``, ``num_stages``, ...). ``grid`` is a
+    tuple of 1-3 ints (a callable grid goes through Triton every time).
+    """
+
+    def __init__(self, fn: Any, interpreted: bool = False) -> None:
+        self.fn = fn
+        self.names: tuple[str, ...] = tuple(getattr(fn, "arg_names", ()))
+        self.enabled = not interpreted and bool(self.names)
+        self._layouts: dict[tuple, tuple | None] = {}
+        self._kernels: dict[tuple, Any] = {}
+        self.direct_launches = 0  # calls that skipped Triton's binding (tests and diagnosis read it)
+
+    def _layout(self, classes: tuple[type, ...], kwargs: dict[str, Any]) -> tuple | None:
+        """(tensor positions, int positions, constexpr names after the runtime ones), or None when
+        this call's kind of arguments cannot be keyed (it then always goes through Triton)."""
+        tensors, ints = [], []
+        for i, c in enumerate(classes):
+            if issubclass(c, torch.Tensor):
+                tensors.append(i)
+            elif c is int:
+                ints.append(i)
+            elif c not in _SCALAR_TYPES:
+                return None
+        tail = self.names[len(classes):]
+        if any(n not in kwargs for n in tail) or len(self.names) < len(classes):
+            return None
+        return tuple(tensors), tuple(ints), tail
+
+    def __call__(self, grid: Sequence[int] | Callable, args: tuple, kwargs: dict[str, Any]) -> None:
+        if not self.enabled or callable(grid) or os.environ.get("FTT_DIRECT_LAUNCH", "1") == "0":
+            self.fn[grid](*args, **kwargs)
+            return
+        classes = tuple(map(type, args))
+        lkey = (classes, tuple(kwargs))
+        layout = self._layouts.get(lkey, False)
+        if layout is False:
+            layout = self._layouts[lkey] = self._layout(classes, kwargs)
+        if layout is None:
+            self.fn[grid](*args, **kwargs)
+            return
+        tpos, ipos, tail = layout
+        ts = [args[i] for i in tpos]
+        ints = [args[i] for i in ipos]
+        dev = _cuda_device()
+        key = (dev, lkey, tuple(kwargs.values()),
+               tuple([t.dtype for t in ts]), tuple([t.data_ptr() & 15 == 0 for t in ts]),
+               tuple([0 if v == 1 else 1 + (v & 15 == 0) + 2 * (v < _I32_MIN or v > _I32_MAX) for v in ints]))
+        kernel = self._kernels.get(key)
+        if kernel is None:  # first call of this specialisation: Triton compiles (or finds) the kernel
+            kernel = self.fn[grid](*args, **kwargs)
+            if kernel is not None and hasattr(kernel, "run") and not hasattr(kernel, "result"):
+                self._kernels[key] = kernel
+            return
+        full = (*args, *[kwargs[n] for n in tail])
+        stream = _cuda_stream(dev)
+        enter, leave = _hooks()
+        meta = kernel.launch_metadata(grid, stream, *full) if enter is not None else None
+        g = tuple(grid) + (1, 1)
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *full)
+        self.direct_launches += 1
