@@ -25,7 +25,7 @@ import math
 import re
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -322,6 +322,8 @@ class WeightChecksums:
         bias_sd: sqrt of b's Bhatia–Davis variance bound (0 without bias).
         finite: whether W and b are all finite.
         n, k: the output and input features.
+        launches: the checked GEMM's prepared launches for this weight version, by call
+            signature (`ft_transformers.kernels.abft_gemm`; they go with the checksums).
 
     The scalars are host numbers: building the checksums reads them once (one synchronisation
     per weight version), so that each call's threshold costs a handful of (M,)-sized ops.
@@ -338,6 +340,7 @@ class WeightChecksums:
     finite: bool
     n: int
     k: int
+    launches: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def compute(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -77,8 +77,11 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only where triton is missing
     raise ImportError("ft_transformers.kernels.abft_gemm needs triton") from exc
 
+from ..checked_linear import _autocast_dtype
+from ..counters import new_counters
 from ..injection import FaultPlan
 from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
+from ..vabft import WeightChecksums, default_emax, weight_checksums
 from .launch import DirectLauncher
 from .tl_common import call_flag, on_tensor_device, runs_interpreted
 from .tl_common import cdiv as _cdiv
@@ -132,6 +135,7 @@ VERIFY_TILES = 16  # tiles' partial sums one verify load takes per row
 # cells hold take two launches.
 ONE_LAUNCH_VERIFY_ROWS = 64
 ONE_LAUNCH_ROW_BLOCKS = 8192
+PREPARED_PER_WEIGHT = 64  # prepared call signatures kept per weight (`_PreparedCall`)
 _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 
@@ -491,6 +495,7 @@ def interpreting() -> bool:
 _INTERP = interpreting()
 _GEMM_LAUNCH = DirectLauncher(_gemm_kernel, _INTERP)
 _VERIFY_LAUNCH = DirectLauncher(_verify_kernel, _INTERP)
+_CALL_ID_AT = (_gemm_kernel.arg_names.index("call_id"), _verify_kernel.arg_names.index("call_id"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -684,7 +689,6 @@ _EMAX: dict[tuple, float] = {}
 def _emax(dtype: torch.dtype, device: torch.device, mode: str, k: int) -> float:
     """`default_emax`, memoised per (dtype, device, mode, K): it reads the device's table and name on
     every call. Not memoised for fp32 output-side entries, which follow the current matmul precision."""
-    from ..vabft import default_emax  # noqa: PLC0415
 
     if mode == "output" and dtype == torch.float32:
         return default_emax(dtype, device.type, mode, k=k)
@@ -723,9 +727,14 @@ def _one_launch(m: int, n: int, k: int, block_m: int, device: torch.device) -> b
     return _host_bound(m, n, k)
 
 
-def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect, verify_output, dot_f32,
-                 verify: _Verify | None = None):
-    """The GEMM launch; with ``verify`` (`_one_launch`) it verifies too.
+def _launch_gemm(cfg, L: _Launch, **kw) -> None:
+    """Launch `_gemm_call`'s GEMM."""
+    _GEMM_LAUNCH(*_gemm_call(cfg, L, **kw))
+
+
+def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect, verify_output, dot_f32,
+               verify: _Verify | None = None) -> tuple:
+    """The GEMM launch as ``(grid, args, kwargs)``; with ``verify`` (`_one_launch`) it verifies too.
 
     P: the `_stats_buffer` (or any placeholder without ``detect``); ws: the int32 cells the launch
     uses (the recompute slot counter, or with ``verify`` the one-launch cell block of `_cells`)."""
@@ -741,7 +750,7 @@ def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detec
     else:
         vargs = (flag, flag, flag, flag, 0, 0, 1.0, 1.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
     vbn, vbk = VERIFY_BLOCK
-    _GEMM_LAUNCH(grid, (
+    return grid, (
         L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, w12, P, inj if inj is not None else ws,
         flag, ws,
         m, n, k, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1),
@@ -752,7 +761,7 @@ def _launch_gemm(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detec
         TMA=L.tma, W_KN=L.kn, TMA_STORE=L.tma and not one, ONE_LAUNCH=one, VERIFY_R=min(bm, ONE_LAUNCH_VERIFY_ROWS),
         VBLOCK_N=vbn, VBLOCK_K=vbk, VBLOCK_T=VERIFY_TILES, CORRECT=one and verify.correct,
         DEBUG=one and verify.debug is not None, num_warps=warps, num_stages=stages,
-    ))
+    )
 
 
 def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
@@ -885,11 +894,19 @@ def checked_gemm(
 def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, correct, plan, counters, mode, debug,
                   capacity) -> torch.Tensor:
     """`checked_gemm` on validated arguments (the module path validates once, in `checked_linear`)."""
-    from ..vabft import WeightChecksums  # noqa: PLC0415
-
     n = weight.shape[1] if weight_is_kn else weight.shape[0]
     m, k = x2d.shape
     dev = x2d.device
+    correct = bool(correct and detect)
+    prep_key = None
+    if detect and wc is not None and not plan and debug is None and m and n and k:
+        prep_key = (m, *x2d.stride(), x2d.data_ptr() % 16 == 0, weight.data_ptr(), *weight.stride(),
+                    bias.data_ptr() if bias is not None else None, counters.data_ptr(), *counters.stride(),
+                    emax, csigma, correct, mode, capacity, _env_key(),
+                    dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        prepared = wc.launches.get(prep_key)
+        if prepared is not None:
+            return prepared(x2d, counters)
     y = torch.empty((m, n), dtype=x2d.dtype, device=dev)
     if m == 0 or n == 0:
         return y
@@ -897,7 +914,6 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         y.copy_(bias.expand(m, n) if bias is not None else torch.zeros((), dtype=y.dtype, device=dev))
         sf = plan.for_site(SITE, (m, n), y.dtype, dev) if plan else None
         return sf.apply(y, dim=-1, start=0) if sf is not None else y
-    correct = bool(correct and detect)
     swn, swk = (weight.stride(1), weight.stride(0)) if weight_is_kn else (weight.stride(0), weight.stride(1))
     L = _Launch(x2d, weight, bias, y, swn, swk, weight_is_kn, _tma_ok(m, n, k, x2d, weight, y))
     dot_f32 = x2d.dtype == torch.float32 or _INTERP
@@ -928,21 +944,72 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
     ver = _Verify(wc.b12, counters, debug, bool(wc.finite), int(capacity),
                   _threshold_consts(wc, float(emax), float(csigma)), reverify, correct)
     one = _one_launch(m, n, k, cfg[0], dev)
-    _launch_gemm(cfg, L, bias=bias, w12=wc.w12, P=P, inj=inj, flag=flag, ws=sem if one else slots,
-                 call_id=call_id, detect=True, verify_output=verify_output, dot_f32=dot_f32,
-                 verify=ver if one else None)
-    if one:
-        return y
-    vbn, vbk = VERIFY_BLOCK
-    _VERIFY_LAUNCH((_cdiv(m, VERIFY_ROWS),), (
-        x2d, weight, y, bias if bias is not None else y, wc.b12, P, flag, slots,
-        m, n, k, t, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1), 1.0 / n, call_id,
-        *ver.args(n, k, P),
-    ), dict(
-        BLOCK_R=VERIFY_ROWS, BLOCK_N=vbn, BLOCK_K=vbk, BLOCK_T=VERIFY_TILES, HAS_BIAS=bias is not None, CORRECT=correct,
-        DEBUG=debug is not None, DOT_F32=dot_f32, num_warps=4,
-    ))
+    launches = [(0, *_gemm_call(cfg, L, bias=bias, w12=wc.w12, P=P, inj=inj, flag=flag,
+                                           ws=sem if one else slots, call_id=call_id, detect=True,
+                                           verify_output=verify_output, dot_f32=dot_f32, verify=ver if one else None))]
+    if not one:
+        vbn, vbk = VERIFY_BLOCK
+        launches.append((1, (_cdiv(m, VERIFY_ROWS),), (
+            x2d, weight, y, bias if bias is not None else y, wc.b12, P, flag, slots,
+            m, n, k, t, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1), 1.0 / n, call_id,
+            *ver.args(n, k, P),
+        ), dict(
+            BLOCK_R=VERIFY_ROWS, BLOCK_N=vbn, BLOCK_K=vbk, BLOCK_T=VERIFY_TILES, HAS_BIAS=bias is not None,
+            CORRECT=correct, DEBUG=debug is not None, DOT_F32=dot_f32, num_warps=4,
+        )))
+    for which, grid, args, kwargs in launches:
+        (_GEMM_LAUNCH, _VERIFY_LAUNCH)[which](grid, args, kwargs)
+    if prep_key is not None and not L.tma:
+        if len(wc.launches) >= PREPARED_PER_WEIGHT:  # e.g. prefills of many lengths: start afresh
+            wc.launches.clear()
+        wc.launches[prep_key] = _PreparedCall.record(launches, x2d, y, P, counters, call_id)
     return y
+
+
+def _env_key() -> tuple:
+    """The environment settings a call's launch plan depends on (`_tma_ok`, `_one_launch`, `_pick_config`)."""
+    env = os.environ
+    return (env.get("FTT_ABFT_GEMM_TMA"), env.get("FTT_ABFT_GEMM_ONE_LAUNCH"), env.get("FTT_ABFT_GEMM_CONFIG"),
+            env.get("FTT_ABFT_GEMM_TUNE"))
+
+
+class _PreparedCall:
+    """A verified call's launches with everything resolved but its own tensors: a later call of the same
+    signature (`_checked_gemm`'s ``prep_key``: shapes, strides, alignment, weight, counters, settings)
+    allocates y and the stats buffer, takes a call id and launches, skipping the host work that
+    decided the config, the one/two-launch form, the thresholds and the arguments. Kept in the
+    weight's `WeightChecksums.launches`, so it goes when the weight changes; it holds none of the
+    call's own tensors (x, y, the stats buffer, the counters are put in at each call)."""
+
+    __slots__ = ("launches", "y_shape", "dtype", "device", "p_numel")
+
+    @classmethod
+    def record(cls, launches, x2d, y, P, counters, call_id) -> _PreparedCall:
+        self = cls()
+        per_call = (x2d, y, P, counters)
+        self.launches = []
+        for which, grid, args, kwargs in launches:
+            where = tuple(tuple(i for i, a in enumerate(args) if a is obj) for obj in per_call)
+            template = [None if any(a is obj for obj in per_call) else a for a in args]
+            id_at = _CALL_ID_AT[which]
+            assert args[id_at] == call_id
+            self.launches.append((which, grid, template, kwargs, where, id_at))
+        self.y_shape, self.dtype, self.device, self.p_numel = tuple(y.shape), y.dtype, y.device, P.numel()
+        return self
+
+    def __call__(self, x2d: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+        """y (M, N) of x2d (M, K), events into counters (6, 5)."""
+        y = torch.empty(self.y_shape, dtype=self.dtype, device=self.device)
+        P = torch.empty(self.p_numel, dtype=torch.float32, device=self.device)
+        _, call_id = call_flag(self.device)
+        for which, grid, template, kwargs, where, id_at in self.launches:
+            args = template.copy()
+            for obj, positions in zip((x2d, y, P, counters), where):
+                for i in positions:
+                    args[i] = obj
+            args[id_at] = call_id
+            (_GEMM_LAUNCH, _VERIFY_LAUNCH)[which](grid, tuple(args), kwargs)
+        return y
 
 
 def gemm_residuals(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -954,8 +1021,6 @@ def gemm_residuals(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     checksum difference, ``c1`` the expected row sum ``x·w1 + b1``, ``thr`` the threshold with the
     given ``emax`` (1.0 gives ``T_m / e_max``), all fp32 as the kernel computed them.
     """
-    from ..counters import new_counters  # noqa: PLC0415
-
     dbg = torch.zeros((x2d.shape[0], 4), dtype=torch.float32, device=x2d.device)
     cnt = new_counters(x2d.device)
     y = checked_gemm(x2d, weight, bias, weight_is_kn=weight_is_kn, emax=emax, csigma=csigma, detect=True,
@@ -985,10 +1050,6 @@ def checked_linear_triton_forward(
     checksums are cached on ``cache_owner`` (per autocast dtype). Under autocast the operands are
     cast like autocast would and the kernel runs on the cast tensors.
     """
-    from ..checked_linear import _autocast_dtype  # noqa: PLC0415
-    from ..counters import new_counters  # noqa: PLC0415
-    from ..vabft import weight_checksums  # noqa: PLC0415
-
     _check_device(x)
     cast = _autocast_dtype(x.device.type)
     w_src, b_src = weight, bias

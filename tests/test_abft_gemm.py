@@ -346,6 +346,52 @@ def test_nonfinite_inputs_count_once_and_skip_checks(where):
     torch.testing.assert_close(y.cpu(), F.linear(x, w).cpu(), equal_nan=True, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("m,two", [(5, False), (40, True)], ids=["one-launch", "two-launches"])
+def test_prepared_calls_match_first_calls(m, two, monkeypatch):
+    """A repeated call signature takes the prepared launches (`_PreparedCall`): new x, y, stats buffer
+    and call id each time. Results equal float64 and a fresh first call's; a NaN in a later call's x
+    is counted once, as on the first call; another weight version, alignment or setting prepares anew."""
+    monkeypatch.setenv("FTT_ABFT_GEMM_TMA", "0")  # TMA calls are not prepared (descriptors hold pointers)
+    monkeypatch.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", "0" if two else "1")
+    lin = torch.nn.Linear(32, 24).to(DEV)
+    cnt = new_counters(DEV)
+
+    def call(x):
+        with torch.no_grad():
+            y = G.checked_linear_triton_forward(x, lin.weight, lin.bias, weight_is_kn=False, emax=None, csigma=2.5,
+                                                detect=True, correct=True, plan=None, counters=cnt, cache_owner=lin)
+        return y
+
+    xs = [_rand((m, 32), torch.float32, 80 + i) for i in range(3)]
+    for x in xs:
+        y = call(x)
+        ref = _ref64(x, lin.weight.detach(), lin.bias.detach())
+        assert ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item() < _gemm_rel_tol(torch.float32, 32)
+    (checksums,) = _checksums_of(lin)
+    assert len(checksums.launches) == 1  # one signature, prepared once, then reused
+    assert FaultStats(cnt)["detected"] == 0
+    bad = xs[0].clone()
+    bad[m - 1, 3] = float("nan")
+    y = call(bad)
+    assert dict(FaultStats(cnt)) == dict(ZERO, nonfinite_input=1)
+    assert torch.isnan(y[m - 1]).any() and not torch.isnan(y[: m - 1]).any()
+    call(_rand((m * 32 + 1,), torch.float32, 90)[1:].view(m, 32))  # 4 bytes off: a fresh signature
+    assert len(checksums.launches) == 2
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # a new weight version: new checksums, nothing prepared yet
+    y = call(xs[1])
+    (fresh,) = _checksums_of(lin)
+    assert fresh is not checksums and len(fresh.launches) == 1
+    ref = _ref64(xs[1], lin.weight.detach(), lin.bias.detach())
+    assert ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item() < _gemm_rel_tol(torch.float32, 32)
+
+
+def _checksums_of(module) -> list:
+    """The `WeightChecksums` cached on ``module`` (`ft_transformers.vabft.weight_checksums`)."""
+    cache = module.__dict__.get("_ftt_vabft_checksums") or {}
+    return [entry[3] for entry in cache.values()]
+
+
 def test_bad_inputs_raise_clear_errors():
     x = _rand((4, 8), torch.float32, 0)
     w = _rand((5, 8), torch.float32, 1)
