@@ -129,6 +129,11 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y.view(*x.shape[:-1], n)
 
 
+# The attribute of a protected module holding its last call signature's prepared launches (the Triton
+# backend's `_ModuleFastPath`); it is tried before anything else and dropped with the protection.
+_FAST_PATH_ATTR = "_ftt_fast_path"
+
+
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     try:
         if torch.is_autocast_enabled(device_type):
@@ -172,6 +177,12 @@ def _checked_linear_forward(
     Returns:
         y (..., N) in x's dtype (the autocast dtype under autocast).
     """
+    if detect and not plan and backend == "auto" and cache_owner is not None:
+        fast = getattr(cache_owner, "__dict__", {}).get(_FAST_PATH_ATTR)
+        if fast is not None:  # the module's last call signature, prepared (kernels.abft_gemm._ModuleFastPath)
+            y = fast(x, weight, bias, counters, (weight_is_kn, emax, csigma, correct))
+            if y is not None:
+                return y
     if plan is not None:
         plan.check_sites(LINEAR_SITES, "checked_linear")
     dev_type = x.device.type

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from .attention import ATTN_IMPLEMENTATION
-from .checked_linear import _autocast_dtype, _checked_linear_forward
+from .checked_linear import _FAST_PATH_ATTR, _autocast_dtype, _checked_linear_forward
 from .config import FTConfig
 from .events import EventRecorder, FTReport, ModuleSlot
 from .injection import FaultPlan, FaultSpec, derive_seed
@@ -276,7 +276,7 @@ def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
         _uninstall_forward(module)
         _CACHE_OWNERS.pop(id(module), None)
     for module in model.modules():
-        for attr in ("_ftt", "_ftt_vabft_checksums"):
+        for attr in ("_ftt", "_ftt_vabft_checksums", _FAST_PATH_ATTR):
             if attr in module.__dict__:
                 delattr(module, attr)
     if state.original_attn and model.config._attn_implementation != state.original_attn:

@@ -77,7 +77,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only where triton is missing
     raise ImportError("ft_transformers.kernels.abft_gemm needs triton") from exc
 
-from ..checked_linear import _autocast_dtype
+from ..checked_linear import _FAST_PATH_ATTR, _autocast_dtype
 from ..counters import new_counters
 from ..injection import FaultPlan
 from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
@@ -892,8 +892,9 @@ def checked_gemm(
 
 
 def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, correct, plan, counters, mode, debug,
-                  capacity) -> torch.Tensor:
-    """`checked_gemm` on validated arguments (the module path validates once, in `checked_linear`)."""
+                  capacity, keep: list | None = None) -> torch.Tensor:
+    """`checked_gemm` on validated arguments (the module path validates once, in `checked_linear`).
+    ``keep``: a list the call's `_PreparedCall` is appended to (when it has one)."""
     n = weight.shape[1] if weight_is_kn else weight.shape[0]
     m, k = x2d.shape
     dev = x2d.device
@@ -906,6 +907,8 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
                     dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
         prepared = wc.launches.get(prep_key)
         if prepared is not None:
+            if keep is not None:
+                keep.append(prepared)
             return prepared(x2d, counters)
     y = torch.empty((m, n), dtype=x2d.dtype, device=dev)
     if m == 0 or n == 0:
@@ -962,7 +965,9 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
     if prep_key is not None and not L.tma:
         if len(wc.launches) >= PREPARED_PER_WEIGHT:  # e.g. prefills of many lengths: start afresh
             wc.launches.clear()
-        wc.launches[prep_key] = _PreparedCall.record(launches, x2d, y, P, counters, call_id)
+        wc.launches[prep_key] = prepared = _PreparedCall.record(launches, x2d, y, P, counters, call_id)
+        if keep is not None:
+            keep.append(prepared)
     return y
 
 
@@ -1069,6 +1074,56 @@ def checked_linear_triton_forward(
     detect = detect and wc is not None
     _check_mode_counters(mode, detect, counters, x.device)
     # shapes, dtypes and devices were validated by the caller (`checked_linear._validate`)
+    keep: list = []
     y = _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, correct, plan, counters, mode, None,
-                      RECOMPUTE_ROWS)
+                      RECOMPUTE_ROWS, keep)
+    if cache_owner is not None and keep and cast is None and mode == "accumulator":
+        settings = (weight_is_kn, emax, csigma, correct)
+        fast = _ModuleFastPath(_module_key(x, weight, bias, counters, settings), keep[0], k, n)
+        try:
+            object.__setattr__(cache_owner, _FAST_PATH_ATTR, fast)
+        except (AttributeError, TypeError):  # an owner without __dict__
+            pass
     return y.reshape(*lead, n)
+
+
+def _module_key(x, weight, bias, counters, settings) -> tuple:
+    """What a module call's prepared launches depend on beyond `_checked_gemm`'s key: the input's
+    metadata, the weight's and bias's identity, storage and version, grad and autocast modes."""
+    dev = x.device
+    return (x.shape, x.stride(), x.dtype, dev, x.data_ptr() % 16 == 0,
+            id(weight), weight.data_ptr(), weight._version,
+            None if bias is None else (id(bias), bias.data_ptr(), bias._version),
+            counters.data_ptr(), settings, _env_key(), torch.is_grad_enabled(), _autocast_dtype(dev.type),
+            dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _no_fast_path() -> None:
+    return None
+
+
+class _ModuleFastPath:
+    """The last call signature of one protected module (`_module_key`) and its `_PreparedCall`.
+
+    `ft_transformers.checked_linear` tries it first: a call with the same signature goes straight to
+    the prepared launches, skipping validation, backend choice, the checksum cache lookup and
+    `_checked_gemm`'s own key (all of which would find the same answers again). One entry per
+    module: decode repeats one signature, a prefill of another length replaces it. Copies and
+    pickles of the module carry no entry."""
+
+    __slots__ = ("key", "prepared", "k", "n")
+
+    def __init__(self, key: tuple, prepared: _PreparedCall, k: int, n: int) -> None:
+        self.key, self.prepared, self.k, self.n = key, prepared, k, n
+
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+    def __reduce__(self):
+        return (_no_fast_path, ())
+
+    def __call__(self, x, weight, bias, counters, settings) -> torch.Tensor | None:
+        """y (..., N) for x (..., K), or None when this call's signature is not the recorded one."""
+        if counters is None or _module_key(x, weight, bias, counters, settings) != self.key:
+            return None
+        return self.prepared(x.reshape(-1, self.k), counters).view(*x.shape[:-1], self.n)

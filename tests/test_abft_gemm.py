@@ -386,6 +386,61 @@ def test_prepared_calls_match_first_calls(m, two, monkeypatch):
     assert ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item() < _gemm_rel_tol(torch.float32, 32)
 
 
+def test_module_fast_path_like_full_path(monkeypatch):
+    """A protected model's Linear/Conv1D calls take the module's fast path (`_ModuleFastPath`) from the
+    second call of a signature on: same outputs as the first (full-path) call and as the unprotected
+    model; a call with active faults, an in-place weight update, or a grad-mode change take the full
+    path again; copies and disabled models carry no fast path."""
+    import copy  # noqa: PLC0415
+
+    from tiny_models import make_model  # noqa: PLC0415
+
+    monkeypatch.setenv("FTT_ABFT_GEMM_TMA", "0")
+    monkeypatch.setattr(_cl, "_resolve_backend", lambda backend, device: G.checked_linear_triton_forward)
+    hits = []
+    real_call = G._ModuleFastPath.__call__
+
+    def counting_call(self, *args):
+        y = real_call(self, *args)
+        hits.append(y is not None)
+        return y
+
+    monkeypatch.setattr(G._ModuleFastPath, "__call__", counting_call)
+    model = make_model("gpt2").to(DEV)
+    ids = torch.randint(3, 500, (1, 8), device=DEV)
+    with torch.no_grad():
+        plain = model(ids).logits
+        ftt.enable_fault_tolerance(model, ftt.FTConfig(attention=False))
+        first = model(ids).logits
+        patched = ftt.protect._state(model).patched
+        assert all(_cl._FAST_PATH_ATTR in m.__dict__ for m in patched) and not any(hits)
+        second = model(ids).logits
+        assert len(hits) == len(patched) and all(hits)
+        assert torch.equal(first, second)
+        torch.testing.assert_close(second, plain, rtol=1e-4, atol=1e-4)
+        hits.clear()
+        spec = ftt.FaultSpec(site="linear.output", bit=29, count=1, seed=5, layers=[0])
+        with ftt.inject_faults(model, spec):
+            faulty = model(ids).logits
+        report = ftt.fault_report(model)
+        assert report.totals()["corrected"] >= 1, report
+        torch.testing.assert_close(faulty, plain, rtol=1e-4, atol=1e-4)
+        mlp = model.transformer.h[1].mlp.c_fc
+        mlp.weight.mul_(0.5)  # in place: a new version, new checksums, the full path
+        hits.clear()
+        updated = model(ids).logits
+        assert hits.count(False) == 1
+    ftt.disable_fault_tolerance(model)
+    with torch.no_grad():
+        torch.testing.assert_close(updated, model(ids).logits, rtol=1e-4, atol=1e-4)
+    assert not any(_cl._FAST_PATH_ATTR in m.__dict__ for m in patched)
+    with torch.no_grad():
+        ftt.enable_fault_tolerance(model, ftt.FTConfig(attention=False))
+        model(ids)
+    clone = copy.deepcopy(model.transformer.h[0].mlp.c_fc)
+    assert clone.__dict__.get(_cl._FAST_PATH_ATTR) is None
+
+
 def _checksums_of(module) -> list:
     """The `WeightChecksums` cached on ``module`` (`ft_transformers.vabft.weight_checksums`)."""
     cache = module.__dict__.get("_ftt_vabft_checksums") or {}
