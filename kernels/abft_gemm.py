@@ -972,21 +972,23 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
 
 
 def _env_key() -> tuple:
-    """The environment settings a call's launch plan depends on (`_tma_ok`, `_one_launch`, `_pick_config`)."""
+    """The environment settings a call's launch plan depends on (`_tma_ok`, `_one_launch`, `_pick_config`,
+    `DirectLauncher`)."""
     env = os.environ
     return (env.get("FTT_ABFT_GEMM_TMA"), env.get("FTT_ABFT_GEMM_ONE_LAUNCH"), env.get("FTT_ABFT_GEMM_CONFIG"),
-            env.get("FTT_ABFT_GEMM_TUNE"))
+            env.get("FTT_ABFT_GEMM_TUNE"), env.get("FTT_DIRECT_LAUNCH"))
 
 
 class _PreparedCall:
     """A verified call's launches with everything resolved but its own tensors: a later call of the same
     signature (`_checked_gemm`'s ``prep_key``: shapes, strides, alignment, weight, counters, settings)
-    allocates y and the stats buffer, takes a call id and launches, skipping the host work that
-    decided the config, the one/two-launch form, the thresholds and the arguments. Kept in the
-    weight's `WeightChecksums.launches`, so it goes when the weight changes; it holds none of the
-    call's own tensors (x, y, the stats buffer, the counters are put in at each call)."""
+    allocates y and the stats buffer, takes a call id and launches the compiled kernels directly
+    (`DirectLauncher.bind`: the key fixes their specialisation), skipping the host work that decided
+    the config, the one/two-launch form, the thresholds and the arguments. Kept in the weight's
+    `WeightChecksums.launches`, so it goes when the weight changes; it holds none of the call's own
+    tensors (x, y, the stats buffer, the counters are put in at each call)."""
 
-    __slots__ = ("launches", "y_shape", "dtype", "device", "p_numel")
+    __slots__ = ("launches", "bound", "y_shape", "dtype", "device", "p_numel")
 
     @classmethod
     def record(cls, launches, x2d, y, P, counters, call_id) -> _PreparedCall:
@@ -998,22 +1000,33 @@ class _PreparedCall:
             template = [None if any(a is obj for obj in per_call) else a for a in args]
             id_at = _CALL_ID_AT[which]
             assert args[id_at] == call_id
-            self.launches.append((which, grid, template, kwargs, where, id_at))
+            launcher = (_GEMM_LAUNCH, _VERIFY_LAUNCH)[which]
+            bound = launcher.bind(grid, args, kwargs) if isinstance(launcher, DirectLauncher) else None
+            self.launches.append((which, grid, template, kwargs, where, id_at, bound))
+        self.bound = all(entry[-1] is not None for entry in self.launches)
         self.y_shape, self.dtype, self.device, self.p_numel = tuple(y.shape), y.dtype, y.device, P.numel()
         return self
 
     def __call__(self, x2d: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
         """y (M, N) of x2d (M, K), events into counters (6, 5)."""
+        if self.device.type == "cuda" and self.device.index != torch.cuda.current_device():
+            with torch.cuda.device(self.device):  # launches go to the current device's stream
+                return self(x2d, counters)
         y = torch.empty(self.y_shape, dtype=self.dtype, device=self.device)
         P = torch.empty(self.p_numel, dtype=torch.float32, device=self.device)
         _, call_id = call_flag(self.device)
-        for which, grid, template, kwargs, where, id_at in self.launches:
+        # the bound kernels were specialised on 16-byte aligned y and P (fresh allocations always are)
+        direct = self.bound and (y.data_ptr() | P.data_ptr()) & 15 == 0
+        for which, grid, template, kwargs, where, id_at, bound in self.launches:
             args = template.copy()
             for obj, positions in zip((x2d, y, P, counters), where):
                 for i in positions:
                     args[i] = obj
             args[id_at] = call_id
-            (_GEMM_LAUNCH, _VERIFY_LAUNCH)[which](grid, tuple(args), kwargs)
+            if bound is not None and direct:
+                bound(tuple(args))
+            else:
+                (_GEMM_LAUNCH, _VERIFY_LAUNCH)[which](grid, tuple(args), kwargs)
         return y
 
 
@@ -1033,6 +1046,7 @@ def gemm_residuals(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return {"y": y, "d1": dbg[:, 0], "c1": dbg[:, 1], "thr": dbg[:, 2], "counters": cnt}
 
 
+@on_tensor_device
 def checked_linear_triton_forward(
     x: torch.Tensor,
     weight: torch.Tensor,

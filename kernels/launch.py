@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DirectLauncher"]
+__all__ = ["BoundLaunch", "DirectLauncher"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _SCALAR_TYPES = (float, bool, type(None))
@@ -101,35 +101,73 @@ class DirectLauncher:
             return None
         return tuple(tensors), tuple(ints), tail
 
-    def __call__(self, grid: Sequence[int] | Callable, args: tuple, kwargs: dict[str, Any]) -> None:
-        if not self.enabled or callable(grid) or os.environ.get("FTT_DIRECT_LAUNCH", "1") == "0":
-            self.fn[grid](*args, **kwargs)
-            return
+    def _key(self, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+        """(specialisation key, constexpr names after the runtime arguments), or None (not keyable)."""
         classes = tuple(map(type, args))
         lkey = (classes, tuple(kwargs))
         layout = self._layouts.get(lkey, False)
         if layout is False:
             layout = self._layouts[lkey] = self._layout(classes, kwargs)
         if layout is None:
-            self.fn[grid](*args, **kwargs)
-            return
+            return None
         tpos, ipos, tail = layout
         ts = [args[i] for i in tpos]
         ints = [args[i] for i in ipos]
-        dev = _cuda_device()
-        key = (dev, lkey, tuple(kwargs.values()),
+        key = (_cuda_device(), lkey, tuple(kwargs.values()),
                tuple([t.dtype for t in ts]), tuple([t.data_ptr() & 15 == 0 for t in ts]),
                tuple([0 if v == 1 else 1 + (v & 15 == 0) + 2 * (v < _I32_MIN or v > _I32_MAX) for v in ints]))
+        return key, tail
+
+    def __call__(self, grid: Sequence[int] | Callable, args: tuple, kwargs: dict[str, Any]) -> None:
+        if not self.enabled or callable(grid) or os.environ.get("FTT_DIRECT_LAUNCH", "1") == "0":
+            self.fn[grid](*args, **kwargs)
+            return
+        keyed = self._key(args, kwargs)
+        if keyed is None:
+            self.fn[grid](*args, **kwargs)
+            return
+        key, tail = keyed
         kernel = self._kernels.get(key)
         if kernel is None:  # first call of this specialisation: Triton compiles (or finds) the kernel
             kernel = self.fn[grid](*args, **kwargs)
             if kernel is not None and hasattr(kernel, "run") and not hasattr(kernel, "result"):
                 self._kernels[key] = kernel
             return
-        full = (*args, *[kwargs[n] for n in tail])
-        stream = _cuda_stream(dev)
-        enter, leave = _hooks()
-        meta = kernel.launch_metadata(grid, stream, *full) if enter is not None else None
-        g = tuple(grid) + (1, 1)
-        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *full)
+        _run(kernel, key[0], grid, (*args, *[kwargs[n] for n in tail]))
         self.direct_launches += 1
+
+    def bind(self, grid: Sequence[int], args: tuple, kwargs: dict[str, Any]) -> BoundLaunch | None:
+        """The compiled kernel of this call's specialisation, bound to ``grid`` and ``kwargs``: it then
+        launches any arguments of the *same* specialisation without computing the key (the caller
+        guarantees that). None when there is no such kernel yet (or the call is not keyable)."""
+        if not self.enabled or callable(grid) or os.environ.get("FTT_DIRECT_LAUNCH", "1") == "0":
+            return None
+        keyed = self._key(args, kwargs)
+        kernel = self._kernels.get(keyed[0]) if keyed is not None else None
+        if kernel is None:
+            return None
+        key, tail = keyed
+        return BoundLaunch(self, kernel, key[0], tuple(grid), tuple(kwargs[n] for n in tail))
+
+
+class BoundLaunch:
+    """`DirectLauncher.bind`'s result: ``bound(args)`` launches the bound kernel (same device, grid,
+    constexprs, options; the arguments must specialise as the bound call's did)."""
+
+    __slots__ = ("launcher", "kernel", "device", "grid", "tail")
+
+    def __init__(self, launcher: DirectLauncher, kernel: Any, device: int, grid: tuple, tail: tuple) -> None:
+        self.launcher, self.kernel, self.device, self.grid, self.tail = launcher, kernel, device, grid, tail
+
+    def __call__(self, args: tuple) -> None:
+        _run(self.kernel, self.device, self.grid, (*args, *self.tail))
+        self.launcher.direct_launches += 1
+
+
+def _run(kernel: Any, device: int, grid: Sequence[int], full: tuple) -> None:
+    """Launch ``kernel`` on the current stream of ``device`` with all its arguments ``full`` (in order)."""
+    stream = _cuda_stream(device)
+    enter, leave = _hooks()
+    meta = kernel.launch_metadata(grid, stream, *full) if enter is not None else None
+    g = tuple(grid) + (1, 1)
+    kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *full)

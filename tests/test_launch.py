@@ -159,3 +159,20 @@ def test_launch_hooks_get_metadata(fake, monkeypatch):
     launch((2, 3), (_buf(), _buf(), 16, 1.0), kw)
     run = fn.compiled[0].runs[0]
     assert run[6] == {"grid": (2, 3)} and run[7] == seen.append
+
+
+def test_bind_launches_the_compiled_kernel_without_a_key(fake, monkeypatch):
+    fn, launch = fake
+    kw = dict(FLAG=True, BLOCK=32, num_warps=4)
+    args = (_buf(), _buf(), 48, 0.5)
+    assert launch.bind((2,), args, kw) is None  # nothing compiled for it yet
+    launch((2,), args, kw)
+    bound = launch.bind((2,), args, kw)
+    assert bound is not None and bound.kernel is fn.compiled[0]
+    other = (_buf(), _buf(), 64, 1.5)
+    bound(other)
+    assert fn.compiled[0].runs == [(2, 1, 1, 1234, "fn0", ("meta", 0), None, None, None, *other, True, 32)]
+    assert launch.direct_launches == 1 and len(fn.calls) == 1
+    assert launch.bind((2,), (_buf(offset=1), _buf(), 48, 0.5), kw) is None  # another specialisation
+    monkeypatch.setenv("FTT_DIRECT_LAUNCH", "0")
+    assert launch.bind((2,), args, kw) is None
