@@ -37,6 +37,12 @@ ratios to ``sdpa``), ``bench_generate.md`` (the markdown table, device and versi
     python scripts/bench_generate.py --out bench_out --quick              # prefill 1k/4k, 32 decode tokens
     python scripts/bench_generate.py --device cpu --quick --out /tmp/bg   # CPU smoke run, tiny shapes
     python scripts/bench_generate.py --out bench_out --quick --compile reduce-overhead   # static cache, CUDA graphs
+    python scripts/bench_generate.py --out bench_out --quick --interleave  # variants timed in turn (noisy hosts)
+
+``--interleave`` keeps one copy of the model per variant and, in every repeat, times each variant once
+(the order rotating), so that a slow stretch of the host slows every variant alike; the variants
+measured one after another (the default) can differ by the host's drift alone. Its peak memory is
+that of the variant's own calls and weights (the other copies' parameters and buffers subtracted).
 
 ``--compile MODE`` decodes with ``cache_implementation="static"`` and transformers' compiled decode
 step (``CompileConfig(mode=MODE)``; on CUDA ``reduce-overhead`` captures CUDA graphs); the compilation
@@ -46,6 +52,7 @@ runs in the warmup, per variant.
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import gc
 import math
@@ -248,15 +255,11 @@ def compile_kwargs(mode: str, backend: str, device: torch.device) -> dict:
     return {"cache_implementation": "static", "compile_config": cc}
 
 
-def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup: int, repeats: int,
-                 vocab: int, gen_kwargs: dict | None = None,
-                 between: Callable[[], None] = lambda: None) -> tuple[float, float, float]:
-    """``(ms, std ms, peak MiB)`` of one workload on the model as configured now.
-
-    ``gen_kwargs`` go to ``generate`` (decode only), e.g. a static cache and a compile config.
-    ``between`` runs, untimed, after the warmup and after every timed call (it collects and resets
-    the fault report, so the device-side event history of one call is all the peak memory holds).
-    """
+def _workload_calls(model, wl: Workload, device: torch.device, timer: Timer, vocab: int,
+                    gen_kwargs: dict | None) -> tuple[Callable[[], None], Callable[[], float]]:
+    """``(run, sample)`` of one workload on ``model``: ``run`` calls it untimed, ``sample`` times one
+    call (prefill: ms per forward; decode: ms per decoded token). The inputs are the same for every
+    model (seeded)."""
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(3, vocab, (wl.batch, wl.prompt), generator=g).to(device)
     mask = torch.ones_like(ids)
@@ -281,7 +284,24 @@ def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup
         def sample() -> float:  # ms per decoded token of one generation
             run()
             return clock.per_token_ms()
+    return run, sample
 
+
+def _stats(samples: list[float]) -> tuple[float, float]:
+    t = torch.tensor(samples, dtype=torch.float64)
+    return float(t.median()), float(t.std()) if len(samples) > 1 else 0.0
+
+
+def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup: int, repeats: int,
+                 vocab: int, gen_kwargs: dict | None = None,
+                 between: Callable[[], None] = lambda: None) -> tuple[float, float, float]:
+    """``(ms, std ms, peak MiB)`` of one workload on the model as configured now.
+
+    ``gen_kwargs`` go to ``generate`` (decode only), e.g. a static cache and a compile config.
+    ``between`` runs, untimed, after the warmup and after every timed call (it collects and resets
+    the fault report, so the device-side event history of one call is all the peak memory holds).
+    """
+    run, sample = _workload_calls(model, wl, device, timer, vocab, gen_kwargs)
     for _ in range(warmup):
         run()
     between()
@@ -291,8 +311,37 @@ def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup
         samples.append(sample())
         between()
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else math.nan
-    t = torch.tensor(samples, dtype=torch.float64)
-    return float(t.median()), float(t.std()) if len(samples) > 1 else 0.0, peak
+    return (*_stats(samples), peak)
+
+
+def run_interleaved(models: dict, wl: Workload, device: torch.device, timer: Timer, warmup: int, repeats: int,
+                    vocab: int, between: dict[str, Callable[[], None]]) -> dict[str, tuple[float, float, float]]:
+    """`run_workload` for one model copy per variant, timed in turn: each repeat times every variant
+    once (starting one variant later than the last), so that a slow stretch of a noisy host hits all
+    variants alike. Returns ``{variant: (ms,
+    std ms, peak MiB)}``; the peak counts that variant's calls and its own weights, not the other
+    copies' (their parameters and buffers are subtracted)."""
+    calls = {v: _workload_calls(m, wl, device, timer, vocab, None) for v, m in models.items()}
+    weights = {v: sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers())) / 2**20
+               for v, m in models.items()}
+    total = sum(weights.values())
+    for v, (run, _) in calls.items():
+        for _ in range(warmup):
+            run()
+        between[v]()
+    samples: dict[str, list[float]] = {v: [] for v in models}
+    peaks = dict.fromkeys(models, math.nan)
+    order = list(calls)
+    for i in range(repeats):
+        for v in order[i % len(order):] + order[:i % len(order)]:  # each repeat starts one variant later
+            sample = calls[v][1]
+            _reset_peak(device)
+            samples[v].append(sample())
+            if device.type == "cuda":
+                own = torch.cuda.max_memory_allocated() / 2**20 - (total - weights[v])
+                peaks[v] = own if math.isnan(peaks[v]) else max(peaks[v], own)
+            between[v]()
+    return {v: (*_stats(samples[v]), peaks[v]) for v in models}
 
 
 # -- reporting ---------------------------------------------------------------------------------
@@ -454,6 +503,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="decode with a static KV cache and transformers' torch.compile'd decode step in this mode "
                         "(reduce-overhead = CUDA graphs); prefill stays eager")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    p.add_argument("--interleave", action="store_true",
+                   help="time one model copy per variant in turn, every variant once per repeat (steadier ratios on "
+                        "a noisy host; needs memory for one copy per variant; peak memory then excludes the other "
+                        "copies' weights); not with --compile")
     p.add_argument("--quick", action="store_true",
                    help="CUDA: prefill 1k 4k, 32 decode tokens, 3 repeats; CPU: tiny shapes")
     p.add_argument("--out", default="bench_generate_out", help="output directory")
@@ -495,6 +548,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.compile != "off":
         args.warmup = max(args.warmup, 1)  # the compilation happens in the warmup
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if args.interleave and args.compile != "off":
+        raise SystemExit("--interleave times eager calls only: it cannot be combined with --compile")
     if args.new_tokens < 2:
         raise SystemExit("--new-tokens must be >= 2 (time per token = (t(N) - t(1)) / (N - 1))")
     variants = list(args.variants or VARIANTS)
@@ -529,6 +584,66 @@ def progress(total: int, enabled: bool = True):
         return _Bar()
 
 
+class _Budget:
+    """``--budget-s``: `spent` is True once the run has taken longer (says so once, on stderr)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds, self.start, self.said = seconds, time.monotonic(), False
+
+    def spent(self) -> bool:
+        if self.seconds is None or time.monotonic() - self.start <= self.seconds:
+            return False
+        if not self.said:
+            print(f"\n--budget-s {self.seconds:g} reached: skipping the remaining measurements", file=sys.stderr)
+            self.said = True
+        return True
+
+
+def _harvest(r: Result, model, protected: bool) -> Callable[[], None]:
+    """Untimed, between calls: add the model's fault report counts to ``r`` and reset the report."""
+    def harvest() -> None:
+        if protected:
+            report = ftt.fault_report(model)
+            totals = report.totals()
+            r.events += totals["detected"]
+            r.nonfinite += totals["nonfinite_input"]
+            report.reset()
+    return harvest
+
+
+def _interleaved_copies(model, variants: list[str]) -> dict:
+    """One model per variant, set up: ``model`` itself for the baseline, deep copies for the others."""
+    copies = {v: model if v == BASELINE else copy.deepcopy(model) for v in variants}
+    for v, m in copies.items():
+        set_variant(m, v)
+    return copies
+
+
+def _measure_interleaved(copies: dict, name: str, dname: str, wl: Workload, dev: torch.device, timer: Timer,
+                         args: argparse.Namespace, vocab: int) -> list[Result]:
+    """One `Result` per variant of ``wl``, from `run_interleaved` over ``copies`` (`_interleaved_copies`)."""
+    results = [Result(name, dname, wl, v) for v in copies]
+    try:
+        between = {r.variant: _harvest(r, copies[r.variant], r.variant != BASELINE) for r in results}
+        for h in between.values():
+            h()
+        for r in results:
+            r.events = r.nonfinite = 0
+        measured = run_interleaved(copies, wl, dev, timer, args.warmup, args.repeats, vocab, between)
+        for r in results:
+            r.ms, r.ms_std, r.peak_mib = measured[r.variant]
+    except torch.cuda.OutOfMemoryError:
+        for r in results:
+            r.error = "OOM"
+    except Exception as e:  # keep the other measurements; say what failed
+        for r in results:
+            r.error = f"{type(e).__name__}"
+        print(f"\n{name} {dname} {wl.label} (interleaved): {type(e).__name__}: {e}", file=sys.stderr)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plot_from:
@@ -556,8 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     bar = progress(len(args.models) * len(args.dtype) * len(workloads) * len(args.variants), not args.no_progress)
     csv_path, md_path, png_path = out / "bench_generate.csv", out / "bench_generate.md", out / "bench_generate.png"
-    t_start = time.monotonic()
-    out_of_time = False
+    budget = _Budget(args.budget_s)
     for name in args.models:
         for dname in args.dtype:
             dtype = DTYPES[dname]
@@ -569,28 +683,32 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             vocab = min(model.config.vocab_size, 32000)
             gen_kwargs = compile_kwargs(args.compile, args.compile_backend, dev)
+            if args.interleave:
+                copies = _interleaved_copies(model, args.variants)
+                for wl in workloads:
+                    if budget.spent():
+                        bar.update(len(args.variants))
+                        continue
+                    bar.set_postfix_str(f"{name} {dname} {wl.label} (interleaved)")
+                    results += _measure_interleaved(copies, name, dname, wl, dev, timer, args, vocab)
+                    write_csv(csv_path, results)  # a killed run keeps what it measured
+                    bar.update(len(args.variants))
+                for m in copies.values():
+                    ftt.disable_fault_tolerance(m)
+                del model, copies
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             for variant in args.variants:
                 set_variant(model, variant, compiled=bool(gen_kwargs))
                 for wl in workloads:
-                    if args.budget_s is not None and time.monotonic() - t_start > args.budget_s:
-                        if not out_of_time:
-                            print(f"\n--budget-s {args.budget_s:g} reached: skipping the remaining measurements",
-                                  file=sys.stderr)
-                        out_of_time = True
+                    if budget.spent():
                         bar.update(1)
                         continue
                     bar.set_postfix_str(f"{name} {dname} {variant} {wl.label}")
                     r = Result(name, dname, wl, variant)
-
-                    def harvest(r: Result = r, m=model, protected: bool = variant != BASELINE) -> None:
-                        """Add the report's counts to ``r`` and reset it (untimed)."""
-                        if protected:
-                            report = ftt.fault_report(m)
-                            totals = report.totals()
-                            r.events += totals["detected"]
-                            r.nonfinite += totals["nonfinite_input"]
-                            report.reset()
-
+                    harvest = _harvest(r, model, variant != BASELINE)
                     try:
                         harvest()
                         r.events = r.nonfinite = 0

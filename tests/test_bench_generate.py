@@ -1,0 +1,65 @@
+"""`scripts/bench_generate.py` on the CPU: the interleaved timing mode (tiny GPT-2, reference path)."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_generate as bg  # noqa: E402
+
+
+def test_interleaved_run_writes_every_variant(tmp_path):
+    out = tmp_path / "bg"
+    rc = bg.main(["--device", "cpu", "--quick", "--interleave", "--models", "gpt2", "--prefill", "16",
+                  "--decode-batch", "1", "--new-tokens", "3", "--repeats", "3", "--variants", "full",
+                  "--no-progress", "--out", str(out)])
+    assert rc == 0
+    rows = list(csv.DictReader((out / "bench_generate.csv").open()))
+    got = {(r["kind"], r["variant"]) for r in rows}
+    assert got == {("prefill", "sdpa"), ("prefill", "full"), ("decode", "sdpa"), ("decode", "full")}
+    for r in rows:
+        assert r["error"] == "" and float(r["ms"]) > 0 and r["events"] == "0", r
+        if r["variant"] == "sdpa":
+            assert float(r["time_ratio"]) == 1.0
+    assert (out / "bench_generate.md").read_text().count("| gpt2 |") == 2
+
+
+def test_interleave_refuses_compile():
+    with pytest.raises(SystemExit, match="--interleave"):
+        bg.resolve(bg.parse_args(["--device", "cpu", "--interleave", "--compile", "default"]))
+
+
+def test_run_interleaved_alternates_variants(monkeypatch):
+    order = []
+
+    def calls(model, wl, device, timer, vocab, gen_kwargs):
+        return (lambda: order.append(("warm", model)), lambda: order.append(("time", model)) or 1.0)
+
+    monkeypatch.setattr(bg, "_workload_calls", calls)
+    import torch  # noqa: PLC0415
+
+    class _M:
+        def __init__(self, name):
+            self.name = name
+
+        def parameters(self):
+            return []
+
+        def buffers(self):
+            return []
+
+        def __repr__(self):
+            return self.name
+
+    models = {v: _M(v) for v in ("sdpa", "attn_only", "full")}
+    between = {v: (lambda: None) for v in models}
+    res = bg.run_interleaved(models, bg.Workload("prefill", 1, 8), torch.device("cpu"), bg.Timer(torch.device("cpu")),
+                             1, 3, 100, between)
+    timed = [repr(m) for kind, m in order if kind == "time"]
+    assert timed == ["sdpa", "attn_only", "full", "attn_only", "full", "sdpa", "full", "sdpa", "attn_only"]
+    assert [kind for kind, _ in order[:3]] == ["warm"] * 3
+    assert all(r[0] == 1.0 for r in res.values())
