@@ -1103,9 +1103,10 @@ def checked_linear_triton_forward(
 
 def _module_key(x, weight, bias, counters, settings) -> tuple:
     """What a module call's prepared launches depend on beyond `_checked_gemm`'s key: the input's
-    metadata, the weight's and bias's identity, storage and version, grad and autocast modes."""
+    metadata (and whether it requires grad), the weight's and bias's identity, storage and version,
+    grad and autocast modes (a call the full path would refuse or cast never matches a recorded one)."""
     dev = x.device
-    return (x.shape, x.stride(), x.dtype, dev, x.data_ptr() % 16 == 0,
+    return (x.shape, x.stride(), x.dtype, dev, x.data_ptr() % 16 == 0, x.requires_grad,
             id(weight), weight.data_ptr(), weight._version,
             None if bias is None else (id(bias), bias.data_ptr(), bias._version),
             counters.data_ptr(), settings, _env_key(), torch.is_grad_enabled(), _autocast_dtype(dev.type),
