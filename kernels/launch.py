@@ -20,13 +20,16 @@ The key can only be finer than Triton's (it may separate calls Triton would shar
 never the reverse), so a direct launch always runs the kernel Triton itself would have run. Any
 other argument kind (e.g. a TMA tensor descriptor) makes that call go through Triton every time.
 
-``FTT_DIRECT_LAUNCH=0`` sends every call through Triton (diagnosis, benchmarks of the difference).
+``FTT_DIRECT_LAUNCH=0`` sends every call through Triton (diagnosis, benchmarks of the difference). A
+Triton whose compiled-kernel launcher does not take these arguments (a TypeError) gets a warning
+and every later call through its own path.
 Under the interpreter (``TRITON_INTERPRET=1``) every call goes through Triton.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -133,8 +136,20 @@ class DirectLauncher:
             if kernel is not None and hasattr(kernel, "run") and not hasattr(kernel, "result"):
                 self._kernels[key] = kernel
             return
-        _run(kernel, key[0], grid, (*args, *[kwargs[n] for n in tail]))
+        try:
+            _run(kernel, key[0], grid, (*args, *[kwargs[n] for n in tail]))
+        except TypeError as exc:  # a Triton whose compiled-kernel launcher takes other arguments
+            self._give_up(exc)
+            self.fn[grid](*args, **kwargs)
+            return
         self.direct_launches += 1
+
+    def _give_up(self, exc: Exception) -> None:
+        """Send every later call through Triton (this Triton's launcher does not take our arguments)."""
+        self.enabled = False
+        warnings.warn(f"direct launches of {'/'.join(self.names[:1]) or 'a kernel'}'s Triton kernel failed "
+                      f"({type(exc).__name__}: {exc}); launching through Triton from now on", RuntimeWarning,
+                      stacklevel=3)
 
     def bind(self, grid: Sequence[int], args: tuple, kwargs: dict[str, Any]) -> BoundLaunch | None:
         """The compiled kernel of this call's specialisation, bound to ``grid`` and ``kwargs``: it then
@@ -147,20 +162,30 @@ class DirectLauncher:
         if kernel is None:
             return None
         key, tail = keyed
-        return BoundLaunch(self, kernel, key[0], tuple(grid), tuple(kwargs[n] for n in tail))
+        return BoundLaunch(self, kernel, key[0], tuple(grid), kwargs, tuple(kwargs[n] for n in tail))
 
 
 class BoundLaunch:
     """`DirectLauncher.bind`'s result: ``bound(args)`` launches the bound kernel (same device, grid,
     constexprs, options; the arguments must specialise as the bound call's did)."""
 
-    __slots__ = ("launcher", "kernel", "device", "grid", "tail")
+    __slots__ = ("launcher", "kernel", "device", "grid", "kwargs", "tail")
 
-    def __init__(self, launcher: DirectLauncher, kernel: Any, device: int, grid: tuple, tail: tuple) -> None:
-        self.launcher, self.kernel, self.device, self.grid, self.tail = launcher, kernel, device, grid, tail
+    def __init__(self, launcher: DirectLauncher, kernel: Any, device: int, grid: tuple, kwargs: dict,
+                 tail: tuple) -> None:
+        self.launcher, self.kernel, self.device, self.grid = launcher, kernel, device, grid
+        self.kwargs, self.tail = kwargs, tail
 
     def __call__(self, args: tuple) -> None:
-        _run(self.kernel, self.device, self.grid, (*args, *self.tail))
+        if not self.launcher.enabled:  # given up (see `DirectLauncher._give_up`)
+            self.launcher.fn[self.grid](*args, **self.kwargs)
+            return
+        try:
+            _run(self.kernel, self.device, self.grid, (*args, *self.tail))
+        except TypeError as exc:
+            self.launcher._give_up(exc)
+            self.launcher.fn[self.grid](*args, **self.kwargs)
+            return
         self.launcher.direct_launches += 1
 
 

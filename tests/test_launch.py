@@ -176,3 +176,24 @@ def test_bind_launches_the_compiled_kernel_without_a_key(fake, monkeypatch):
     assert launch.bind((2,), (_buf(offset=1), _buf(), 48, 0.5), kw) is None  # another specialisation
     monkeypatch.setenv("FTT_DIRECT_LAUNCH", "0")
     assert launch.bind((2,), args, kw) is None
+
+
+def test_a_launcher_that_refuses_our_arguments_falls_back_to_triton(fake):
+    """A Triton whose compiled-kernel launcher takes other arguments (TypeError) gets every call through
+    its own path from then on, with a warning; a bound launch falls back too."""
+    fn, launch = fake
+    kw = dict(FLAG=True, BLOCK=32)
+    args = (_buf(), _buf(), 48, 0.5)
+    launch((1,), args, kw)
+    bound = launch.bind((1,), args, kw)
+
+    def refuse(*a):
+        raise TypeError("function takes exactly 13 arguments")
+
+    fn.compiled[0].run = refuse
+    with pytest.warns(RuntimeWarning, match="launching through Triton"):
+        launch((1,), args, kw)
+    assert len(fn.calls) == 2 and launch.direct_launches == 0 and not launch.enabled
+    bound(args)
+    launch((1,), args, kw)
+    assert len(fn.calls) == 4 and launch.direct_launches == 0
