@@ -498,6 +498,11 @@ _VERIFY_LAUNCH = DirectLauncher(_verify_kernel, _INTERP)
 _CALL_ID_AT = (_gemm_kernel.arg_names.index("call_id"), _verify_kernel.arg_names.index("call_id"))
 
 
+def _launcher(which: int) -> DirectLauncher:
+    """0: the GEMM's launcher, 1: the verify kernel's (looked up at each call, so tests can replace them)."""
+    return (_GEMM_LAUNCH, _VERIFY_LAUNCH)[which]
+
+
 # ------------------------------------------------------------------------------------------------
 # Host side
 # ------------------------------------------------------------------------------------------------
@@ -689,7 +694,6 @@ _EMAX: dict[tuple, float] = {}
 def _emax(dtype: torch.dtype, device: torch.device, mode: str, k: int) -> float:
     """`default_emax`, memoised per (dtype, device, mode, K): it reads the device's table and name on
     every call. Not memoised for fp32 output-side entries, which follow the current matmul precision."""
-
     if mode == "output" and dtype == torch.float32:
         return default_emax(dtype, device.type, mode, k=k)
     key = (dtype, device, mode, k)
@@ -961,7 +965,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
             CORRECT=correct, DEBUG=debug is not None, DOT_F32=dot_f32, num_warps=4,
         )))
     for which, grid, args, kwargs in launches:
-        (_GEMM_LAUNCH, _VERIFY_LAUNCH)[which](grid, args, kwargs)
+        _launcher(which)(grid, args, kwargs)
     if prep_key is not None and not L.tma:
         if len(wc.launches) >= PREPARED_PER_WEIGHT:  # e.g. prefills of many lengths: start afresh
             wc.launches.clear()
@@ -1000,7 +1004,7 @@ class _PreparedCall:
             template = [None if any(a is obj for obj in per_call) else a for a in args]
             id_at = _CALL_ID_AT[which]
             assert args[id_at] == call_id
-            launcher = (_GEMM_LAUNCH, _VERIFY_LAUNCH)[which]
+            launcher = _launcher(which)
             bound = launcher.bind(grid, args, kwargs) if isinstance(launcher, DirectLauncher) else None
             self.launches.append((which, grid, template, kwargs, where, id_at, bound))
         self.bound = all(entry[-1] is not None for entry in self.launches)
@@ -1026,7 +1030,7 @@ class _PreparedCall:
             if bound is not None and direct:
                 bound(tuple(args))
             else:
-                (_GEMM_LAUNCH, _VERIFY_LAUNCH)[which](grid, tuple(args), kwargs)
+                _launcher(which)(grid, tuple(args), kwargs)
         return y
 
 

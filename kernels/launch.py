@@ -121,11 +121,13 @@ class DirectLauncher:
                tuple([0 if v == 1 else 1 + (v & 15 == 0) + 2 * (v < _I32_MIN or v > _I32_MAX) for v in ints]))
         return key, tail
 
+    def _active(self, grid: Sequence[int] | Callable) -> bool:
+        """Whether this call may launch directly (not interpreted, not given up, a fixed grid, not
+        switched off by ``FTT_DIRECT_LAUNCH=0``)."""
+        return self.enabled and not callable(grid) and os.environ.get("FTT_DIRECT_LAUNCH", "1") != "0"
+
     def __call__(self, grid: Sequence[int] | Callable, args: tuple, kwargs: dict[str, Any]) -> None:
-        if not self.enabled or callable(grid) or os.environ.get("FTT_DIRECT_LAUNCH", "1") == "0":
-            self.fn[grid](*args, **kwargs)
-            return
-        keyed = self._key(args, kwargs)
+        keyed = self._key(args, kwargs) if self._active(grid) else None
         if keyed is None:
             self.fn[grid](*args, **kwargs)
             return
@@ -136,26 +138,28 @@ class DirectLauncher:
             if kernel is not None and hasattr(kernel, "run") and not hasattr(kernel, "result"):
                 self._kernels[key] = kernel
             return
+        self._launch(kernel, key[0], grid, args, kwargs, tuple(kwargs[n] for n in tail))
+
+    def _launch(self, kernel: Any, device: int, grid: Sequence[int], args: tuple, kwargs: dict[str, Any],
+                tail: tuple) -> None:
+        """Launch ``kernel`` directly (``tail``: the constexpr values after ``args``); through Triton
+        instead, from now on, if this Triton's compiled-kernel launcher refuses the arguments."""
         try:
-            _run(kernel, key[0], grid, (*args, *[kwargs[n] for n in tail]))
+            _run(kernel, device, grid, (*args, *tail))
         except TypeError as exc:  # a Triton whose compiled-kernel launcher takes other arguments
-            self._give_up(exc)
+            self.enabled = False
+            warnings.warn(f"direct launches of {'/'.join(self.names[:1]) or 'a kernel'}'s Triton kernel failed "
+                          f"({type(exc).__name__}: {exc}); launching through Triton from now on", RuntimeWarning,
+                          stacklevel=3)
             self.fn[grid](*args, **kwargs)
             return
         self.direct_launches += 1
-
-    def _give_up(self, exc: Exception) -> None:
-        """Send every later call through Triton (this Triton's launcher does not take our arguments)."""
-        self.enabled = False
-        warnings.warn(f"direct launches of {'/'.join(self.names[:1]) or 'a kernel'}'s Triton kernel failed "
-                      f"({type(exc).__name__}: {exc}); launching through Triton from now on", RuntimeWarning,
-                      stacklevel=3)
 
     def bind(self, grid: Sequence[int], args: tuple, kwargs: dict[str, Any]) -> BoundLaunch | None:
         """The compiled kernel of this call's specialisation, bound to ``grid`` and ``kwargs``: it then
         launches any arguments of the *same* specialisation without computing the key (the caller
         guarantees that). None when there is no such kernel yet (or the call is not keyable)."""
-        if not self.enabled or callable(grid) or os.environ.get("FTT_DIRECT_LAUNCH", "1") == "0":
+        if not self._active(grid):
             return None
         keyed = self._key(args, kwargs)
         kernel = self._kernels.get(keyed[0]) if keyed is not None else None
@@ -177,16 +181,11 @@ class BoundLaunch:
         self.kwargs, self.tail = kwargs, tail
 
     def __call__(self, args: tuple) -> None:
-        if not self.launcher.enabled:  # given up (see `DirectLauncher._give_up`)
-            self.launcher.fn[self.grid](*args, **self.kwargs)
+        launcher = self.launcher
+        if not launcher.enabled:  # given up (see `DirectLauncher._launch`)
+            launcher.fn[self.grid](*args, **self.kwargs)
             return
-        try:
-            _run(self.kernel, self.device, self.grid, (*args, *self.tail))
-        except TypeError as exc:
-            self.launcher._give_up(exc)
-            self.launcher.fn[self.grid](*args, **self.kwargs)
-            return
-        self.launcher.direct_launches += 1
+        launcher._launch(self.kernel, self.device, self.grid, args, self.kwargs, self.tail)
 
 
 def _run(kernel: Any, device: int, grid: Sequence[int], full: tuple) -> None:
