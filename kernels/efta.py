@@ -1519,29 +1519,28 @@ def efta_triton_forward(
         NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
         EVEN_D=D == block_d, SPLIT=nsplit > 1, PASA=bool(pasa), HALF_STATE=half_state, PHASE=int(phased),
     )
+    def launch_fwd(c: tuple[int, int, int, int], splits: int, **phase) -> None:
+        """`_efta_fwd` with config ``c`` (BLOCK_M, BLOCK_N, num_warps, num_stages), ``splits`` programs
+        per query block; ``phase`` overrides PHASE."""
+        _FWD_LAUNCH((_cdiv(M, c[0]) * splits, Hq, B), args, dict(
+            meta, **phase, BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3]))
+
+    tkey = None
     if cfg is None:  # autotuned: our own cache of the winners (see _TUNED), the autotuner on a miss
         tkey = (dev, q.dtype, bias4.dtype, mask4.dtype, args[-2], args[-1], *meta.values())
-        tuned = _TUNED.get(tkey)
-        if tuned is None:
-            def grid(meta_):
-                return (triton.cdiv(M, meta_["BLOCK_M"]) * nsplit, Hq, B)
+        cfg = _TUNED.get(tkey)
+    if cfg is None:
+        def grid(meta_):
+            return (triton.cdiv(M, meta_["BLOCK_M"]) * nsplit, Hq, B)
 
-            _efta_fwd_tuned[grid](*args, **meta)
-            best = _efta_fwd_tuned.best_config
-            _TUNED[tkey] = tuned = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
-        else:
-            _FWD_LAUNCH((_cdiv(M, tuned[0]) * nsplit, Hq, B), args, dict(
-                meta, BLOCK_M=tuned[0], BLOCK_N=tuned[1], num_warps=tuned[2], num_stages=tuned[3]))
-        used = tuned
+        _efta_fwd_tuned[grid](*args, **meta)
+        best = _efta_fwd_tuned.best_config
+        _TUNED[tkey] = cfg = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
     else:
-        _FWD_LAUNCH((_cdiv(M, cfg[0]) * nsplit, Hq, B), args, dict(
-            meta, BLOCK_M=cfg[0], BLOCK_N=cfg[1], num_warps=cfg[2], num_stages=cfg[3]))
-        used = cfg
-    LAST_CONFIG[0] = used
+        launch_fwd(cfg, nsplit)
+    LAST_CONFIG[0] = cfg
     if phased:  # the repairing pass: its programs return at once unless the clean launch flagged them
-        bm, bn, nw, ns = used
-        _FWD_LAUNCH((_cdiv(M, bm), Hq, B), args, dict(
-            meta, PHASE=2, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns))
+        launch_fwd(cfg, 1, PHASE=2)
     if nsplit > 1:
         _COMBINE_LAUNCH((_cdiv(M, block_m), Hq, B), (
             q, k, v, out, counters, flag, bias4, mask4, inj, work, *strides,
