@@ -263,12 +263,24 @@ def _exp(x, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _exp2(y, INTERP: tl.constexpr):
+    """2^y for the folded path, where y = x·log2(e) comes from one FFMA per score (`_softmax_steps`):
+    one MUFU ``ex2.approx.ftz`` on the GPU, tl.exp2 in the interpreter."""
+    if INTERP:
+        p = tl.exp2(y)
+    else:
+        p = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [y], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    return p
+
+
+@triton.jit
 def _mul(a, b):
     return a * b
 
 
 @triton.jit
-def _exp_test(x, p, exp_tol, exp_xmin, INTERP: tl.constexpr):
+def _exp_test(x, p, exp_tol, exp_xmin, INTERP: tl.constexpr, LOG2: tl.constexpr):
     """Step-4 check of one key block, per group (row i, residue r): the product identity
     Π_l P[i, l·16+r] = exp(Σ_l x[i, l·16+r]) (seed 000 §4.2, case 2), in log2 on the fp32 product.
     x < exp_xmin (masked keys included) counts as exp_xmin and P as P_min = exp(exp_xmin) unless it
@@ -276,19 +288,28 @@ def _exp_test(x, p, exp_tol, exp_xmin, INTERP: tl.constexpr):
     of clamped values stays a normal fp32 number (`ft_transformers.exp_check`).
 
     x, p: (BLOCK_M, BLOCK_N) fp32. Returns (BLOCK_M, 16) bool, the groups that fail
-    |log2 Π P − log2(e)·Σ x| ≤ exp_tol·log2(e)·(3L + |Σ x|).
+    |log2 Π P − log2(e)·Σ x| ≤ exp_tol·log2(e)·(3L + |Σ x|). LOG2: x is given as x·log2(e) (the
+    folded path), and the same test is written in those units.
     """
     BM: tl.constexpr = x.shape[0]
     L: tl.constexpr = x.shape[1] // 16
     tl.static_assert(L <= _EXP_MAX_GROUP)
-    xs = tl.sum(tl.reshape(tl.maximum(x, exp_xmin), (BM, L, 16)), axis=1)
+    if LOG2:
+        xs = tl.sum(tl.reshape(tl.maximum(x, exp_xmin * _LOG2E), (BM, L, 16)), axis=1)
+    else:
+        xs = tl.sum(tl.reshape(tl.maximum(x, exp_xmin), (BM, L, 16)), axis=1)
     pc = tl.reshape(tl.maximum(p, _P_MIN, propagate_nan=tl.PropagateNan.ALL), (BM, L, 16))
     if INTERP:  # the interpreter runs custom reductions element by element
         lp = tl.sum(tl.log2(pc), axis=1)
     else:
         lp = _lg2(tl.reduce(pc, 1, _mul))
-    d = lp - xs * _LOG2E
-    return ~(tl.abs(d) <= exp_tol * _LOG2E * (3.0 * L + tl.abs(xs)))
+    if LOG2:
+        d = lp - xs
+        ok = tl.abs(d) <= exp_tol * (3.0 * L * _LOG2E + tl.abs(xs))
+    else:
+        d = lp - xs * _LOG2E
+        ok = tl.abs(d) <= exp_tol * _LOG2E * (3.0 * L + tl.abs(xs))
+    return ~ok
 
 
 @triton.jit
@@ -343,11 +364,14 @@ def _inject(x, Inj, SITE: tl.constexpr, MODE: tl.constexpr, bh, rr, cc, nrows, n
 
 
 @triton.jit
-def _bias_mask(s, offs_m, offs_n, b, h, M, N, window,
+def _bias_mask(s, offs_m, offs_n, b, h, M, N, window, edge,
                Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
                HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, CHECK_NF: tl.constexpr):
     """Step 2: S += bias (+ additive mask), −inf where masked (bool mask, causal, window, padding).
+    The positional masks (causal, window, padding at N) are applied only where ``edge`` (a scalar,
+    `_edge_block`) says that some key of the block is outside some row's range; elsewhere they
+    would select every score (two instructions per score saved in the interior blocks).
 
     Returns (S, nf) with nf = 1 when a loaded bias / additive-mask value is NaN or +inf.
     """
@@ -373,23 +397,41 @@ def _bias_mask(s, offs_m, offs_n, b, h, M, N, window,
         mt = tl.load(Mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn,
                      mask=inb, other=0)
         s = s + tl.where(mt != 0, 0.0, -float("inf"))
-    if CAUSAL:
-        s = tl.where(offs_n[None, :] <= offs_m[:, None] + (N - M), s, -float("inf"))
-    if HAS_WINDOW:
-        s = tl.where(offs_n[None, :] > offs_m[:, None] + (N - M - window), s, -float("inf"))
-    s = tl.where(offs_n[None, :] < N, s, -float("inf"))
+    if edge:
+        if CAUSAL:
+            s = tl.where(offs_n[None, :] <= offs_m[:, None] + (N - M), s, -float("inf"))
+        if HAS_WINDOW:
+            s = tl.where(offs_n[None, :] > offs_m[:, None] + (N - M - window), s, -float("inf"))
+        s = tl.where(offs_n[None, :] < N, s, -float("inf"))
     return s, nf
 
 
 @triton.jit
+def _edge_block(start_m, start_n, M, N, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """True when key block [start_n, start_n + BLOCK_N) holds a key that some real row of query block
+    start_m must not see: past N, past the causal limit of its first row, or at or before the
+    sliding-window limit of its last real row (bottom-right aligned, as in `_bias_mask`)."""
+    edge = start_n + BLOCK_N > N
+    if CAUSAL:
+        edge = edge | (start_n + BLOCK_N - 1 > start_m * BLOCK_M + (N - M))
+    if HAS_WINDOW:
+        edge = edge | (start_n <= tl.minimum(start_m * BLOCK_M + BLOCK_M, M) - 1 + (N - M - window))
+    return edge
+
+
+@triton.jit
 def _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S: tl.constexpr, PASA: tl.constexpr,
-            DOT_F32: tl.constexpr):
+            DOT_F32: tl.constexpr, FOLD: tl.constexpr):
     """GEMM I of one key block, (BLOCK_M, BLOCK_N) fp32, with the `attn.scores` faults applied.
-    PASA: FP16 GEMM with FP16 accumulation on the shifted keys (scale folded into k)."""
+    PASA: FP16 GEMM with FP16 accumulation on the shifted keys (scale folded into k). FOLD: the
+    unscaled Q·Kᵀ (the scale goes into the exponent's FFMA, `_softmax_steps`)."""
     if PASA:
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float16).to(tl.float32)
     else:
-        s = _dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), DOT_F32) * scale
+        s = _dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), DOT_F32)
+        if not FOLD:
+            s = s * scale
     if INJ_S != 0:
         s = _inject(s, Inj, 0, INJ_S, bh, offs_m[:, None], offs_n[None, :], M, N)
     return s
@@ -397,16 +439,16 @@ def _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S: tl.constexpr, PAS
 
 @triton.jit
 def _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D: tl.constexpr, PARTS: tl.constexpr,
-                    DOT_F32: tl.constexpr, PASA: tl.constexpr):
-    """Sc1 = Q·Kc1ᵀ (BLOCK_M, 16) fp32 for the key block in row cb of the pre-pass tables, kabs (16,)
-    = max_d Σ_l |K|, and 1 if the block is non-finite."""
+                    DOT_F32: tl.constexpr, PASA: tl.constexpr, FOLD: tl.constexpr):
+    """Sc1 = Q·Kc1ᵀ (BLOCK_M, 16) fp32 for the key block in row cb of the pre-pass tables (in the
+    scores' units: unscaled when FOLD), kabs (16,) = max_d Σ_l |K|, and 1 if the block is non-finite."""
     r16 = tl.arange(0, 16)
     kabs = tl.load(KA + cb * 16 + r16)
     k0, k1, k2 = _load_parts(KC + cb * (PARTS * 16 * BLOCK_D) + offs_d[:, None] + r16[None, :] * BLOCK_D,
                              16 * BLOCK_D, PARTS)
     kic = tl.load(SC + cb * 4)
     knf = (tl.load(SC + cb * 4 + 3) != 0).to(tl.int32)
-    if PASA:
+    if PASA or FOLD:
         sc1 = _parts_dot(q, k0, k1, k2, PARTS, DOT_F32) * kic
     else:
         sc1 = _parts_dot(q, k0, k1, k2, PARTS, DOT_F32) * (kic * scale)
@@ -426,26 +468,34 @@ def _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L: tl.constexpr):
 
 
 @triton.jit
-def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
+def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge, scale,
                    Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj,
                    exp_tol, exp_xmin, snvr_rel, snvr_cap,
                    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
                    INJ_M: tl.constexpr, INJ_P: tl.constexpr, INTERP: tl.constexpr, REPAIR: tl.constexpr,
-                   HALF: tl.constexpr):
+                   HALF: tl.constexpr, FOLD: tl.constexpr):
     """Steps 2–4 for one key block: bias and masks, running max (SNVR check), P = exp(x) (product
-    check). s: (BLOCK_M, BLOCK_N) scores after step 1; m_i: (BLOCK_M,) running max.
+    check). s: (BLOCK_M, BLOCK_N) scores after step 1; m_i: (BLOCK_M,) running max (scaled units).
+
+    FOLD: s is the unscaled Q·Kᵀ. Its row max is scaled afterwards (scale > 0 and rounding is
+    monotonic, so this equals the max of the scaled scores), and the exponent in base 2,
+    y = s·(scale·log2 e) − m·log2 e, is one FFMA per score instead of a multiply by the scale, a
+    subtraction and a multiply by log2 e. Step 4 then runs in those base-2 units. The max element
+    gets |y| ≤ a few ulp of |m·log2 e| instead of exactly 0, which step 6 allows for (`_output_tests`).
 
     Without REPAIR (the clean path) the checks only raise flags; with REPAIR (taken when some flag of
     the block is raised) they count and repair exactly as the contract orders them, step 3 before
     step 4. Returns (S masked, m_new, P, rows with a raised flag (BLOCK_M,) bool, cnt, nf).
     """
-    s, nfb = _bias_mask(s, offs_m, offs_n, b, h, M, N, window, Bias, sbb, sbh, sbm, sbn,
+    s, nfb = _bias_mask(s, offs_m, offs_n, b, h, M, N, window, edge, Bias, sbb, sbh, sbm, sbn,
                         Mask, smb, smh, smm, smn, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT)
     nf = nf | nfb
     chk = nf == 0
     # ---- 3. running max (SNVR) ----
     mb = _nanmax(s, 1, INTERP)
+    if FOLD:
+        mb = mb * scale
     m_new = _max_nan(m_i, mb)
     if INJ_M != 0:
         m_new = _inject(m_new, Inj, 1, INJ_M, bh, offs_m, jblk, M, nblocks)
@@ -468,17 +518,21 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
                     base = tl.where(all_inf, 0.0, m_new)
                 else:
                     cnt = _bump(cnt, _ROWMAX + _UNC, nbm)
-    x = s - base[:, None]
     # ---- 4. P = exp(x), product check per group ----
-    if HALF:  # PASA's full FP16 allocation: x and P held in fp16
-        x = x.to(tl.float16).to(tl.float32)
-    p = _exp(x, INTERP)
-    if HALF:
-        p = p.to(tl.float16).to(tl.float32)
+    if FOLD:  # x in base-2 units (x·log2 e), one FFMA
+        x = tl.fma(s, scale * _LOG2E, -(base * _LOG2E)[:, None])
+        p = _exp2(x, INTERP)
+    else:
+        x = s - base[:, None]
+        if HALF:  # PASA's full FP16 allocation: x and P held in fp16
+            x = x.to(tl.float16).to(tl.float32)
+        p = _exp(x, INTERP)
+        if HALF:
+            p = p.to(tl.float16).to(tl.float32)
     if INJ_P != 0:
         p = _inject(p, Inj, 2, INJ_P, bh, offs_m[:, None], offs_n[None, :], M, N)
     if DETECT:
-        badg = _exp_test(x, p, exp_tol, exp_xmin, INTERP) & row_ok[:, None] & chk
+        badg = _exp_test(x, p, exp_tol, exp_xmin, INTERP, FOLD) & row_ok[:, None] & chk
         bad_row = bad_row | (tl.max(badg.to(tl.int32), axis=1) > 0)
         if REPAIR:
             nbp = tl.sum(tl.sum(badg.to(tl.int32), axis=1), axis=0)
@@ -488,7 +542,10 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
                     cnt = _bump(cnt, _PROBS + _COR, nbp)
                     redo = tl.reshape(tl.broadcast_to(badg[:, None, :], (x.shape[0], x.shape[1] // 16, 16)),
                                       (x.shape[0], x.shape[1]))
-                    p = tl.where(redo, _exp(x, INTERP), p)
+                    if FOLD:
+                        p = tl.where(redo, _exp2(x, INTERP), p)
+                    else:
+                        p = tl.where(redo, _exp(x, INTERP), p)
                 else:
                     cnt = _bump(cnt, _PROBS + _UNC, nbp)
     return s, m_new, p, bad_row, cnt, nf
@@ -530,7 +587,7 @@ def _plain_pass(q, Kb, Vb, skn, skd, svn, svd, b, h, offs_m, offs_d, M, N, D, sc
         k = tl.load(Kb + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
         v = tl.load(Vb + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_ok, other=0.0)
         s = _dot(q, tl.trans(k), tl.zeros((q.shape[0], BLOCK_N), tl.float32), DOT_F32) * scale
-        s, _ = _bias_mask(s, offs_m, offs_n, b, h, M, N, window, Bias, sbb, sbh, sbm, sbn,
+        s, _ = _bias_mask(s, offs_m, offs_n, b, h, M, N, window, True, Bias, sbb, sbh, sbm, sbn,
                           Mask, smb, smh, smm, smn, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, False)
         mb = tl.max(s, axis=1)
         m_new = tl.maximum(m_i, mb)
@@ -639,13 +696,15 @@ def _normalise(acc, l_i, bh, offs_m, offs_d, M, D, Inj, INJ_O: tl.constexpr):
 
 
 @triton.jit
-def _output_tests(acc, l_i, lc, nvalid, oc1, vmax, nf, bh, offs_m, offs_d, row_ok, M, D, nblocks, nsplit, gu, Inj,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INJ_O: tl.constexpr):
+def _output_tests(acc, l_i, lc, m_i, nvalid, oc1, vmax, nf, bh, offs_m, offs_d, row_ok, M, D, nblocks, nsplit, gu,
+                  Inj, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INJ_O: tl.constexpr, FOLD: tl.constexpr):
     """The tests of steps 6–7, counting nothing. Returns O (normalised, output faults applied), O
     grouped (BLOCK_M, LVP, 16), O1 = Oc1/l and D1 = O1 − Σ_l O (BLOCK_M, 16), the rows failing the
     row-sum test (BLOCK_M,), the (row, group) pairs failing the output test (BLOCK_M, 16), and nf with
     non-finite V folded in. `_finish` counts and repairs from these; on the clean pass, which carries
-    no Oc2, any failure sends the query block through the repairing pass first."""
+    no Oc2, any failure sends the query block through the repairing pass first. m_i (BLOCK_M,) is the
+    final row max: with FOLD the max element's P is 2^y with |y| ≤ 2·u·|m·log2 e| (`_softmax_steps`),
+    so the lower bound 1 − τ_l gets 4·g·|m| more room (u·|m| per rounding, a factor 2 spare)."""
     BLOCK_M: tl.constexpr = acc.shape[0]
     LVP: tl.constexpr = BLOCK_D // 16
     FLT_MAX: tl.constexpr = 3.4028234663852886e38
@@ -653,6 +712,8 @@ def _output_tests(acc, l_i, lc, nvalid, oc1, vmax, nf, bh, offs_m, offs_d, row_o
     chk = nf == 0
     # ---- 6. row sum check ----
     tau_l = 2.0 * gu * (BLOCK_N + 2 * (nblocks + nsplit - 1) + 4)
+    if FOLD:
+        tau_l = tau_l + tl.where(tl.abs(m_i) < FLT_MAX, 4.0 * gu * tl.abs(m_i), 0.0)
     fine = (l_i >= 1.0 - tau_l) & (l_i <= nvalid.to(tl.float32) * (1.0 + tau_l)) & (tl.abs(l_i - lc) <= tau_l * l_i)
     bad6 = tl.where(nvalid > 0, ~fine, l_i != 0.0) & row_ok & chk
     # ---- 7. normalise, inject, unified verification ----
@@ -666,16 +727,16 @@ def _output_tests(acc, l_i, lc, nvalid, oc1, vmax, nf, bh, offs_m, offs_d, row_o
 
 
 @triton.jit
-def _finish(acc, l_i, lc, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, svn, svd, b, h, bh, offs_m,
-            offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, nsplit, gu,
+def _finish(acc, l_i, lc, m_i, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, svn, svd, b, h, bh,
+            offs_m, offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, nsplit, gu,
             Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, Out, sob, soh, som, sod,
             Cnt, cst0, cst1, Flag, call_id,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
             HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
-            INJ_O: tl.constexpr, DOT_F32: tl.constexpr, EVEN_D: tl.constexpr):
+            INJ_O: tl.constexpr, DOT_F32: tl.constexpr, EVEN_D: tl.constexpr, FOLD: tl.constexpr):
     """Steps 6–8 for a block of query rows once every key has been seen: row-sum check, normalisation,
     output injection, unified output verification and repair, recompute of flagged rows, the event
-    atomics, and the store. acc (BLOCK_M, BLOCK_D) fp32 and l_i, lc, nvalid (BLOCK_M,) are the loop's
+    atomics, and the store. acc (BLOCK_M, BLOCK_D) fp32 and l_i, lc, m_i, nvalid (BLOCK_M,) are the loop's
     (or the split-key merge's) state; oc1, oc2 (BLOCK_M, 16) the output checksums (oc2 only
     meaningful where ``have_oc2``: otherwise a failing output group is recomputed, never located); vmax
     (16,) max_n Σ_l |V|. ``nsplit`` > 1 when the keys were split across programs (one more rescale per
@@ -688,9 +749,9 @@ def _finish(acc, l_i, lc, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, 
     if not DETECT:
         o = _normalise(acc, l_i, bh, offs_m, offs_d, M, D, Inj, INJ_O)
     else:
-        o, og, o1, d1, bad6, bad7, nf = _output_tests(acc, l_i, lc, nvalid, oc1, vmax, nf, bh, offs_m, offs_d,
+        o, og, o1, d1, bad6, bad7, nf = _output_tests(acc, l_i, lc, m_i, nvalid, oc1, vmax, nf, bh, offs_m, offs_d,
                                                       row_ok, M, D, nblocks, nsplit, gu, Inj, BLOCK_N, BLOCK_D,
-                                                      INJ_O)
+                                                      INJ_O, FOLD)
         # ---- 6. row sum: count; the rows are recomputed ----
         n6 = tl.sum(bad6.to(tl.int32), axis=0)
         cnt = _bump(cnt, _ROWSUM + _DET, n6)
@@ -759,7 +820,7 @@ def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, cs_row, Inj, b, h, bh,
-              offs_m, offs_d, row_ok, d_ok, M, N, nblocks, window, scale, scan_lo, scan_hi,
+              start_m, offs_m, offs_d, row_ok, d_ok, M, N, nblocks, window, scale, scan_lo, scan_hi,
               Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
               exp_tol, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
@@ -767,7 +828,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
               CORRECT: tl.constexpr, INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr,
               INJ_L: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr, DOT_F32: tl.constexpr,
               INTERP: tl.constexpr, EVEN_D: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr,
-              OC2: tl.constexpr, REPAIR: tl.constexpr):
+              OC2: tl.constexpr, REPAIR: tl.constexpr, FOLD: tl.constexpr):
     """Steps 1–5 over the key blocks [scan_lo, scan_hi) for one block of query rows.
 
     The clean pass (REPAIR=False) has no data-dependent branch and no block-wide reduction in the
@@ -794,6 +855,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
     for start_n in range(scan_lo, scan_hi, BLOCK_N):
         jblk = start_n // BLOCK_N
         offs_n = start_n + offs_j
+        edge = _edge_block(start_m, start_n, M, N, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
         kv_ok = offs_n[:, None] < N
         if not EVEN_D:
             kv_ok = kv_ok & d_ok[None, :]
@@ -804,10 +866,10 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
             k = tl.load(KSb + offs_n[:, None] * BLOCK_D + offs_d[None, :])
         else:
             k = tl.load(Kb + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
-        s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32)
+        s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32, FOLD)
         if DETECT or PASA:
             cb = cs_row + jblk  # this key block's row in the checksum tables
-            sc1, kabs, knf = _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D, PARTS, DOT_F32, PASA)
+            sc1, kabs, knf = _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D, PARTS, DOT_F32, PASA, FOLD)
         if DETECT:
             vtile = tl.load(VA + cb * 16 + r16)
             nf = nf | knf  # a non-finite key is an input problem, not a fault
@@ -833,9 +895,9 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
 
         # ---- 2.–4. bias and masks, running max, exp (clean path: the checks only raise flags) ----
         sm, m_new, p, bad_row, cnt, nf = _softmax_steps(
-            s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
+            s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge, scale,
             Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin, snvr_rel, snvr_cap,
-            HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P, INTERP, False, HALF_STATE)
+            HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P, INTERP, False, HALF_STATE, FOLD)
         if DETECT:
             if REPAIR:
                 # One block-wide test per key block (step-1 groups that failed, plus rows that raised a
@@ -844,8 +906,9 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
                 # (step 1, then 3–4).
                 flags = tl.sum(nbad_row + bad_row.to(tl.int32) * 65536, axis=0)
                 if flags > 0:
-                    s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32)
-                    sc1, kabs, knf = _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D, PARTS, DOT_F32, PASA)
+                    s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32, FOLD)
+                    sc1, kabs, knf = _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D, PARTS, DOT_F32,
+                                                     PASA, FOLD)
                     sg, d1, bad = _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L)
                     nbad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
                     if nbad > 0:
@@ -855,7 +918,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
                             kc2 = tl.sum(tl.reshape(k.to(tl.float32), (L, 16, BLOCK_D)) * wl[:, None, None], axis=0)
                             c0, c1, c2, cic = _split(tl.trans(kc2), tl.max(kabs, axis=0) * L, k.dtype, PARTS, SCALE_CS)
                             sc2 = _parts_dot(q, c0, c1, c2, PARTS, DOT_F32) * cic
-                            if not PASA:
+                            if not (PASA or FOLD):
                                 sc2 = sc2 * scale
                             d2 = sc2 - tl.sum(sg * wl[None, :, None], axis=1)
                             t = d2 / d1
@@ -878,7 +941,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
                             if tl.sum(redo_row.to(tl.int32), axis=0) > 0:  # recompute those rows' scores
                                 # (PASA: fp32 accumulation, which also repairs a genuine fp16 overflow)
                                 s_re = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_F32)
-                                if not PASA:
+                                if not (PASA or FOLD):
                                     s_re = s_re * scale
                                 s = tl.where(redo_row[:, None], s_re, s)
                         else:
@@ -893,10 +956,10 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
                     if PASA:
                         s_in = s + dcur[:, None]
                     sm, m_new, p, bad_row, cnt, nf = _softmax_steps(
-                        s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window,
-                        Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin,
+                        s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge,
+                        scale, Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin,
                         snvr_rel, snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P,
-                        INTERP, True, HALF_STATE)
+                        INTERP, True, HALF_STATE, FOLD)
             else:  # the clean pass only raises flags: rows, and the step-1 groups that failed
                 flag_rows = flag_rows | bad_row
                 n1_rows += nbad_row
@@ -960,7 +1023,7 @@ def _efta_fwd(
     INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr, INJ_L: tl.constexpr,
     INJ_O: tl.constexpr, NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
     DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr,
-    SPLIT: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr, PHASE: tl.constexpr,
+    SPLIT: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr, PHASE: tl.constexpr, FOLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     L: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
@@ -1010,9 +1073,11 @@ def _efta_fwd(
     if DETECT:
         qa = tl.sum(tl.abs(q.to(tl.float32)), axis=1)
         nf = nf | tl.max((~(qa <= FLT_MAX)).to(tl.int32))
-        # 2·g(D+L)·‖scale·Q_i‖₁  (T_s = qn1 · max_d Σ_l |K[l·s+r, d]|)
+        # 2·g(D+L)·‖scale·Q_i‖₁  (T_s = qn1 · max_d Σ_l |K[l·s+r, d]|; FOLD: unscaled, like its scores)
         if PASA:  # fp16 accumulation (one rounding per 16-deep MMA) on unscaled q (docs/pasa.md)
             qn1 = pasa_t1 * qa
+        elif FOLD:
+            qn1 = (2.0 * gu * (D + L)) * qa
         else:
             qn1 = (2.0 * gu * (D + L) * scale) * qa
     cs_row = (b * Hkv + hk) * nblocks  # first row of this (batch, kv head) in the checksum tables
@@ -1033,12 +1098,12 @@ def _efta_fwd(
             if todo > 0:
                 m_i, l_i, acc, lc, oc1, oc2, nvalid, vmax, cnt, nf_loop, flag_rows, n1_rows = _key_loop(
                     q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, cs_row, Inj, b, h, bh,
-                    offs_m, offs_d, row_ok, d_ok, M, N, nblocks, window, scale, scan_lo, scan_hi,
+                    start_m, offs_m, offs_d, row_ok, d_ok, M, N, nblocks, window, scale, scan_lo, scan_hi,
                     Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
                     exp_tol, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
                     INJ_S, INJ_M, INJ_P, INJ_L, PARTS, SCALE_CS, DOT_F32, INTERP, EVEN_D, PASA, HALF_STATE,
-                    OC2_CLEAN or (CORRECT and rep == 1), rep == 1)
+                    OC2_CLEAN or (CORRECT and rep == 1), rep == 1, FOLD)
         if rep == 0:
             if PHASE == 2:  # the clean launch flagged this block
                 n1 = rep_val - 1
@@ -1049,9 +1114,9 @@ def _efta_fwd(
                     n1 = tl.sum(n1_rows, axis=0)
                     if CORRECT and not OC2_CLEAN:
                         if todo == 0:  # the clean pass carried no Oc2: if steps 6–7 will find something, redo
-                            _, _, _, _, bad6, bad7, _ = _output_tests(acc, l_i, lc, nvalid, oc1, vmax, nf_loop, bh,
-                                                                      offs_m, offs_d, row_ok, M, D, nblocks, 1, gu,
-                                                                      Inj, BLOCK_N, BLOCK_D, INJ_O)
+                            _, _, _, _, bad6, bad7, _ = _output_tests(acc, l_i, lc, m_i, nvalid, oc1, vmax, nf_loop,
+                                                                      bh, offs_m, offs_d, row_ok, M, D, nblocks, 1, gu,
+                                                                      Inj, BLOCK_N, BLOCK_D, INJ_O, FOLD)
                             todo = (tl.sum(bad6.to(tl.int32), axis=0)
                                     + tl.sum(tl.sum(bad7.to(tl.int32), axis=1), axis=0))
             if PHASE == 1:
@@ -1084,11 +1149,11 @@ def _efta_fwd(
             tl.atomic_add(Cnt + (slots // 5) * cst0 + (slots % 5) * cst1, cnt, mask=cnt != 0)
     else:
         have_oc2 = (todo > 0) | OC2_CLEAN  # Oc2 was carried (pass 1 ran, or the split merge needs it)
-        _finish(acc, l_i, lc, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, svn, svd, b, h, bh,
+        _finish(acc, l_i, lc, m_i, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb, Vb, skn, skd, svn, svd, b, h, bh,
                 offs_m, offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, 1, gu,
                 Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, Out, sob, soh, som, sod,
                 Cnt, cst0, cst1, Flag, call_id, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND,
-                DETECT, CORRECT, INJ_O, DOT_F32, EVEN_D)
+                DETECT, CORRECT, INJ_O, DOT_F32, EVEN_D, FOLD)
 
 
 @triton.jit(do_not_specialize=["call_id"])
@@ -1099,7 +1164,7 @@ def _efta_combine(
     Hq, M, N, D, GROUP, scale, window, call_id, nsplit, gu,
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
     MASK_KIND: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr, INJ_O: tl.constexpr,
-    DOT_F32: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr, EVEN_D: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Split-key decode, second half: merge the ``nsplit`` partial states that `_efta_fwd` (SPLIT)
     wrote for one query block — (m, l, lc, nvalid, O, Oc1, Oc2) rescaled to the common maximum
@@ -1149,11 +1214,11 @@ def _efta_combine(
         vmax = _max_nan(vmax, tl.load(rec + (36 + BLOCK_D) * BLOCK_M + r16))
         nf = nf | (tl.load(rec + (36 + BLOCK_D) * BLOCK_M + 16) != 0).to(tl.int32)
         m_i = m_new
-    _finish(acc, l_i, lc, nvalid, oc1, oc2, 1, vmax, nf, tl.zeros((32,), tl.int32), q, Kb, Vb, skn, skd, svn, svd,
+    _finish(acc, l_i, lc, m_i, nvalid, oc1, oc2, 1, vmax, nf, tl.zeros((32,), tl.int32), q, Kb, Vb, skn, skd, svn, svd,
             b, h, bh, offs_m, offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, nsplit, gu,
             Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, Out, sob, soh, som, sod,
             Cnt, cst0, cst1, Flag, call_id, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND,
-            DETECT, CORRECT, INJ_O, DOT_F32, EVEN_D)
+            DETECT, CORRECT, INJ_O, DOT_F32, EVEN_D, FOLD)
 
 
 _INTERP = interpreting()
@@ -1322,6 +1387,18 @@ def _num_splits(programs: int, M: int, N: int, cfg, no_skip: bool, device: torch
     if sms is None:
         sms = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(2 * sms // max(programs, 1), N // 256))
+
+
+def _fold(interp: bool, scaled_scores: bool) -> bool:
+    """Whether the kernel keeps the scores unscaled and makes the exponent one FFMA (`_softmax_steps`,
+    FOLD). Not where the scores need their scale (a bias or additive mask is added to them, PASA's
+    frame, score faults injected into the scaled value). Default: on the GPU only; the interpreter
+    keeps the reference's order of operations, so its counters equal the reference's bit for bit.
+    ``FTT_EFTA_FOLD=0/1`` forces it off/on (A/B timings; CPU tests of the folded path)."""
+    if scaled_scores:
+        return False
+    env = os.environ.get("FTT_EFTA_FOLD", "")
+    return env == "1" if env in ("0", "1") else not interp
 
 
 def _pow2_bucket(x: int) -> int:
@@ -1518,6 +1595,7 @@ def efta_triton_forward(
         INJ_S=modes[0], INJ_M=modes[1], INJ_P=modes[2], INJ_L=modes[3], INJ_O=modes[4],
         NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
         EVEN_D=D == block_d, SPLIT=nsplit > 1, PASA=bool(pasa), HALF_STATE=half_state, PHASE=int(phased),
+        FOLD=_fold(interp, pasa or has_bias or mask_kind == 2 or bool(modes[0])),
     )
     def launch_fwd(c: tuple[int, int, int, int], splits: int, **phase) -> None:
         """`_efta_fwd` with config ``c`` (BLOCK_M, BLOCK_N, num_warps, num_stages), ``splits`` programs
@@ -1547,6 +1625,7 @@ def efta_triton_forward(
             Hq, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit, gu,
         ), dict({key: meta[key] for key in ("BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT",
                                             "CORRECT")},
-                INJ_O=modes[4], DOT_F32=meta["DOT_F32"], EVEN_D=meta["EVEN_D"], BLOCK_M=block_m, BLOCK_N=CS_BLOCK_N,
+                INJ_O=modes[4], DOT_F32=meta["DOT_F32"], EVEN_D=meta["EVEN_D"], FOLD=meta["FOLD"], BLOCK_M=block_m,
+                BLOCK_N=CS_BLOCK_N,
                 num_warps=4))
     return out

@@ -372,6 +372,88 @@ def test_split_keys_output_fault_corrected(monkeypatch, bit):
     assert maxdiff(out, clean) <= 2e-5, stats.by_site()
 
 
+# ------------------------------------------------------------------------------------------------
+# the folded score path (FOLD: unscaled scores, the exponent one FFMA): the GPU default, forced here
+# ------------------------------------------------------------------------------------------------
+
+
+def _spy_fold(monkeypatch) -> list:
+    """Record the FOLD switch of every forward launch."""
+    seen: list = []
+    real = K._FWD_LAUNCH
+
+    def spy(grid, args, kwargs):
+        seen.append(kwargs["FOLD"])
+        real(grid, args, kwargs)
+
+    monkeypatch.setattr(K, "_FWD_LAUNCH", spy)
+    return seen
+
+
+FOLD_CASES = ["causal", "decode", "cross_gqa", "bool_mask", "window"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", FOLD_CASES)
+def test_folded_path_matches_float64(monkeypatch, case, dtype):
+    monkeypatch.setenv("FTT_EFTA_FOLD", "1")
+    folds = _spy_fold(monkeypatch)
+    (B, Hq, Hkv, M, N, D), kw = _case(case)
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, dtype, seed=60 + FOLD_CASES.index(case))
+    q = (q.float() * 3.0).to(dtype)  # larger scores: the max element's exponent is then not exactly 0
+    ref = ref_attention(q, k, v, **kw)
+    for detect in (True, False):
+        out, stats, _ = kernel(q, k, v, detect=detect, correct=detect, **kw)
+        assert maxdiff(out, ref) <= TOL[dtype], (case, detect)
+        assert all(val == 0 for val in stats.values()), stats.by_site()
+    assert folds and all(folds), folds
+    # a bias (scores need their scale before it is added) keeps the scaled path
+    kernel(q, k, v, bias=torch.zeros(1, 1, M, N, device=DEV), **kw)
+    assert folds[-1] is False
+
+
+def test_folded_path_large_scores_no_false_positive(monkeypatch):
+    """Row maxima of several hundred: the max element's P is 2^y with y a few ulp of |m·log2 e| off 0,
+    which the widened step-6 bound covers (without it the lower bound 1 − τ_l fails)."""
+    monkeypatch.setenv("FTT_EFTA_FOLD", "1")
+    q, k, v = rand_qkv(1, 4, 2, 128, 130, 32, seed=66)
+    g = torch.Generator().manual_seed(66)
+    u = torch.randn(32, generator=g).to(DEV)
+    q = u + 0.1 * q  # every row's max is key 100, scaled score ~ 600–1200, the others ≥ 20 below: l = P_max
+    k = 0.05 * k
+    k[:, :, 100] = 180.0 * u
+    out, stats, _ = kernel(q, k, v)
+    assert all(val == 0 for val in stats.values()), stats.by_site()
+    assert maxdiff(out, ref_attention(q, k, v)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("site", ["attn.rowmax", "attn.probs", "attn.rowsum", "attn.output"])
+def test_folded_path_injection_corrected(monkeypatch, site, inj_data):
+    """Exponent flips on the folded path: found, repaired, and counted as the reference counts them."""
+    monkeypatch.setenv("FTT_EFTA_FOLD", "1")
+    folds = _spy_fold(monkeypatch)
+    q, k, v, clean = inj_data
+    for bit in EXP_BITS:
+        spec = FaultSpec(site=site, bit=bit, count=1, seed=bit)
+        out, stats, _ = kernel(q, k, v, inject=spec)
+        assert maxdiff(out, clean) <= 2e-4, (site, bit, stats.by_site())
+        assert stats["detected"] >= 1 and stats["detected"] == stats["corrected"] + stats["recomputed"]
+        _, rstats = reference(q, k, v, inject=spec)
+        assert counts(stats) == counts(rstats), (site, bit, stats.by_site(), rstats.by_site())
+    assert all(folds), folds
+
+
+def test_folded_split_keys_match_float64(monkeypatch):
+    monkeypatch.setenv("FTT_EFTA_FOLD", "1")
+    monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
+    merges = _spy_combine(monkeypatch)
+    (B, Hq, Hkv, M, N, D), kw = _split_case("padding")
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, seed=67)
+    out, stats, _ = kernel(q, k, v, **kw)
+    assert maxdiff(out, ref_attention(q, k, v, **kw)) <= TOL[torch.float32]
+    assert all(val == 0 for val in stats.values()) and len(merges) == 1
+
+
 def test_masked_and_decode_injection():
     """Masks, GQA, window and decode-shaped calls: faults repaired, counters equal the reference's."""
     B, Hq, Hkv, M, N, D = 2, 4, 2, 3, 150, 64
