@@ -36,6 +36,10 @@ Layout of one program (query block × (batch, head)), tutorial style:
 * **Two launches in prefill with correction**: the clean pass, and the repairing pass only for the
   query blocks whose clean pass raised a flag (``PHASE``; `efta_triton_forward`). Compiled into one
   kernel, the repairing pass's state made ptxas spill inside the clean loop.
+* **One FFMA per score, masks only at the edges** (GPU): the scores stay unscaled, and the exponent
+  is ``fma(s, scale·log2 e, −m·log2 e)`` (``FOLD``, `_softmax_steps`; off where a bias, an additive
+  mask, PASA or score injection needs the scaled scores, and in the interpreter); the causal,
+  window and padding selects run only on key blocks that hold a masked key (`_edge_block`).
 * **Steps 3–5**: SNVR row-max check, the product check of ``P = exp(x)`` per group of 16 keys
   (`_exp_test`: the fp32 product of the group's clamped P and one ``lg2`` of it per group),
   row sum ``l`` (fp32 sum of P) and its independent twin ``lc`` (a differently ordered grouped
