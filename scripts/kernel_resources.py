@@ -13,8 +13,9 @@ rarely taken repair branches cost little at run time.
     python scripts/kernel_resources.py --loops              # + instruction mix of each loop's body
 
 ``--loops`` disassembles the cubin (the wheel's ``nvdisasm``) and prints, for every loop that
-contains a tensor-core instruction, the size of its body and its instruction mix: a static proxy
-for the per-key-block cost of each variant (the clean key loop is the first one listed).
+contains a tensor-core instruction, the size of its body, the shortest path through it (forward
+branches taken: an interior key block skipping the mask selects) and its instruction mix: a static
+proxy for the per-key-block cost of each variant (the clean key loop is the first one listed).
 """
 
 from __future__ import annotations
@@ -120,8 +121,9 @@ def ptxas_info(ptx: str) -> dict:
             "spill_stores": grab(r"(\d+) bytes spill stores"), "spill_loads": grab(r"(\d+) bytes spill loads")}
 
 
-def loop_census(cubin: bytes) -> list[tuple[int, collections.Counter]]:
-    """(body size, opcode counts) of every backward-branch loop with an HGMMA/HMMA, in code order."""
+def loop_census(cubin: bytes) -> list[tuple[int, collections.Counter, int]]:
+    """(body size, opcode counts, shortest path) of every backward-branch loop with an HGMMA/HMMA, in
+    code order (`sass_loops` on the cubin's disassembly)."""
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
@@ -130,22 +132,46 @@ def loop_census(cubin: bytes) -> list[tuple[int, collections.Counter]]:
                               text=True).stdout
     finally:
         os.unlink(f.name)
+    return sass_loops(sass)
+
+
+def sass_loops(sass: str) -> list[tuple[int, collections.Counter, int]]:
+    """Loops of an ``nvdisasm -c`` listing: for every backward branch whose body holds a tensor-core
+    instruction, (body size, opcode counts, shortest path). The shortest path skips the regions that
+    forward conditional branches inside the body jump over (the outermost ones): the instructions a
+    loop iteration issues when every such branch is taken, e.g. an interior key block that jumps
+    over the mask selects, or a clean block that jumps over the repair code."""
     label_at: dict[str, int] = {}
     ops: list[str] = []
+    targets: dict[int, str] = {}  # index of a branch -> its target label
+    conditional: set[int] = set()
     for line in sass.splitlines():
         if m := re.match(r"^\s*(\.L_x_\d+):", line):
             label_at[m.group(1)] = len(ops)
         elif m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
-            ops.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).split()[0].split(".")[0])
-            if ops[-1] == "BRA" and (t := re.search(r"(\.L_x_\d+)", m.group(1))):
-                ops[-1] = ("BRA", t.group(1))  # type: ignore[assignment]
+            text = m.group(1)
+            op = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+            if op == "BRA" and (t := re.search(r"(\.L_x_\d+)", text)):
+                targets[len(ops)] = t.group(1)
+                if text.startswith("@"):
+                    conditional.add(len(ops))
+            ops.append(op)
     loops = []
-    for i, op in enumerate(ops):
-        if isinstance(op, tuple) and label_at.get(op[1], i + 1) <= i:
-            body = collections.Counter(o if isinstance(o, str) else "BRA" for o in ops[label_at[op[1]]:i + 1])
-            if body["HGMMA"] + body["HMMA"]:
-                loops.append((label_at[op[1]], i - label_at[op[1]] + 1, body))
-    return [(n, c) for _, n, c in sorted(loops, key=lambda t: t[0])]
+    for i, target in targets.items():
+        start = label_at.get(target, i + 1)
+        if start > i:
+            continue
+        body = collections.Counter(ops[start:i + 1])
+        if not body["HGMMA"] + body["HMMA"]:
+            continue
+        skipped, reach = 0, start  # outermost forward skips inside [start, i]
+        for j in range(start, i):
+            end = label_at.get(targets.get(j, ""), -1)
+            if j in conditional and j >= reach and j < end <= i:
+                skipped += end - j - 1
+                reach = end
+        loops.append((start, i - start + 1, body, i - start + 1 - skipped))
+    return [(n, c, short) for _, n, c, short in sorted(loops, key=lambda t: t[0])]
 
 
 LOOP_OPS = ("HGMMA", "HMMA", "MUFU", "FFMA", "FADD", "FMUL", "FSETP", "LOP3", "SHFL", "BAR", "STS", "LDS", "LDSM",
@@ -181,9 +207,9 @@ def main() -> int:
               f"{info.get('spill_stores')} B, loads {info.get('spill_loads')} B, shared {c.metadata.shared} B",
               flush=True)
         if args.loops:
-            for n, body in loop_census(c.asm["cubin"]):
-                print(f"    loop body {n} instructions: " + ", ".join(f"{k} {body[k]}" for k in LOOP_OPS if body[k]),
-                      flush=True)
+            for n, body, short in loop_census(c.asm["cubin"]):
+                print(f"    loop body {n} instructions (shortest path {short}): "
+                      + ", ".join(f"{k} {body[k]}" for k in LOOP_OPS if body[k]), flush=True)
     if args.csv:
         keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
         with open(args.csv, "w", newline="") as f:

@@ -51,3 +51,32 @@ def test_compiles_for_sm90(variant):
     if proc.stdout.startswith("SKIP"):
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0 and proc.stdout.startswith("OK"), (proc.stdout[-2000:] + proc.stderr[-4000:])
+
+
+_SASS = """
+        /*0000*/                   MOV R0, RZ ;
+.L_x_0:
+        /*0010*/                   HGMMA.64x64x16.F32 R8, gdesc[UR4], RZ ;
+        /*0020*/              @!P1 BRA `(.L_x_1) ;
+        /*0030*/                   FSEL R1, R2, R3, P0 ;
+        /*0040*/                   FSEL R1, R2, R3, P0 ;
+        /*0050*/               @P3 BRA `(.L_x_2) ;
+        /*0060*/                   FSEL R1, R2, R3, P0 ;
+.L_x_2:
+        /*0070*/                   ISETP.GE.AND P0, PT, R4, R5, PT ;
+.L_x_1:
+        /*0080*/                   FADD R1, R1, R2 ;
+        /*0090*/               @P2 BRA `(.L_x_0) ;
+.L_x_3:
+        /*00a0*/                   FADD R1, R1, R2 ;
+        /*00b0*/               @P2 BRA `(.L_x_3) ;
+        /*00c0*/                   EXIT ;
+"""
+
+
+def test_sass_loops_counts_body_and_shortest_path():
+    """A loop of 9 instructions whose forward branch skips 5 (the nested one inside that region does not
+    count again); a second loop without a tensor-core instruction is not listed."""
+    [(size, ops, shortest)] = kernel_resources.sass_loops(_SASS)
+    assert size == 9 and shortest == 4
+    assert ops["HGMMA"] == 1 and ops["FSEL"] == 3 and ops["BRA"] == 3 and ops["ISETP"] == 1
