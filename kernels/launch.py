@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Sequence
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
@@ -39,6 +40,34 @@ __all__ = ["BoundLaunch", "DirectLauncher"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _SCALAR_TYPES = (float, bool, type(None))
+_DTYPE = attrgetter("dtype")
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+class _IntClasses(dict):
+    """int → Triton's specialisation class of it: 0 for 1, 1 + (multiple of 16) + 2·(outside int32).
+    A dict, so that classifying a call's ints is one C-level ``map`` over lookups; a value seen for
+    the first time is classified here (the table is emptied when it grows large: call ids and
+    decode lengths keep adding values)."""
+
+    def __missing__(self, v: int) -> int:
+        if len(self) > 65536:
+            self.clear()
+        c = self[v] = 0 if v == 1 else 1 + (v & 15 == 0) + 2 * (v < _I32_MIN or v > _I32_MAX)
+        return c
+
+
+_INT_CLASS = _IntClasses()
+
+
+def _getter(positions: Sequence[int]) -> Callable[[tuple], tuple]:
+    """args → the tuple of args at ``positions`` (itemgetter, which returns a bare item for one)."""
+    if len(positions) >= 2:
+        return itemgetter(*positions)
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda a: (a[i],)
+    return lambda a: ()
 
 
 def _cuda_device() -> int:
@@ -89,8 +118,9 @@ class DirectLauncher:
         self.direct_launches = 0  # calls that skipped Triton's binding (tests and diagnosis read it)
 
     def _layout(self, classes: tuple[type, ...], kwargs: dict[str, Any]) -> tuple | None:
-        """(tensor positions, int positions, constexpr names after the runtime ones), or None when
-        this call's kind of arguments cannot be keyed (it then always goes through Triton)."""
+        """(getter of the tensor arguments, getter of the int arguments, constexpr names after the
+        runtime ones), or None when this call's kind of arguments cannot be keyed (it then always goes
+        through Triton)."""
         tensors, ints = [], []
         for i, c in enumerate(classes):
             if issubclass(c, torch.Tensor):
@@ -102,7 +132,7 @@ class DirectLauncher:
         tail = self.names[len(classes):]
         if any(n not in kwargs for n in tail) or len(self.names) < len(classes):
             return None
-        return tuple(tensors), tuple(ints), tail
+        return _getter(tensors), _getter(ints), tail
 
     def _key(self, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
         """(specialisation key, constexpr names after the runtime arguments), or None (not keyable)."""
@@ -113,12 +143,10 @@ class DirectLauncher:
             layout = self._layouts[lkey] = self._layout(classes, kwargs)
         if layout is None:
             return None
-        tpos, ipos, tail = layout
-        ts = [args[i] for i in tpos]
-        ints = [args[i] for i in ipos]
-        key = (_cuda_device(), lkey, tuple(kwargs.values()),
-               tuple([t.dtype for t in ts]), tuple([t.data_ptr() & 15 == 0 for t in ts]),
-               tuple([0 if v == 1 else 1 + (v & 15 == 0) + 2 * (v < _I32_MIN or v > _I32_MAX) for v in ints]))
+        tensors, ints, tail = layout
+        ts = tensors(args)
+        key = (_cuda_device(), lkey, tuple(kwargs.values()), tuple(map(_DTYPE, ts)),
+               tuple([p & 15 == 0 for p in map(_DATA_PTR, ts)]), tuple(map(_INT_CLASS.__getitem__, ints(args))))
         return key, tail
 
     def _active(self, grid: Sequence[int] | Callable) -> bool:
