@@ -1539,7 +1539,7 @@ def efta_triton_forward(
     parts = {torch.float16: 2, torch.bfloat16: 3, torch.float32: 1}[q.dtype]
     dot_f32 = q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
     slack = BOUNDS.gemm_slack(interp)
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, _pow2_bucket(D))  # (triton.next_power_of_2 is a slow constexpr_function call)
     if (detect or pasa) and cfg is not None and cfg[1] != CS_BLOCK_N:
         raise ValueError(f"the checked kernel runs key blocks of {CS_BLOCK_N}; FTT_EFTA_CONFIG asks for {cfg[1]}")
 

@@ -60,8 +60,9 @@ class _IntClasses(dict):
 _INT_CLASS = _IntClasses()
 
 
-def _getter(positions: Sequence[int]) -> Callable[[tuple], tuple]:
-    """args → the tuple of args at ``positions`` (itemgetter, which returns a bare item for one)."""
+def _getter(positions: Sequence[Any]) -> Callable[[Any], tuple]:
+    """args → the tuple of args at ``positions`` (indices of a tuple or keys of a dict; itemgetter,
+    which returns a bare item for one)."""
     if len(positions) >= 2:
         return itemgetter(*positions)
     if len(positions) == 1:
@@ -118,9 +119,9 @@ class DirectLauncher:
         self.direct_launches = 0  # calls that skipped Triton's binding (tests and diagnosis read it)
 
     def _layout(self, classes: tuple[type, ...], kwargs: dict[str, Any]) -> tuple | None:
-        """(getter of the tensor arguments, getter of the int arguments, constexpr names after the
-        runtime ones), or None when this call's kind of arguments cannot be keyed (it then always goes
-        through Triton)."""
+        """(getter of the tensor arguments, getter of the int arguments, getter of the constexpr values
+        after the runtime ones from the keywords), or None when this call's kind of arguments cannot be
+        keyed (it then always goes through Triton)."""
         tensors, ints = [], []
         for i, c in enumerate(classes):
             if issubclass(c, torch.Tensor):
@@ -132,10 +133,10 @@ class DirectLauncher:
         tail = self.names[len(classes):]
         if any(n not in kwargs for n in tail) or len(self.names) < len(classes):
             return None
-        return _getter(tensors), _getter(ints), tail
+        return _getter(tensors), _getter(ints), _getter(tail)
 
     def _key(self, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
-        """(specialisation key, constexpr names after the runtime arguments), or None (not keyable)."""
+        """(specialisation key, the constexpr values after the runtime arguments), or None (not keyable)."""
         classes = tuple(map(type, args))
         lkey = (classes, tuple(kwargs))
         layout = self._layouts.get(lkey, False)
@@ -147,7 +148,7 @@ class DirectLauncher:
         ts = tensors(args)
         key = (_cuda_device(), lkey, tuple(kwargs.values()), tuple(map(_DTYPE, ts)),
                tuple([p & 15 == 0 for p in map(_DATA_PTR, ts)]), tuple(map(_INT_CLASS.__getitem__, ints(args))))
-        return key, tail
+        return key, tail(kwargs)
 
     def _active(self, grid: Sequence[int] | Callable) -> bool:
         """Whether this call may launch directly (not interpreted, not given up, a fixed grid, not
@@ -166,7 +167,7 @@ class DirectLauncher:
             if kernel is not None and hasattr(kernel, "run") and not hasattr(kernel, "result"):
                 self._kernels[key] = kernel
             return
-        self._launch(kernel, key[0], grid, args, kwargs, tuple(kwargs[n] for n in tail))
+        self._launch(kernel, key[0], grid, args, kwargs, tail)
 
     def _launch(self, kernel: Any, device: int, grid: Sequence[int], args: tuple, kwargs: dict[str, Any],
                 tail: tuple) -> None:
@@ -194,7 +195,7 @@ class DirectLauncher:
         if kernel is None:
             return None
         key, tail = keyed
-        return BoundLaunch(self, kernel, key[0], tuple(grid), kwargs, tuple(kwargs[n] for n in tail))
+        return BoundLaunch(self, kernel, key[0], tuple(grid), kwargs, tail)
 
 
 class BoundLaunch:
