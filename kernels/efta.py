@@ -253,26 +253,21 @@ def _lg2(x):
 
 
 @triton.jit
-def _exp(x, INTERP: tl.constexpr):
-    """exp of the scores' tile on the GPU: one MUFU ``ex2.approx.ftz`` of x·log2(e). tl.exp lowers to
-    the non-ftz ex2, which ptxas wraps in a subnormal range fix (a compare, two multiplies and a
-    select per element); results below 2^-126 (x < −87.3) flush to 0, which the reference's
-    `_exp_ftz` models from x < −87 on, and which step 4 counts as P_min = exp(−20) anyway."""
+def _exp(x, INTERP: tl.constexpr, LOG2: tl.constexpr):
+    """exp of the scores' tile; LOG2: x is given as x·log2(e) (the folded path, `_softmax_steps`).
+    On the GPU one MUFU ``ex2.approx.ftz``: tl.exp lowers to the non-ftz ex2, which ptxas wraps in a
+    subnormal range fix (a compare, two multiplies and a select per element); results below 2^-126
+    (x < −87.3) flush to 0, which the reference's `_exp_ftz` models from x < −87 on, and which step 4
+    counts as P_min = exp(−20) anyway. The interpreter uses tl.exp (tl.exp2 when LOG2)."""
     if INTERP:
-        p = tl.exp(x)
+        if LOG2:
+            p = tl.exp2(x)
+        else:
+            p = tl.exp(x)
     else:
-        p = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * _LOG2E], dtype=tl.float32,
-                                      is_pure=True, pack=1)
-    return p
-
-
-@triton.jit
-def _exp2(y, INTERP: tl.constexpr):
-    """2^y for the folded path, where y = x·log2(e) comes from one FFMA per score (`_softmax_steps`):
-    one MUFU ``ex2.approx.ftz`` on the GPU, tl.exp2 in the interpreter."""
-    if INTERP:
-        p = tl.exp2(y)
-    else:
+        y = x
+        if not LOG2:
+            y = x * _LOG2E
         p = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [y], dtype=tl.float32, is_pure=True,
                                       pack=1)
     return p
@@ -525,12 +520,12 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
     # ---- 4. P = exp(x), product check per group ----
     if FOLD:  # x in base-2 units (x·log2 e), one FFMA
         x = tl.fma(s, scale * _LOG2E, -(base * _LOG2E)[:, None])
-        p = _exp2(x, INTERP)
+        p = _exp(x, INTERP, True)
     else:
         x = s - base[:, None]
         if HALF:  # PASA's full FP16 allocation: x and P held in fp16
             x = x.to(tl.float16).to(tl.float32)
-        p = _exp(x, INTERP)
+        p = _exp(x, INTERP, False)
         if HALF:
             p = p.to(tl.float16).to(tl.float32)
     if INJ_P != 0:
@@ -546,10 +541,7 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
                     cnt = _bump(cnt, _PROBS + _COR, nbp)
                     redo = tl.reshape(tl.broadcast_to(badg[:, None, :], (x.shape[0], x.shape[1] // 16, 16)),
                                       (x.shape[0], x.shape[1]))
-                    if FOLD:
-                        p = tl.where(redo, _exp2(x, INTERP), p)
-                    else:
-                        p = tl.where(redo, _exp(x, INTERP), p)
+                    p = tl.where(redo, _exp(x, INTERP, FOLD), p)
                 else:
                     cnt = _bump(cnt, _PROBS + _UNC, nbp)
     return s, m_new, p, bad_row, cnt, nf
@@ -1628,8 +1620,6 @@ def efta_triton_forward(
             q, k, v, out, counters, flag, bias4, mask4, inj, work, *strides,
             Hq, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit, gu,
         ), dict({key: meta[key] for key in ("BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT",
-                                            "CORRECT")},
-                INJ_O=modes[4], DOT_F32=meta["DOT_F32"], EVEN_D=meta["EVEN_D"], FOLD=meta["FOLD"], BLOCK_M=block_m,
-                BLOCK_N=CS_BLOCK_N,
-                num_warps=4))
+                                            "CORRECT", "INJ_O", "DOT_F32", "EVEN_D", "FOLD")},
+                BLOCK_M=block_m, BLOCK_N=CS_BLOCK_N, num_warps=4))
     return out
