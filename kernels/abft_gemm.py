@@ -83,7 +83,7 @@ from ..injection import FaultPlan
 from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
 from ..vabft import WeightChecksums, default_emax, weight_checksums
 from .launch import DirectLauncher
-from .tl_common import call_flag, on_tensor_device, runs_interpreted
+from .tl_common import call_flag, gpu_time, on_tensor_device, runs_interpreted
 from .tl_common import cdiv as _cdiv
 from .tl_common import dot as _mma
 
@@ -786,6 +786,8 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
         _TUNE_CACHE[key] = cands[0]
         return cands[0]
     dev = L.x.device
+    if torch.cuda.is_current_stream_capturing():
+        return cands[0]  # a capture cannot time candidates: the first, not cached (an eager call tunes)
     bn_min = min(c[1] for c in cands)
     P = _stats_buffer(_cdiv(n, bn_min), m, dev)  # room for every candidate's T
     ws = torch.zeros(2, dtype=torch.int32, device=dev)
@@ -799,7 +801,8 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
             _launch_gemm(c, Ls, bias=bias, w12=w12, P=P, inj=None, flag=flag, ws=ws, call_id=0,
                          detect=detect, verify_output=verify_output, dot_f32=dot_f32)
         try:
-            ms = triton.testing.do_bench(run, warmup=5, rep=20)
+            with torch.cuda.device(dev):
+                ms = gpu_time(run)
         except Exception:  # noqa: BLE001 - a config that does not fit (shared memory, registers)
             continue
         if ms < best_t:

@@ -111,7 +111,7 @@ from ..exp_check import EXP_MAX_GROUP, EXP_ULPS, EXP_XMIN, LOG2E, P_MIN
 from ..injection import FaultPlan
 from ..sites import ATTENTION_SITES, COUNTER_SHAPE
 from .launch import DirectLauncher
-from .tl_common import call_flag, on_tensor_device, runs_interpreted
+from .tl_common import call_flag, gpu_time, on_tensor_device, runs_interpreted
 from .tl_common import cdiv as _cdiv
 from .tl_common import dot as _dot
 
@@ -1258,6 +1258,7 @@ _efta_fwd_tuned = triton.autotune(
          "HALF_STATE", "PHASE"],
     prune_configs_by={"early_config_prune": _prune},
     restore_value=["Cnt", "Flag"],
+    do_bench=gpu_time,  # GPU time: an eager timing of a host-bound decode call measures the host
 )(_efta_fwd)
 
 

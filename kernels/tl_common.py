@@ -1,5 +1,5 @@
 """Helpers shared by the kernels: a Triton dot, the host-side per-call non-finite flag, the launch
-device guard, and whether a kernel runs in Triton's CPU interpreter."""
+device guard, the tuners' timer, and whether a kernel runs in Triton's CPU interpreter."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["call_flag", "cdiv", "dot", "on_tensor_device", "runs_interpreted"]
+__all__ = ["call_flag", "cdiv", "dot", "gpu_time", "on_tensor_device", "runs_interpreted"]
 
 
 @triton.jit
@@ -26,6 +26,17 @@ def dot(a, b, acc, F32: tl.constexpr):
 def cdiv(a: int, b: int) -> int:
     """⌈a / b⌉ on the host (``triton.cdiv`` costs microseconds per call on the launch path)."""
     return -(-a // b)
+
+
+def gpu_time(fn, quantiles=None):
+    """Milliseconds of GPU time per call of ``fn`` (CUDA, not capturing), for the block-size tuners.
+
+    Replays a CUDA graph of repeated calls (Triton's ``do_bench_cudagraph``; ``quantiles`` as
+    there). An eager timing (``do_bench``) brackets each call with events, so for a call whose host
+    work outlasts its kernel (decode, or a 2048³ GEMM, on the H100 host) it measures the host's
+    launch work, about the same for every candidate, and the pick is left to noise. Under a graph
+    the candidates' kernels run back to back, which is also how a compiled model replays them."""
+    return triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=quantiles)
 
 
 def runs_interpreted(fn) -> bool:

@@ -499,6 +499,29 @@ def test_autocast_and_cached_weight_checksums():
 
 # --------------------------------------------------------------------------- GPU, real shapes
 
+def test_tuner_times_nothing_while_capturing(monkeypatch):
+    """A call captured into a CUDA graph before any eager call of its shape cannot time candidates
+    (timing synchronises): it takes the first candidate and leaves the cache empty, so that the next
+    eager call still tunes."""
+    monkeypatch.setattr(G, "_INTERP", False)
+    monkeypatch.delenv("FTT_ABFT_GEMM_CONFIG", raising=False)
+    monkeypatch.delenv("FTT_ABFT_GEMM_TUNE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a candidate was timed during a capture")
+
+    monkeypatch.setattr(G, "gpu_time", no_timing)
+    x, w = torch.randn(200, 96), torch.randn(80, 96)
+    launch = G._Launch(x=x, w=w, b=None, y=torch.empty(200, 80), swn=w.stride(0), swk=w.stride(1))
+    before = dict(G._TUNE_CACHE)
+    for dtype in (torch.float32, torch.float16):
+        launch.x, launch.w, launch.y = x.to(dtype), w.to(dtype), launch.y.to(dtype)
+        cfg = G._pick_config(launch, bias=None, detect=True, verify_output=False, dot_f32=dtype == torch.float32)
+        assert len(G._candidates(dtype, 200)) > 1 and cfg == G._candidates(dtype, 200)[0]
+    assert G._TUNE_CACHE == before
+
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
