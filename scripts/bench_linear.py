@@ -10,9 +10,13 @@ Side by side in one run, per shape (M, N, K) and dtype (fp16, bf16), all on one 
 Shapes: M = N = K squares ≥ 2048 (the issue's ≥ 0.90× cuBLAS target), decode shapes M = 1…16 at
 real model widths (Qwen2-0.5B 896→4864 and 4864→896, SmolLM2-135M 576→1536), short inputs of
 M = 64, 128 tokens at Qwen2-0.5B widths, and transformer-layer shapes (batch·seq = 4096 tokens through
-Qwen2-0.5B / Llama-7B projections); ``--kinds`` picks among them. Times are medians of
-``triton.testing.do_bench`` (L2 flushed between runs); TFLOP/s = 2·M·N·K / time. Writes CSV, a
-markdown table headed by device and versions, and a plot of throughput relative to cuBLAS.
+Qwen2-0.5B / Llama-7B projections); ``--kinds`` picks among them. Every variant of a shape is timed
+once per round (``--rounds``, the order rotated by one each round, ``--rep`` ms of
+``triton.testing.do_bench`` per timing, L2 flushed between runs) and the figure is the median over the
+rounds: the H100's speed drifts during a run (single timings at 8192³ spread over 0.82–0.96×
+cuBLAS in one call), and a drift then reaches every variant alike. The ``*_spread`` columns give
+the lowest and highest per-round ratio to cuBLAS. TFLOP/s = 2·M·N·K / time. Writes CSV, a markdown
+table headed by device and versions, and a plot of throughput relative to cuBLAS.
 
     python scripts/bench_linear.py --out docs/img/vabft_bench_linear          # full
     python scripts/bench_linear.py --quick --out /tmp/bench         # a few shapes
@@ -25,6 +29,8 @@ import argparse
 import csv
 import os
 import platform
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -79,10 +85,31 @@ def _with_env(fn, name: str, value: str):
     return run
 
 
+def interleaved(fns: dict[str, Callable], rounds: int, timer: Callable[[Callable], float]
+                ) -> dict[str, list[float]]:
+    """Each of ``fns`` timed once per round by ``timer`` (ms), the order rotated by one each round.
+
+    Returns every round's time per name, in round order."""
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            times[name].append(timer(fns[name]))
+    return times
+
+
+def ratio_summary(times: dict[str, list[float]], base: str, name: str) -> tuple[float, float, float]:
+    """(median, lowest, highest) over the rounds of ``base``'s time / ``name``'s time in the same round."""
+    r = [tb / tn for tb, tn in zip(times[base], times[name], strict=True)]
+    return statistics.median(r), min(r), max(r)
+
+
 def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_torch_checked: bool,
               graph: bool = False, pointer: bool = False,
-              two_launch: bool = False) -> tuple[dict[str, float], int, float]:
-    """Times (ms) of each method on ``F.linear(x, w, b)``; the fused call's event count and max error.
+              two_launch: bool = False, rounds: int = 1) -> tuple[dict[str, list[float]], int, float]:
+    """Times (ms, one per round, `interleaved`) of each method on ``F.linear(x, w, b)``; the fused
+    call's event count and max error.
 
     ``graph``: also time cuBLAS, fused and plain as CUDA-graph replays (``*_graph``: GPU time without
     the host's launch work). ``pointer``: also time the fused kernel with pointer loads instead of
@@ -132,7 +159,7 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
         if graph:
             for name in ("cublas", "fused", "triton_plain") + (("fused_two",) if two_launch else ()):
                 fns[f"{name}_graph"] = _graphed(fns[name])
-        times = {name: triton.testing.do_bench(fn, warmup=10, rep=rep) for name, fn in fns.items()}
+        times = interleaved(fns, rounds, lambda fn: triton.testing.do_bench(fn, warmup=10, rep=rep))
         events = int(cnt.sum())  # every fused call of the run, graph replays included
     return times, events, err
 
@@ -143,7 +170,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--no-torch-checked", action="store_true", help="skip the PyTorch checked path")
-    ap.add_argument("--rep", type=int, default=50, help="do_bench rep (ms)")
+    ap.add_argument("--rep", type=int, default=25, help="do_bench rep (ms) of one timing")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds; each times every variant once (median)")
     ap.add_argument("--graph", action="store_true", help="also time cuBLAS, fused and plain as CUDA-graph replays")
     ap.add_argument("--pointer", action="store_true",
                     help="also time fused and plain with pointer loads instead of TMA descriptors")
@@ -167,28 +195,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
             x = torch.randn(m, k, device=dev, generator=g).to(dt)
             w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt)
             b = torch.randn(n, device=dev, generator=g).to(dt)
-            times, events, err = bench_one(x, w, b, args.rep, not args.no_torch_checked, args.graph, args.pointer,
-                                           args.two_launch)
+            per_round, events, err = bench_one(x, w, b, args.rep, not args.no_torch_checked, args.graph,
+                                               args.pointer, args.two_launch, args.rounds)
+            times = {name: statistics.median(v) for name, v in per_round.items()}
             flops = 2.0 * m * n * k
-            row = {"kind": kind, "dtype": dt_name, "M": m, "N": n, "K": k, "events": events, "rel_err": err}
+            row = {"kind": kind, "dtype": dt_name, "M": m, "N": n, "K": k, "rounds": args.rounds, "events": events,
+                   "rel_err": err}
             for name, ms in times.items():
                 row[f"{name}_us"] = round(ms * 1e3, 2)
                 row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
-            row["fused_vs_cublas"] = round(times["cublas"] / times["fused"], 3)
-            row["plain_vs_cublas"] = round(times["cublas"] / times["triton_plain"], 3)
-            row["fused_vs_plain"] = round(times["triton_plain"] / times["fused"], 3)
-            if "torch_checked" in times:
-                row["torch_checked_vs_cublas"] = round(times["cublas"] / times["torch_checked"], 3)
-            if "fused_ptr" in times:
-                row["fused_ptr_vs_cublas"] = round(times["cublas"] / times["fused_ptr"], 3)
-                row["plain_ptr_vs_cublas"] = round(times["cublas"] / times["plain_ptr"], 3)
-            if "fused_two" in times:
-                row["two_vs_cublas"] = round(times["cublas"] / times["fused_two"], 3)
-            if "fused_two_graph" in times:
-                row["two_vs_cublas_graph"] = round(times["cublas_graph"] / times["fused_two_graph"], 3)
-            if "fused_graph" in times:
-                row["fused_vs_cublas_graph"] = round(times["cublas_graph"] / times["fused_graph"], 3)
-                row["plain_vs_cublas_graph"] = round(times["cublas_graph"] / times["triton_plain_graph"], 3)
+            # ratios: medians over the rounds of the same-round ratio (a drift hits both times of a round)
+            pairs = {"fused_vs_cublas": ("cublas", "fused"), "plain_vs_cublas": ("cublas", "triton_plain"),
+                     "fused_vs_plain": ("triton_plain", "fused"),
+                     "torch_checked_vs_cublas": ("cublas", "torch_checked"),
+                     "fused_ptr_vs_cublas": ("cublas", "fused_ptr"), "plain_ptr_vs_cublas": ("cublas", "plain_ptr"),
+                     "two_vs_cublas": ("cublas", "fused_two"),
+                     "two_vs_cublas_graph": ("cublas_graph", "fused_two_graph"),
+                     "fused_vs_cublas_graph": ("cublas_graph", "fused_graph"),
+                     "plain_vs_cublas_graph": ("cublas_graph", "triton_plain_graph")}
+            for col, (base, name) in pairs.items():
+                if name in per_round:
+                    med, lo, hi = ratio_summary(per_round, base, name)
+                    row[col] = round(med, 3)
+                    if col in ("fused_vs_cublas", "fused_vs_cublas_graph"):
+                        row[f"{col}_spread"] = f"{lo:.3f}-{hi:.3f}"
             rows.append(row)
             extra = ""
             if "fused_ptr" in times:
@@ -196,13 +226,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                           f"plain {row['plain_ptr_vs_cublas']:.3f}x")
             if "fused_graph" in times:
                 extra += (f"  graphs: fused {row['fused_vs_cublas_graph']:.3f}x "
-                          f"plain {row['plain_vs_cublas_graph']:.3f}x")
+                          f"({row['fused_vs_cublas_graph_spread']}) plain {row['plain_vs_cublas_graph']:.3f}x")
             if "fused_two" in times:
                 extra += f"  two launches {row['two_vs_cublas']:.3f}x"
                 if "two_vs_cublas_graph" in row:
                     extra += f" (graphs {row['two_vs_cublas_graph']:.3f}x)"
             print(f"{dt_name:8s} {kind:6s} M={m:5d} N={n:5d} K={k:5d}  cuBLAS {row['cublas_tflops']:6.1f} TF/s  "
-                  f"fused {row['fused_tflops']:6.1f} ({row['fused_vs_cublas']:.3f}x)  plain "
+                  f"fused {row['fused_tflops']:6.1f} ({row['fused_vs_cublas']:.3f}x, rounds "
+                  f"{row['fused_vs_cublas_spread']})  plain "
                   f"{row['plain_vs_cublas']:.3f}x  torch-checked "
                   f"{row.get('torch_checked_vs_cublas', float('nan')):.3f}x{extra}"
                   f"  events {events}  err {err:.1e}", flush=True)
@@ -213,13 +244,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         wr.writerows(rows)
     head = (f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
             f"CUDA {torch.version.cuda}, Python {platform.python_version()}. Throughput relative to cuBLAS "
-            "(`F.linear`), higher is better; medians of `triton.testing.do_bench`.\n\n")
-    lines = ["| dtype | kind | M | N | K | cuBLAS TFLOP/s | fused TFLOP/s | fused / cuBLAS | Triton plain / cuBLAS "
-             "| fused / plain | PyTorch checked / cuBLAS |", "|" + " --- |" * 11]
+            f"(`F.linear`), higher is better: the median over {args.rounds} interleaved rounds of the same "
+            "round's time ratio (`triton.testing.do_bench`).\n\n")
+    lines = ["| dtype | kind | M | N | K | cuBLAS TFLOP/s | fused TFLOP/s | fused / cuBLAS (rounds) | Triton plain / "
+             "cuBLAS | fused / plain | fused / cuBLAS, graphs (rounds) | PyTorch checked / cuBLAS |",
+             "|" + " --- |" * 12]
     for r in rows:
+        graph = (f"{r['fused_vs_cublas_graph']:.3f} ({r['fused_vs_cublas_graph_spread']})"
+                 if "fused_vs_cublas_graph" in r else "")
         lines.append(f"| {r['dtype']} | {r['kind']} | {r['M']} | {r['N']} | {r['K']} | {r['cublas_tflops']} | "
-                     f"{r['fused_tflops']} | {r['fused_vs_cublas']:.3f} | {r['plain_vs_cublas']:.3f} | "
-                     f"{r['fused_vs_plain']:.3f} | {r.get('torch_checked_vs_cublas', '')} |")
+                     f"{r['fused_tflops']} | {r['fused_vs_cublas']:.3f} ({r['fused_vs_cublas_spread']}) | "
+                     f"{r['plain_vs_cublas']:.3f} | {r['fused_vs_plain']:.3f} | {graph} | "
+                     f"{r.get('torch_checked_vs_cublas', '')} |")
     args.out.with_suffix(".md").write_text(head + "\n".join(lines) + "\n")
     try:
         import matplotlib
