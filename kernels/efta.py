@@ -111,7 +111,7 @@ from ..exp_check import EXP_MAX_GROUP, EXP_ULPS, EXP_XMIN, LOG2E, P_MIN
 from ..injection import FaultPlan
 from ..sites import ATTENTION_SITES, COUNTER_SHAPE
 from .launch import DirectLauncher
-from .tl_common import call_flag, gpu_time, on_tensor_device, runs_interpreted
+from .tl_common import call_flag, gpu_time, on_tensor_device, runs_interpreted, sm_count
 from .tl_common import cdiv as _cdiv
 from .tl_common import dot as _dot
 
@@ -1360,9 +1360,6 @@ def _pasa_scalars(beta: float | None, N: int, D: int, slack: float) -> tuple[flo
     return (t1, s_floor, P.recovery_factor(bn, beta), P.recovery_factor(w_last, beta), diag, off, diag_l, off_l)
 
 
-_SMS: dict[torch.device, int] = {}
-
-
 def _num_splits(programs: int, M: int, N: int, cfg, no_skip: bool, device: torch.device, interp: bool) -> int:
     """How many programs share the keys of one query block (split-key decode; 1 = no split).
 
@@ -1380,10 +1377,7 @@ def _num_splits(programs: int, M: int, N: int, cfg, no_skip: bool, device: torch
         return max(1, int(env))
     if interp or M > 16 or (cfg is not None and cfg[0] != 16):
         return 1
-    sms = _SMS.get(device)
-    if sms is None:
-        sms = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(2 * sms // max(programs, 1), N // 256))
+    return max(1, min(2 * sm_count(device) // max(programs, 1), N // 256))
 
 
 def _fold(interp: bool, scaled_scores: bool) -> bool:

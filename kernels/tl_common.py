@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["call_flag", "cdiv", "dot", "gpu_time", "on_tensor_device", "runs_interpreted"]
+__all__ = ["call_flag", "cdiv", "dot", "gpu_time", "on_tensor_device", "runs_interpreted", "sm_count"]
 
 
 @triton.jit
@@ -26,6 +26,17 @@ def dot(a, b, acc, F32: tl.constexpr):
 def cdiv(a: int, b: int) -> int:
     """⌈a / b⌉ on the host (``triton.cdiv`` costs microseconds per call on the launch path)."""
     return -(-a // b)
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the property query costs microseconds)."""
+    sms = _SMS.get(device)
+    if sms is None:
+        sms = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return sms
 
 
 def gpu_time(fn, quantiles=None):
