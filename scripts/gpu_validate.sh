@@ -15,6 +15,8 @@
 #              distributions, a protected MiniLM run (carry .gpucarry/minilm, see efta_coverage.py)
 #   linear     V-ABFT: calibration, GPU tests, bench_linear, the seed 004 study (docs/vabft.md)
 #   gemm       the checked GEMM's GPU tests and bench_linear with CUDA-graph and pointer-load columns
+#   splitk     split-K for decode: the GEMM's GPU and split tests, then decode shapes with and without
+#              FTT_ABFT_GEMM_SPLIT_K=auto under CUDA graphs (docs/vabft.md, session 21)
 #   generate   scripts/bench_generate.py (end to end, issue 7)
 #   campaign   the issue-5 campaign on the qwen2-0.5b-config model, fp16, Triton paths
 #   falsepos   every attention / Linear call of fp16 generations (GPT-2 124M and Qwen2-0.5B configs)
@@ -72,6 +74,11 @@ run_part() {
         tests/test_abft_gemm.py 2>&1
       timeout ${BENCH_TIMEOUT:-420} python3 scripts/bench_linear.py --no-torch-checked --graph --pointer \
         --out "$dir/bench_linear" 2>&1 | grep --line-buffered -v Warning ;;
+    splitk)
+      FTT_ABFT_GEMM_SPLIT_K=auto timeout ${TESTS_TIMEOUT:-180} python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_abft_gemm.py -k "gpu or split or prepared" 2>&1
+      timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_linear.py --no-torch-checked --graph --split-k \
+        --kinds decode --out "$dir/bench_linear_splitk" 2>&1 | grep --line-buffered -v Warning ;;
     generate)
       python3 scripts/bench_generate.py --out "$dir" --budget-s 480 --no-progress 2>&1 | tail -40 ;;
     campaign)

@@ -299,9 +299,10 @@ def test_split_k_matches_float64_and_counts_like_reference(dtype, split, one, mo
     every call."""
     monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT_K", str(split))
     monkeypatch.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", one)
+    monkeypatch.setenv("FTT_ABFT_GEMM_CONFIG", "16,32,32,4,1")  # the interpreter's, on a GPU too
     spy = _SpyLaunch(G._GEMM_LAUNCH)
     monkeypatch.setattr(G, "_GEMM_LAUNCH", spy)
-    m, k, n = 13, 100, 70  # interpreter config (16, 32, 32): one row block, 3 tiles, 4 K blocks
+    m, k, n = 13, 100, 70  # config (16, 32, 32): one row block, 3 tiles, 4 K blocks
     x = _rand((m, k), dtype, 81, 2.0)
     w = _rand((n, k), dtype, 82, k**-0.5)
     b = _rand((n,), dtype, 83)
