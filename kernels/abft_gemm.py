@@ -27,6 +27,10 @@ Design (one or two launches, no host synchronisation):
      no program is added: an earlier version ran separate checksum programs that re-read x from
      memory, and each held a GEMM-sized share of shared memory (one per SM) while doing little
      arithmetic; they cost up to 60 % at K-heavy shapes.
+   * Split-K (``FTT_ABFT_GEMM_SPLIT_K``, calls of one row block, off by default): SPLIT_K programs
+     per tile over consecutive shares of K; each stores an fp32 partial tile, the last to finish
+     sums them in split order and finishes the tile (`_gemm_tile`). Their row sums and checksum
+     shares take one slot per (split, tile), which the verification sums like the tiles'.
 
    Why not append ``w1``/``w2`` as extra output columns of the same GEMM: the checksum operand must
    keep fp32 accuracy, which in fp16/bf16 means splitting it into 2–3 slices of the input dtype
@@ -37,10 +41,11 @@ Design (one or two launches, no host synchronisation):
 2. ``_verify_kernel`` (one program per BLOCK_R rows): ``D1 = Σ_T partials − (x·w1 + b1)``, the
    per-row threshold ``T_m`` from x's statistics and the weight's cached constants (SPEC §5),
    ``|D1| > T_m`` or non-finite → ``detected``; ``t = D2/D1 ≈ n+1`` locates a single error, which
-   is repaired by recomputing that element (one fp32 dot ``x[m]·W[n] + b[n]``) and re-verified →
-   ``corrected``; other faulty rows are recomputed in the kernel (``x[m]·Wᵀ + b``), at most
-   ``capacity`` (16) rows per call, claimed through one atomic on a per-call slot counter →
-   ``recomputed``; the rest → ``uncorrectable``. Counters are atomics into the caller's (6, 5)
+   is repaired by recomputing that element (one fp32 dot ``x[m]·W[n] + b[n]``) and re-verified (the
+   row as stored against the output-side threshold, and in accumulator mode D1 with the repaired
+   term against the accumulator-side one) → ``corrected``; other faulty rows are recomputed in the
+   kernel (``x[m]·Wᵀ + b``), at most ``capacity`` (16) rows per call, claimed through one atomic on
+   a per-call slot counter → ``recomputed``; the rest → ``uncorrectable``. Counters are atomics into the caller's (6, 5)
    int32 block. Non-finite x (found by the GEMM tiles) or W/b (known when the weight
    checksums were built) count one ``nonfinite_input`` and switch the call's checks off, as on
    the reference path.
@@ -53,7 +58,8 @@ Design (one or two launches, no host synchronisation):
    reference path (checks off for the whole call) does not make.
 
 Block sizes: the ``CONFIGS_*`` lists below are the only place; ``_pick_config`` times the
-candidates once per (dtype, layout, flags, M bucket, N, K) on CUDA and caches the winner (set
+candidates (GPU time, `tl_common.gpu_time`) once per (dtype, layout, flags, M bucket, N, K) on CUDA
+and caches the winner (set
 ``FTT_ABFT_GEMM_CONFIG=BM,BN,BK,warps,stages`` to force one, ``FTT_ABFT_GEMM_TUNE=0`` to take each
 list's first entry without timing). While injecting, a fixed config is used
 (flip positions are bucketed per row block). Under ``TRITON_INTERPRET=1`` (CPU tensors) one small
