@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Compile the EFTA kernel for a Hopper GPU without one, and report its registers and spills.
+"""Compile the EFTA kernel (or the checked GEMM) for a Hopper GPU without one: registers and spills.
 
 Triton's frontend, LLVM and the ``ptxas`` bundled with the triton wheel run on any Linux machine,
 so variants of the kernel (dtype, checks, block config, PASA, split-key decode, injection) can be
@@ -11,6 +11,7 @@ rarely taken repair branches cost little at run time.
     python scripts/kernel_resources.py                      # the standard variants
     python scripts/kernel_resources.py --arch 90 --csv out.csv
     python scripts/kernel_resources.py --loops              # + instruction mix of each loop's body
+    python scripts/kernel_resources.py --kernel gemm        # the checked GEMM's variants (GEMM_VARIANTS)
 
 ``--loops`` disassembles the cubin (the wheel's ``nvdisasm``) and prints, for every loop that
 contains a tensor-core instruction, the size of its body, the shortest path through it (forward
@@ -31,6 +32,7 @@ import tempfile
 import time
 
 import triton
+from ft_transformers.kernels import abft_gemm as G
 from ft_transformers.kernels import efta as K
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -99,6 +101,58 @@ def compile_variant(dtype: str, over: dict, num_warps: int, num_stages: int, arc
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps,
                                                                           "num_stages": num_stages})
+
+
+# The checked GEMM (`ft_transformers.kernels.abft_gemm._gemm_kernel`): (name, dtype, (BLOCK_M, BLOCK_N,
+# BLOCK_K, num_warps, num_stages), overrides of GEMM_BASE). Decode configs with split-K and one launch,
+# injection with bias and a ragged K, the fp32 path (IEEE dots, accumulator-side re-verification),
+# the output-side check, and the TMA prefill config.
+GEMM_BASE = dict(GROUP=8, HAS_BIAS=False, DETECT=True, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
+                 TMA=False, W_KN=False, TMA_STORE=False, ONE_LAUNCH=True, VERIFY_R=16, VBLOCK_N=64, VBLOCK_K=64,
+                 VBLOCK_T=16, CORRECT=True, DEBUG=False, SPLIT_K=1)
+GEMM_VARIANTS = [
+    ("decode, split-K 4, one launch", "fp16", (16, 64, 128, 4, 4), dict(SPLIT_K=4)),
+    ("decode, split-K 4, two launches, injection", "bf16", (16, 64, 128, 4, 4),
+     dict(SPLIT_K=4, ONE_LAUNCH=False, CORRECT=False, INJ=True, HAS_BIAS=True, EVEN_K=False)),
+    ("fp32 IEEE dots, one launch", "fp32", (64, 64, 32, 4, 3), dict(DOT_F32=True, VERIFY_R=64)),
+    ("output-side check, one launch", "bf16", (64, 128, 64, 4, 4), dict(VERIFY_OUTPUT=True, VERIFY_R=64)),
+    ("prefill, TMA, two launches", "fp16", (128, 256, 64, 8, 3),
+     dict(TMA=True, TMA_STORE=True, ONE_LAUNCH=False, CORRECT=False, VERIFY_R=64)),
+]
+_GEMM_INTS_1 = ("sxk", "swk", "syn")  # unit inner strides (contiguous x, W, y)
+_GEMM_NOT_DIV16 = ("call_id", "w_finite", "scn0", "scn1", "capacity")
+
+
+def compile_gemm_variant(dtype: str, cfg: tuple, over: dict, arch: int):
+    """Compile the checked GEMM's `_gemm_kernel` as a call on contiguous, 16-byte aligned tensors
+    would specialise it (TMA: descriptors of the config's block shapes)."""
+    fn = G._gemm_kernel
+    bm, bn, bk, warps, stages = cfg
+    consts = {**GEMM_BASE, **over, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+    consts.update({name: 1 for name in _GEMM_INTS_1})
+    blocks = {"Xd": (bm, bk), "Wd": (bn, bk), "Yd": (bm, bn)}
+    data = {"X", "W", "Y", "Bias"}
+    ints = {"Inj", "Flag", "Ws", "Tc", "Sem", "Cnt"}
+    floats = {"inv_n", "fn", "inv_k", "th_det", "th_v2", "th_v3", "th_var23", "th_var4", "th_bias", "reverify_scale"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in blocks:
+            sig[name] = f"tensordesc<{dtype}[{blocks[name][0]},{blocks[name][1]}]>" if consts["TMA"] else f"*{dtype}"
+        elif name in data or name in ints or name in ("W12", "P", "B12", "Dbg"):
+            sig[name] = f"*{dtype}" if name in data else "*i32" if name in ints else "*fp32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name not in _GEMM_NOT_DIV16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps,
+                                                                          "num_stages": stages})
 
 
 def ptxas_info(ptx: str) -> dict:
@@ -185,16 +239,25 @@ def main() -> int:
     ap.add_argument("--loops", action="store_true", help="also print each loop body's instruction mix")
     ap.add_argument("--only", default="", help="comma-separated substrings: compile only the variants whose "
                     "'name [dtype]' contains one of them")
+    ap.add_argument("--kernel", choices=("efta", "gemm"), default="efta",
+                    help="EFTA's variants (VARIANTS) or the checked GEMM's (GEMM_VARIANTS)")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     rows = []
     only = [w for w in args.only.split(",") if w]
-    for name, dtype, over, nw, ns in VARIANTS:
+    if args.kernel == "gemm":
+        todo = [(name, dtype, (cfg, over), cfg[3], cfg[4]) for name, dtype, cfg, over in GEMM_VARIANTS]
+    else:
+        todo = VARIANTS
+    for name, dtype, over, nw, ns in todo:
         if only and not any(w in f"{name} [{dtype}]" for w in only):
             continue
         t0 = time.time()
         try:
-            c = compile_variant(dtype, over, nw, ns, args.arch)
+            if args.kernel == "gemm":
+                c = compile_gemm_variant(dtype, *over, args.arch)
+            else:
+                c = compile_variant(dtype, over, nw, ns, args.arch)
         except Exception as exc:  # report and go on: a compile error is a finding
             print(f"FAIL {name} [{dtype}]: {type(exc).__name__}: {str(exc)[:200]} ... {str(exc)[-400:]}", flush=True)
             rows.append(dict(variant=name, dtype=dtype, error=type(exc).__name__))
