@@ -2,7 +2,10 @@
 """Attention forward benchmark on a CUDA GPU: PyTorch SDPA vs our Triton kernel, with and without EFTA.
 
 Variants, timed side by side at every shape with ``triton.testing.do_bench`` (or CUDA graphs with
-``--cudagraph``):
+``--cudagraph``), in ``--rounds`` interleaved rounds: every variant once per round, the order rotated
+by one each round (``_timing.interleaved``); times are medians over the rounds, and the ratios to
+``sdpa_flash`` and ``ours_off`` medians of the same round's ratios, so a drift of the GPU's speed
+during the run reaches both sides of a ratio alike:
 
 * ``sdpa_flash``   — ``F.scaled_dot_product_attention`` under ``SDPBackend.FLASH_ATTENTION``
 * ``sdpa_cudnn``   — the same under ``SDPBackend.CUDNN_ATTENTION``
@@ -37,9 +40,13 @@ import csv
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import interleaved  # noqa: E402
 
 VARIANTS = ("sdpa_flash", "sdpa_cudnn", "ours_off", "efta_detect", "efta_correct", "efta_pasa", "pasa_off",
             "pasa_fp16", "decoupled")
@@ -135,7 +142,7 @@ def decoupled_attention(q, k, v, scale: float, causal: bool, counters):
 
 
 def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
-    """Time every variant at one shape; returns a list of row dicts.
+    """Time every variant at one shape in ``args.rounds`` interleaved rounds; returns a list of row dicts.
 
     ``args.timer`` (optional) replaces do_bench: ``timer(fn) -> ms`` (used for a CPU dry run).
     """
@@ -163,6 +170,7 @@ def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
 
     ref = None
     rows = []
+    fns = {}
     for variant in VARIANTS:
         row = dict(kind=kind, dtype=str(dtype).replace("torch.", ""), B=B, H=H, M=M, N=N, D=D, causal=causal,
                    variant=variant, ms=float("nan"), tflops=float("nan"), gbps=float("nan"),
@@ -203,26 +211,49 @@ def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
                     ref = out.float()
                 if ref is not None:
                     row["max_abs_err"] = (out.float() - ref).abs().max().item()
-                ms = timer(fn)
-            row["ms"] = ms
-            row["tflops"] = flops(B, H, M, N, D, causal) / (ms * 1e-3) / 1e12
-            row["gbps"] = nbytes(B, H, M, N, D, q.element_size()) / (ms * 1e-3) / 1e9
-            if variant == "decoupled":
-                row["calls"] = ncalls[0]
-                row["detected_clean"] = int(counters.sum().item())
             if variant in OURS:
-                row["calls"] = ncalls[0]
-                row["detected_clean"] = int(counters[:, 0].sum().item())
                 launched = K.LAST_CONFIG[0]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
                 row["config"] = ",".join(map(str, launched)) if launched is not None else ""
+            fns[variant] = (fn, counters if variant in OURS or variant == "decoupled" else None,
+                            ncalls if variant in OURS or variant == "decoupled" else None)
         except Exception as exc:  # a backend that does not take this shape
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         rows.append(row)
-    # ratios (time relative to sdpa_flash and to our unchecked kernel)
-    by = {r["variant"]: r["ms"] for r in rows}
+
+    failed = {}
+
+    def timed(name_fn):
+        name, fn = name_fn
+        try:
+            with torch.no_grad():
+                return timer(fn)
+        except Exception as exc:  # e.g. out of memory while timing
+            failed.setdefault(name, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            return float("nan")
+
+    per_round = interleaved({v: (v, f[0]) for v, f in fns.items()}, max(1, getattr(args, "rounds", 1)), timed)
+    by_row = {r["variant"]: r for r in rows}
+    for variant, (_fn, counters, ncalls) in fns.items():
+        row = by_row[variant]
+        if variant in failed:
+            row["error"] = failed[variant]
+            continue
+        ms = statistics.median(per_round[variant])
+        row["ms"] = ms
+        row["tflops"] = flops(B, H, M, N, D, causal) / (ms * 1e-3) / 1e12
+        row["gbps"] = nbytes(B, H, M, N, D, q.element_size()) / (ms * 1e-3) / 1e9
+        if variant == "decoupled":
+            row["calls"] = ncalls[0]
+            row["detected_clean"] = int(counters.sum().item())
+        if variant in OURS:
+            row["calls"] = ncalls[0]
+            row["detected_clean"] = int(counters[:, 0].sum().item())
+    # ratios to sdpa_flash and to our unchecked kernel: medians of the same round's ratios
     for r in rows:
-        r["x_vs_flash"] = r["ms"] / by["sdpa_flash"] if by.get("sdpa_flash") else float("nan")
-        r["x_vs_ours_off"] = r["ms"] / by["ours_off"] if by.get("ours_off") else float("nan")
+        for col, base in (("x_vs_flash", "sdpa_flash"), ("x_vs_ours_off", "ours_off")):
+            ok = not r["error"] and base in per_round and base not in failed
+            r[col] = (statistics.median(t / tb for t, tb in zip(per_round[r["variant"]], per_round[base]))
+                      if ok else float("nan"))
     if device == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -376,8 +407,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a small subset of shapes (fp16 only)")
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--kinds", default="prefill,decode")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    ap.add_argument("--warmup", type=int, default=10, help="do_bench warmup of one timing (ms)")
+    ap.add_argument("--rep", type=int, default=35, help="do_bench repetition time of one timing (ms)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each times every variant once")
     ap.add_argument("--cudagraph", action="store_true", help="time with CUDA graphs (no launch overhead)")
     ap.add_argument("--plot-from", default=None, help="only redraw the plot from this CSV")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),

@@ -31,12 +31,15 @@ import csv
 import os
 import platform
 import statistics
-from collections.abc import Callable
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import interleaved, ratio_summary  # noqa: E402
 
 SQUARES = [2048, 4096, 8192]
 DECODE = [(m, n, k) for (n, k) in ((4864, 896), (896, 4864), (1536, 576)) for m in (1, 4, 16)]
@@ -86,30 +89,10 @@ def _with_env(fn, name: str, value: str):
     return run
 
 
-def interleaved(fns: dict[str, Callable], rounds: int, timer: Callable[[Callable], float]
-                ) -> dict[str, list[float]]:
-    """Each of ``fns`` timed once per round by ``timer`` (ms), the order rotated by one each round.
-
-    Returns every round's time per name, in round order."""
-    names = list(fns)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            times[name].append(timer(fns[name]))
-    return times
-
-
-def ratio_summary(times: dict[str, list[float]], base: str, name: str) -> tuple[float, float, float]:
-    """(median, lowest, highest) over the rounds of ``base``'s time / ``name``'s time in the same round."""
-    r = [tb / tn for tb, tn in zip(times[base], times[name], strict=True)]
-    return statistics.median(r), min(r), max(r)
-
-
 def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_torch_checked: bool,
               graph: bool = False, pointer: bool = False, two_launch: bool = False, rounds: int = 1,
               split_k: bool = False) -> tuple[dict[str, list[float]], int, float]:
-    """Times (ms, one per round, `interleaved`) of each method on ``F.linear(x, w, b)``; the fused
+    """Times (ms, one per round, `_timing.interleaved`) of each method on ``F.linear(x, w, b)``; the fused
     call's event count and max error.
 
     ``graph``: also time cuBLAS, fused and plain as CUDA-graph replays (``*_graph``: GPU time without

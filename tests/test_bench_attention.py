@@ -53,3 +53,40 @@ def test_decoupled_flags_a_corrupted_score(monkeypatch):
     monkeypatch.setattr(torch, "matmul", faulty_matmul)
     decoupled_attention(q, k, v, 1 / math.sqrt(64), False, counters)
     assert counters[0].item() == 1  # one row failed its score checksum
+
+
+def test_variants_are_timed_in_interleaved_rounds(monkeypatch):
+    """bench_shape times every variant once per round in an order rotated by one each round, reports
+    the median time, and takes each ratio to sdpa_flash as the median of the same round's ratios
+    (5 here; the ratio of the medians would be 8/3)."""
+    import types
+
+    import bench_attention
+
+    monkeypatch.setattr(bench_attention, "VARIANTS", ("sdpa_flash", "decoupled"))
+    seen = []
+    real = bench_attention.decoupled_attention
+
+    def counting(*a, **kw):
+        seen.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(bench_attention, "decoupled_attention", counting)
+    order = []
+    per_round = {"sdpa_flash": [1.0, 3.0, 4.0], "decoupled": [5.0, 30.0, 8.0]}
+
+    def timer(fn):
+        before = len(seen)
+        fn()
+        name = "decoupled" if len(seen) > before else "sdpa_flash"
+        order.append(name)
+        return per_round[name][sum(n == name for n in order) - 1]
+
+    args = types.SimpleNamespace(timer=timer, rounds=3, cudagraph=False)
+    rows = bench_attention.bench_shape("prefill", 1, 2, 16, 16, 16, False, torch.float32, args, device="cpu")
+    by = {r["variant"]: r for r in rows}
+    assert not by["sdpa_flash"]["error"] and not by["decoupled"]["error"], rows
+    assert order == ["sdpa_flash", "decoupled", "decoupled", "sdpa_flash", "sdpa_flash", "decoupled"]
+    assert by["sdpa_flash"]["ms"] == 3.0 and by["decoupled"]["ms"] == 8.0
+    assert by["decoupled"]["x_vs_flash"] == 5.0 and by["sdpa_flash"]["x_vs_flash"] == 1.0
+    assert by["decoupled"]["calls"] == 4 and by["decoupled"]["detected_clean"] == 0  # warm-up + 3 rounds

@@ -1,4 +1,5 @@
-"""`scripts/bench_linear.py`'s interleaving on the CPU (the benchmark itself needs CUDA)."""
+"""`scripts/_timing.py` (the benchmarks' interleaved rounds) and `scripts/bench_linear.py`'s shapes, on
+the CPU (the benchmark itself needs CUDA)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ _spec = importlib.util.spec_from_file_location(
     "bench_linear", Path(__file__).resolve().parents[1] / "scripts" / "bench_linear.py")
 bench_linear = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_linear)
+import _timing  # noqa: E402  (scripts/ is on sys.path once bench_linear is loaded)
 
 
 def test_rounds_rotate_the_order_and_keep_each_rounds_times():
@@ -23,7 +25,7 @@ def test_rounds_rotate_the_order_and_keep_each_rounds_times():
         return float(next(clock))
 
     fns = {name: (lambda name=name: name) for name in ("a", "b", "c")}
-    times = bench_linear.interleaved(fns, 4, timer)
+    times = _timing.interleaved(fns, 4, timer)
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
     assert times == {"a": [1.0, 6.0, 8.0, 10.0], "b": [2.0, 4.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 12.0]}
 
@@ -31,10 +33,10 @@ def test_rounds_rotate_the_order_and_keep_each_rounds_times():
 def test_ratio_summary_pairs_times_of_the_same_round():
     # a drift that doubles every time of round 1: per-round ratios stay 2.0; medians of times would not pair up
     times = {"cublas": [1.0, 2.0, 1.0], "fused": [0.5, 1.0, 0.25]}
-    med, lo, hi = bench_linear.ratio_summary(times, "cublas", "fused")
+    med, lo, hi = _timing.ratio_summary(times, "cublas", "fused")
     assert (med, lo, hi) == (2.0, 2.0, 4.0)
     with pytest.raises(ValueError):
-        bench_linear.ratio_summary({"cublas": [1.0], "fused": [1.0, 2.0]}, "cublas", "fused")
+        _timing.ratio_summary({"cublas": [1.0], "fused": [1.0, 2.0]}, "cublas", "fused")
 
 
 def test_shape_kinds():
