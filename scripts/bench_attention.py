@@ -375,12 +375,21 @@ def targets(rows) -> None:
     for r in rows:
         if not r["error"]:
             shapes_.setdefault((r["kind"], r["dtype"], r["B"], r["H"], r["M"], r["N"], r["D"], r["causal"]),
-                               {})[r["variant"]] = r["ms"]
+                               {})[r["variant"]] = r
     pre = [v for k, v in shapes_.items() if k[0] == "prefill"]
     dec = [v for k, v in shapes_.items() if k[0] == "decode"]
+    paired = {"sdpa_flash": "x_vs_flash", "ours_off": "x_vs_ours_off"}  # same-round ratios (bench_shape)
+
+    def ratio(v, num, den):
+        """time(num) / time(den) at one shape: a same-round ratio where bench_shape has one."""
+        if den in paired and v[num].get(paired[den]) == v[num].get(paired[den]):
+            return v[num][paired[den]]
+        if num in paired and v[den].get(paired[num]) == v[den].get(paired[num]):
+            return 1.0 / v[den][paired[num]]
+        return v[num]["ms"] / v[den]["ms"]
 
     def ratios(sel, num, den):
-        return [v[num] / v[den] for v in sel if num in v and den in v]
+        return [ratio(v, num, den) for v in sel if num in v and den in v]
 
     def line(name, xs, goal):
         if xs:

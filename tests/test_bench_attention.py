@@ -90,3 +90,20 @@ def test_variants_are_timed_in_interleaved_rounds(monkeypatch):
     assert by["sdpa_flash"]["ms"] == 3.0 and by["decoupled"]["ms"] == 8.0
     assert by["decoupled"]["x_vs_flash"] == 5.0 and by["sdpa_flash"]["x_vs_flash"] == 1.0
     assert by["decoupled"]["calls"] == 4 and by["decoupled"]["detected_clean"] == 0  # warm-up + 3 rounds
+
+
+def test_targets_use_same_round_ratios(capsys):
+    """The target summary takes a shape's ratio to sdpa_flash or ours_off from bench_shape's paired
+    columns (same-round ratios), not from the ratio of median times."""
+    import bench_attention
+
+    base = dict(kind="prefill", dtype="float16", B=1, H=16, M=1024, N=1024, D=64, causal=True, error="")
+    rows = [dict(base, variant="sdpa_flash", ms=2.0, x_vs_flash=1.0, x_vs_ours_off=2.2),
+            dict(base, variant="ours_off", ms=1.0, x_vs_flash=0.45, x_vs_ours_off=1.0),
+            dict(base, variant="efta_correct", ms=3.0, x_vs_flash=1.5, x_vs_ours_off=2.9),
+            dict(base, variant="decoupled", ms=30.0, x_vs_flash=15.0, x_vs_ours_off=30.0)]
+    bench_attention.targets(rows)
+    out = capsys.readouterr().out
+    assert "ours_off / sdpa_flash: median 2.20" in out  # sdpa_flash's x_vs_ours_off, not 2.0 / 1.0
+    assert "efta_correct / ours_off: median 2.90" in out
+    assert "efta_correct over decoupled: median 10.00" in out  # no paired column: median times
