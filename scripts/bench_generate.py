@@ -47,6 +47,13 @@ that of the variant's own calls and weights (the other copies' parameters and bu
 ``--compile MODE`` decodes with ``cache_implementation="static"`` and transformers' compiled decode
 step (``CompileConfig(mode=MODE)``; on CUDA ``reduce-overhead`` captures CUDA graphs); the compilation
 runs in the warmup, per variant.
+
+``--profile`` runs one more call of each (variant, workload) after its timed calls under
+``torch.profiler`` and writes the ops and kernels that took the most device time to
+``profile_<model>_<dtype>_<variant>_<workload>.txt``: where a protected decode step's extra time goes.
+
+    python scripts/bench_generate.py --out prof --models qwen2-0.5b --prefill --decode-batch 1 \
+        --new-tokens 16 --variants attn_only full --compile reduce-overhead --profile
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import csv
 import gc
 import math
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -292,14 +300,33 @@ def _stats(samples: list[float]) -> tuple[float, float]:
     return float(t.median()), float(t.std()) if len(samples) > 1 else 0.0
 
 
+def profile_once(run: Callable[[], None], path: Path, device: torch.device, rows: int = 30) -> str:
+    """One more, untimed, call of ``run`` under ``torch.profiler``: the table of the ops and kernels that
+    took the most device time (CPU time on the CPU) goes to ``path``; returns it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=rows)
+    path.write_text(table)
+    return table
+
+
 def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup: int, repeats: int,
                  vocab: int, gen_kwargs: dict | None = None,
-                 between: Callable[[], None] = lambda: None) -> tuple[float, float, float]:
+                 between: Callable[[], None] = lambda: None,
+                 profile_path: Path | None = None) -> tuple[float, float, float]:
     """``(ms, std ms, peak MiB)`` of one workload on the model as configured now.
 
     ``gen_kwargs`` go to ``generate`` (decode only), e.g. a static cache and a compile config.
     ``between`` runs, untimed, after the warmup and after every timed call (it collects and resets
     the fault report, so the device-side event history of one call is all the peak memory holds).
+    ``profile_path``: after the timed calls (and the peak memory reading), one more call under the
+    profiler (`profile_once`), its table written there.
     """
     run, sample = _workload_calls(model, wl, device, timer, vocab, gen_kwargs)
     for _ in range(warmup):
@@ -311,6 +338,9 @@ def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup
         samples.append(sample())
         between()
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else math.nan
+    if profile_path is not None:
+        profile_once(run, profile_path, device)
+        between()
     return (*_stats(samples), peak)
 
 
@@ -513,6 +543,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no new measurement after this many seconds (the outputs are still written)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each variant's timed calls, one more under torch.profiler: the top ops and "
+                        "kernels by device time to <out>/profile_<model>_<dtype>_<variant>_<workload>.txt "
+                        "(not with --interleave)")
     p.add_argument("--plot-from", default=None, help="only redraw the plot from this CSV")
     return p.parse_args(argv)
 
@@ -550,6 +584,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if args.interleave and args.compile != "off":
         raise SystemExit("--interleave times eager calls only: it cannot be combined with --compile")
+    if args.interleave and args.profile:
+        raise SystemExit("--profile profiles the variants one after another: it cannot be combined with --interleave")
     if args.new_tokens < 2:
         raise SystemExit("--new-tokens must be >= 2 (time per token = (t(N) - t(1)) / (N - 1))")
     variants = list(args.variants or VARIANTS)
@@ -712,8 +748,10 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         harvest()
                         r.events = r.nonfinite = 0
+                        stem = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{name}_{dname}_{variant}_{wl.label}").strip("_")
+                        prof = out / f"profile_{stem}.txt" if args.profile else None
                         r.ms, r.ms_std, r.peak_mib = run_workload(model, wl, dev, timer, args.warmup,
-                                                                  args.repeats, vocab, gen_kwargs, harvest)
+                                                                  args.repeats, vocab, gen_kwargs, harvest, prof)
                     except torch.cuda.OutOfMemoryError:
                         r.error = "OOM"
                     except Exception as e:  # keep the other measurements; say what failed

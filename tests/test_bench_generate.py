@@ -63,3 +63,17 @@ def test_run_interleaved_alternates_variants(monkeypatch):
     assert timed == ["sdpa", "attn_only", "full", "attn_only", "full", "sdpa", "full", "sdpa", "attn_only"]
     assert [kind for kind, _ in order[:3]] == ["warm"] * 3
     assert all(r[0] == 1.0 for r in res.values())
+
+
+def test_profile_writes_a_table_per_variant_and_workload(tmp_path):
+    out = tmp_path / "bg"
+    rc = bg.main(["--device", "cpu", "--quick", "--models", "gpt2", "--prefill", "16", "--decode-batch", "1",
+                  "--new-tokens", "2", "--repeats", "1", "--warmup", "1", "--variants", "full", "--profile",
+                  "--no-progress", "--out", str(out)])
+    assert rc == 0
+    tables = sorted(p.name for p in out.glob("profile_*.txt"))
+    assert len(tables) == 4, tables  # (sdpa, full) × (prefill 16, decode b1)
+    text = (out / [t for t in tables if "full" in t and "prefill" in t][0]).read_text()
+    assert "Self CPU" in text and "aten::" in text
+    with pytest.raises(SystemExit, match="--interleave"):
+        bg.resolve(bg.parse_args(["--device", "cpu", "--interleave", "--profile"]))
