@@ -45,10 +45,10 @@ Design (one or two launches, no host synchronisation):
    row as stored against the output-side threshold, and in accumulator mode D1 with the repaired
    term against the accumulator-side one) → ``corrected``; other faulty rows are recomputed in the
    kernel (``x[m]·Wᵀ + b``), at most ``capacity`` (16) rows per call, claimed through one atomic on
-   a per-call slot counter → ``recomputed``; the rest → ``uncorrectable``. Counters are atomics into the caller's (6, 5)
-   int32 block. Non-finite x (found by the GEMM tiles) or W/b (known when the weight
-   checksums were built) count one ``nonfinite_input`` and switch the call's checks off, as on
-   the reference path.
+   a per-call slot counter → ``recomputed``; the rest → ``uncorrectable``. Counters are atomics
+   into the caller's (6, 5) int32 block. Non-finite x (found by the GEMM tiles) or W/b (known when
+   the weight checksums were built) count one ``nonfinite_input`` and switch the call's checks
+   off, as on the reference path.
 
    By default this launch is skipped (``FTT_ABFT_GEMM_ONE_LAUNCH=0`` keeps it): in each row block
    the GEMM tile that finishes last (a per-device semaphore per row block, reset by that program)
@@ -767,10 +767,12 @@ def _cells(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return c
 
 
-def _stats_buffer(slots: int, m: int, device: torch.device, workspace: int = 0) -> torch.Tensor:
-    """fp32 (slots·M·10 + workspace,): the (slots, M, 2) row sums of the tiles (of each split with
-    split-K), then their (slots, M, 8) checksum partials and row statistics (the kernels address this
-    part as ``P + slots·M·2``), then ``workspace`` floats for split-K's partial tiles."""
+def _stats_buffer(slots: int, m: int, device: torch.device, split: int = 1, n: int = 0) -> torch.Tensor:
+    """fp32 (slots·M·10 [+ split·M·N],): the (slots, M, 2) row sums of the tiles (one slot per tile
+    and split), then their (slots, M, 8) checksum partials and row statistics (the kernels address
+    this part as ``P + slots·M·2``), then, with ``split`` > 1, the (split, M, N) partial tiles of
+    split-K."""
+    workspace = split * m * n if split > 1 else 0
     return torch.empty(slots * m * (2 + _STATS_W) + workspace, dtype=torch.float32, device=device)
 
 
@@ -850,7 +852,7 @@ def _one_launch(m: int, n: int, k: int, block_m: int, device: torch.device) -> b
 
 def _launch_gemm(cfg, L: _Launch, **kw) -> None:
     """Launch `_gemm_call`'s GEMM."""
-    _GEMM_LAUNCH(*_gemm_call(cfg, L, **kw))
+    _launcher(0)(*_gemm_call(cfg, L, **kw))
 
 
 def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect, verify_output, dot_f32,
@@ -917,7 +919,7 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
     for c in cands:
         split = _split_k(m, n, k, c, dev) if detect else 1
         t = _cdiv(n, c[1])
-        P = _stats_buffer(t * split, m, dev, split * m * n if split > 1 else 0)
+        P = _stats_buffer(t * split, m, dev, split, n)
 
         def run(c=c, split=split, P=P):
             _launch_gemm(c, Ls, bias=bias, w12=w12, P=P, inj=None, flag=flag, ws=ws, call_id=0,
@@ -1069,7 +1071,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         emax = _emax(y.dtype, dev, mode, k)
     split = _split_k(m, n, k, cfg, dev)
     t = _cdiv(n, cfg[1]) * split  # row-sum and stats slots: one per (split, tile)
-    P = _stats_buffer(t, m, dev, split * m * n if split > 1 else 0)
+    P = _stats_buffer(t, m, dev, split, n)
     # a repaired row is re-verified as stored (rounded): with the output-side unit error
     reverify = 1.0
     if correct and not verify_output:

@@ -214,8 +214,8 @@ def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
             if variant in OURS:
                 launched = K.LAST_CONFIG[0]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
                 row["config"] = ",".join(map(str, launched)) if launched is not None else ""
-            fns[variant] = (fn, counters if variant in OURS or variant == "decoupled" else None,
-                            ncalls if variant in OURS or variant == "decoupled" else None)
+            counted = variant in OURS or variant == "decoupled"  # the variants that count calls and events
+            fns[variant] = (fn, counters if counted else None, ncalls if counted else None)
         except Exception as exc:  # a backend that does not take this shape
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         rows.append(row)
