@@ -53,9 +53,12 @@ Design (one or two launches, no host synchronisation):
    By default this launch is skipped (``FTT_ABFT_GEMM_ONE_LAUNCH=0`` keeps it): in each row block
    the GEMM tile that finishes last (a per-device semaphore per row block, reset by that program)
    runs the same verification over the row block's rows, and the last row block to be verified
-   settles the call's counts (see `_gemm_kernel`). The result and the counts are the two-launch
-   path's; only a call with a non-finite x somewhere may get repairs in its other rows that the
-   reference path (checks off for the whole call) does not make.
+   settles the call's counts (see `_gemm_kernel`). A call of one row block (decode) skips that last
+   stage: its verifying program runs after every tile, so it verifies exactly as `_verify_kernel`
+   does and counts straight into the caller's counters (0.6-1.3 µs less per decode call on the
+   H100, ``docs/vabft.md``, session 22). The result and the counts are the two-launch path's; only
+   a call of several row blocks with a non-finite x somewhere may get repairs in its other rows
+   that the reference path (checks off for the whole call) does not make.
 
 Block sizes: the ``CONFIGS_*`` lists below are the only place; ``_pick_config`` times the
 candidates (GPU time, `tl_common.gpu_time`) once per (dtype, layout, flags, M bucket, N, K) on CUDA
@@ -333,8 +336,10 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws, Tc,
     skipping rows whose own x is non-finite. It then counts the row block verified on [0]; the one
     that sees all row blocks publishes the call's counts into ``Cnt`` — or, if any x of the call was
     non-finite (``Flag``) or W/b is, one ``nonfinite_input`` instead, like the reference — and
-    resets [0:8]. The verify arguments (``Sem`` … ``reverify_scale``) are those of
-    ``_verify_kernel``; unused otherwise."""
+    resets [0:8]. A call of one row block skips the [0] stage: every tile has counted before its
+    verifier starts, so that program verifies with the whole call's non-finite flag, as
+    ``_verify_kernel`` does, counts into ``Cnt`` itself and resets [1]. The verify arguments
+    (``Sem`` … ``reverify_scale``) are those of ``_verify_kernel``; unused otherwise."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
@@ -365,29 +370,41 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws, Tc,
         done = tl.atomic_add(Sem + 8 + pid_m, 1, sem="acq_rel")
         if done == slots - 1:
             tl.store(Sem + 8 + pid_m, 0)  # ready for the next call (every tile has counted)
-            for r0 in range(0, tl.minimum(BLOCK_M, M - pid_m * BLOCK_M), VERIFY_R):
-                _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Sem + 1, Sem + 2, Dbg,
-                             pid_m * BLOCK_M + r0 + tl.arange(0, VERIFY_R), False, M, N, K, slots,
-                             sxm, sxk, swn, swk, sym, syn, 0, 1, inv_n, fn, inv_k, call_id, w_finite,
-                             capacity, th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
-                             VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, True, VERIFY_OUTPUT)
-            tl.debug_barrier()  # every thread's counts before the row block counts as verified
-            fin = tl.atomic_add(Sem, 1, sem="acq_rel")
-            if fin == num_pid_m - 1:
-                # every verifier has finished: plain loads and stores (no atomic round trips in the tail)
-                ok = (tl.load(Flag, cache_modifier=".cg") != call_id) & (w_finite != 0)
-                c8 = tl.arange(0, 8)
-                cs = tl.load(Sem + c8, cache_modifier=".cg")  # [2:6]: detected, corrected, recomputed, uncorrectable
-                tl.store(Sem + c8, 0)
-                cbase = Cnt + _SITE_ROW * scn0
-                if ok:
-                    if tl.sum(tl.where((c8 >= 2) & (c8 < 6), cs, 0), axis=0) > 0:
-                        for kind in tl.static_range(4):
-                            c = tl.sum(tl.where(c8 == kind + 2, cs, 0), axis=0)
-                            if c > 0:
-                                tl.atomic_add(cbase + kind * scn1, c)
-                else:
-                    tl.atomic_add(cbase + _NONF * scn1, 1)
+            if num_pid_m == 1:
+                # the call's only row block (decode): every tile has finished, so the flag of a
+                # non-finite x is final. Verify with the two-launch semantics (checks off for the
+                # whole call) and count straight into Cnt: no row-block stage, two fewer round trips.
+                for r0 in range(0, M, VERIFY_R):
+                    _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Sem + 1, Cnt, Dbg, r0 + tl.arange(0, VERIFY_R),
+                                 r0 == 0, M, N, K, slots, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_n, fn,
+                                 inv_k, call_id, w_finite, capacity, th_det, th_v2, th_v3, th_var23, th_var4,
+                                 th_bias, reverify_scale, VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS, CORRECT, DEBUG,
+                                 DOT_F32, False, VERIFY_OUTPUT)
+                tl.store(Sem + 1, 0)  # the recompute slot counter, for the next call
+            else:
+                for r0 in range(0, tl.minimum(BLOCK_M, M - pid_m * BLOCK_M), VERIFY_R):
+                    _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Sem + 1, Sem + 2, Dbg,
+                                 pid_m * BLOCK_M + r0 + tl.arange(0, VERIFY_R), False, M, N, K, slots,
+                                 sxm, sxk, swn, swk, sym, syn, 0, 1, inv_n, fn, inv_k, call_id, w_finite,
+                                 capacity, th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
+                                 VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, True, VERIFY_OUTPUT)
+                tl.debug_barrier()  # every thread's counts before the row block counts as verified
+                fin = tl.atomic_add(Sem, 1, sem="acq_rel")
+                if fin == num_pid_m - 1:
+                    # every verifier has finished: plain loads and stores (no atomic round trips in the tail)
+                    ok = (tl.load(Flag, cache_modifier=".cg") != call_id) & (w_finite != 0)
+                    c8 = tl.arange(0, 8)
+                    cs = tl.load(Sem + c8, cache_modifier=".cg")  # [2:6]: detected, corrected, recomputed, unc.
+                    tl.store(Sem + c8, 0)
+                    cbase = Cnt + _SITE_ROW * scn0
+                    if ok:
+                        if tl.sum(tl.where((c8 >= 2) & (c8 < 6), cs, 0), axis=0) > 0:
+                            for kind in tl.static_range(4):
+                                c = tl.sum(tl.where(c8 == kind + 2, cs, 0), axis=0)
+                                if c > 0:
+                                    tl.atomic_add(cbase + kind * scn1, c)
+                    else:
+                        tl.atomic_add(cbase + _NONF * scn1, 1)
 
 
 @triton.jit
