@@ -27,10 +27,6 @@ Design (one or two launches, no host synchronisation):
      no program is added: an earlier version ran separate checksum programs that re-read x from
      memory, and each held a GEMM-sized share of shared memory (one per SM) while doing little
      arithmetic; they cost up to 60 % at K-heavy shapes.
-   * Split-K (``FTT_ABFT_GEMM_SPLIT_K``, calls of one row block, off by default): SPLIT_K programs
-     per tile over consecutive shares of K; each stores an fp32 partial tile, the last to finish
-     sums them in split order and finishes the tile (`_gemm_tile`). Their row sums and checksum
-     shares take one slot per (split, tile), which the verification sums like the tiles'.
 
    Why not append ``w1``/``w2`` as extra output columns of the same GEMM: the checksum operand must
    keep fp32 accuracy, which in fp16/bf16 means splitting it into 2–3 slices of the input dtype
@@ -92,7 +88,7 @@ from ..injection import FaultPlan
 from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
 from ..vabft import WeightChecksums, default_emax, weight_checksums
 from .launch import DirectLauncher
-from .tl_common import call_flag, gpu_time, on_tensor_device, runs_interpreted, sm_count
+from .tl_common import call_flag, gpu_time, on_tensor_device, runs_interpreted
 from .tl_common import cdiv as _cdiv
 from .tl_common import dot as _mma
 
@@ -144,8 +140,6 @@ VERIFY_TILES = 16  # tiles' partial sums one verify load takes per row
 # cells hold take two launches.
 ONE_LAUNCH_VERIFY_ROWS = 64
 ONE_LAUNCH_ROW_BLOCKS = 8192
-SPLIT_K_MAX = 16  # programs per output tile at most (split-K, `_split_k`)
-SPLIT_TILES = 4096  # tile cells per device (`_cells`): calls of more tiles do not split
 PREPARED_PER_WEIGHT = 64  # prepared call signatures kept per weight (`_PreparedCall`)
 _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
@@ -156,12 +150,12 @@ _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 
 @triton.jit
-def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Tc, pid_m, pid_n, split, num_pid_m, num_pid_n,
-               offs_m, offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
+def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, num_pid_m, num_pid_n, offs_m,
+               offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                HAS_BIAS: tl.constexpr, DETECT: tl.constexpr, VERIFY_OUTPUT: tl.constexpr,
                INJ: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
-               TMA: tl.constexpr, W_KN: tl.constexpr, TMA_STORE: tl.constexpr, SPLIT_K: tl.constexpr):
+               TMA: tl.constexpr, W_KN: tl.constexpr, TMA_STORE: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile: fp32 GEMM + bias, rounding, injection, row partial sums, store;
     when DETECT also its share of the row checksums: the K blocks ``kb ≡ pid_n (mod T)`` of x, which
     the tile has just loaded (read again from L2), give partial ``x·w1``, ``x·w2`` and row max / min /
@@ -171,15 +165,7 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Tc, pid_m, pid_n
     or (K, N) when W_KN) and ``Yd`` (M, N), whose out-of-bounds rows/columns read as zero and are not
     written; otherwise through the pointers X, W, Y and strides. TMA_STORE: y through ``Yd`` too (not
     in the one-launch GEMM, whose verifying program reads the other tiles' y: a TMA store is
-    asynchronous, and Triton waits only until its shared-memory source may be reused).
-
-    SPLIT_K > 1 (calls of one row block, DETECT): this program multiplies the K blocks of split
-    ``split`` only, stores its fp32 partial tile into the workspace after the stats in P (split, M, N),
-    and counts itself on the tile's cell ``Tc + pid_n`` (barrier, then an acq_rel atomic, as the
-    one-launch verification does). The split that arrives last resets the cell, sums the partial
-    tiles in split order (deterministic) and finishes the tile as an unsplit program would; the
-    others write zero row sums. Row sums and checksum partials go to slot ``split·T + pid_n``, so
-    the verification sums T·SPLIT_K slots as it sums T."""
+    asynchronous, and Triton waits only until its shared-memory source may be reused)."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -192,15 +178,7 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Tc, pid_m, pid_n
     sm = tl.zeros((BLOCK_M,), tl.float32)
     mx = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     mn = tl.full((BLOCK_M,), float("inf"), tl.float32)
-    kb_lo = 0
-    kb_hi = tl.cdiv(K, BLOCK_K)
-    if SPLIT_K > 1:
-        per = tl.cdiv(kb_hi, SPLIT_K)
-        kb_lo = split * per
-        kb_hi = tl.minimum(kb_lo + per, kb_hi)
-        a_ptrs += kb_lo * BLOCK_K * sxk
-        b_ptrs += kb_lo * BLOCK_K * swk
-    for kb in range(kb_lo, kb_hi):
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
         if TMA:
             a = Xd.load([pid_m * BLOCK_M, kb * BLOCK_K])
             if W_KN:
@@ -232,46 +210,6 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Tc, pid_m, pid_n
         if not TMA:
             a_ptrs += BLOCK_K * sxk
             b_ptrs += BLOCK_K * swk
-    slot = split * num_pid_n + pid_n
-    if DETECT:
-        # NaN makes the sum NaN (max/min may ignore it); ±inf shows in max/min
-        nf = ~(tl.abs(sm) < float("inf")) | (mx == float("inf")) | (mn == -float("inf"))
-        if tl.max((nf & m_ok).to(tl.int32), axis=0) > 0:
-            tl.atomic_max(Flag, call_id)
-        srow = S + (slot * M + offs_m) * 8
-        tl.store(srow + 0, c1, mask=m_ok)
-        tl.store(srow + 1, c2, mask=m_ok)
-        tl.store(srow + 2, mx, mask=m_ok)
-        tl.store(srow + 3, mn, mask=m_ok)
-        tl.store(srow + 4, sm, mask=m_ok)
-    if SPLIT_K > 1:
-        wk = S + num_pid_n * SPLIT_K * M * 8 + offs_m[:, None] * N + offs_n[None, :]  # (SPLIT_K, M, N) fp32
-        wk_ok = m_ok[:, None] & n_ok[None, :]
-        tl.store(wk + split * M * N, acc, mask=wk_ok)
-        tl.debug_barrier()  # every thread's partial stored before the count
-        if tl.atomic_add(Tc + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
-            tl.store(Tc + pid_n, 0)  # ready for the next call (every split has counted)
-            acc = tl.load(wk, mask=wk_ok, other=0.0, cache_modifier=".cg")
-            for s in range(1, SPLIT_K):
-                acc += tl.load(wk + s * M * N, mask=wk_ok, other=0.0, cache_modifier=".cg")
-            _tile_epilogue(acc, Y, Yd, Bias, P, Inj, pid_m, pid_n, slot, num_pid_m, offs_m, offs_n, m_ok, n_ok,
-                           M, sym, syn, inv_n, BLOCK_M, BLOCK_N, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, TMA_STORE)
-        else:
-            zero = tl.zeros((BLOCK_M,), tl.float32)
-            tl.store(P + (slot * M + offs_m) * 2, zero, mask=m_ok)
-            tl.store(P + (slot * M + offs_m) * 2 + 1, zero, mask=m_ok)
-    else:
-        _tile_epilogue(acc, Y, Yd, Bias, P, Inj, pid_m, pid_n, slot, num_pid_m, offs_m, offs_n, m_ok, n_ok,
-                       M, sym, syn, inv_n, BLOCK_M, BLOCK_N, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, TMA_STORE)
-
-
-@triton.jit
-def _tile_epilogue(acc, Y, Yd, Bias, P, Inj, pid_m, pid_n, slot, num_pid_m, offs_m, offs_n, m_ok, n_ok,
-                   M, sym, syn, inv_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   DETECT: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr,
-                   TMA_STORE: tl.constexpr):
-    """A finished fp32 tile ``acc`` (BLOCK_M, BLOCK_N): bias, rounding, injection, the two row sums
-    into P's slot ``slot`` (DETECT), the store of y."""
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     yv = acc.to(Y.dtype.element_ty)
@@ -303,9 +241,19 @@ def _tile_epilogue(acc, Y, Yd, Bias, P, Inj, pid_m, pid_n, slot, num_pid_m, offs
         colw = (offs_n + 1).to(tl.float32) * inv_n
         s1 = tl.sum(v, axis=1)
         s2 = tl.sum(v * colw[None, :], axis=1)
-        prow = P + (slot * M + offs_m) * 2
+        prow = P + (pid_n * M + offs_m) * 2
         tl.store(prow, s1, mask=m_ok)
         tl.store(prow + 1, s2, mask=m_ok)
+        # NaN makes the sum NaN (max/min may ignore it); ±inf shows in max/min
+        nf = ~(tl.abs(sm) < float("inf")) | (mx == float("inf")) | (mn == -float("inf"))
+        if tl.max((nf & m_ok).to(tl.int32), axis=0) > 0:
+            tl.atomic_max(Flag, call_id)
+        srow = S + (pid_n * M + offs_m) * 8
+        tl.store(srow + 0, c1, mask=m_ok)
+        tl.store(srow + 1, c2, mask=m_ok)
+        tl.store(srow + 2, mx, mask=m_ok)
+        tl.store(srow + 3, mn, mask=m_ok)
+        tl.store(srow + 4, sm, mask=m_ok)
     if TMA_STORE:
         Yd.store([pid_m * BLOCK_M, pid_n * BLOCK_N], yv)
     else:
@@ -313,7 +261,7 @@ def _tile_epilogue(acc, Y, Yd, Bias, P, Inj, pid_m, pid_n, slot, num_pid_m, offs
 
 
 @triton.jit(do_not_specialize=["call_id", "w_finite"])
-def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws, Tc,
+def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
                  M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
                  Sem, B12, Cnt, Dbg, scn0, scn1, fn, inv_k, w_finite, capacity,
                  th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
@@ -322,17 +270,15 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws, Tc,
                  VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr, DOT_F32: tl.constexpr,
                  EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KN: tl.constexpr, TMA_STORE: tl.constexpr,
                  ONE_LAUNCH: tl.constexpr, VERIFY_R: tl.constexpr, VBLOCK_N: tl.constexpr,
-                 VBLOCK_K: tl.constexpr, VBLOCK_T: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
-                 SPLIT_K: tl.constexpr):
-    """Grouped-order grid over the output tiles; with SPLIT_K > 1 (one row block), SPLIT_K programs
-    per tile, each over a share of K (`_gemm_tile`; ``Tc``: the per-device tile cells of `_cells`).
+                 VBLOCK_K: tl.constexpr, VBLOCK_T: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr):
+    """Grouped-order grid over the output tiles.
 
     ONE_LAUNCH: the GEMM verifies itself, no second launch. ``Sem`` is the per-device int32 cell
     block of `_cells` (0 between calls): [0] row blocks verified, [1] recompute slots taken, [2:6]
-    the call's detected / corrected / recomputed / uncorrectable counts, [8 + r] programs of row
-    block r done. Each program counts itself done on its row block's cell after its stores (barrier,
-    then an acq_rel atomic: its stores are visible to whoever sees the count); the one that sees
-    T·SPLIT_K − 1 resets the cell and verifies the row block, VERIFY_R rows at a time, counting into [2:6] and
+    the call's detected / corrected / recomputed / uncorrectable counts, [8 + r] tiles of row block
+    r done. Each program counts itself done on its row block's cell after its stores (barrier, then
+    an acq_rel atomic: its stores are visible to whoever sees the count); the one that sees T − 1
+    resets the cell and verifies the row block, VERIFY_R rows at a time, counting into [2:6] and
     skipping rows whose own x is non-finite. It then counts the row block verified on [0]; the one
     that sees all row blocks publishes the call's counts into ``Cnt`` — or, if any x of the call was
     non-finite (``Flag``) or W/b is, one ``nonfinite_input`` instead, like the reference — and
@@ -340,13 +286,9 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws, Tc,
     verifier starts, so that program verifies with the whole call's non-finite flag, as
     ``_verify_kernel`` does, counts into ``Cnt`` itself and resets [1]. The verify arguments
     (``Sem`` … ``reverify_scale``) are those of ``_verify_kernel``; unused otherwise."""
+    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
-    split = 0
-    if SPLIT_K > 1:
-        split = pid // (num_pid_m * num_pid_n)
-        pid = pid % (num_pid_m * num_pid_n)
     in_group = GROUP * num_pid_n
     group_id = pid // in_group
     first_m = group_id * GROUP
@@ -356,19 +298,18 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws, Tc,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_am = offs_m % M  # wrapped rows: in-bounds loads without a mask, never stored
-    slots = num_pid_n * SPLIT_K  # row-sum and stats slots: one per (split, tile)
-    S = P + slots * M * 2  # the (slots, M, 8) stats follow the (slots, M, 2) row sums in one buffer
+    S = P + num_pid_n * M * 2  # the (T, M, 8) stats follow the (T, M, 2) row sums in one buffer
     if DETECT and not ONE_LAUNCH:
-        if tl.program_id(0) == 0:
+        if pid == 0:
             tl.store(Ws, 0)  # per-call recompute slot counter (read by the verify kernel)
-    _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, Tc, pid_m, pid_n, split, num_pid_m, num_pid_n,
-               offs_m, offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
+    _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, num_pid_m, num_pid_n, offs_m,
+               offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
                BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K, TMA, W_KN,
-               TMA_STORE, SPLIT_K)
+               TMA_STORE)
     if ONE_LAUNCH:
         tl.debug_barrier()  # every thread's stores (y, partials, flag) before the count
         done = tl.atomic_add(Sem + 8 + pid_m, 1, sem="acq_rel")
-        if done == slots - 1:
+        if done == num_pid_n - 1:
             tl.store(Sem + 8 + pid_m, 0)  # ready for the next call (every tile has counted)
             if num_pid_m == 1:
                 # the call's only row block (decode): every tile has finished, so the flag of a
@@ -376,7 +317,7 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws, Tc,
                 # whole call) and count straight into Cnt: no row-block stage, two fewer round trips.
                 for r0 in range(0, M, VERIFY_R):
                     _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Sem + 1, Cnt, Dbg, r0 + tl.arange(0, VERIFY_R),
-                                 r0 == 0, M, N, K, slots, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_n, fn,
+                                 r0 == 0, M, N, K, num_pid_n, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_n, fn,
                                  inv_k, call_id, w_finite, capacity, th_det, th_v2, th_v3, th_var23, th_var4,
                                  th_bias, reverify_scale, VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS, CORRECT, DEBUG,
                                  DOT_F32, False, VERIFY_OUTPUT)
@@ -384,7 +325,7 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws, Tc,
             else:
                 for r0 in range(0, tl.minimum(BLOCK_M, M - pid_m * BLOCK_M), VERIFY_R):
                     _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Sem + 1, Sem + 2, Dbg,
-                                 pid_m * BLOCK_M + r0 + tl.arange(0, VERIFY_R), False, M, N, K, slots,
+                                 pid_m * BLOCK_M + r0 + tl.arange(0, VERIFY_R), False, M, N, K, num_pid_n,
                                  sxm, sxk, swn, swk, sym, syn, 0, 1, inv_n, fn, inv_k, call_id, w_finite,
                                  capacity, th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
                                  VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, True, VERIFY_OUTPUT)
@@ -766,62 +707,26 @@ class _Verify:
                 1.0 / k, int(self.w_finite), int(self.capacity), *self.th, self.reverify)
 
 
-_CELLS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_CELLS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _cells(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cells(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-device int32 cells that outlive calls (no allocation per call, fixed addresses for CUDA
-    graphs): ``(block, slots, tiles)``. ``block`` (8 + ONE_LAUNCH_ROW_BLOCKS,) is the one-launch GEMM's
-    (see `_gemm_kernel`), all 0 between calls (its programs reset what they used); ``slots`` (1,) is
-    the two-launch call's recompute slot counter (zeroed by the GEMM launch's first program, then
-    claimed by the verify launch that follows it on the stream); ``tiles`` (SPLIT_TILES,) counts the
-    split-K programs of each tile that are done (`_gemm_tile`), 0 between calls."""
+    graphs): ``(block, slots)``. ``block`` (8 + ONE_LAUNCH_ROW_BLOCKS,) is the one-launch GEMM's (see
+    `_gemm_kernel`), all 0 between calls (its programs reset what they used); ``slots`` (1,) is the
+    two-launch call's recompute slot counter (zeroed by the GEMM launch's first program, then
+    claimed by the verify launch that follows it on the stream)."""
     c = _CELLS.get(device)
     if c is None:
-        n = 8 + ONE_LAUNCH_ROW_BLOCKS
-        buf = torch.zeros(n + 1 + SPLIT_TILES, dtype=torch.int32, device=device)
-        c = _CELLS[device] = (buf[:n], buf[n:n + 1], buf[n + 1:])
+        buf = torch.zeros(9 + ONE_LAUNCH_ROW_BLOCKS, dtype=torch.int32, device=device)
+        c = _CELLS[device] = (buf[:8 + ONE_LAUNCH_ROW_BLOCKS], buf[8 + ONE_LAUNCH_ROW_BLOCKS:])
     return c
 
 
-def _stats_buffer(slots: int, m: int, device: torch.device, split: int = 1, n: int = 0) -> torch.Tensor:
-    """fp32 (slots·M·10 [+ split·M·N],): the (slots, M, 2) row sums of the tiles (one slot per tile
-    and split), then their (slots, M, 8) checksum partials and row statistics (the kernels address
-    this part as ``P + slots·M·2``), then, with ``split`` > 1, the (split, M, N) partial tiles of
-    split-K."""
-    workspace = split * m * n if split > 1 else 0
-    return torch.empty(slots * m * (2 + _STATS_W) + workspace, dtype=torch.float32, device=device)
-
-
-def _split_k(m: int, n: int, k: int, cfg, device: torch.device) -> int:
-    """Programs per output tile of a checked call (split-K; 1 = none).
-
-    For calls of one row block (decode, M ≤ BLOCK_M): their T = ⌈N / BLOCK_N⌉ tiles each stream all
-    of K, which leaves most of the GPU idle where N is small (Qwen2-0.5B's N = 896 at BLOCK_N = 32:
-    28 programs on the H100's 132 SMs; its checked decode GEMMs ran at 0.45-0.55× cuBLAS, session 21).
-    ``FTT_ABFT_GEMM_SPLIT_K``: unset or ``1``: off (the default until it has been measured on a GPU);
-    ``n``: n programs per tile (at most one per K block and SPLIT_K_MAX); ``auto``: about two
-    programs per SM, each over at least two K blocks. Calls of more than SPLIT_TILES tiles do not
-    split."""
-    env = os.environ.get("FTT_ABFT_GEMM_SPLIT_K")
-    if not env or env == "1":
-        return 1
-    bm, bn, bk = cfg[:3]
-    t, kblocks = _cdiv(n, bn), _cdiv(k, bk)
-    if env == "auto":
-        want = _cdiv(2 * sm_count(device), t) if device.type == "cuda" else 1
-        cap = kblocks // 2
-    else:
-        try:
-            want = int(env)
-        except ValueError:
-            want = 0
-        if want < 1:
-            raise ValueError(f"FTT_ABFT_GEMM_SPLIT_K must be 'auto' or a positive integer, got {env!r}")
-        cap = kblocks
-    if m > bm or t > SPLIT_TILES:
-        return 1
-    return max(1, min(want, cap, SPLIT_K_MAX))
+def _stats_buffer(t: int, m: int, device: torch.device) -> torch.Tensor:
+    """fp32 (T·M·10,): the tiles' (T, M, 2) row sums, then their (T, M, 8) checksum partials and row
+    statistics (the kernels address the second part as ``P + T·M·2``)."""
+    return torch.empty(t * m * (2 + _STATS_W), dtype=torch.float32, device=device)
 
 
 _EMAX: dict[tuple, float] = {}
@@ -873,17 +778,16 @@ def _launch_gemm(cfg, L: _Launch, **kw) -> None:
 
 
 def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect, verify_output, dot_f32,
-               verify: _Verify | None = None, split: int = 1, tiles: torch.Tensor | None = None) -> tuple:
+               verify: _Verify | None = None) -> tuple:
     """The GEMM launch as ``(grid, args, kwargs)``; with ``verify`` (`_one_launch`) it verifies too.
 
-    P: the `_stats_buffer` (or any placeholder without ``detect``), with room for ``split`` programs
-    per tile; ws: the int32 cells the launch uses (the recompute slot counter, or with ``verify`` the
-    one-launch cell block of `_cells`); tiles: the tile cells of `_cells` (with ``split`` > 1)."""
+    P: the `_stats_buffer` (or any placeholder without ``detect``); ws: the int32 cells the launch
+    uses (the recompute slot counter, or with ``verify`` the one-launch cell block of `_cells`)."""
     bm, bn, bk, warps, stages = cfg
     m, k = L.x.shape
     n = L.y.shape[1]
     t = _cdiv(n, bn)
-    grid = (_cdiv(m, bm) * t * split,)
+    grid = (_cdiv(m, bm) * t,)
     xd, wd, yd = _descriptors(cfg, L)
     one = verify is not None
     if one:
@@ -893,7 +797,7 @@ def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect,
     vbn, vbk = VERIFY_BLOCK
     return grid, (
         L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, w12, P, inj if inj is not None else ws,
-        flag, ws, tiles if tiles is not None else ws,
+        flag, ws,
         m, n, k, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1),
         1.0 / n, call_id, *vargs,
     ), dict(
@@ -901,7 +805,7 @@ def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect,
         VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0,
         TMA=L.tma, W_KN=L.kn, TMA_STORE=L.tma and not one, ONE_LAUNCH=one, VERIFY_R=min(bm, ONE_LAUNCH_VERIFY_ROWS),
         VBLOCK_N=vbn, VBLOCK_K=vbk, VBLOCK_T=VERIFY_TILES, CORRECT=one and verify.correct,
-        DEBUG=one and verify.debug is not None, SPLIT_K=split, num_warps=warps, num_stages=stages,
+        DEBUG=one and verify.debug is not None, num_warps=warps, num_stages=stages,
     )
 
 
@@ -914,8 +818,7 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
         return CONFIG_INTERPRET
     m, k = L.x.shape
     n = L.y.shape[1]
-    key = (L.x.dtype, L.kn, L.tma, bias is not None, detect, verify_output, _bucket(m), n, k,
-           os.environ.get("FTT_ABFT_GEMM_SPLIT_K"))
+    key = (L.x.dtype, L.kn, L.tma, bias is not None, detect, verify_output, _bucket(m), n, k)
     cfg = _TUNE_CACHE.get(key)
     if cfg is not None:
         return cfg
@@ -926,21 +829,18 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
     dev = L.x.device
     if torch.cuda.is_current_stream_capturing():
         return cands[0]  # a capture cannot time candidates: the first, not cached (an eager call tunes)
+    bn_min = min(c[1] for c in cands)
+    P = _stats_buffer(_cdiv(n, bn_min), m, dev)  # room for every candidate's T
     ws = torch.zeros(2, dtype=torch.int32, device=dev)
-    tiles = _cells(dev)[2]
     w12 = torch.zeros((k, 2), dtype=torch.float32, device=dev)
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     y_scratch = torch.empty_like(L.y)
     Ls = dataclasses.replace(L, y=y_scratch)
     best, best_t = None, float("inf")
     for c in cands:
-        split = _split_k(m, n, k, c, dev) if detect else 1
-        t = _cdiv(n, c[1])
-        P = _stats_buffer(t * split, m, dev, split, n)
-
-        def run(c=c, split=split, P=P):
+        def run(c=c):
             _launch_gemm(c, Ls, bias=bias, w12=w12, P=P, inj=None, flag=flag, ws=ws, call_id=0,
-                         detect=detect, verify_output=verify_output, dot_f32=dot_f32, split=split, tiles=tiles)
+                         detect=detect, verify_output=verify_output, dot_f32=dot_f32)
         try:
             with torch.cuda.device(dev):
                 ms = gpu_time(run)
@@ -1077,7 +977,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
     if inj is None:
         cfg = _pick_config(L, bias=bias, detect=detect, verify_output=verify_output, dot_f32=dot_f32)
     flag, call_id = call_flag(dev)
-    sem, slots, tiles = _cells(dev)
+    sem, slots = _cells(dev)
     if not detect:
         _launch_gemm(cfg, L, bias=bias, w12=y, P=y, inj=inj, flag=flag, ws=slots, call_id=call_id,
                      detect=False, verify_output=False, dot_f32=dot_f32)
@@ -1086,9 +986,8 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         wc = WeightChecksums.compute(weight, bias, weight_is_kn=weight_is_kn)
     if emax is None:
         emax = _emax(y.dtype, dev, mode, k)
-    split = _split_k(m, n, k, cfg, dev)
-    t = _cdiv(n, cfg[1]) * split  # row-sum and stats slots: one per (split, tile)
-    P = _stats_buffer(t, m, dev, split, n)
+    t = _cdiv(n, cfg[1])
+    P = _stats_buffer(t, m, dev)
     # a repaired row is re-verified as stored (rounded): with the output-side unit error
     reverify = 1.0
     if correct and not verify_output:
@@ -1098,8 +997,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
     one = _one_launch(m, n, k, cfg[0], dev)
     launches = [(0, *_gemm_call(cfg, L, bias=bias, w12=wc.w12, P=P, inj=inj, flag=flag,
                                            ws=sem if one else slots, call_id=call_id, detect=True,
-                                           verify_output=verify_output, dot_f32=dot_f32, verify=ver if one else None,
-                                           split=split, tiles=tiles))]
+                                           verify_output=verify_output, dot_f32=dot_f32, verify=ver if one else None))]
     if not one:
         vbn, vbk = VERIFY_BLOCK
         launches.append((1, (_cdiv(m, VERIFY_ROWS),), (
@@ -1123,10 +1021,10 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
 
 def _env_key() -> tuple:
     """The environment settings a call's launch plan depends on (`_tma_ok`, `_one_launch`, `_pick_config`,
-    `_split_k`, `DirectLauncher`)."""
+    `DirectLauncher`)."""
     env = os.environ
     return (env.get("FTT_ABFT_GEMM_TMA"), env.get("FTT_ABFT_GEMM_ONE_LAUNCH"), env.get("FTT_ABFT_GEMM_CONFIG"),
-            env.get("FTT_ABFT_GEMM_TUNE"), env.get("FTT_DIRECT_LAUNCH"), env.get("FTT_ABFT_GEMM_SPLIT_K"))
+            env.get("FTT_ABFT_GEMM_TUNE"), env.get("FTT_DIRECT_LAUNCH"))
 
 
 class _PreparedCall:

@@ -21,7 +21,6 @@ table headed by device and versions, and a plot of throughput relative to cuBLAS
     python scripts/bench_linear.py --out docs/img/vabft_bench_linear          # full
     python scripts/bench_linear.py --quick --out /tmp/bench         # a few shapes
     python scripts/bench_linear.py --kinds decode,short --graph --two-launch   # one launch vs two
-    python scripts/bench_linear.py --kinds decode --graph --split-k           # split-K (auto) vs not
 """
 
 from __future__ import annotations
@@ -90,8 +89,8 @@ def _with_env(fn, name: str, value: str):
 
 
 def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_torch_checked: bool,
-              graph: bool = False, pointer: bool = False, two_launch: bool = False, rounds: int = 1,
-              split_k: bool = False) -> tuple[dict[str, list[float]], int, float]:
+              graph: bool = False, pointer: bool = False,
+              two_launch: bool = False, rounds: int = 1) -> tuple[dict[str, list[float]], int, float]:
     """Times (ms, one per round, `_timing.interleaved`) of each method on ``F.linear(x, w, b)``; the fused
     call's event count and max error.
 
@@ -99,9 +98,7 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
     the host's launch work). ``pointer``: also time the fused kernel with pointer loads instead of
     TMA descriptors (``fused_ptr``). ``two_launch``: also time the fused call with its verification
     in a second launch (``fused_two``, ``FTT_ABFT_GEMM_ONE_LAUNCH=0``; differs from ``fused`` only
-    where the call has one row block, M ≤ BLOCK_M). ``split_k``: also time the fused call with
-    ``FTT_ABFT_GEMM_SPLIT_K=auto`` (``fused_split``; differs from ``fused`` only for one row block),
-    and check its output and events like the fused call's."""
+    where the call has one row block, M ≤ BLOCK_M)."""
     import triton.testing
     from ft_transformers.kernels import abft_gemm
 
@@ -140,14 +137,10 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
             fns["plain_ptr"] = _with_env(plain, "FTT_ABFT_GEMM_TMA", "0")
         if two_launch:
             fns["fused_two"] = _with_env(fused, "FTT_ABFT_GEMM_ONE_LAUNCH", "0")
-        if split_k:
-            fns["fused_split"] = _with_env(fused, "FTT_ABFT_GEMM_SPLIT_K", "auto")
-            err = max(err, float((fns["fused_split"]().double() - ref).abs().max() / ref.abs().max()))
         if with_torch_checked:
             fns["torch_checked"] = torch_checked
         if graph:
-            for name in ("cublas", "fused", "triton_plain") + (("fused_two",) if two_launch else ()) + (
-                    ("fused_split",) if split_k else ()):
+            for name in ("cublas", "fused", "triton_plain") + (("fused_two",) if two_launch else ()):
                 fns[f"{name}_graph"] = _graphed(fns[name])
         times = interleaved(fns, rounds, lambda fn: triton.testing.do_bench(fn, warmup=10, rep=rep))
         events = int(cnt.sum())  # every fused call of the run, graph replays included
@@ -167,8 +160,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="also time fused and plain with pointer loads instead of TMA descriptors")
     ap.add_argument("--two-launch", action="store_true",
                     help="also time the fused call with its verification in a second launch (fused_two)")
-    ap.add_argument("--split-k", action="store_true",
-                    help="also time the fused call with FTT_ABFT_GEMM_SPLIT_K=auto (fused_split)")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated shape kinds of {KINDS}")
     args = ap.parse_args(argv)
     kinds = tuple(args.kinds.split(","))
@@ -188,7 +179,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt)
             b = torch.randn(n, device=dev, generator=g).to(dt)
             per_round, events, err = bench_one(x, w, b, args.rep, not args.no_torch_checked, args.graph,
-                                               args.pointer, args.two_launch, args.rounds, args.split_k)
+                                               args.pointer, args.two_launch, args.rounds)
             times = {name: statistics.median(v) for name, v in per_round.items()}
             flops = 2.0 * m * n * k
             row = {"kind": kind, "dtype": dt_name, "M": m, "N": n, "K": k, "rounds": args.rounds, "events": events,
@@ -203,8 +194,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      "fused_ptr_vs_cublas": ("cublas", "fused_ptr"), "plain_ptr_vs_cublas": ("cublas", "plain_ptr"),
                      "two_vs_cublas": ("cublas", "fused_two"),
                      "two_vs_cublas_graph": ("cublas_graph", "fused_two_graph"),
-                     "split_vs_cublas": ("cublas", "fused_split"),
-                     "split_vs_cublas_graph": ("cublas_graph", "fused_split_graph"),
                      "fused_vs_cublas_graph": ("cublas_graph", "fused_graph"),
                      "plain_vs_cublas_graph": ("cublas_graph", "triton_plain_graph")}
             for col, (base, name) in pairs.items():
@@ -221,10 +210,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if "fused_graph" in times:
                 extra += (f"  graphs: fused {row['fused_vs_cublas_graph']:.3f}x "
                           f"({row['fused_vs_cublas_graph_spread']}) plain {row['plain_vs_cublas_graph']:.3f}x")
-            if "fused_split" in times:
-                extra += f"  split-K {row['split_vs_cublas']:.3f}x"
-                if "split_vs_cublas_graph" in row:
-                    extra += f" (graphs {row['split_vs_cublas_graph']:.3f}x)"
             if "fused_two" in times:
                 extra += f"  two launches {row['two_vs_cublas']:.3f}x"
                 if "two_vs_cublas_graph" in row:

@@ -16,8 +16,6 @@
 #   linear     V-ABFT: calibration, GPU tests, bench_linear, the seed 004 study (docs/vabft.md)
 #   gemm       the checked GEMM's GPU tests and bench_linear with CUDA-graph and pointer-load columns
 #   profile    torch.profiler tables of Qwen2-0.5B's compiled decode (attention-only and full protection)
-#   splitk     split-K for decode: the GEMM's GPU and split tests, then decode shapes with and without
-#              FTT_ABFT_GEMM_SPLIT_K=auto under CUDA graphs (docs/vabft.md, session 21)
 #   generate   scripts/bench_generate.py (end to end, issue 7)
 #   campaign   the issue-5 campaign on the qwen2-0.5b-config model, fp16, Triton paths
 #   falsepos   every attention / Linear call of fp16 generations (GPT-2 124M and Qwen2-0.5B configs)
@@ -79,11 +77,6 @@ run_part() {
       python3 scripts/bench_generate.py --out "$dir" --models qwen2-0.5b --prefill --decode-batch 1 \
         --new-tokens 16 --variants attn_only full --compile reduce-overhead --profile --no-progress 2>&1 | tail -30
       head -40 "$dir"/profile_*full*.txt ;;
-    splitk)
-      FTT_ABFT_GEMM_SPLIT_K=auto timeout ${TESTS_TIMEOUT:-180} python3 -m pytest -q -x -p no:cacheprovider \
-        tests/test_abft_gemm.py -k "gpu or split or prepared" 2>&1
-      timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_linear.py --no-torch-checked --graph --split-k \
-        --kinds decode --out "$dir/bench_linear_splitk" 2>&1 | grep --line-buffered -v Warning ;;
     generate)
       python3 scripts/bench_generate.py --out "$dir" --budget-s 480 --no-progress 2>&1 | tail -40 ;;
     campaign)

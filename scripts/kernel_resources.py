@@ -104,16 +104,16 @@ def compile_variant(dtype: str, over: dict, num_warps: int, num_stages: int, arc
 
 
 # The checked GEMM (`ft_transformers.kernels.abft_gemm._gemm_kernel`): (name, dtype, (BLOCK_M, BLOCK_N,
-# BLOCK_K, num_warps, num_stages), overrides of GEMM_BASE). Decode configs with split-K and one launch,
-# injection with bias and a ragged K, the fp32 path (IEEE dots, accumulator-side re-verification),
+# BLOCK_K, num_warps, num_stages), overrides of GEMM_BASE). The decode config with one launch and with
+# two (injection, bias and a ragged K), the fp32 path (IEEE dots, accumulator-side re-verification),
 # the output-side check, and the TMA prefill config.
 GEMM_BASE = dict(GROUP=8, HAS_BIAS=False, DETECT=True, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
                  TMA=False, W_KN=False, TMA_STORE=False, ONE_LAUNCH=True, VERIFY_R=16, VBLOCK_N=64, VBLOCK_K=64,
-                 VBLOCK_T=16, CORRECT=True, DEBUG=False, SPLIT_K=1)
+                 VBLOCK_T=16, CORRECT=True, DEBUG=False)
 GEMM_VARIANTS = [
-    ("decode, split-K 4, one launch", "fp16", (16, 64, 128, 4, 4), dict(SPLIT_K=4)),
-    ("decode, split-K 4, two launches, injection", "bf16", (16, 64, 128, 4, 4),
-     dict(SPLIT_K=4, ONE_LAUNCH=False, CORRECT=False, INJ=True, HAS_BIAS=True, EVEN_K=False)),
+    ("decode, one launch", "fp16", (16, 64, 128, 4, 4), {}),
+    ("decode, two launches, injection", "bf16", (16, 64, 128, 4, 4),
+     dict(ONE_LAUNCH=False, CORRECT=False, INJ=True, HAS_BIAS=True, EVEN_K=False)),
     ("fp32 IEEE dots, one launch", "fp32", (64, 64, 32, 4, 3), dict(DOT_F32=True, VERIFY_R=64)),
     ("output-side check, one launch", "bf16", (64, 128, 64, 4, 4), dict(VERIFY_OUTPUT=True, VERIFY_R=64)),
     ("prefill, TMA, two launches", "fp16", (128, 256, 64, 8, 3),
@@ -132,7 +132,7 @@ def compile_gemm_variant(dtype: str, cfg: tuple, over: dict, arch: int):
     consts.update({name: 1 for name in _GEMM_INTS_1})
     blocks = {"Xd": (bm, bk), "Wd": (bn, bk), "Yd": (bm, bn)}
     data = {"X", "W", "Y", "Bias"}
-    ints = {"Inj", "Flag", "Ws", "Tc", "Sem", "Cnt"}
+    ints = {"Inj", "Flag", "Ws", "Sem", "Cnt"}
     floats = {"inv_n", "fn", "inv_k", "th_det", "th_v2", "th_v3", "th_var23", "th_var4", "th_bias", "reverify_scale"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -282,67 +282,6 @@ def test_one_launch_verifies_like_reference(dtype, config, m, monkeypatch):
     assert int(G._cells(x.device)[0].abs().sum().item()) == 0  # every one-launch cell back to 0
 
 
-class _SpyLaunch:
-    """Wraps the GEMM launcher: records each launch's grid and SPLIT_K."""
-
-    def __init__(self, inner):
-        self.inner, self.seen = inner, []
-
-    def __call__(self, grid, args, kwargs):
-        self.seen.append((grid[0], kwargs["SPLIT_K"]))
-        return self.inner(grid, args, kwargs)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("split", [2, 3])
-@pytest.mark.parametrize("one", ["1", "0"], ids=["one-launch", "two-launch"])
-def test_split_k_matches_float64_and_counts_like_reference(dtype, split, one, monkeypatch):
-    """Split-K (``FTT_ABFT_GEMM_SPLIT_K``): in a call of one row block each tile takes ``split``
-    programs over shares of K (4 K blocks; with 3 splits the last share is empty). The output
-    matches float64, injected flips are found, repaired and counted like the unsplit kernel (and at
-    least as often as the reference), a NaN in x counts once, and the tile cells are back at 0 after
-    every call."""
-    monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT_K", str(split))
-    monkeypatch.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", one)
-    monkeypatch.setenv("FTT_ABFT_GEMM_CONFIG", "16,32,32,4,1")  # the interpreter's, on a GPU too
-    spy = _SpyLaunch(G._GEMM_LAUNCH)
-    monkeypatch.setattr(G, "_GEMM_LAUNCH", spy)
-    m, k, n = 13, 100, 70  # config (16, 32, 32): one row block, 3 tiles, 4 K blocks
-    x = _rand((m, k), dtype, 81, 2.0)
-    w = _rand((n, k), dtype, 82, k**-0.5)
-    b = _rand((n,), dtype, 83)
-    ref = _ref64(x, w, b)
-    tol = _gemm_rel_tol(dtype, k) * float(ref.abs().max())
-    y, st = _run(x, w, b)
-    assert st == ZERO
-    torch.testing.assert_close(y.double().cpu(), ref, rtol=0, atol=tol)
-    assert spy.seen[-1] == (3 * split, split)
-    bit = HIGH_BIT[dtype][-1]
-    for count in (1, 5):
-        spec = FaultSpec(site="linear.output", bit=bit, count=count, seed=count)
-        with torch.no_grad():
-            y_t, st_t = ftt.checked_linear(x, w, b, inject=spec, backend="triton")
-            assert spy.seen[-1] == (3 * split, split)
-            _, st_r = ftt.checked_linear(x, w, b, inject=spec, backend="reference")
-            with monkeypatch.context() as mp:
-                mp.setenv("FTT_ABFT_GEMM_SPLIT_K", "1")
-                _, st_1 = ftt.checked_linear(x, w, b, inject=spec, backend="triton")
-        st_t, st_r, st_1 = dict(st_t), dict(st_r), dict(st_1)
-        # like the unsplit kernel; the reference (output side) may miss a flip the accumulators show
-        assert st_t == st_1 and st_t["detected"] >= max(st_r["detected"], 1), (st_t, st_1, st_r)
-        assert st_t["detected"] == st_t["corrected"] + st_t["recomputed"], st_t
-        torch.testing.assert_close(y_t.double().cpu(), ref, rtol=0, atol=tol)
-    xn = x.clone()
-    xn[5, 70] = float("nan")  # in the third K block
-    _, st = _run(xn, w, b)
-    assert st == dict(ZERO, nonfinite_input=1)
-    assert int(G._cells(x.device)[2].abs().sum().item()) == 0
-    assert int(G._cells(x.device)[0].abs().sum().item()) == 0
-    # more than one row block: no split
-    _run(_rand((40, k), dtype, 84), w, b)
-    assert spy.seen[-1][1] == 1
-
-
 @pytest.mark.parametrize("dtype,m,k,n,seed,bit,count,flip_seed", [
     (torch.bfloat16, 13, 100, 70, None, 14, 5, 5),  # row 4: +2.3 and -3.6 (1→0 flips), sum 1.25
     (torch.float16, 12, 96, 48, 1000, 6, 3, 6),
@@ -389,32 +328,6 @@ def test_repair_must_explain_the_accumulator_difference(dtype, m, k, n, seed, bi
     else:  # every other element: repaired, or left with (at most) its injected error
         flip_err = (y_flipped.double().cpu() - ref).abs().nan_to_num(nan=float("inf"))  # a flip may make a NaN
         assert bool((err <= flip_err + tol).all()), (err - flip_err).max()
-
-
-def test_split_k_rule(monkeypatch):
-    """How many programs per tile `_split_k` asks for."""
-    cpu = torch.device("cpu")
-    cfg = (16, 32, 32, 4, 1)
-    monkeypatch.delenv("FTT_ABFT_GEMM_SPLIT_K", raising=False)
-    assert G._split_k(1, 896, 4864, cfg, cpu) == 1  # off by default
-    monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT_K", "4")
-    assert G._split_k(1, 896, 4864, cfg, cpu) == 4
-    assert G._split_k(17, 896, 4864, cfg, cpu) == 1  # two row blocks
-    assert G._split_k(1, 896, 64, cfg, cpu) == 2  # at most one program per K block
-    assert G._split_k(1, 32 * (G.SPLIT_TILES + 1), 4864, cfg, cpu) == 1  # more tiles than cells
-    monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT_K", "99")
-    assert G._split_k(1, 896, 4864, cfg, cpu) == G.SPLIT_K_MAX
-    monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT_K", "auto")
-    assert G._split_k(1, 896, 4864, cfg, cpu) == 1  # auto: CUDA only
-    monkeypatch.setattr(G, "sm_count", lambda device: 132)
-    cuda = torch.device("cuda", 0)
-    assert G._split_k(1, 896, 4864, cfg, cuda) == 10  # ⌈264 / 28 tiles⌉, 152 K blocks
-    assert G._split_k(1, 896, 96, cfg, cuda) == 1  # 3 K blocks: a share of at least two
-    assert G._split_k(1, 32 * 300, 4864, cfg, cuda) == 1  # 300 tiles fill the GPU
-    for bad in ("0", "-2", "yes"):
-        monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT_K", bad)
-        with pytest.raises(ValueError, match="FTT_ABFT_GEMM_SPLIT_K"):
-            G._split_k(1, 896, 4864, cfg, cpu)
 
 
 def test_one_launch_recompute_capacity_like_two_launches(monkeypatch):
@@ -486,16 +399,13 @@ def test_nonfinite_inputs_count_once_and_skip_checks(where):
     torch.testing.assert_close(y.cpu(), F.linear(x, w).cpu(), equal_nan=True, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("m,two,split", [(5, False, "1"), (40, True, "1"), (5, False, "3")],
-                         ids=["one-launch", "two-launches", "one-launch-split-k"])
-def test_prepared_calls_match_first_calls(m, two, split, monkeypatch):
+@pytest.mark.parametrize("m,two", [(5, False), (40, True)], ids=["one-launch", "two-launches"])
+def test_prepared_calls_match_first_calls(m, two, monkeypatch):
     """A repeated call signature takes the prepared launches (`_PreparedCall`): new x, y, stats buffer
-    (with split-K's workspace) and call id each time. Results equal float64 and a fresh first call's;
-    a NaN in a later call's x is counted once, as on the first call; another weight version,
-    alignment or setting prepares anew."""
+    and call id each time. Results equal float64 and a fresh first call's; a NaN in a later call's x
+    is counted once, as on the first call; another weight version, alignment or setting prepares anew."""
     monkeypatch.setenv("FTT_ABFT_GEMM_TMA", "0")  # TMA calls are not prepared (descriptors hold pointers)
     monkeypatch.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", "0" if two else "1")
-    monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT_K", split)
     k = 96  # three K blocks of the interpreter config
     lin = torch.nn.Linear(k, 24).to(DEV)
     cnt = new_counters(DEV)
@@ -513,8 +423,6 @@ def test_prepared_calls_match_first_calls(m, two, split, monkeypatch):
         assert ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item() < _gemm_rel_tol(torch.float32, k)
     (checksums,) = _checksums_of(lin)
     assert len(checksums.launches) == 1  # one signature, prepared once, then reused
-    (prepared,) = checksums.launches.values()
-    assert prepared.launches[0][3]["SPLIT_K"] == int(split)
     assert FaultStats(cnt)["detected"] == 0
     bad = xs[0].clone()
     bad[m - 1, 3] = float("nan")

@@ -7,7 +7,7 @@ with the repair code compiled in crashed Triton's lowering (``where(mask != 0, s
 loaded mask) and stopped every masked model on the GPU: decode against a static cache, batched
 generation with padding, BERT. The interpreter tests could not see it.
 
-The checked GEMM's variants (split-K, the fp32 path with its accumulator-side re-verification, the
+The checked GEMM's variants (decode, the fp32 path with its accumulator-side re-verification, the
 output-side check, TMA descriptors; ``kernel_resources.GEMM_VARIANTS``) are compiled the same way,
 with the installed Triton. The GPU image has Triton 3.6, whose passes differ: a loop of reductions
 whose results had two uses each failed 3.6's thread-locality pass for fp32 (session 21) and compiles
