@@ -374,8 +374,14 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, count_nonf,
     offs_t = tl.arange(0, BLOCK_T)
     s1 = tl.zeros((BLOCK_R,), tl.float32)
     s2 = tl.zeros((BLOCK_R,), tl.float32)
-    c1 = tl.zeros((BLOCK_R,), tl.float32) + tl.load(B12)
-    c2 = tl.zeros((BLOCK_R,), tl.float32) + tl.load(B12 + 1)
+    # the bias checksums and the call's non-finite flag are loaded first and used only after the
+    # loop, so that their round trips overlap the partials' instead of preceding or following them
+    b1 = tl.load(B12)
+    b2 = tl.load(B12 + 1)
+    if not ROW_NONF:
+        flag = tl.load(Flag, cache_modifier=".cg")
+    c1 = tl.zeros((BLOCK_R,), tl.float32)
+    c2 = tl.zeros((BLOCK_R,), tl.float32)
     sm = tl.zeros((BLOCK_R,), tl.float32)
     mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
     mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
@@ -391,6 +397,8 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, count_nonf,
         mx = tl.maximum(mx, tl.max(tl.load(srow + 2, mask=lm, other=-float("inf"), cache_modifier=".cg"), axis=0))
         mn = tl.minimum(mn, tl.min(tl.load(srow + 3, mask=lm, other=float("inf"), cache_modifier=".cg"), axis=0))
         sm += tl.sum(tl.load(srow + 4, mask=lm, other=0.0, cache_modifier=".cg"), axis=0)
+    c1 += b1
+    c2 += b2
     mu = sm * inv_k
     var = tl.maximum((mx - mu) * (mu - mn), 0.0)
     # T_m (SPEC §5, WeightChecksums.thresholds): host-folded weight constants
@@ -398,7 +406,7 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, count_nonf,
     if ROW_NONF:  # per row: x's row finite (a NaN makes the sum NaN; ±inf shows in max/min), W and b finite
         ok = (tl.abs(sm) < float("inf")) & (mx < float("inf")) & (mn > -float("inf")) & (w_finite != 0)
     else:  # for the call: no non-finite x seen by the GEMM tiles, finite W and b
-        ok = (tl.load(Flag, cache_modifier=".cg") != call_id) & (w_finite != 0)
+        ok = (flag != call_id) & (w_finite != 0)
     # (tl.where, not `&`, to combine with the scalar: the interpreter mis-types bool & 0-d bool)
     d1 = s1 - c1
     bad = tl.where(ok, ~(tl.abs(d1) <= thr) & r_ok, False)
