@@ -43,6 +43,8 @@ ratios to ``sdpa``), ``bench_generate.md`` (the markdown table, device and versi
 (the order rotating), so that a slow stretch of the host slows every variant alike; the variants
 measured one after another (the default) can differ by the host's drift alone. Its peak memory is
 that of the variant's own calls and weights (the other copies' parameters and buffers subtracted).
+With ``--compile`` every copy compiles its own decode step (and, with ``reduce-overhead``, records
+its own CUDA graphs) in the warmup, and the copies' compiled steps then alternate.
 
 ``--compile MODE`` decodes with ``cache_implementation="static"`` and transformers' compiled decode
 step (``CompileConfig(mode=MODE)``; on CUDA ``reduce-overhead`` captures CUDA graphs); the compilation
@@ -345,13 +347,14 @@ def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup
 
 
 def run_interleaved(models: dict, wl: Workload, device: torch.device, timer: Timer, warmup: int, repeats: int,
-                    vocab: int, between: dict[str, Callable[[], None]]) -> dict[str, tuple[float, float, float]]:
+                    vocab: int, between: dict[str, Callable[[], None]],
+                    gen_kwargs: dict | None = None) -> dict[str, tuple[float, float, float]]:
     """`run_workload` for one model copy per variant, timed in turn: each repeat times every variant
     once (starting one variant later than the last), so that a slow stretch of a noisy host hits all
     variants alike. Returns ``{variant: (ms,
     std ms, peak MiB)}``; the peak counts that variant's calls and its own weights, not the other
-    copies' (their parameters and buffers are subtracted)."""
-    calls = {v: _workload_calls(m, wl, device, timer, vocab, None) for v, m in models.items()}
+    copies' (their parameters and buffers are subtracted). ``gen_kwargs``: `compile_kwargs`' (decode)."""
+    calls = {v: _workload_calls(m, wl, device, timer, vocab, gen_kwargs) for v, m in models.items()}
     weights = {v: sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers())) / 2**20
                for v, m in models.items()}
     total = sum(weights.values())
@@ -536,7 +539,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interleave", action="store_true",
                    help="time one model copy per variant in turn, every variant once per repeat (steadier ratios on "
                         "a noisy host; needs memory for one copy per variant; peak memory then excludes the other "
-                        "copies' weights); not with --compile")
+                        "copies' weights); with --compile each copy compiles its own decode step")
     p.add_argument("--quick", action="store_true",
                    help="CUDA: prefill 1k 4k, 32 decode tokens, 3 repeats; CPU: tiny shapes")
     p.add_argument("--out", default="bench_generate_out", help="output directory")
@@ -582,8 +585,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.compile != "off":
         args.warmup = max(args.warmup, 1)  # the compilation happens in the warmup
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    if args.interleave and args.compile != "off":
-        raise SystemExit("--interleave times eager calls only: it cannot be combined with --compile")
     if args.interleave and args.profile:
         raise SystemExit("--profile profiles the variants one after another: it cannot be combined with --interleave")
     if args.new_tokens < 2:
@@ -656,7 +657,7 @@ def _interleaved_copies(model, variants: list[str]) -> dict:
 
 
 def _measure_interleaved(copies: dict, name: str, dname: str, wl: Workload, dev: torch.device, timer: Timer,
-                         args: argparse.Namespace, vocab: int) -> list[Result]:
+                         args: argparse.Namespace, vocab: int, gen_kwargs: dict | None = None) -> list[Result]:
     """One `Result` per variant of ``wl``, from `run_interleaved` over ``copies`` (`_interleaved_copies`)."""
     results = [Result(name, dname, wl, v) for v in copies]
     try:
@@ -665,7 +666,8 @@ def _measure_interleaved(copies: dict, name: str, dname: str, wl: Workload, dev:
             h()
         for r in results:
             r.events = r.nonfinite = 0
-        measured = run_interleaved(copies, wl, dev, timer, args.warmup, args.repeats, vocab, between)
+        measured = run_interleaved(copies, wl, dev, timer, args.warmup, args.repeats, vocab, between,
+                                   gen_kwargs if wl.kind == "decode" else None)
         for r in results:
             r.ms, r.ms_std, r.peak_mib = measured[r.variant]
     except torch.cuda.OutOfMemoryError:
@@ -720,13 +722,15 @@ def main(argv: list[str] | None = None) -> int:
             vocab = min(model.config.vocab_size, 32000)
             gen_kwargs = compile_kwargs(args.compile, args.compile_backend, dev)
             if args.interleave:
+                if gen_kwargs:
+                    torch._dynamo.reset()  # no compiled entries of an earlier model next to the copies' own
                 copies = _interleaved_copies(model, args.variants)
                 for wl in workloads:
                     if budget.spent():
                         bar.update(len(args.variants))
                         continue
                     bar.set_postfix_str(f"{name} {dname} {wl.label} (interleaved)")
-                    results += _measure_interleaved(copies, name, dname, wl, dev, timer, args, vocab)
+                    results += _measure_interleaved(copies, name, dname, wl, dev, timer, args, vocab, gen_kwargs)
                     write_csv(csv_path, results)  # a killed run keeps what it measured
                     bar.update(len(args.variants))
                 for m in copies.values():

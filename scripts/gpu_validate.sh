@@ -16,6 +16,7 @@
 #   linear     V-ABFT: calibration, GPU tests, bench_linear, the seed 004 study (docs/vabft.md)
 #   gemm       the checked GEMM's GPU tests and bench_linear with CUDA-graph and pointer-load columns
 #   profile    torch.profiler tables of Qwen2-0.5B's compiled decode (attention-only and full protection)
+#   compiled   Qwen2-0.5B's compiled decode (CUDA graphs), variants interleaved (issue 7's decode target)
 #   generate   scripts/bench_generate.py (end to end, issue 7)
 #   campaign   the issue-5 campaign on the qwen2-0.5b-config model, fp16, Triton paths
 #   falsepos   every attention / Linear call of fp16 generations (GPT-2 124M and Qwen2-0.5B configs)
@@ -77,6 +78,10 @@ run_part() {
       python3 scripts/bench_generate.py --out "$dir" --models qwen2-0.5b --prefill --decode-batch 1 \
         --new-tokens 16 --variants attn_only full --compile reduce-overhead --profile --no-progress 2>&1 | tail -30
       head -40 "$dir"/profile_*full*.txt ;;
+    compiled)  # one model copy per variant, each with its own compiled step, timed in turn
+      python3 scripts/bench_generate.py --quick --interleave --models qwen2-0.5b --prefill --variants attn_only full \
+        --compile reduce-overhead \
+        --repeats 5 --no-progress --budget-s 480 --out "$dir" 2>&1 | tail -20 ;;
     generate)
       python3 scripts/bench_generate.py --out "$dir" --budget-s 480 --no-progress 2>&1 | tail -40 ;;
     campaign)

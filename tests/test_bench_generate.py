@@ -28,9 +28,42 @@ def test_interleaved_run_writes_every_variant(tmp_path):
     assert (out / "bench_generate.md").read_text().count("| gpt2 |") == 2
 
 
-def test_interleave_refuses_compile():
-    with pytest.raises(SystemExit, match="--interleave"):
-        bg.resolve(bg.parse_args(["--device", "cpu", "--interleave", "--compile", "default"]))
+def test_interleaved_compiled_decode_compiles_every_copy(tmp_path, monkeypatch):
+    """``--interleave --compile``: each model copy decodes through its own compiled step (a static
+    cache and transformers' compile config reach every copy's ``generate``), the variants alternate,
+    and every row is measured."""
+    seen = []
+    calls = bg._workload_calls
+
+    def spy(model, wl, device, timer, vocab, gen_kwargs):
+        seen.append((wl.kind, id(model), None if gen_kwargs is None else gen_kwargs.get("cache_implementation")))
+        return calls(model, wl, device, timer, vocab, gen_kwargs)
+
+    monkeypatch.setattr(bg, "_workload_calls", spy)
+    from transformers import PreTrainedModel  # noqa: PLC0415
+
+    compiled = []
+    get_compiled = PreTrainedModel.get_compiled_call
+
+    def compiled_call(self, compile_config):
+        compiled.append(id(self))
+        return get_compiled(self, compile_config)
+
+    monkeypatch.setattr(PreTrainedModel, "get_compiled_call", compiled_call)
+    out = tmp_path / "bg"
+    rc = bg.main(["--device", "cpu", "--quick", "--interleave", "--compile", "default", "--compile-backend", "eager",
+                  "--models", "gpt2", "--prefill", "16", "--decode-batch", "1", "--new-tokens", "3", "--repeats", "2",
+                  "--warmup", "1", "--variants", "full", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    rows = list(csv.DictReader((out / "bench_generate.csv").open()))
+    assert {(r["kind"], r["variant"]) for r in rows} == {("prefill", "sdpa"), ("prefill", "full"), ("decode", "sdpa"),
+                                                          ("decode", "full")}
+    for r in rows:
+        assert r["error"] == "" and float(r["ms"]) > 0 and r["events"] == "0", r
+    decode = [s for s in seen if s[0] == "decode"]
+    assert len({m for _, m, _ in decode}) == 2 and all(c == "static" for *_, c in decode), seen
+    assert set(compiled) == {m for _, m, _ in decode}  # both copies decoded through their compiled step
+    assert all(c is None for k, _, c in seen if k == "prefill"), seen  # prefill stays eager
 
 
 def test_run_interleaved_alternates_variants(monkeypatch):
