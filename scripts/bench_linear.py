@@ -21,6 +21,12 @@ table headed by device and versions, and a plot of throughput relative to cuBLAS
     python scripts/bench_linear.py --out docs/img/vabft_bench_linear          # full
     python scripts/bench_linear.py --quick --out /tmp/bench         # a few shapes
     python scripts/bench_linear.py --kinds decode,short --graph --two-launch   # one launch vs two
+    python scripts/bench_linear.py --kinds decode --graph --graph-calls 16     # decode as in a model
+
+``--graph-calls N`` (with ``--graph``): each graph holds N calls that cycle over copies of the weight
+(as many as make ~120 MB, at most 8: more bytes than the H100's 50 MB L2, as a model's layer stack
+streams its weights), and the ``*_graph`` times are per call. A single-call graph's replay also times
+the graph launch (~5 µs on the H100), as much as a whole decode GEMM.
 """
 
 from __future__ import annotations
@@ -73,6 +79,23 @@ def _graphed(fn):
     return g.replay
 
 
+def weight_copies(nbytes: int, budget: float = 120e6, most: int = 8) -> int:
+    """How many copies of a weight of ``nbytes`` a multi-call graph cycles over: enough to pass
+    ``budget`` bytes (more than L2), at least 1, at most ``most``."""
+    return max(1, min(most, -(-int(budget) // max(nbytes, 1))))
+
+
+def _cycled(make, n_weights: int, calls: int):
+    """One function making ``calls`` calls, call i through ``make(i % n_weights)``'s function (one per
+    weight copy, built once)."""
+    fns = [make(j) for j in range(n_weights)]
+
+    def run():
+        for i in range(calls):
+            fns[i % n_weights]()
+    return run
+
+
 def _with_env(fn, name: str, value: str):
     """``fn`` run with the environment variable ``name`` set to ``value`` for its call."""
     def run():
@@ -90,7 +113,8 @@ def _with_env(fn, name: str, value: str):
 
 def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_torch_checked: bool,
               graph: bool = False, pointer: bool = False,
-              two_launch: bool = False, rounds: int = 1) -> tuple[dict[str, list[float]], int, float]:
+              two_launch: bool = False, rounds: int = 1,
+              graph_calls: int = 1) -> tuple[dict[str, list[float]], int, float]:
     """Times (ms, one per round, `_timing.interleaved`) of each method on ``F.linear(x, w, b)``; the fused
     call's event count and max error.
 
@@ -98,7 +122,8 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
     the host's launch work). ``pointer``: also time the fused kernel with pointer loads instead of
     TMA descriptors (``fused_ptr``). ``two_launch``: also time the fused call with its verification
     in a second launch (``fused_two``, ``FTT_ABFT_GEMM_ONE_LAUNCH=0``; differs from ``fused`` only
-    where the call has one row block, M ≤ BLOCK_M)."""
+    where the call has one row block, M ≤ BLOCK_M). ``graph_calls``: calls per graph, cycling over
+    `weight_copies` copies of ``w`` (each with its own cached checksums); ``*_graph`` times per call."""
     import triton.testing
     from ft_transformers.kernels import abft_gemm
 
@@ -106,27 +131,26 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
     from ft_transformers.counters import new_counters
     from ft_transformers.vabft import weight_checksums
 
-    owner = torch.nn.Module()  # holds the cached weight checksums, like a real layer
     cnt = new_counters(x.device)
+    n_w = weight_copies(w.numel() * w.element_size()) if graph and graph_calls > 1 else 1
+    ws = [w] + [w.clone() for _ in range(n_w - 1)]
+    owners = [torch.nn.Module() for _ in ws]  # each holds its weight's cached checksums, like a real layer
 
-    def fused():
-        return abft_gemm.checked_linear_triton_forward(
-            x, w, b, weight_is_kn=False, emax=None, csigma=2.5, detect=True, correct=True, plan=None,
-            counters=cnt, cache_owner=owner)
+    def make(kind: str, j: int = 0):
+        if kind == "cublas":
+            return lambda: F.linear(x, ws[j], b)
+        checks = kind == "fused"
+        return lambda: abft_gemm.checked_linear_triton_forward(
+            x, ws[j], b, weight_is_kn=False, emax=None, csigma=2.5, detect=checks, correct=checks, plan=None,
+            counters=cnt, cache_owner=owners[j])
 
-    def plain():
-        return abft_gemm.checked_linear_triton_forward(
-            x, w, b, weight_is_kn=False, emax=None, csigma=2.5, detect=False, correct=False, plan=None,
-            counters=cnt, cache_owner=owner)
-
-    def cublas():
-        return F.linear(x, w, b)
+    fused, plain, cublas = make("fused"), make("plain"), make("cublas")
 
     def torch_checked():
         return ftt.checked_linear(x, w, b, backend="reference")[0]
 
     with torch.no_grad():
-        weight_checksums(w, b, cache_owner=owner)
+        weight_checksums(w, b, cache_owner=owners[0])
         ref = x.double() @ w.double().t() + b.double()
         y = fused()
         err = float((y.double() - ref).abs().max() / ref.abs().max())
@@ -140,9 +164,17 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
         if with_torch_checked:
             fns["torch_checked"] = torch_checked
         if graph:
+            kinds = {"cublas": "cublas", "fused": "fused", "triton_plain": "plain"}
             for name in ("cublas", "fused", "triton_plain") + (("fused_two",) if two_launch else ()):
-                fns[f"{name}_graph"] = _graphed(fns[name])
+                if graph_calls > 1:
+                    one = _cycled(lambda j, name=name: make(kinds.get(name, "fused"), j), n_w, graph_calls)
+                    fn = _with_env(one, "FTT_ABFT_GEMM_ONE_LAUNCH", "0") if name == "fused_two" else one
+                else:
+                    fn = fns[name]
+                fns[f"{name}_graph"] = _graphed(fn)
+        per_call = {f"{name}_graph": graph_calls for name in ("cublas", "fused", "triton_plain", "fused_two")}
         times = interleaved(fns, rounds, lambda fn: triton.testing.do_bench(fn, warmup=10, rep=rep))
+        times = {name: [t / per_call.get(name, 1) for t in ts] for name, ts in times.items()}
         events = int(cnt.sum())  # every fused call of the run, graph replays included
     return times, events, err
 
@@ -156,12 +188,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rep", type=int, default=25, help="do_bench rep (ms) of one timing")
     ap.add_argument("--rounds", type=int, default=5, help="rounds; each times every variant once (median)")
     ap.add_argument("--graph", action="store_true", help="also time cuBLAS, fused and plain as CUDA-graph replays")
+    ap.add_argument("--graph-calls", type=int, default=1,
+                    help="calls per CUDA graph (with --graph), cycling over weight copies past L2; times per call")
     ap.add_argument("--pointer", action="store_true",
                     help="also time fused and plain with pointer loads instead of TMA descriptors")
     ap.add_argument("--two-launch", action="store_true",
                     help="also time the fused call with its verification in a second launch (fused_two)")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated shape kinds of {KINDS}")
     args = ap.parse_args(argv)
+    if args.graph_calls < 1:
+        ap.error(f"--graph-calls must be at least 1, got {args.graph_calls}")
     kinds = tuple(args.kinds.split(","))
     if not set(kinds) <= set(KINDS):
         ap.error(f"--kinds takes names from {KINDS}, got {args.kinds!r}")
@@ -179,11 +215,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt)
             b = torch.randn(n, device=dev, generator=g).to(dt)
             per_round, events, err = bench_one(x, w, b, args.rep, not args.no_torch_checked, args.graph,
-                                               args.pointer, args.two_launch, args.rounds)
+                                               args.pointer, args.two_launch, args.rounds, args.graph_calls)
             times = {name: statistics.median(v) for name, v in per_round.items()}
             flops = 2.0 * m * n * k
             row = {"kind": kind, "dtype": dt_name, "M": m, "N": n, "K": k, "rounds": args.rounds, "events": events,
-                   "rel_err": err}
+                   "rel_err": err, "graph_calls": args.graph_calls if args.graph else 0}
             for name, ms in times.items():
                 row[f"{name}_us"] = round(ms * 1e3, 2)
                 row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
@@ -228,7 +264,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     head = (f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
             f"CUDA {torch.version.cuda}, Python {platform.python_version()}. Throughput relative to cuBLAS "
             f"(`F.linear`), higher is better: the median over {args.rounds} interleaved rounds of the same "
-            "round's time ratio (`triton.testing.do_bench`).\n\n")
+            "round's time ratio (`triton.testing.do_bench`)"
+            + (f"; graphs of {args.graph_calls} calls over weight copies past L2, times per call"
+               if args.graph_calls > 1 else "") + ".\n\n")
     lines = ["| dtype | kind | M | N | K | cuBLAS TFLOP/s | fused TFLOP/s | fused / cuBLAS (rounds) | Triton plain / "
              "cuBLAS | fused / plain | fused / cuBLAS, graphs (rounds) | PyTorch checked / cuBLAS |",
              "|" + " --- |" * 12]

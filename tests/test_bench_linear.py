@@ -43,3 +43,26 @@ def test_shape_kinds():
     quick = bench_linear.shapes(True)
     assert {kind for kind, *_ in quick} == set(bench_linear.KINDS)
     assert ("square", 8192, 8192, 8192) in bench_linear.shapes(False, ("square",))
+
+
+def test_multi_call_graphs_cycle_over_weight_copies_past_l2():
+    """``--graph-calls``: enough weight copies to pass ~120 MB (at most 8), and call i of a graph goes
+    through copy i mod n, each copy's function built once."""
+    assert bench_linear.weight_copies(896 * 896 * 2) == 8  # small: capped
+    assert bench_linear.weight_copies(4864 * 896 * 2) == 8  # 8.7 MB: 14 would pass 120 MB
+    assert bench_linear.weight_copies(151936 * 896 * 2) == 1  # the lm_head alone is past L2
+    assert bench_linear.weight_copies(8192 * 8192 * 2) == 1
+    assert bench_linear.weight_copies(40_000_000) == 3
+    built, calls = [], []
+
+    def make(j):
+        built.append(j)
+        return lambda: calls.append(j)
+
+    run = bench_linear._cycled(make, 3, 7)
+    run()
+    run()
+    assert built == [0, 1, 2] and calls == [0, 1, 2, 0, 1, 2, 0] * 2
+    with pytest.raises(SystemExit) as bad:
+        bench_linear.main(["--graph-calls", "0"])
+    assert bad.value.code == 2  # the argument error, before any CUDA check
