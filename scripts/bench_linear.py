@@ -136,15 +136,16 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
     ws = [w] + [w.clone() for _ in range(n_w - 1)]
     owners = [torch.nn.Module() for _ in ws]  # each holds its weight's cached checksums, like a real layer
 
-    def make(kind: str, j: int = 0):
-        if kind == "cublas":
+    def make(name: str, j: int = 0):
+        """The call of column ``name`` (cublas, fused, fused_two, triton_plain) on weight copy ``j``."""
+        if name == "cublas":
             return lambda: F.linear(x, ws[j], b)
-        checks = kind == "fused"
+        checks = name != "triton_plain"
         return lambda: abft_gemm.checked_linear_triton_forward(
             x, ws[j], b, weight_is_kn=False, emax=None, csigma=2.5, detect=checks, correct=checks, plan=None,
             counters=cnt, cache_owner=owners[j])
 
-    fused, plain, cublas = make("fused"), make("plain"), make("cublas")
+    fused, plain, cublas = make("fused"), make("triton_plain"), make("cublas")
 
     def torch_checked():
         return ftt.checked_linear(x, w, b, backend="reference")[0]
@@ -154,7 +155,6 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
         ref = x.double() @ w.double().t() + b.double()
         y = fused()
         err = float((y.double() - ref).abs().max() / ref.abs().max())
-        events = int(cnt.sum())
         fns = {"cublas": cublas, "fused": fused, "triton_plain": plain}
         if pointer:
             fns["fused_ptr"] = _with_env(fused, "FTT_ABFT_GEMM_TMA", "0")
@@ -164,10 +164,9 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
         if with_torch_checked:
             fns["torch_checked"] = torch_checked
         if graph:
-            kinds = {"cublas": "cublas", "fused": "fused", "triton_plain": "plain"}
             for name in ("cublas", "fused", "triton_plain") + (("fused_two",) if two_launch else ()):
                 if graph_calls > 1:
-                    one = _cycled(lambda j, name=name: make(kinds.get(name, "fused"), j), n_w, graph_calls)
+                    one = _cycled(lambda j, name=name: make(name, j), n_w, graph_calls)
                     fn = _with_env(one, "FTT_ABFT_GEMM_ONE_LAUNCH", "0") if name == "fused_two" else one
                 else:
                     fn = fns[name]
