@@ -80,8 +80,7 @@ run_part() {
       head -40 "$dir"/profile_*full*.txt ;;
     compiled)  # one model copy per variant, each with its own compiled step, timed in turn
       python3 scripts/bench_generate.py --quick --interleave --models qwen2-0.5b --prefill --variants attn_only full \
-        --compile reduce-overhead \
-        --repeats 5 --no-progress --budget-s 480 --out "$dir" 2>&1 | tail -20 ;;
+        --compile reduce-overhead --repeats 5 --no-progress --budget-s 480 --out "$dir" 2>&1 | tail -20 ;;
     generate)
       python3 scripts/bench_generate.py --out "$dir" --budget-s 480 --no-progress 2>&1 | tail -40 ;;
     campaign)
