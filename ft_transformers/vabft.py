@@ -97,9 +97,12 @@ _EMAX_FP32_CUDA = 2e-6
 _EMAX_FP16 = 1e-3  # 2·u_fp16 (u = 2^-11): seeds 003/004, measured above
 _EMAX_BF16 = 8e-3  # 2·u_bf16 (u = 2^-8):  seeds 003/004, measured above
 _EMAX_K_REF = 8192  # the fp32 entries hold for K ≤ this (measured up to it)
-# Fused-kernel (accumulator) fallback on a CUDA device without a table: tensor-core fp32
-# accumulation is not IEEE round-to-nearest, so take 10x the fp32 (cuBLAS SGEMM) entry.
+# Fused-kernel (accumulator) fallback on a CUDA device without a table (`builtin_emax`): 10x the
+# fp32 (cuBLAS SGEMM) entry for fp32's IEEE FMAs; for fp16/bf16, whose tensor-core fp32
+# accumulation does not round to nearest, 2x the H100's calibrated fp16 entry (1.03e-4, ~900 fp32
+# ulps; 2e-5 gave false positives on an H200 before tables were shared by architecture).
 _EMAX_ACC_CUDA = 2e-5
+_EMAX_ACC_CUDA_TC = 2e-4
 
 _EMAX_TABLE: dict[tuple[str, torch.dtype], float] = {
     ("cpu", torch.float32): _EMAX_FP32_CPU,
@@ -173,19 +176,45 @@ def _cuda_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+@functools.cache
+def _table_for_capability(capability: tuple[int, int]) -> dict | None:
+    """A shipped CUDA table calibrated on a device of this compute capability (its ``"capability"``
+    field), or None: the fused kernel's accumulation error is the tensor cores' arithmetic, which a
+    capability fixes (an H200 computes as an H100 does; only its memory differs)."""
+    for path in sorted(EMAX_TABLE_DIR.glob("*.json")):
+        with open(path, encoding="utf-8") as fh:
+            cap = json.load(fh).get("capability")
+        if cap is not None and tuple(cap) == tuple(capability):
+            return load_emax_table(path.stem)
+    return None
+
+
 def _table_for(device_type: str) -> dict | None:
+    """The calibrated table of the current device: its own (by name), else one of a device of the
+    same compute capability (CUDA), else None."""
     if device_type == "cpu":
         return load_emax_table("cpu")
     if device_type == "cuda" and torch.cuda.is_available():
-        return load_emax_table(_cuda_name(torch.cuda.current_device()))
+        index = torch.cuda.current_device()
+        table = load_emax_table(_cuda_name(index))
+        if table is None:
+            table = _table_for_capability(_cuda_capability(index))
+        return table
     return None
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 def builtin_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "output") -> float:
     """The built-in (seed-derived) e_max used where no calibrated table entry exists (K ≤ 8192)."""
     dev = "cpu" if device_type == "cpu" else "cuda"
     if mode == "accumulator":
-        return _EMAX_ACC_CUDA if dev == "cuda" else _EMAX_TABLE[(dev, torch.float32)]
+        if dev == "cuda":
+            return _EMAX_ACC_CUDA if dtype == torch.float32 else _EMAX_ACC_CUDA_TC
+        return _EMAX_TABLE[(dev, torch.float32)]
     return _EMAX_TABLE[(dev, dtype)]
 
 
@@ -194,8 +223,9 @@ def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "outp
     """The calibrated V-ABFT unit error ``e_max`` for GEMMs producing ``dtype`` on ``device_type``.
 
     Looks up the device's table (``ft_transformers/emax_tables/<device>.json``, written by
-    ``scripts/calibrate_emax.py``: ``cpu.json`` for CPUs, the CUDA device name otherwise) and falls
-    back to the built-in constants above when there is none (or it lacks the entry).
+    ``scripts/calibrate_emax.py``: ``cpu.json`` for CPUs, the CUDA device name otherwise; a CUDA
+    device without one takes the table of a device of the same compute capability) and falls back
+    to the built-in constants above when there is none (or it lacks the entry).
 
     Args:
         dtype: the GEMM's output dtype (float32, float16 or bfloat16).

@@ -58,8 +58,11 @@ SLACK_SHAPES_CUDA = [(64, 256, 256), (64, 1024, 1024), (64, 4096, 1024), (64, 81
 def choose(mode: str, dtype: str, p: float, s: float, device_type: str, margin: float, slack_margin: float) -> float:
     """The shipped e_max from the protocol max P and the slack S (see the module docstring): never
     below the built-in value (`builtin_emax`: the seeds' 2u for fp16/bf16 output, earlier
-    measurements with more trials for fp32), so a short calibration can only raise it."""
-    v = max(margin * p, slack_margin * s, builtin_emax(DTYPES[dtype], device_type, mode))
+    measurements with more trials for fp32), so a short calibration can only raise it. In
+    accumulator mode the floor is the fp32 entry for every dtype (the fp16/bf16 built-ins are the
+    cautious fallback for devices never calibrated, not a floor for those that are)."""
+    floor_dtype = torch.float32 if mode == "accumulator" else DTYPES[dtype]
+    v = max(margin * p, slack_margin * s, builtin_emax(floor_dtype, device_type, mode))
     return float(f"{v:.3g}")
 
 
@@ -85,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     old = json.loads(path.read_text()) if path.is_file() else {}
     table = {
         "device": name,
+        "capability": list(torch.cuda.get_device_capability(dev)) if dev.type == "cuda" else None,
         "emax": old.get("emax", {}),
         "k_ref": 8192,
         "k_scaling": {"output": "sqrt", "accumulator": "sqrt" if cpu else "linear"},
