@@ -140,6 +140,10 @@ VERIFY_TILES = 16  # tiles' partial sums one verify load takes per row
 # cells hold take two launches.
 ONE_LAUNCH_VERIFY_ROWS = 64
 ONE_LAUNCH_ROW_BLOCKS = 8192
+# Decode (one launch, one row block, M ≤ CSUM_ROWS): checksum programs beside the tiles (`_csum_chunk`),
+# each taking CSUM_ELEMS elements of x (a K chunk of CSUM_ELEMS / next_pow2(M)) in one load
+CSUM_ROWS = 16
+CSUM_ELEMS = 4096
 PREPARED_PER_WEIGHT = 64  # prepared call signatures kept per weight (`_PreparedCall`)
 _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
@@ -150,12 +154,12 @@ _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 
 @triton.jit
-def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, num_pid_m, num_pid_n, offs_m,
+def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Acc, Inj, Flag, pid_m, pid_n, num_pid_m, num_pid_n, offs_m,
                offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                HAS_BIAS: tl.constexpr, DETECT: tl.constexpr, VERIFY_OUTPUT: tl.constexpr,
                INJ: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
-               TMA: tl.constexpr, W_KN: tl.constexpr, TMA_STORE: tl.constexpr):
+               TMA: tl.constexpr, W_KN: tl.constexpr, TMA_STORE: tl.constexpr, CSUM: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile: fp32 GEMM + bias, rounding, injection, row partial sums, store;
     when DETECT also its share of the row checksums: the K blocks ``kb ≡ pid_n (mod T)`` of x, which
     the tile has just loaded (read again from L2), give partial ``x·w1``, ``x·w2`` and row max / min /
@@ -165,7 +169,11 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, nu
     or (K, N) when W_KN) and ``Yd`` (M, N), whose out-of-bounds rows/columns read as zero and are not
     written; otherwise through the pointers X, W, Y and strides. TMA_STORE: y through ``Yd`` too (not
     in the one-launch GEMM, whose verifying program reads the other tiles' y: a TMA store is
-    asynchronous, and Triton waits only until its shared-memory source may be reused)."""
+    asynchronous, and Triton waits only until its shared-memory source may be reused).
+
+    CSUM (a one-launch call of one row block, M ≤ CSUM_ROWS): the checksums and statistics come
+    from the `_csum_chunk` programs, so the tile runs the plain main loop, and adds its two row
+    partial sums into the per-row cells ``Acc`` (M, 2) (relaxed atomics) instead of storing them."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -193,7 +201,7 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, nu
             a = tl.load(a_ptrs, mask=offs_k[None, :] < rem, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < rem, other=0.0)
         acc = _mma(a, b, acc, DOT_F32)
-        if DETECT:
+        if DETECT and not CSUM:
             if kb % num_pid_n == pid_n:
                 kk = kb * BLOCK_K + offs_k
                 k_ok = kk < K
@@ -241,37 +249,73 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, nu
         colw = (offs_n + 1).to(tl.float32) * inv_n
         s1 = tl.sum(v, axis=1)
         s2 = tl.sum(v * colw[None, :], axis=1)
-        prow = P + (pid_n * M + offs_m) * 2
-        tl.store(prow, s1, mask=m_ok)
-        tl.store(prow + 1, s2, mask=m_ok)
-        # NaN makes the sum NaN (max/min may ignore it); ±inf shows in max/min
-        nf = ~(tl.abs(sm) < float("inf")) | (mx == float("inf")) | (mn == -float("inf"))
-        if tl.max((nf & m_ok).to(tl.int32), axis=0) > 0:
-            tl.atomic_max(Flag, call_id)
-        srow = S + (pid_n * M + offs_m) * 8
-        tl.store(srow + 0, c1, mask=m_ok)
-        tl.store(srow + 1, c2, mask=m_ok)
-        tl.store(srow + 2, mx, mask=m_ok)
-        tl.store(srow + 3, mn, mask=m_ok)
-        tl.store(srow + 4, sm, mask=m_ok)
+        if CSUM:
+            # the order of the tiles' additions varies from call to call: the row sums' last bits may
+            # too (|error| ~ T·u·Σ|partials|, far under the threshold's unit error)
+            tl.atomic_add(Acc + offs_m * 2, s1, mask=m_ok, sem="relaxed")
+            tl.atomic_add(Acc + offs_m * 2 + 1, s2, mask=m_ok, sem="relaxed")
+        else:
+            prow = P + (pid_n * M + offs_m) * 2
+            tl.store(prow, s1, mask=m_ok)
+            tl.store(prow + 1, s2, mask=m_ok)
+            _store_stats(S + (pid_n * M + offs_m) * 8, m_ok, c1, c2, mx, mn, sm, Flag, call_id)
     if TMA_STORE:
         Yd.store([pid_m * BLOCK_M, pid_n * BLOCK_N], yv)
     else:
         tl.store(Y + offs_m[:, None] * sym + offs_n[None, :] * syn, yv, mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _store_stats(srow, m_ok, c1, c2, mx, mn, sm, Flag, call_id):
+    """Store rows' checksum partials and x statistics at ``srow`` (8 fp32 per row); raise the call's
+    non-finite flag if one of the rows' x is (NaN makes the sum NaN, max/min may ignore it; ±inf
+    shows in max/min)."""
+    nf = ~(tl.abs(sm) < float("inf")) | (mx == float("inf")) | (mn == -float("inf"))
+    if tl.max((nf & m_ok).to(tl.int32), axis=0) > 0:
+        tl.atomic_max(Flag, call_id)
+    tl.store(srow + 0, c1, mask=m_ok)
+    tl.store(srow + 1, c2, mask=m_ok)
+    tl.store(srow + 2, mx, mask=m_ok)
+    tl.store(srow + 3, mn, mask=m_ok)
+    tl.store(srow + 4, sm, mask=m_ok)
+
+
+@triton.jit
+def _csum_chunk(X, W12, S, Flag, chunk, M, K, sxm, sxk, call_id, CSUM_R: tl.constexpr, CSUM_K: tl.constexpr):
+    """One K chunk of a decode call's checksums (CSUM): partial ``x·w1``, ``x·w2`` and x's max / min /
+    sum for the call's rows (CSUM_R ≥ M) over ``K`` indices ``[chunk·CSUM_K, (chunk+1)·CSUM_K)``,
+    into stats slot ``chunk`` of ``S`` (C, M, 8). Plain fp32 on the CUDA cores, one load of x and
+    of ``w12`` (K, 2), no loop: the chunk programs run beside the GEMM tiles, on SMs a decode GEMM
+    leaves idle."""
+    rows = tl.arange(0, CSUM_R)
+    r_ok = rows < M
+    kk = chunk * CSUM_K + tl.arange(0, CSUM_K)
+    k_ok = kk < K
+    xv = tl.load(X + rows[:, None] * sxm + kk[None, :] * sxk, mask=r_ok[:, None] & k_ok[None, :],
+                 other=0.0).to(tl.float32)
+    w1 = tl.load(W12 + kk * 2, mask=k_ok, other=0.0)
+    w2 = tl.load(W12 + kk * 2 + 1, mask=k_ok, other=0.0)
+    c1 = tl.sum(xv * w1[None, :], axis=1)
+    c2 = tl.sum(xv * w2[None, :], axis=1)
+    sm = tl.sum(xv, axis=1)
+    mx = tl.max(tl.where(k_ok[None, :], xv, -float("inf")), axis=1)
+    mn = tl.min(tl.where(k_ok[None, :], xv, float("inf")), axis=1)
+    _store_stats(S + (chunk * M + rows) * 8, r_ok, c1, c2, mx, mn, sm, Flag, call_id)
+
+
 @triton.jit(do_not_specialize=["call_id", "w_finite"])
 def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
                  M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
                  Sem, B12, Cnt, Dbg, scn0, scn1, fn, inv_k, w_finite, capacity,
-                 th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
+                 th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale, Acc, n_csum,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DETECT: tl.constexpr,
                  VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr, DOT_F32: tl.constexpr,
                  EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KN: tl.constexpr, TMA_STORE: tl.constexpr,
                  ONE_LAUNCH: tl.constexpr, VERIFY_R: tl.constexpr, VBLOCK_N: tl.constexpr,
-                 VBLOCK_K: tl.constexpr, VBLOCK_T: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr):
-    """Grouped-order grid over the output tiles.
+                 VBLOCK_K: tl.constexpr, VBLOCK_T: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
+                 CSUM: tl.constexpr, CSUM_R: tl.constexpr, CSUM_K: tl.constexpr):
+    """Grouped-order grid over the output tiles (and, with CSUM, ``n_csum`` checksum programs after them).
 
     ONE_LAUNCH: the GEMM verifies itself, no second launch. ``Sem`` is the per-device int32 cell
     block of `_cells` (0 between calls): [0] row blocks verified, [1] recompute slots taken, [2:6]
@@ -285,50 +329,69 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
     resets [0:8]. A call of one row block skips the [0] stage: every tile has counted before its
     verifier starts, so that program verifies with the whole call's non-finite flag, as
     ``_verify_kernel`` does, counts into ``Cnt`` itself and resets [1]. The verify arguments
-    (``Sem`` … ``reverify_scale``) are those of ``_verify_kernel``; unused otherwise."""
+    (``Sem`` … ``reverify_scale``) are those of ``_verify_kernel``; unused otherwise.
+
+    CSUM (one launch, one row block, M ≤ CSUM_ROWS: decode): ``n_csum`` more programs, one per
+    CSUM_K-wide chunk of K, compute the checksums and x's statistics (`_csum_chunk`, into the stats
+    slots at ``P``) while the tiles run the plain main loop and add their row sums into ``Acc``; all
+    T + n_csum programs count on the row block's cell, and the last verifies. Measured on an H200
+    (``docs/vabft.md``, session 23): the tiles' share of the checksums in the K loop cost 0.7-2.6 µs
+    per decode call, and the verifier's walk over T tiles' partials 1.7-3 µs (88 µs for the lm_head's
+    2,374 tiles), against one load of the cells now."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP * num_pid_n
-    group_id = pid // in_group
-    first_m = group_id * GROUP
-    gsize = tl.minimum(num_pid_m - first_m, GROUP)
-    pid_m = first_m + ((pid % in_group) % gsize)
-    pid_n = (pid % in_group) // gsize
+    if CSUM:  # one row block; programs past the tiles (pid_n ≥ T) are the checksum programs
+        pid_m = 0
+        pid_n = pid
+    else:
+        in_group = GROUP * num_pid_n
+        group_id = pid // in_group
+        first_m = group_id * GROUP
+        gsize = tl.minimum(num_pid_m - first_m, GROUP)
+        pid_m = first_m + ((pid % in_group) % gsize)
+        pid_n = (pid % in_group) // gsize
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_am = offs_m % M  # wrapped rows: in-bounds loads without a mask, never stored
-    S = P + num_pid_n * M * 2  # the (T, M, 8) stats follow the (T, M, 2) row sums in one buffer
+    if CSUM:
+        S = P  # the (n_csum, M, 8) stats slots of the checksum programs; the row sums go to Acc
+    else:
+        S = P + num_pid_n * M * 2  # the (T, M, 8) stats follow the (T, M, 2) row sums in one buffer
     if DETECT and not ONE_LAUNCH:
         if pid == 0:
             tl.store(Ws, 0)  # per-call recompute slot counter (read by the verify kernel)
-    _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Inj, Flag, pid_m, pid_n, num_pid_m, num_pid_n, offs_m,
-               offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
-               BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K, TMA, W_KN,
-               TMA_STORE)
+    if CSUM and pid >= num_pid_n:
+        _csum_chunk(X, W12, S, Flag, pid - num_pid_n, M, K, sxm, sxk, call_id, CSUM_R, CSUM_K)
+    else:
+        _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Acc, Inj, Flag, pid_m, pid_n, num_pid_m, num_pid_n,
+                   offs_m, offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
+                   BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K, TMA, W_KN,
+                   TMA_STORE, CSUM)
     if ONE_LAUNCH:
         tl.debug_barrier()  # every thread's stores (y, partials, flag) before the count
         done = tl.atomic_add(Sem + 8 + pid_m, 1, sem="acq_rel")
-        if done == num_pid_n - 1:
+        if done == num_pid_n + n_csum - 1:
             tl.store(Sem + 8 + pid_m, 0)  # ready for the next call (every tile has counted)
             if num_pid_m == 1:
                 # the call's only row block (decode): every tile has finished, so the flag of a
                 # non-finite x is final. Verify with the two-launch semantics (checks off for the
                 # whole call) and count straight into Cnt: no row-block stage, two fewer round trips.
                 for r0 in range(0, M, VERIFY_R):
-                    _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Sem + 1, Cnt, Dbg, r0 + tl.arange(0, VERIFY_R),
-                                 r0 == 0, M, N, K, num_pid_n, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_n, fn,
-                                 inv_k, call_id, w_finite, capacity, th_det, th_v2, th_v3, th_var23, th_var4,
-                                 th_bias, reverify_scale, VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS, CORRECT, DEBUG,
-                                 DOT_F32, False, VERIFY_OUTPUT)
+                    _verify_rows(X, W, Y, Bias, B12, P, S, Acc, Flag, Sem + 1, Cnt, Dbg, r0 + tl.arange(0, VERIFY_R),
+                                 r0 == 0, M, N, K, n_csum if CSUM else num_pid_n, sxm, sxk, swn, swk, sym, syn,
+                                 scn0, scn1, inv_n, fn, inv_k, call_id, w_finite, capacity, th_det, th_v2, th_v3,
+                                 th_var23, th_var4, th_bias, reverify_scale, VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS,
+                                 CORRECT, DEBUG, DOT_F32, False, VERIFY_OUTPUT, CSUM)
                 tl.store(Sem + 1, 0)  # the recompute slot counter, for the next call
             else:
                 for r0 in range(0, tl.minimum(BLOCK_M, M - pid_m * BLOCK_M), VERIFY_R):
-                    _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Sem + 1, Sem + 2, Dbg,
+                    _verify_rows(X, W, Y, Bias, B12, P, S, Acc, Flag, Sem + 1, Sem + 2, Dbg,
                                  pid_m * BLOCK_M + r0 + tl.arange(0, VERIFY_R), False, M, N, K, num_pid_n,
                                  sxm, sxk, swn, swk, sym, syn, 0, 1, inv_n, fn, inv_k, call_id, w_finite,
                                  capacity, th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
-                                 VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, True, VERIFY_OUTPUT)
+                                 VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, True, VERIFY_OUTPUT,
+                                 False)
                 tl.debug_barrier()  # every thread's counts before the row block counts as verified
                 fin = tl.atomic_add(Sem, 1, sem="acq_rel")
                 if fin == num_pid_m - 1:
@@ -349,15 +412,19 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
 
 
 @triton.jit
-def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, count_nonf,
+def _verify_rows(X, W, Y, Bias, B12, P, S, Acc, Flag, Ws, Cnt, Dbg, rows, count_nonf,
                  M, N, K, T, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
                  inv_n, fn, inv_k, call_id, w_finite, capacity,
                  th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                  HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
-                 DOT_F32: tl.constexpr, ROW_NONF: tl.constexpr, VERIFY_OUTPUT: tl.constexpr):
+                 DOT_F32: tl.constexpr, ROW_NONF: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, CSUM: tl.constexpr):
     """Compare checksums of the rows ``rows`` (BLOCK_R,), count, repair located single errors,
     recompute the rest.
+
+    The row sums are the T tiles' partials at ``P`` (T, M, 2) and the checksums and statistics T
+    partials at ``S`` (T, M, 8); with CSUM the row sums are in the cells ``Acc`` (M, 2), reset here
+    for the next call, and ``S`` holds the T = n_csum checksum programs' slots.
 
     Recompute slots are claimed with one atomic on the call's counter ``Ws``. Checks are off for
     this call when W/b are non-finite (``w_finite`` 0) and, without ROW_NONF, when any x of the call
@@ -385,18 +452,29 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, rows, count_nonf,
     sm = tl.zeros((BLOCK_R,), tl.float32)
     mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
     mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
+    if CSUM:
+        s1 = tl.load(Acc + rows * 2, mask=r_ok, other=0.0, cache_modifier=".cg")
+        s2 = tl.load(Acc + rows * 2 + 1, mask=r_ok, other=0.0, cache_modifier=".cg")
     for t0 in range(0, T, BLOCK_T):
         tt = t0 + offs_t
         lm = (tt[:, None] < T) & r_ok[None, :]
-        prow = P + (tt[:, None] * M + rows[None, :]) * 2
-        s1 += tl.sum(tl.load(prow, mask=lm, other=0.0, cache_modifier=".cg"), axis=0)
-        s2 += tl.sum(tl.load(prow + 1, mask=lm, other=0.0, cache_modifier=".cg"), axis=0)
+        if not CSUM:
+            prow = P + (tt[:, None] * M + rows[None, :]) * 2
+            s1 += tl.sum(tl.load(prow, mask=lm, other=0.0, cache_modifier=".cg"), axis=0)
+            s2 += tl.sum(tl.load(prow + 1, mask=lm, other=0.0, cache_modifier=".cg"), axis=0)
         srow = S + (tt[:, None] * M + rows[None, :]) * 8
         c1 += tl.sum(tl.load(srow + 0, mask=lm, other=0.0, cache_modifier=".cg"), axis=0)
         c2 += tl.sum(tl.load(srow + 1, mask=lm, other=0.0, cache_modifier=".cg"), axis=0)
         mx = tl.maximum(mx, tl.max(tl.load(srow + 2, mask=lm, other=-float("inf"), cache_modifier=".cg"), axis=0))
         mn = tl.minimum(mn, tl.min(tl.load(srow + 3, mask=lm, other=float("inf"), cache_modifier=".cg"), axis=0))
         sm += tl.sum(tl.load(srow + 4, mask=lm, other=0.0, cache_modifier=".cg"), axis=0)
+    if CSUM:
+        # the cells back to 0 for the next call, once every thread has read them: each row is held by
+        # threads of several warps, and one of them stores (without the barrier, a warp that had not
+        # yet loaded read the 0: 4-5 % of the calls at M = 16, K ≥ 4352 on an H200)
+        tl.debug_barrier()
+        tl.store(Acc + rows * 2, tl.zeros_like(s1), mask=r_ok)
+        tl.store(Acc + rows * 2 + 1, tl.zeros_like(s2), mask=r_ok)
     c1 += b1
     c2 += b2
     mu = sm * inv_k
@@ -528,10 +606,10 @@ def _verify_kernel(X, W, Y, Bias, B12, P, Flag, Ws,
     """The second launch (calls of more than one row block): BLOCK_R rows per program."""
     pid = tl.program_id(0)
     S = P + T * M * 2
-    _verify_rows(X, W, Y, Bias, B12, P, S, Flag, Ws, Cnt, Dbg, pid * BLOCK_R + tl.arange(0, BLOCK_R), pid == 0,
+    _verify_rows(X, W, Y, Bias, B12, P, S, P, Flag, Ws, Cnt, Dbg, pid * BLOCK_R + tl.arange(0, BLOCK_R), pid == 0,
                  M, N, K, T, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_n, fn, inv_k, call_id, w_finite,
                  capacity, th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
-                 BLOCK_N, BLOCK_K, BLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, False, VERIFY_OUTPUT)
+                 BLOCK_N, BLOCK_K, BLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, False, VERIFY_OUTPUT, False)
 
 
 
@@ -731,10 +809,33 @@ def _cells(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return c
 
 
-def _stats_buffer(t: int, m: int, device: torch.device) -> torch.Tensor:
-    """fp32 (T·M·10,): the tiles' (T, M, 2) row sums, then their (T, M, 8) checksum partials and row
-    statistics (the kernels address the second part as ``P + T·M·2``)."""
-    return torch.empty(t * m * (2 + _STATS_W), dtype=torch.float32, device=device)
+def _stats_buffer(t: int, m: int, device: torch.device, n_csum: int = 0) -> torch.Tensor:
+    """fp32: the tiles' (T, M, 2) row sums, then their (T, M, 8) checksum partials and row
+    statistics (the kernels address the second part as ``P + T·M·2``); with ``n_csum`` checksum
+    programs (`_csum_layout`), at least their (n_csum, M, 8) slots."""
+    return torch.empty(max(t * m * (2 + _STATS_W), n_csum * m * _STATS_W), dtype=torch.float32, device=device)
+
+
+_ACC: dict[torch.device, torch.Tensor] = {}
+
+
+def _acc_cells(device: torch.device) -> torch.Tensor:
+    """Per-device fp32 (CSUM_ROWS, 2) cells, 0 between calls: a decode call's row sums, added by its tiles
+    and read and reset by its verifying program (`_gemm_kernel`'s CSUM)."""
+    c = _ACC.get(device)
+    if c is None:
+        c = _ACC[device] = torch.zeros(CSUM_ROWS * 2, dtype=torch.float32, device=device)
+    return c
+
+
+def _csum_layout(m: int, k: int, block_m: int, one: bool) -> tuple[int, int, int]:
+    """(n_csum, CSUM_R, CSUM_K): the checksum programs of a one-launch call of one row block with
+    M ≤ CSUM_ROWS (n_csum = 0: the tiles compute the checksums)."""
+    if not one or m > CSUM_ROWS or m > block_m:
+        return 0, 1, 16
+    r = triton.next_power_of_2(m)
+    ck = min(CSUM_ELEMS // r, triton.next_power_of_2(k))
+    return _cdiv(k, ck), r, ck
 
 
 _EMAX: dict[tuple, float] = {}
@@ -795,13 +896,15 @@ def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect,
     m, k = L.x.shape
     n = L.y.shape[1]
     t = _cdiv(n, bn)
-    grid = (_cdiv(m, bm) * t,)
-    xd, wd, yd = _descriptors(cfg, L)
     one = verify is not None
+    n_csum, csum_r, csum_k = _csum_layout(m, k, bm, one)
+    grid = (_cdiv(m, bm) * t + n_csum,)
+    xd, wd, yd = _descriptors(cfg, L)
     if one:
         vargs = (ws, verify.b12, *verify.args(n, k, P))  # ws: the one-launch cell block, as Sem
     else:
         vargs = (flag, flag, flag, flag, 0, 0, 1.0, 1.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
+    vargs += (_acc_cells(L.x.device) if n_csum else P, n_csum)
     vbn, vbk = VERIFY_BLOCK
     return grid, (
         L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, w12, P, inj if inj is not None else ws,
@@ -813,7 +916,8 @@ def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect,
         VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0,
         TMA=L.tma, W_KN=L.kn, TMA_STORE=L.tma and not one, ONE_LAUNCH=one, VERIFY_R=min(bm, ONE_LAUNCH_VERIFY_ROWS),
         VBLOCK_N=vbn, VBLOCK_K=vbk, VBLOCK_T=VERIFY_TILES, CORRECT=one and verify.correct,
-        DEBUG=one and verify.debug is not None, num_warps=warps, num_stages=stages,
+        DEBUG=one and verify.debug is not None, CSUM=n_csum > 0, CSUM_R=csum_r, CSUM_K=csum_k,
+        num_warps=warps, num_stages=stages,
     )
 
 
@@ -995,14 +1099,14 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
     if emax is None:
         emax = _emax(y.dtype, dev, mode, k)
     t = _cdiv(n, cfg[1])
-    P = _stats_buffer(t, m, dev)
+    one = _one_launch(m, n, k, cfg[0], dev)
+    P = _stats_buffer(t, m, dev, _csum_layout(m, k, cfg[0], one)[0])
     # a repaired row is re-verified as stored (rounded): with the output-side unit error
     reverify = 1.0
     if correct and not verify_output:
         reverify = max(1.0, _emax(y.dtype, dev, "output", k) / float(emax))
     ver = _Verify(wc.b12, counters, debug, bool(wc.finite), int(capacity),
                   _threshold_consts(wc, float(emax), float(csigma)), reverify, correct)
-    one = _one_launch(m, n, k, cfg[0], dev)
     launches = [(0, *_gemm_call(cfg, L, bias=bias, w12=wc.w12, P=P, inj=inj, flag=flag,
                                            ws=sem if one else slots, call_id=call_id, detect=True,
                                            verify_output=verify_output, dot_f32=dot_f32, verify=ver if one else None))]

@@ -109,9 +109,11 @@ def compile_variant(dtype: str, over: dict, num_warps: int, num_stages: int, arc
 # the output-side check, and the TMA prefill config.
 GEMM_BASE = dict(GROUP=8, HAS_BIAS=False, DETECT=True, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
                  TMA=False, W_KN=False, TMA_STORE=False, ONE_LAUNCH=True, VERIFY_R=16, VBLOCK_N=64, VBLOCK_K=64,
-                 VBLOCK_T=16, CORRECT=True, DEBUG=False)
+                 VBLOCK_T=16, CORRECT=True, DEBUG=False, CSUM=False, CSUM_R=1, CSUM_K=16)
 GEMM_VARIANTS = [
-    ("decode, one launch", "fp16", (16, 64, 128, 4, 4), {}),
+    ("decode, one launch, tiles' checksum share", "fp16", (16, 64, 128, 4, 4), {}),
+    ("decode M = 1, checksum programs", "fp16", (16, 64, 128, 4, 4), dict(CSUM=True, CSUM_R=1, CSUM_K=4096)),
+    ("decode M = 16, checksum programs", "bf16", (16, 64, 128, 4, 4), dict(CSUM=True, CSUM_R=16, CSUM_K=256)),
     ("decode, two launches, injection", "bf16", (16, 64, 128, 4, 4),
      dict(ONE_LAUNCH=False, CORRECT=False, INJ=True, HAS_BIAS=True, EVEN_K=False)),
     ("fp32 IEEE dots, one launch", "fp32", (64, 64, 32, 4, 3), dict(DOT_F32=True, VERIFY_R=64)),
@@ -120,7 +122,7 @@ GEMM_VARIANTS = [
      dict(TMA=True, TMA_STORE=True, ONE_LAUNCH=False, CORRECT=False, VERIFY_R=64)),
 ]
 _GEMM_INTS_1 = ("sxk", "swk", "syn")  # unit inner strides (contiguous x, W, y)
-_GEMM_NOT_DIV16 = ("call_id", "w_finite", "scn0", "scn1", "capacity")
+_GEMM_NOT_DIV16 = ("call_id", "w_finite", "scn0", "scn1", "capacity", "n_csum")
 
 
 def compile_gemm_variant(dtype: str, cfg: tuple, over: dict, arch: int):
@@ -140,7 +142,7 @@ def compile_gemm_variant(dtype: str, cfg: tuple, over: dict, arch: int):
             sig[name] = "constexpr"
         elif name in blocks:
             sig[name] = f"tensordesc<{dtype}[{blocks[name][0]},{blocks[name][1]}]>" if consts["TMA"] else f"*{dtype}"
-        elif name in data or name in ints or name in ("W12", "P", "B12", "Dbg"):
+        elif name in data or name in ints or name in ("W12", "P", "B12", "Dbg", "Acc"):
             sig[name] = f"*{dtype}" if name in data else "*i32" if name in ints else "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in floats:

@@ -281,6 +281,46 @@ def test_one_launch_verifies_like_reference(dtype, config, m, monkeypatch):
     assert st2 == ZERO
     torch.testing.assert_close(y2.double().cpu(), ref, rtol=0, atol=tol)
     assert int(G._cells(x.device)[0].abs().sum().item()) == 0  # every one-launch cell back to 0
+    assert float(G._acc_cells(x.device).abs().sum().item()) == 0.0  # and a decode call's row-sum cells
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("m", [1, 16])
+def test_decode_checksum_programs_verify_like_reference(dtype, m, monkeypatch):
+    """A decode call (one launch, one row block, M ≤ CSUM_ROWS) takes its checksums from extra
+    programs, one per K chunk (here 1 or 3 chunks of K = 600), and its row sums from the tiles'
+    atomics: clean calls count nothing and match float64; flips at high bits are located, repaired
+    and counted exactly as the reference path counts them; the cells are back to 0 after each call."""
+    grids = []
+    real = G._GEMM_LAUNCH
+
+    def spy(grid, args, kwargs):
+        t = -(-args[G._gemm_kernel.arg_names.index("N")] // kwargs["BLOCK_N"])  # the GEMM's tiles
+        grids.append((grid[0] - t, kwargs["CSUM"], args[G._gemm_kernel.arg_names.index("n_csum")]))
+        return real(grid, args, kwargs)
+
+    monkeypatch.setattr(G, "_GEMM_LAUNCH", spy)
+    monkeypatch.setattr(G, "_VERIFY_LAUNCH", _no_second_launch)
+    k, n = 600, 40
+    x = _rand((m, k), dtype, 71, 2.0)
+    w = _rand((n, k), dtype, 72, k**-0.5)
+    b = _rand((n,), dtype, 73)
+    ref = _ref64(x, w, b)
+    tol = _gemm_rel_tol(dtype, k) * float(ref.abs().max())
+    y, st = _run(x, w, b)
+    assert st == ZERO and float((y.double().cpu() - ref).abs().max()) <= tol
+    chunks = 1 if m == 1 else 3  # K chunks of 4096 / next_pow2(M) (capped at next_pow2(K) = 1024)
+    assert grids[-1] == (chunks, True, chunks), grids  # programs beyond the tiles: one per chunk
+    bit = HIGH_BIT[dtype][-1]
+    for count in (1, 3):
+        spec = FaultSpec(site="linear.output", bit=bit, count=count, seed=10 + count)
+        with torch.no_grad():
+            y_t, st_t = ftt.checked_linear(x, w, b, inject=spec, backend="triton")
+            y_r, st_r = ftt.checked_linear(x, w, b, inject=spec, backend="reference")
+        assert dict(st_t) == dict(st_r) and st_t["detected"] >= 1, (count, dict(st_t), dict(st_r))
+        assert float((y_t.double().cpu() - ref).abs().max()) <= tol, count
+        assert grids[-1][1], grids[-1]  # the injecting call took the checksum programs too
+        assert float(G._acc_cells(x.device).abs().sum().item()) == 0.0
 
 
 @pytest.mark.parametrize("dtype,m,k,n,seed,bit,count,flip_seed", [
@@ -288,7 +328,7 @@ def test_one_launch_verifies_like_reference(dtype, config, m, monkeypatch):
     (torch.float16, 12, 96, 48, 1000, 6, 3, 6),
     (torch.bfloat16, 12, 96, 48, 1001, 9, 3, 109),
 ], ids=["bf16-two-shrunk", "fp16-two", "bf16-two"])
-@pytest.mark.parametrize("table", ["here", "h100"])
+@pytest.mark.parametrize("table", ["cpu", "h100"])
 def test_repair_must_explain_the_accumulator_difference(dtype, m, k, n, seed, bit, count, flip_seed, table,
                                                         monkeypatch):
     """Two flips in one row: the located column explains neither, and after its (no-op) repair the
@@ -296,14 +336,14 @@ def test_repair_must_explain_the_accumulator_difference(dtype, m, k, n, seed, bi
     corrected while still wrong (up to 23 % of max|y| in a sweep of 768 injected calls). The repair
     must now also explain the accumulator-side difference; such rows are recomputed.
 
-    ``h100``: with the H100's accumulator-side e_max (the shipped table; ~100× this CPU's for fp16),
-    as on the GPU, where a single low-mantissa flip elsewhere in the call may stay under the
-    threshold. The rows with two flips must still be recomputed, and no element may end up further
-    from float64 than its injected flip put it."""
-    if table == "h100":
-        table = Path(_vabft.__file__).with_name("emax_tables") / "nvidia_h100_80gb_hbm3.json"  # shipped
-        entries = json.loads(table.read_text())["emax"]
-        monkeypatch.setattr(G, "_emax", lambda dt, device, mode, k: float(entries[mode][str(dt)[6:]]))
+    Under both shipped accumulator-side tables, whatever the device: ``cpu`` (this CPU's e_max),
+    where every flip of the call is caught, and ``h100`` (the H100's, ~100× the CPU's for fp16; an
+    H200 uses it too), where a single low-mantissa flip elsewhere in the call may stay under the
+    threshold. The rows with two flips must be recomputed under both, and under ``h100`` no element
+    may end up further from float64 than its injected flip put it."""
+    name = {"cpu": "cpu.json", "h100": "nvidia_h100_80gb_hbm3.json"}[table]
+    entries = json.loads((Path(_vabft.__file__).with_name("emax_tables") / name).read_text())["emax"]  # shipped
+    monkeypatch.setattr(G, "_emax", lambda dt, device, mode, k: float(entries[mode][str(dt)[6:]]))
     if seed is None:
         x, w, b = _rand((m, k), dtype, 81, 2.0), _rand((n, k), dtype, 82, k**-0.5), _rand((n,), dtype, 83)
     else:
@@ -324,7 +364,7 @@ def test_repair_must_explain_the_accumulator_difference(dtype, m, k, n, seed, bi
     tol = _gemm_rel_tol(dtype, k) * float(ref.abs().max())
     err = (y.double().cpu() - ref).abs()
     assert float(err[two].max()) <= tol, (two, float(err[two].max()), tol)  # recomputed, not "repaired"
-    if table == "here":
+    if table == "cpu":
         assert float(err.max()) <= tol, float(err.max())
     else:  # every other element: repaired, or left with (at most) its injected error
         flip_err = (y_flipped.double().cpu() - ref).abs().nan_to_num(nan=float("inf"))  # a flip may make a NaN
@@ -652,3 +692,39 @@ def test_gpu_direct_launch_respecialises(monkeypatch):
         monkeypatch.delenv("FTT_DIRECT_LAUNCH")
         assert torch.equal(y, y_jit) and st_jit == ZERO
     assert G._GEMM_LAUNCH.direct_launches - before >= len(cases)
+
+
+def test_bench_gemm_parts_columns(monkeypatch):
+    """`scripts/bench_gemm_parts.py`'s columns: every mode runs its call, ``gemm_only`` launches the
+    verification of none of its calls (the ``two`` column launches one per call), and the outputs
+    of the verified columns match float64."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_gemm_parts.py"
+    spec = importlib.util.spec_from_file_location("bench_gemm_parts", path)
+    parts = importlib.util.module_from_spec(spec)
+    monkeypatch.setattr(sys, "path", [str(path.parent), *sys.path])
+    spec.loader.exec_module(parts)
+    verifies = []
+    real = G._VERIFY_LAUNCH
+
+    def spy(grid, args, kwargs):
+        verifies.append(grid)
+        return real(grid, args, kwargs)
+
+    monkeypatch.setattr(G, "_VERIFY_LAUNCH", spy)
+    timed = []
+
+    def timer(fn):
+        timed.append(fn)
+        fn()
+        return 1.0
+
+    us, events, err = parts.bench_shape(1, 48, 40, torch.float16, [(G, ["plain", "gemm_only", "two", "one"])],
+                                        calls=2, rounds=2, timer=timer, device=DEV, graphed=lambda fn: fn)
+    assert set(us) == {"cublas", "plain", "gemm_only", "two", "one"} and len(timed) == 2 * len(us)
+    assert us["one"] == pytest.approx(1e3 / 2)  # µs per call: 1 ms per timing over 2 calls
+    # the `two` column: one verification for the error check, then one per call of the 2 rounds × 2 calls
+    assert len(verifies) == 1 + 2 * 2, len(verifies)
+    assert events == 0 and err < _gemm_rel_tol(torch.float16, 40)
