@@ -56,6 +56,15 @@ Design (one or two launches, no host synchronisation):
    a call of several row blocks with a non-finite x somewhere may get repairs in its other rows
    that the reference path (checks off for the whole call) does not make.
 
+   Decode calls (one launch, one row block, M ≤ ``CSUM_ROWS``) move the checksums out of the tiles:
+   ``n_csum`` extra programs, one per K chunk (`_csum_chunk`), compute ``x·w1``, ``x·w2`` and x's
+   statistics while the tiles run the plain main loop and add their row sums into per-device cells
+   (`_acc_cells`); the last program to count verifies from those cells and the chunks' slots, so
+   neither a share of the checksums in the K loop nor a walk over the T tiles' partials is left
+   (1.2-2.3 µs of checks per decode call instead of 3.2-7.8, 9 µs instead of 91 for a 151,936-wide
+   lm_head, on an H200: ``docs/vabft.md``, session 23). The tuner still times the two-launch
+   form's GEMM for these calls.
+
 Block sizes: the ``CONFIGS_*`` lists below are the only place; ``_pick_config`` times the
 candidates (GPU time, `tl_common.gpu_time`) once per (dtype, layout, flags, M bucket, N, K) on CUDA
 and caches the winner (set

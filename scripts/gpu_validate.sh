@@ -15,6 +15,7 @@
 #              distributions, a protected MiniLM run (carry .gpucarry/minilm, see efta_coverage.py)
 #   linear     V-ABFT: calibration, GPU tests, bench_linear, the seed 004 study (docs/vabft.md)
 #   gemm       the checked GEMM's GPU tests and bench_linear with CUDA-graph and pointer-load columns
+#   parts      a decode GEMM call in parts (plain, GEMM launch alone, two launches, one launch), fp16
 #   profile    torch.profiler tables of Qwen2-0.5B's compiled decode (attention-only and full protection)
 #   compiled   Qwen2-0.5B's compiled decode (CUDA graphs), variants interleaved (issue 7's decode target)
 #   generate   scripts/bench_generate.py (end to end, issue 7)
@@ -74,6 +75,9 @@ run_part() {
         tests/test_abft_gemm.py 2>&1
       timeout ${BENCH_TIMEOUT:-420} python3 scripts/bench_linear.py --no-torch-checked --graph --pointer \
         --out "$dir/bench_linear" 2>&1 | grep --line-buffered -v Warning ;;
+    parts)  # where a decode GEMM call's time goes: scripts/bench_gemm_parts.py (graphs of 16 calls)
+      FTT_ABFT_GEMM_TUNE=0 timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_gemm_parts.py --out "$dir" 2>&1 \
+        | grep --line-buffered -v Warning ;;
     profile)  # where a protected compiled decode step's time goes (issue 7)
       python3 scripts/bench_generate.py --out "$dir" --models qwen2-0.5b --prefill --decode-batch 1 \
         --new-tokens 16 --variants attn_only full --compile reduce-overhead --profile --no-progress 2>&1 | tail -30
