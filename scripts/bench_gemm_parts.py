@@ -12,6 +12,8 @@ weight copies past the H100's 50 MB L2 (as a model's layer stack streams its wei
 * ``two``       — the GEMM launch and the verification launch,
 * ``one``       — one launch (the default for one row block): the GEMM's last tile verifies.
 
+Every column counts its events in its own counters (``events_by_column``; clean inputs, so any
+event is a false positive, whose recompute would dominate that column's time).
 ``gemm_only − plain`` is what the tiles' share of the checks costs; ``one − gemm_only`` the one-launch
 tail (the count, the last tile's loads, the threshold). ``--modules`` takes further copies of the kernel
 module inside ``ft_transformers.kernels`` (e.g. a variant saved as ``kernels/_abft_gemm_x.py``), each
@@ -71,9 +73,12 @@ def _call(mod, mode: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, cnt
 
 
 def bench_shape(m: int, n: int, k: int, dtype: torch.dtype, modules: list[tuple], calls: int,
-                rounds: int, timer, device: str = "cuda", graphed=_graphed) -> tuple[dict[str, float], int, float]:
+                rounds: int, timer, device: str = "cuda", graphed=_graphed
+                ) -> tuple[dict[str, float], dict[str, int], float]:
     """Median µs per call of every column (``modules``: (module, modes) pairs, the first unprefixed);
-    the events counted; the largest relative error of a column's output against float64.
+    the events each column counted (its own counters: warm-up, capture and timed calls; any event
+    on these clean inputs is a false positive, and a recompute would dominate the column's time);
+    the largest relative error of a column's output against float64.
 
     ``timer(fn)``: ms of one ``fn()``; ``graphed(fn)``: the function timed for ``fn`` (a CUDA-graph
     replay; the CPU test passes ``fn`` itself)."""
@@ -86,7 +91,7 @@ def bench_shape(m: int, n: int, k: int, dtype: torch.dtype, modules: list[tuple]
     b = torch.randn((n,), device=dev, dtype=dtype, generator=g)
     n_w = weight_copies(w0.numel() * w0.element_size())
     ws = [w0] + [w0.clone() for _ in range(n_w - 1)]
-    cnt = new_counters(dev)
+    counters = {}
     ref = x.double() @ w0.double().t() + b.double()
     fns, err = {}, 0.0
     with torch.no_grad():
@@ -95,13 +100,14 @@ def bench_shape(m: int, n: int, k: int, dtype: torch.dtype, modules: list[tuple]
             tag = "" if i == 0 else mod.__name__.rsplit(".", 1)[1] + ":"
             for mode in modes:
                 owners = [torch.nn.Module() for _ in ws]  # a column's own cached checksums and launches
+                cnt = counters[tag + mode] = new_counters(dev)
                 one = _call(mod, mode, x, ws[0], b, cnt, owners[0])
                 if mode != "gemm_only":
                     err = max(err, float((one().double() - ref).abs().max() / ref.abs().max()))
-                fns[tag + mode] = graphed(_cycled(lambda j, mod=mod, mode=mode, owners=owners:
+                fns[tag + mode] = graphed(_cycled(lambda j, mod=mod, mode=mode, owners=owners, cnt=cnt:
                                                    _call(mod, mode, x, ws[j], b, cnt, owners[j]), n_w, calls))
         times = interleaved(fns, rounds, timer)
-        events = int(cnt.sum())
+        events = {name: int(c.sum()) for name, c in counters.items()}
     return {name: 1e3 * statistics.median(ts) / calls for name, ts in times.items()}, events, err
 
 
@@ -143,7 +149,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for m, n, k in shapes:
             us, events, err = bench_shape(m, n, k, dtype, modules, args.calls, args.rounds, timer)
             row = {"dtype": dt, "M": m, "N": n, "K": k, **{c: round(v, 3) for c, v in us.items()},
-                   "events": events, "rel_err": f"{err:.2e}"}
+                   "events": sum(events.values()),
+                   "events_by_column": " ".join(f"{c}:{e}" for c, e in events.items() if e) or "-",
+                   "rel_err": f"{err:.2e}"}
             rows.append(row)
             print(" ".join(f"{c}={v}" for c, v in row.items()), flush=True)
     with open(args.out / "gemm_parts.csv", "w", newline="") as f:

@@ -727,4 +727,4 @@ def test_bench_gemm_parts_columns(monkeypatch):
     assert us["one"] == pytest.approx(1e3 / 2)  # µs per call: 1 ms per timing over 2 calls
     # the `two` column: one verification for the error check, then one per call of the 2 rounds × 2 calls
     assert len(verifies) == 1 + 2 * 2, len(verifies)
-    assert events == 0 and err < _gemm_rel_tol(torch.float16, 40)
+    assert events == {"plain": 0, "gemm_only": 0, "two": 0, "one": 0} and err < _gemm_rel_tol(torch.float16, 40)
