@@ -114,6 +114,8 @@ GEMM_VARIANTS = [
     ("decode, one launch, tiles' checksum share", "fp16", (16, 64, 128, 4, 4), {}),
     ("decode M = 1, checksum programs", "fp16", (16, 64, 128, 4, 4), dict(CSUM=True, CSUM_R=1, CSUM_K=4096)),
     ("decode M = 16, checksum programs", "bf16", (16, 64, 128, 4, 4), dict(CSUM=True, CSUM_R=16, CSUM_K=256)),
+    ("fp32 decode, checksum programs", "fp32", (64, 64, 32, 4, 3),
+     dict(DOT_F32=True, VERIFY_R=64, CSUM=True, CSUM_R=16, CSUM_K=256)),
     ("decode, two launches, injection", "bf16", (16, 64, 128, 4, 4),
      dict(ONE_LAUNCH=False, CORRECT=False, INJ=True, HAS_BIAS=True, EVEN_K=False)),
     ("fp32 IEEE dots, one launch", "fp32", (64, 64, 32, 4, 3), dict(DOT_F32=True, VERIFY_R=64)),
