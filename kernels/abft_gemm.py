@@ -59,7 +59,7 @@ Design (one or two launches, no host synchronisation):
    Decode calls (one launch, one row block, M ≤ ``CSUM_ROWS``) move the checksums out of the tiles:
    ``n_csum`` extra programs, one per K chunk (`_csum_chunk`), compute ``x·w1``, ``x·w2`` and x's
    statistics while the tiles run the plain main loop and add their row sums into per-device cells
-   (`_acc_cells`); the last program to count verifies from those cells and the chunks' slots, so
+   (`_cells`); the last program to count verifies from those cells and the chunks' slots, so
    neither a share of the checksums in the K loop nor a walk over the T tiles' partials is left
    (1.2-2.3 µs of checks per decode call instead of 3.2-7.8, 9 µs instead of 91 for a 151,936-wide
    lm_head, on an H200: ``docs/vabft.md``, session 23). The tuner still times the two-launch
@@ -802,19 +802,22 @@ class _Verify:
                 1.0 / k, int(self.w_finite), int(self.capacity), *self.th, self.reverify)
 
 
-_CELLS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_CELLS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def _cells(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-device int32 cells that outlive calls (no allocation per call, fixed addresses for CUDA
-    graphs): ``(block, slots)``. ``block`` (8 + ONE_LAUNCH_ROW_BLOCKS,) is the one-launch GEMM's (see
-    `_gemm_kernel`), all 0 between calls (its programs reset what they used); ``slots`` (1,) is the
-    two-launch call's recompute slot counter (zeroed by the GEMM launch's first program, then
-    claimed by the verify launch that follows it on the stream)."""
+def _cells(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-device cells that outlive calls (no allocation per call, fixed addresses for CUDA graphs):
+    ``(block, slots, sums)``. ``block`` (8 + ONE_LAUNCH_ROW_BLOCKS,) int32 is the one-launch GEMM's
+    (see `_gemm_kernel`), all 0 between calls (its programs reset what they used); ``slots`` (1,)
+    int32 is the two-launch call's recompute slot counter (zeroed by the GEMM launch's first program,
+    then claimed by the verify launch that follows it on the stream); ``sums`` (CSUM_ROWS, 2) fp32,
+    0 between calls, holds a decode call's row sums, added by its tiles and read and reset by its
+    verifying program (`_gemm_kernel`'s CSUM)."""
     c = _CELLS.get(device)
     if c is None:
         buf = torch.zeros(9 + ONE_LAUNCH_ROW_BLOCKS, dtype=torch.int32, device=device)
-        c = _CELLS[device] = (buf[:8 + ONE_LAUNCH_ROW_BLOCKS], buf[8 + ONE_LAUNCH_ROW_BLOCKS:])
+        sums = torch.zeros(CSUM_ROWS * 2, dtype=torch.float32, device=device)
+        c = _CELLS[device] = (buf[:8 + ONE_LAUNCH_ROW_BLOCKS], buf[8 + ONE_LAUNCH_ROW_BLOCKS:], sums)
     return c
 
 
@@ -823,18 +826,6 @@ def _stats_buffer(t: int, m: int, device: torch.device, n_csum: int = 0) -> torc
     statistics (the kernels address the second part as ``P + T·M·2``); with ``n_csum`` checksum
     programs (`_csum_layout`), at least their (n_csum, M, 8) slots."""
     return torch.empty(max(t * m * (2 + _STATS_W), n_csum * m * _STATS_W), dtype=torch.float32, device=device)
-
-
-_ACC: dict[torch.device, torch.Tensor] = {}
-
-
-def _acc_cells(device: torch.device) -> torch.Tensor:
-    """Per-device fp32 (CSUM_ROWS, 2) cells, 0 between calls: a decode call's row sums, added by its tiles
-    and read and reset by its verifying program (`_gemm_kernel`'s CSUM)."""
-    c = _ACC.get(device)
-    if c is None:
-        c = _ACC[device] = torch.zeros(CSUM_ROWS * 2, dtype=torch.float32, device=device)
-    return c
 
 
 def _csum_layout(m: int, k: int, block_m: int, one: bool) -> tuple[int, int, int]:
@@ -913,7 +904,7 @@ def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect,
         vargs = (ws, verify.b12, *verify.args(n, k, P))  # ws: the one-launch cell block, as Sem
     else:
         vargs = (flag, flag, flag, flag, 0, 0, 1.0, 1.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
-    vargs += (_acc_cells(L.x.device) if n_csum else P, n_csum)
+    vargs += (_cells(L.x.device)[2] if n_csum else P, n_csum)
     vbn, vbk = VERIFY_BLOCK
     return grid, (
         L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, w12, P, inj if inj is not None else ws,
@@ -1098,7 +1089,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
     if inj is None:
         cfg = _pick_config(L, bias=bias, detect=detect, verify_output=verify_output, dot_f32=dot_f32)
     flag, call_id = call_flag(dev)
-    sem, slots = _cells(dev)
+    sem, slots, _ = _cells(dev)
     if not detect:
         _launch_gemm(cfg, L, bias=bias, w12=y, P=y, inj=inj, flag=flag, ws=slots, call_id=call_id,
                      detect=False, verify_output=False, dot_f32=dot_f32)
