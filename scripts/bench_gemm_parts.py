@@ -10,15 +10,18 @@ weight copies past the H100's 50 MB L2 (as a model's layer stack streams its wei
   row sums and statistics written), its verification launch replaced by nothing: no check is made,
   so this column is a measurement device only,
 * ``two``       — the GEMM launch and the verification launch,
-* ``one``       — one launch (the default for one row block): the GEMM's last tile verifies.
+* ``one``       — one launch (the default for one row block): the last program to finish verifies.
 
 Every column counts its events in its own counters (``events_by_column``; clean inputs, so any
 event is a false positive, whose recompute would dominate that column's time).
-``gemm_only − plain`` is what the tiles' share of the checks costs; ``one − gemm_only`` the one-launch
-tail (the count, the last tile's loads, the threshold). ``--modules`` takes further copies of the kernel
-module inside ``ft_transformers.kernels`` (e.g. a variant saved as ``kernels/_abft_gemm_x.py``), each
-with its own columns (``name:mode+mode``, default ``--modes``), named ``name:mode``, so that variants
-are compared in the same rounds.
+``gemm_only − plain`` is what the tiles' share of the checks costs. For a kernel whose one-launch
+form also carries that share (before the decode checksum programs, `cb662d0`), ``one − gemm_only``
+is the one-launch tail (the count, the last tile's loads, the threshold); with the checksum
+programs (M ≤ 16) ``one`` runs without the share, and ``one − plain`` is the whole checks' cost.
+
+``--modules`` takes further copies of the kernel module inside ``ft_transformers.kernels`` (e.g. a
+variant saved as ``kernels/_abft_gemm_x.py``), each with its own columns (``name:mode+mode``, default
+``--modes``), named ``name:mode``, so that variants are compared in the same rounds.
 
     python scripts/bench_gemm_parts.py --out /tmp/parts
     python scripts/bench_gemm_parts.py --modules abft_gemm:one,_abft_gemm_x:one --out /tmp/ab
