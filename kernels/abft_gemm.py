@@ -153,6 +153,11 @@ ONE_LAUNCH_ROW_BLOCKS = 8192
 # each taking CSUM_ELEMS elements of x (a K chunk of CSUM_ELEMS / next_pow2(M)) in one load
 CSUM_ROWS = 16
 CSUM_ELEMS = 4096
+# Split-K for those calls (`_split_k`): each tile's K blocks over up to SPLIT_PROGRAMS_PER_SM · SMs / T programs
+# (896-wide decode GEMMs have 14 tiles at BLOCK_N = 64: 14 busy SMs without it); none past SPLIT_MAX_TILES tiles
+SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_MAX_TILES = 1024
+INTERPRET_SMS = 4  # the SM count split-K assumes under the interpreter
 PREPARED_PER_WEIGHT = 64  # prepared call signatures kept per weight (`_PreparedCall`)
 _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
@@ -163,12 +168,13 @@ _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
 
 @triton.jit
-def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Acc, Inj, Flag, pid_m, pid_n, num_pid_m, num_pid_n, offs_m,
-               offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Acc, Inj, Flag, Part, Tcnt, pid_m, pid_n, split, kb_per,
+               num_pid_m, num_pid_n, offs_m, offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
+               n_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                HAS_BIAS: tl.constexpr, DETECT: tl.constexpr, VERIFY_OUTPUT: tl.constexpr,
                INJ: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
-               TMA: tl.constexpr, W_KN: tl.constexpr, TMA_STORE: tl.constexpr, CSUM: tl.constexpr):
+               TMA: tl.constexpr, W_KN: tl.constexpr, TMA_STORE: tl.constexpr, CSUM: tl.constexpr,
+               SPLIT: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile: fp32 GEMM + bias, rounding, injection, row partial sums, store;
     when DETECT also its share of the row checksums: the K blocks ``kb ≡ pid_n (mod T)`` of x, which
     the tile has just loaded (read again from L2), give partial ``x·w1``, ``x·w2`` and row max / min /
@@ -182,20 +188,33 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Acc, Inj, Flag, pid_m, pid_
 
     CSUM (a one-launch call of one row block, M ≤ CSUM_ROWS): the checksums and statistics come
     from the `_csum_chunk` programs, so the tile runs the plain main loop, and adds its two row
-    partial sums into the per-row cells ``Acc`` (M, 2) (relaxed atomics) instead of storing them."""
+    partial sums into the per-row cells ``Acc`` (M, 2) (relaxed atomics) instead of storing them.
+
+    SPLIT (one-row-block calls whose few tiles would leave most SMs idle: split-K): this program is split
+    ``split`` of ``n_split`` over the tile's K blocks ``[split·kb_per, (split+1)·kb_per)``. It stores
+    its fp32 partial tile in ``Part`` (n_split, M, N) and counts on the tile's cell ``Tcnt[pid_n]``;
+    the last of the tile's splits to count resets the cell, sums the n_split partials in split order
+    (the same fp32 sum whichever program finishes last) and runs the epilogue on that sum, so the
+    verification still sees the fp32 accumulators before rounding."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_bn = offs_n % N
-    a_ptrs = X + offs_am[:, None] * sxm + offs_k[None, :] * sxk
-    b_ptrs = W + offs_k[:, None] * swk + offs_bn[None, :] * swn
+    if SPLIT:
+        kb0 = split * kb_per
+        kb1 = tl.minimum(kb0 + kb_per, tl.cdiv(K, BLOCK_K))
+    else:
+        kb0 = 0
+        kb1 = tl.cdiv(K, BLOCK_K)
+    a_ptrs = X + offs_am[:, None] * sxm + (kb0 * BLOCK_K + offs_k)[None, :] * sxk
+    b_ptrs = W + (kb0 * BLOCK_K + offs_k)[:, None] * swk + offs_bn[None, :] * swn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     c1 = tl.zeros((BLOCK_M,), tl.float32)
     c2 = tl.zeros((BLOCK_M,), tl.float32)
     sm = tl.zeros((BLOCK_M,), tl.float32)
     mx = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     mn = tl.full((BLOCK_M,), float("inf"), tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb0, kb1):
         if TMA:
             a = Xd.load([pid_m * BLOCK_M, kb * BLOCK_K])
             if W_KN:
@@ -227,6 +246,33 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Acc, Inj, Flag, pid_m, pid_
         if not TMA:
             a_ptrs += BLOCK_K * sxk
             b_ptrs += BLOCK_K * swk
+    if SPLIT:
+        pmask = m_ok[:, None] & n_ok[None, :]
+        part = Part + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part + split * M * N, acc, mask=pmask)
+        tl.debug_barrier()  # every thread's partial before the count
+        if tl.atomic_add(Tcnt + pid_n, 1, sem="acq_rel") == n_split - 1:
+            tl.store(Tcnt + pid_n, 0)  # ready for the next call (every split has counted)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in range(0, n_split):  # a fixed order: the same sum whichever split came last
+                acc += tl.load(part + s * M * N, mask=pmask, other=0.0, cache_modifier=".cg")
+            _tile_epilogue(acc, Y, Yd, Bias, P, S, Acc, Inj, Flag, pid_m, pid_n, num_pid_m, offs_m, offs_n, n_ok,
+                           m_ok, M, sym, syn, inv_n, call_id, c1, c2, mx, mn, sm, HAS_BIAS, DETECT, VERIFY_OUTPUT,
+                           INJ, TMA_STORE, CSUM)
+    else:
+        _tile_epilogue(acc, Y, Yd, Bias, P, S, Acc, Inj, Flag, pid_m, pid_n, num_pid_m, offs_m, offs_n, n_ok,
+                       m_ok, M, sym, syn, inv_n, call_id, c1, c2, mx, mn, sm, HAS_BIAS, DETECT, VERIFY_OUTPUT,
+                       INJ, TMA_STORE, CSUM)
+
+
+@triton.jit
+def _tile_epilogue(acc, Y, Yd, Bias, P, S, Acc, Inj, Flag, pid_m, pid_n, num_pid_m, offs_m, offs_n, n_ok, m_ok, M,
+                   sym, syn, inv_n, call_id, c1, c2, mx, mn, sm, HAS_BIAS: tl.constexpr, DETECT: tl.constexpr,
+                   VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr, TMA_STORE: tl.constexpr, CSUM: tl.constexpr):
+    """A tile's fp32 sum ``acc`` (BLOCK_M, BLOCK_N) out: bias, rounding, injection, the row sums
+    (stored, or with CSUM added into ``Acc``) and the checksum partials, y's store."""
+    BLOCK_M: tl.constexpr = acc.shape[0]
+    BLOCK_N: tl.constexpr = acc.shape[1]
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     yv = acc.to(Y.dtype.element_ty)
@@ -316,14 +362,14 @@ def _csum_chunk(X, W12, S, Flag, chunk, M, K, sxm, sxk, call_id, CSUM_R: tl.cons
 def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
                  M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
                  Sem, B12, Cnt, Dbg, scn0, scn1, fn, inv_k, w_finite, capacity,
-                 th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale, Acc, n_csum,
+                 th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale, Acc, n_csum, n_split, kb_per,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DETECT: tl.constexpr,
                  VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr, DOT_F32: tl.constexpr,
                  EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KN: tl.constexpr, TMA_STORE: tl.constexpr,
                  ONE_LAUNCH: tl.constexpr, VERIFY_R: tl.constexpr, VBLOCK_N: tl.constexpr,
                  VBLOCK_K: tl.constexpr, VBLOCK_T: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
-                 CSUM: tl.constexpr, CSUM_R: tl.constexpr, CSUM_K: tl.constexpr):
+                 CSUM: tl.constexpr, CSUM_R: tl.constexpr, CSUM_K: tl.constexpr, SPLIT: tl.constexpr):
     """Grouped-order grid over the output tiles (and, with CSUM, ``n_csum`` checksum programs after them).
 
     ONE_LAUNCH: the GEMM verifies itself, no second launch. ``Sem`` is the per-device int32 cell
@@ -346,14 +392,27 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
     T + n_csum programs count on the row block's cell, and the last verifies. Measured on an H200
     (``docs/vabft.md``, session 23): the tiles' share of the checksums in the K loop cost 0.7-2.6 µs
     per decode call, and the verifier's walk over T tiles' partials 1.7-3 µs (88 µs for the lm_head's
-    2,374 tiles), against one load of the cells now."""
+    2,374 tiles), against one load of the cells now.
+
+    SPLIT (calls of one row block and few tiles, `_split_plan`: decode calls with checksum programs, and
+    the plain GEMM's of the same shapes): each tile runs as ``n_split`` programs over
+    ``kb_per`` K blocks each (split-K; see `_gemm_tile`), program ``pid`` being split
+    ``pid % n_split`` of tile ``pid // n_split``; the tiles' split counts use the cells
+    ``Sem[9 + pid_n]``, which a one-row-block call leaves free (the plain GEMM gets the cell block as
+    ``Sem`` for them), and with ONE_LAUNCH all T·n_split + n_csum programs count on the row block's cell."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    if CSUM:  # one row block; programs past the tiles (pid_n ≥ T) are the checksum programs
+    if SPLIT:  # one row block, tiles of n_split programs (then, with CSUM, the checksum programs)
+        pid_m = 0
+        pid_n = pid // n_split
+        split = pid % n_split
+    elif CSUM:  # one row block; programs past the tiles (pid ≥ T) are the checksum programs
         pid_m = 0
         pid_n = pid
+        split = 0
     else:
+        split = 0
         in_group = GROUP * num_pid_n
         group_id = pid // in_group
         first_m = group_id * GROUP
@@ -370,17 +429,19 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
     if DETECT and not ONE_LAUNCH:
         if pid == 0:
             tl.store(Ws, 0)  # per-call recompute slot counter (read by the verify kernel)
-    if CSUM and pid >= num_pid_n:
-        _csum_chunk(X, W12, S, Flag, pid - num_pid_n, M, K, sxm, sxk, call_id, CSUM_R, CSUM_K)
+    # SPLIT: the partial tiles after the checksum slots in P, the tiles' split counts in the cells
+    # after the row block's (a CSUM call has one row block)
+    if CSUM and pid >= num_pid_n * n_split:
+        _csum_chunk(X, W12, S, Flag, pid - num_pid_n * n_split, M, K, sxm, sxk, call_id, CSUM_R, CSUM_K)
     else:
-        _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Acc, Inj, Flag, pid_m, pid_n, num_pid_m, num_pid_n,
-                   offs_m, offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
-                   BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K, TMA, W_KN,
-                   TMA_STORE, CSUM)
+        _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Acc, Inj, Flag, P + n_csum * M * 8, Sem + 9, pid_m, pid_n,
+                   split, kb_per, num_pid_m, num_pid_n, offs_m, offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn,
+                   inv_n, call_id, n_split, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32,
+                   EVEN_K, TMA, W_KN, TMA_STORE, CSUM, SPLIT)
     if ONE_LAUNCH:
         tl.debug_barrier()  # every thread's stores (y, partials, flag) before the count
         done = tl.atomic_add(Sem + 8 + pid_m, 1, sem="acq_rel")
-        if done == num_pid_n + n_csum - 1:
+        if done == num_pid_n * n_split + n_csum - 1:
             tl.store(Sem + 8 + pid_m, 0)  # ready for the next call (every tile has counted)
             if num_pid_m == 1:
                 # the call's only row block (decode): every tile has finished, so the flag of a
@@ -821,11 +882,13 @@ def _cells(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return c
 
 
-def _stats_buffer(t: int, m: int, device: torch.device, n_csum: int = 0) -> torch.Tensor:
+def _stats_buffer(t: int, m: int, device: torch.device, n_csum: int = 0, part: int = 0) -> torch.Tensor:
     """fp32: the tiles' (T, M, 2) row sums, then their (T, M, 8) checksum partials and row
     statistics (the kernels address the second part as ``P + T·M·2``); with ``n_csum`` checksum
-    programs (`_csum_layout`), at least their (n_csum, M, 8) slots."""
-    return torch.empty(max(t * m * (2 + _STATS_W), n_csum * m * _STATS_W), dtype=torch.float32, device=device)
+    programs (`_csum_layout`), at least their (n_csum, M, 8) slots followed by ``part`` floats (the
+    split-K partial tiles, (n_split, M, N))."""
+    return torch.empty(max(t * m * (2 + _STATS_W), n_csum * m * _STATS_W + part), dtype=torch.float32,
+                       device=device)
 
 
 def _csum_layout(m: int, k: int, block_m: int, one: bool) -> tuple[int, int, int]:
@@ -836,6 +899,52 @@ def _csum_layout(m: int, k: int, block_m: int, one: bool) -> tuple[int, int, int
     r = triton.next_power_of_2(m)
     ck = min(CSUM_ELEMS // r, triton.next_power_of_2(k))
     return _cdiv(k, ck), r, ck
+
+
+def _split_plan(m: int, n: int, k: int, cfg, n_csum: int, detect: bool, device: torch.device) -> tuple[int, int]:
+    """(n_split, kb_per) of a call (`_split_k`): split-K for a decode call with checksum programs, and
+    for the plain GEMM of one row block of M ≤ CSUM_ROWS (the same sums, so that checks off and on
+    give the same y); ``(1, 1)`` otherwise."""
+    if n_csum or (not detect and m <= CSUM_ROWS and m <= cfg[0]):
+        return _split_k(n, k, cfg[1], cfg[2], device)
+    return 1, 1
+
+
+def _call_buffer(m: int, n: int, k: int, cfg, one: bool, detect: bool, device: torch.device) -> torch.Tensor:
+    """The `_stats_buffer` of a call with config ``cfg``, one launch or two (checks off: room for the
+    split-K partials only)."""
+    n_csum = _csum_layout(m, k, cfg[0], one)[0] if detect else 0
+    n_split = _split_plan(m, n, k, cfg, n_csum, detect, device)[0]
+    part = n_split * m * n if n_split > 1 else 0
+    if not detect:
+        return torch.empty(max(part, 1), dtype=torch.float32, device=device)
+    return _stats_buffer(_cdiv(n, cfg[1]), m, device, n_csum, part)
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def _split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> tuple[int, int]:
+    """(n_split, kb_per) of a decode call with checksum programs: each of its T tiles runs as n_split
+    programs of kb_per K blocks (the last may have fewer; none is empty), n_split ≤
+    SPLIT_PROGRAMS_PER_SM · SMs / T, so that a call of few tiles still fills the GPU. ``(1, ·)``:
+    no split. ``FTT_ABFT_GEMM_SPLIT=S`` asks for S splits (1: never split)."""
+    t, nkb = _cdiv(n, block_n), _cdiv(k, block_k)
+    env = os.environ.get("FTT_ABFT_GEMM_SPLIT")
+    if env:
+        want = int(env)
+        if want < 1:
+            raise ValueError(f"FTT_ABFT_GEMM_SPLIT must be a positive integer, got {env!r}")
+    else:
+        sms = _SMS.get(device)
+        if sms is None:
+            sms = _SMS[device] = (INTERPRET_SMS if device.type != "cuda"
+                                  else torch.cuda.get_device_properties(device).multi_processor_count)
+        want = SPLIT_PROGRAMS_PER_SM * sms // t
+    if t > SPLIT_MAX_TILES:
+        want = 1
+    per = _cdiv(nkb, max(1, min(want, nkb)))
+    return _cdiv(nkb, per), per
 
 
 _EMAX: dict[tuple, float] = {}
@@ -898,13 +1007,16 @@ def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect,
     t = _cdiv(n, bn)
     one = verify is not None
     n_csum, csum_r, csum_k = _csum_layout(m, k, bm, one)
-    grid = (_cdiv(m, bm) * t + n_csum,)
+    n_split, kb_per = _split_plan(m, n, k, cfg, n_csum, detect, L.x.device)
+    grid = (_cdiv(m, bm) * t * n_split + n_csum,)
     xd, wd, yd = _descriptors(cfg, L)
     if one:
         vargs = (ws, verify.b12, *verify.args(n, k, P))  # ws: the one-launch cell block, as Sem
     else:
-        vargs = (flag, flag, flag, flag, 0, 0, 1.0, 1.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
-    vargs += (_cells(L.x.device)[2] if n_csum else P, n_csum)
+        # Sem: the split-K counts of the plain GEMM's tiles are in the one-launch cells too
+        vargs = (_cells(L.x.device)[0] if n_split > 1 else flag, flag, flag, flag, 0, 0, 1.0, 1.0, 0, 0,
+                 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
+    vargs += (_cells(L.x.device)[2] if n_csum else P, n_csum, n_split, kb_per)
     vbn, vbk = VERIFY_BLOCK
     return grid, (
         L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, w12, P, inj if inj is not None else ws,
@@ -916,7 +1028,7 @@ def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect,
         VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0,
         TMA=L.tma, W_KN=L.kn, TMA_STORE=L.tma and not one, ONE_LAUNCH=one, VERIFY_R=min(bm, ONE_LAUNCH_VERIFY_ROWS),
         VBLOCK_N=vbn, VBLOCK_K=vbk, VBLOCK_T=VERIFY_TILES, CORRECT=one and verify.correct,
-        DEBUG=one and verify.debug is not None, CSUM=n_csum > 0, CSUM_R=csum_r, CSUM_K=csum_k,
+        DEBUG=one and verify.debug is not None, CSUM=n_csum > 0, CSUM_R=csum_r, CSUM_K=csum_k, SPLIT=n_split > 1,
         num_warps=warps, num_stages=stages,
     )
 
@@ -930,7 +1042,8 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
         return CONFIG_INTERPRET
     m, k = L.x.shape
     n = L.y.shape[1]
-    key = (L.x.dtype, L.kn, L.tma, bias is not None, detect, verify_output, _bucket(m), n, k)
+    key = (L.x.dtype, L.kn, L.tma, bias is not None, detect, verify_output, _bucket(m), n, k,
+           os.environ.get("FTT_ABFT_GEMM_SPLIT"))
     cfg = _TUNE_CACHE.get(key)
     if cfg is not None:
         return cfg
@@ -941,18 +1054,26 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
     dev = L.x.device
     if torch.cuda.is_current_stream_capturing():
         return cands[0]  # a capture cannot time candidates: the first, not cached (an eager call tunes)
-    bn_min = min(c[1] for c in cands)
-    P = _stats_buffer(_cdiv(n, bn_min), m, dev)  # room for every candidate's T
     ws = torch.zeros(2, dtype=torch.int32, device=dev)
     w12 = torch.zeros((k, 2), dtype=torch.float32, device=dev)
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     y_scratch = torch.empty_like(L.y)
     Ls = dataclasses.replace(L, y=y_scratch)
+    # decode calls are timed in the form they run: one launch with checksum programs (and split-K),
+    # verifying against an infinite threshold into scratch counters (nothing to detect or repair)
+    ver = None
+    if detect and m <= CSUM_ROWS:
+        ver = _Verify(torch.zeros(2, dtype=torch.float32, device=dev), new_counters(dev), None, True, 0,
+                      (0.0, 0.0, 0.0, 0.0, 0.0, float("inf")), 1.0, False)
     best, best_t = None, float("inf")
     for c in cands:
-        def run(c=c):
-            _launch_gemm(c, Ls, bias=bias, w12=w12, P=P, inj=None, flag=flag, ws=ws, call_id=0,
-                         detect=detect, verify_output=verify_output, dot_f32=dot_f32)
+        one = ver is not None and _one_launch(m, n, k, c[0], dev)
+        P = _call_buffer(m, n, k, c, one, detect, dev)
+
+        def run(c=c, one=one, P=P):
+            _launch_gemm(c, Ls, bias=bias, w12=w12, P=P, inj=None, flag=flag, ws=_cells(dev)[0] if one else ws,
+                         call_id=1, detect=detect, verify_output=verify_output, dot_f32=dot_f32,
+                         verify=ver if one else None)
         try:
             with torch.cuda.device(dev):
                 ms = gpu_time(run)
@@ -1091,8 +1212,8 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
     flag, call_id = call_flag(dev)
     sem, slots, _ = _cells(dev)
     if not detect:
-        _launch_gemm(cfg, L, bias=bias, w12=y, P=y, inj=inj, flag=flag, ws=slots, call_id=call_id,
-                     detect=False, verify_output=False, dot_f32=dot_f32)
+        _launch_gemm(cfg, L, bias=bias, w12=y, P=_call_buffer(m, n, k, cfg, False, False, dev), inj=inj, flag=flag,
+                     ws=slots, call_id=call_id, detect=False, verify_output=False, dot_f32=dot_f32)
         return y
     if wc is None:
         wc = WeightChecksums.compute(weight, bias, weight_is_kn=weight_is_kn)
@@ -1100,7 +1221,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         emax = _emax(y.dtype, dev, mode, k)
     t = _cdiv(n, cfg[1])
     one = _one_launch(m, n, k, cfg[0], dev)
-    P = _stats_buffer(t, m, dev, _csum_layout(m, k, cfg[0], one)[0])
+    P = _call_buffer(m, n, k, cfg, one, True, dev)
     # a repaired row is re-verified as stored (rounded): with the output-side unit error
     reverify = 1.0
     if correct and not verify_output:
@@ -1136,7 +1257,7 @@ def _env_key() -> tuple:
     `DirectLauncher`)."""
     env = os.environ
     return (env.get("FTT_ABFT_GEMM_TMA"), env.get("FTT_ABFT_GEMM_ONE_LAUNCH"), env.get("FTT_ABFT_GEMM_CONFIG"),
-            env.get("FTT_ABFT_GEMM_TUNE"), env.get("FTT_DIRECT_LAUNCH"))
+            env.get("FTT_ABFT_GEMM_TUNE"), env.get("FTT_DIRECT_LAUNCH"), env.get("FTT_ABFT_GEMM_SPLIT"))
 
 
 class _PreparedCall:

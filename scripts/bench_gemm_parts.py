@@ -11,6 +11,8 @@ weight copies past the H100's 50 MB L2 (as a model's layer stack streams its wei
   so this column is a measurement device only,
 * ``two``       — the GEMM launch and the verification launch,
 * ``one``       — one launch (the default for one row block): the last program to finish verifies.
+* ``plain_nosplit``, ``one_nosplit`` — ``plain`` and ``one`` without split-K (``FTT_ABFT_GEMM_SPLIT=1``;
+  by default a call of few tiles runs each tile as several programs over parts of K, `_split_k`).
 
 Every column counts its events in its own counters (``events_by_column``; clean inputs, so any
 event is a false positive, whose recompute would dominate that column's time).
@@ -47,7 +49,7 @@ from bench_linear import _cycled, _graphed, _with_env, weight_copies  # noqa: E4
 # Qwen2-0.5B's decode GEMMs (q/o 896², k/v 128×896, MLP 4864×896 and 896×4864, lm_head) and SmolLM2's MLP
 SHAPES = [(1, 896, 896), (1, 128, 896), (1, 4864, 896), (1, 896, 4864), (16, 4864, 896), (1, 1536, 576),
           (1, 151936, 896)]
-MODES = ("plain", "gemm_only", "two", "one")
+MODES = ("plain", "plain_nosplit", "gemm_only", "two", "one", "one_nosplit")
 
 
 def _no_launch(grid, args, kwargs) -> None:
@@ -56,10 +58,15 @@ def _no_launch(grid, args, kwargs) -> None:
 
 def _call(mod, mode: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, cnt: torch.Tensor, owner):
     """One call of ``mod``'s checked GEMM in ``mode``."""
+    nosplit = mode.endswith("_nosplit")
+    mode = mode.removesuffix("_nosplit")
+
     def run():
         return mod.checked_linear_triton_forward(
             x, w, b, weight_is_kn=False, emax=None, csigma=2.5, detect=mode != "plain", correct=True, plan=None,
             counters=cnt, cache_owner=owner)
+    if nosplit:
+        run = _with_env(run, "FTT_ABFT_GEMM_SPLIT", "1")
     if mode in ("two", "gemm_only"):
         run = _with_env(run, "FTT_ABFT_GEMM_ONE_LAUNCH", "0")
     if mode == "gemm_only":

@@ -109,11 +109,13 @@ def compile_variant(dtype: str, over: dict, num_warps: int, num_stages: int, arc
 # the output-side check, and the TMA prefill config.
 GEMM_BASE = dict(GROUP=8, HAS_BIAS=False, DETECT=True, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
                  TMA=False, W_KN=False, TMA_STORE=False, ONE_LAUNCH=True, VERIFY_R=16, VBLOCK_N=64, VBLOCK_K=64,
-                 VBLOCK_T=16, CORRECT=True, DEBUG=False, CSUM=False, CSUM_R=1, CSUM_K=16)
+                 VBLOCK_T=16, CORRECT=True, DEBUG=False, CSUM=False, CSUM_R=1, CSUM_K=16, SPLIT=False)
 GEMM_VARIANTS = [
     ("decode, one launch, tiles' checksum share", "fp16", (16, 64, 128, 4, 4), {}),
     ("decode M = 1, checksum programs", "fp16", (16, 64, 128, 4, 4), dict(CSUM=True, CSUM_R=1, CSUM_K=4096)),
     ("decode M = 16, checksum programs", "bf16", (16, 64, 128, 4, 4), dict(CSUM=True, CSUM_R=16, CSUM_K=256)),
+    ("decode M = 1, checksum programs, split-K", "fp16", (16, 64, 128, 4, 4),
+     dict(CSUM=True, CSUM_R=1, CSUM_K=4096, SPLIT=True)),
     ("fp32 decode, checksum programs", "fp32", (64, 64, 32, 4, 3),
      dict(DOT_F32=True, VERIFY_R=64, CSUM=True, CSUM_R=16, CSUM_K=256)),
     ("decode, two launches, injection", "bf16", (16, 64, 128, 4, 4),
@@ -124,7 +126,7 @@ GEMM_VARIANTS = [
      dict(TMA=True, TMA_STORE=True, ONE_LAUNCH=False, CORRECT=False, VERIFY_R=64)),
 ]
 _GEMM_INTS_1 = ("sxk", "swk", "syn")  # unit inner strides (contiguous x, W, y)
-_GEMM_NOT_DIV16 = ("call_id", "w_finite", "scn0", "scn1", "capacity", "n_csum")
+_GEMM_NOT_DIV16 = ("call_id", "w_finite", "scn0", "scn1", "capacity", "n_csum", "n_split", "kb_per")
 
 
 def compile_gemm_variant(dtype: str, cfg: tuple, over: dict, arch: int):

@@ -11,6 +11,7 @@ file re-runs itself in a fresh process. ``gpu``-marked tests use real shapes on 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -286,19 +287,26 @@ def test_one_launch_verifies_like_reference(dtype, config, m, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("m", [1, 16])
-def test_decode_checksum_programs_verify_like_reference(dtype, m, monkeypatch):
+@pytest.mark.parametrize("split", ["auto", "1"])
+def test_decode_checksum_programs_verify_like_reference(dtype, m, split, monkeypatch):
     """A decode call (one launch, one row block, M ≤ CSUM_ROWS) takes its checksums from extra
     programs, one per K chunk (here 1 or 3 chunks of K = 600), and its row sums from the tiles'
     atomics: clean calls count nothing and match float64; flips at high bits are located, repaired
-    and counted exactly as the reference path counts them; the cells are back to 0 after each call."""
+    and counted exactly as the reference path counts them; the cells are back to 0 after each call.
+    ``auto``: each of the 2 tiles runs as 4 split-K programs of 5 K blocks (the interpreter counts 4
+    SMs, `_split_k`), whose last one sums the partials; ``1``: no split."""
     grids = []
     real = G._GEMM_LAUNCH
+    at = {a: G._gemm_kernel.arg_names.index(a) for a in ("N", "n_csum", "n_split", "kb_per")}
 
     def spy(grid, args, kwargs):
-        t = -(-args[G._gemm_kernel.arg_names.index("N")] // kwargs["BLOCK_N"])  # the GEMM's tiles
-        grids.append((grid[0] - t, kwargs["CSUM"], args[G._gemm_kernel.arg_names.index("n_csum")]))
+        t = -(-args[at["N"]] // kwargs["BLOCK_N"])  # the GEMM's tiles
+        grids.append((grid[0] - t * args[at["n_split"]], kwargs["CSUM"], args[at["n_csum"]], kwargs["SPLIT"],
+                      args[at["n_split"]], args[at["kb_per"]]))
         return real(grid, args, kwargs)
 
+    if split != "auto":
+        monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT", split)
     monkeypatch.setattr(G, "_GEMM_LAUNCH", spy)
     monkeypatch.setattr(G, "_VERIFY_LAUNCH", _no_second_launch)
     k, n = 600, 40
@@ -310,7 +318,8 @@ def test_decode_checksum_programs_verify_like_reference(dtype, m, monkeypatch):
     y, st = _run(x, w, b)
     assert st == ZERO and float((y.double().cpu() - ref).abs().max()) <= tol
     chunks = 1 if m == 1 else 3  # K chunks of 4096 / next_pow2(M) (capped at next_pow2(K) = 1024)
-    assert grids[-1] == (chunks, True, chunks), grids  # programs beyond the tiles: one per chunk
+    splits = (True, 4, 5) if split == "auto" else (False, 1, 19)  # 19 K blocks of 32
+    assert grids[-1] == (chunks, True, chunks, *splits), grids  # programs beyond the tiles: one per chunk
     bit = HIGH_BIT[dtype][-1]
     for count in (1, 3):
         spec = FaultSpec(site="linear.output", bit=bit, count=count, seed=10 + count)
@@ -319,8 +328,9 @@ def test_decode_checksum_programs_verify_like_reference(dtype, m, monkeypatch):
             y_r, st_r = ftt.checked_linear(x, w, b, inject=spec, backend="reference")
         assert dict(st_t) == dict(st_r) and st_t["detected"] >= 1, (count, dict(st_t), dict(st_r))
         assert float((y_t.double().cpu() - ref).abs().max()) <= tol, count
-        assert grids[-1][1], grids[-1]  # the injecting call took the checksum programs too
+        assert grids[-1][1] and grids[-1][3:] == splits, grids[-1]  # the injecting call took the same form
         assert float(G._cells(x.device)[2].abs().sum().item()) == 0.0
+        assert int(G._cells(x.device)[0].abs().sum().item()) == 0  # the split counts too
 
 
 @pytest.mark.parametrize("dtype,m,k,n,seed,bit,count,flip_seed", [
@@ -617,6 +627,47 @@ def test_tuner_times_nothing_while_capturing(monkeypatch):
     assert G._TUNE_CACHE == before
 
 
+def test_tuner_times_decode_calls_in_the_form_they_run(monkeypatch):
+    """The tuner times a decode call's candidates as the call runs them: one launch with checksum
+    programs and split-K (verifying into scratch counters against an infinite threshold); the plain
+    GEMM's candidates without checks. Each timed launch here runs once under the interpreter: the
+    one-launch cells must be back to 0 after it, and the pick is the fastest candidate."""
+    monkeypatch.setattr(G, "_INTERP", False)
+    for var in ("FTT_ABFT_GEMM_CONFIG", "FTT_ABFT_GEMM_TUNE", "FTT_ABFT_GEMM_SPLIT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(G, "CONFIGS_SMALL", [(16, 32, 64, 4, 1), (16, 16, 128, 4, 1)])  # small for the interpreter
+    seen = []
+    real = G._GEMM_LAUNCH
+    at = {a: G._gemm_kernel.arg_names.index(a) for a in ("n_split", "Cnt")}
+
+    def spy(grid, args, kwargs):
+        seen.append((kwargs["BLOCK_N"], kwargs["ONE_LAUNCH"], kwargs["CSUM"], kwargs["SPLIT"], args[at["n_split"]]))
+        if kwargs["ONE_LAUNCH"]:
+            seen[-1] += (args[at["Cnt"]],)
+        return real(grid, args, kwargs)
+
+    def one_run(run):  # "faster" for the narrower tiles
+        run()
+        return 1.0 / len(seen) if seen[-1][0] == 16 else 1.0
+
+    monkeypatch.setattr(G, "_GEMM_LAUNCH", spy)
+    monkeypatch.setattr(G, "gpu_time", one_run)
+    monkeypatch.setattr(G, "_TUNE_CACHE", {})
+    x = _rand((2, 640), torch.float16, 5)
+    w = _rand((48, 640), torch.float16, 6, 640**-0.5)
+    launch = G._Launch(x=x, w=w, b=None, y=torch.empty(2, 48, dtype=x.dtype), swn=w.stride(0), swk=w.stride(1))
+    for detect in (True, False):
+        seen.clear()
+        cfg = G._pick_config(launch, bias=None, detect=detect, verify_output=False, dot_f32=True)
+        assert cfg == (16, 16, 128, 4, 1)
+        # 48 / 32 = 2 tiles: 4 SMs · 2 / 2 = 4 splits of 10 K blocks of 64; 3 tiles: 2 splits of 3 of 128
+        assert [e[:5] for e in seen] == [(32, detect, detect, True, 4), (16, detect, detect, True, 2)], seen
+        if detect:
+            assert all(int(e[5].abs().sum()) == 0 for e in seen)  # clean: nothing counted
+        assert int(G._cells(x.device)[0].abs().sum().item()) == 0
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -714,17 +765,30 @@ def test_bench_gemm_parts_columns(monkeypatch):
         return real(grid, args, kwargs)
 
     monkeypatch.setattr(G, "_VERIFY_LAUNCH", spy)
+    splits = []
+    real_gemm = G._GEMM_LAUNCH
+
+    def gemm_spy(grid, args, kwargs):
+        splits.append(kwargs["SPLIT"])
+        return real_gemm(grid, args, kwargs)
+
+    monkeypatch.setattr(G, "_GEMM_LAUNCH", gemm_spy)
     timed = []
 
     def timer(fn):
         timed.append(fn)
+        splits.clear()
         fn()
-        return 1.0
+        return 1.0 if all(splits) else 2.0 if not any(splits) else 3.0
 
-    us, events, err = parts.bench_shape(1, 48, 40, torch.float16, [(G, ["plain", "gemm_only", "two", "one"])],
+    modes = ["plain", "plain_nosplit", "gemm_only", "two", "one", "one_nosplit"]
+    us, events, err = parts.bench_shape(1, 48, 40, torch.float16, [(G, modes)],
                                         calls=2, rounds=2, timer=timer, device=DEV, graphed=lambda fn: fn)
-    assert set(us) == {"cublas", "plain", "gemm_only", "two", "one"} and len(timed) == 2 * len(us)
-    assert us["one"] == pytest.approx(1e3 / 2)  # µs per call: 1 ms per timing over 2 calls
+    assert set(us) == {"cublas", *modes} and len(timed) == 2 * len(us)
+    # µs per call: 1 ms per timing over 2 calls where every launch split K (2 tiles of 2 K blocks:
+    # 2 splits each), 2 ms where none did
+    assert us["one"] == us["plain"] == pytest.approx(1e3 / 2)
+    assert us["one_nosplit"] == us["plain_nosplit"] == us["two"] == pytest.approx(2e3 / 2)
     # the `two` column: one verification for the error check, then one per call of the 2 rounds × 2 calls
     assert len(verifies) == 1 + 2 * 2, len(verifies)
-    assert events == {"plain": 0, "gemm_only": 0, "two": 0, "one": 0} and err < _gemm_rel_tol(torch.float16, 40)
+    assert events == dict.fromkeys(modes, 0) and err < _gemm_rel_tol(torch.float16, 40)
