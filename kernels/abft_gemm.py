@@ -154,8 +154,10 @@ ONE_LAUNCH_ROW_BLOCKS = 8192
 CSUM_ROWS = 16
 CSUM_ELEMS = 4096
 # Split-K for those calls (`_split_k`): each tile's K blocks over up to SPLIT_PROGRAMS_PER_SM · SMs / T programs
-# (896-wide decode GEMMs have 14 tiles at BLOCK_N = 64: 14 busy SMs without it); none past SPLIT_MAX_TILES tiles
-SPLIT_PROGRAMS_PER_SM = 2
+# of at least SPLIT_MIN_BLOCKS K blocks (896-wide decode GEMMs have 14 tiles at BLOCK_N = 64: 14 busy SMs without
+# it); none past SPLIT_MAX_TILES tiles. The tuner times every decode config with and without it.
+SPLIT_PROGRAMS_PER_SM = 1
+SPLIT_MIN_BLOCKS = 2
 SPLIT_MAX_TILES = 1024
 INTERPRET_SMS = 4  # the SM count split-K assumes under the interpreter
 PREPARED_PER_WEIGHT = 64  # prepared call signatures kept per weight (`_PreparedCall`)
@@ -904,7 +906,10 @@ def _csum_layout(m: int, k: int, block_m: int, one: bool) -> tuple[int, int, int
 def _split_plan(m: int, n: int, k: int, cfg, n_csum: int, detect: bool, device: torch.device) -> tuple[int, int]:
     """(n_split, kb_per) of a call (`_split_k`): split-K for a decode call with checksum programs, and
     for the plain GEMM of one row block of M ≤ CSUM_ROWS (the same sums, so that checks off and on
-    give the same y); ``(1, 1)`` otherwise."""
+    give the same y); ``(1, 1)`` otherwise, or when the config says so (a 6th entry ``False``, which
+    the tuner appends to a candidate that it timed faster without split-K)."""
+    if len(cfg) > 5 and not cfg[5]:
+        return 1, 1
     if n_csum or (not detect and m <= CSUM_ROWS and m <= cfg[0]):
         return _split_k(n, k, cfg[1], cfg[2], device)
     return 1, 1
@@ -926,7 +931,7 @@ _SMS: dict[torch.device, int] = {}
 
 def _split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> tuple[int, int]:
     """(n_split, kb_per) of a decode call with checksum programs: each of its T tiles runs as n_split
-    programs of kb_per K blocks (the last may have fewer; none is empty), n_split ≤
+    programs of kb_per ≥ SPLIT_MIN_BLOCKS K blocks (the last may have fewer; none is empty), n_split ≤
     SPLIT_PROGRAMS_PER_SM · SMs / T, so that a call of few tiles still fills the GPU. ``(1, ·)``:
     no split. ``FTT_ABFT_GEMM_SPLIT=S`` asks for S splits (1: never split)."""
     t, nkb = _cdiv(n, block_n), _cdiv(k, block_k)
@@ -941,9 +946,11 @@ def _split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -
             sms = _SMS[device] = (INTERPRET_SMS if device.type != "cuda"
                                   else torch.cuda.get_device_properties(device).multi_processor_count)
         want = SPLIT_PROGRAMS_PER_SM * sms // t
-    if t > SPLIT_MAX_TILES:
-        want = 1
+        if t > SPLIT_MAX_TILES:
+            want = 1
     per = _cdiv(nkb, max(1, min(want, nkb)))
+    if not env:
+        per = max(per, SPLIT_MIN_BLOCKS)
     return _cdiv(nkb, per), per
 
 
@@ -1001,7 +1008,7 @@ def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect,
 
     P: the `_stats_buffer` (or any placeholder without ``detect``); ws: the int32 cells the launch
     uses (the recompute slot counter, or with ``verify`` the one-launch cell block of `_cells`)."""
-    bm, bn, bk, warps, stages = cfg
+    bm, bn, bk, warps, stages = cfg[:5]
     m, k = L.x.shape
     n = L.y.shape[1]
     t = _cdiv(n, bn)
@@ -1065,6 +1072,9 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
     if detect and m <= CSUM_ROWS:
         ver = _Verify(torch.zeros(2, dtype=torch.float32, device=dev), new_counters(dev), None, True, 0,
                       (0.0, 0.0, 0.0, 0.0, 0.0, float("inf")), 1.0, False)
+    if m <= CSUM_ROWS and not os.environ.get("FTT_ABFT_GEMM_SPLIT"):
+        # each config with split-K (where it applies) and without
+        cands = [v for c in cands for v in ((c, (*c, False)) if _split_k(n, k, c[1], c[2], dev)[0] > 1 else (c,))]
     best, best_t = None, float("inf")
     for c in cands:
         one = ver is not None and _one_launch(m, n, k, c[0], dev)
