@@ -66,3 +66,52 @@ def test_multi_call_graphs_cycle_over_weight_copies_past_l2():
     with pytest.raises(SystemExit) as bad:
         bench_linear.main(["--graph-calls", "0"])
     assert bad.value.code == 2  # the argument error, before any CUDA check
+
+
+def test_graphed_replay_keeps_the_captured_function_alive(monkeypatch):
+    """`_graphed`'s replay holds the captured function: the graph reads tensors that only its closures
+    keep (a module's cached weight checksums). The bare ``g.replay`` let them be freed and their memory
+    reused, so every replay of an earlier benchmark column counted false positives. CUDA stands in
+    here: the capture and the streams are dummies, the replay is counted."""
+    import contextlib
+    import gc
+    import weakref
+
+    import torch
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+    class Owner:  # stands for the module whose cached checksums the captured calls read
+        pass
+
+    owner = Owner()
+    calls = []
+
+    def fn(owner=owner):
+        calls.append(owner is not None)
+
+    alive = weakref.ref(owner)
+    replay = bench_linear._graphed(fn)
+    del fn, owner
+    gc.collect()
+    assert alive() is not None  # still held through the replay
+    assert len(calls) == 3  # warm-up, side-stream warm-up, capture
+    replay()
+    assert Graph.replays == 1
+    del replay
+    gc.collect()
+    assert alive() is None
