@@ -1049,8 +1049,9 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
         return CONFIG_INTERPRET
     m, k = L.x.shape
     n = L.y.shape[1]
+    # (the forms a decode call is timed in depend on the one-launch and split-K settings)
     key = (L.x.dtype, L.kn, L.tma, bias is not None, detect, verify_output, _bucket(m), n, k,
-           os.environ.get("FTT_ABFT_GEMM_SPLIT"))
+           os.environ.get("FTT_ABFT_GEMM_SPLIT"), os.environ.get("FTT_ABFT_GEMM_ONE_LAUNCH"))
     cfg = _TUNE_CACHE.get(key)
     if cfg is not None:
         return cfg
