@@ -160,6 +160,11 @@ SPLIT_PROGRAMS_PER_SM = 1
 SPLIT_MIN_BLOCKS = 2
 SPLIT_MAX_TILES = 1024
 INTERPRET_SMS = 4  # the SM count split-K assumes under the interpreter
+# The tuner times a decode call (M ≤ CSUM_ROWS) over copies of its weight, up to TUNE_STREAM_COPIES and past
+# TUNE_STREAM_BYTES (more than an H100's or H200's L2), as a model streams its layers' weights: timed on one
+# L2-resident weight, its picks were up to 15 % slower than the first config at decode shapes (session 24)
+TUNE_STREAM_BYTES = 120_000_000
+TUNE_STREAM_COPIES = 8
 PREPARED_PER_WEIGHT = 64  # prepared call signatures kept per weight (`_PreparedCall`)
 _TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
 
@@ -1076,15 +1081,22 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
     if m <= CSUM_ROWS and not os.environ.get("FTT_ABFT_GEMM_SPLIT"):
         # each config with split-K (where it applies) and without
         cands = [v for c in cands for v in ((c, (*c, False)) if _split_k(n, k, c[1], c[2], dev)[0] > 1 else (c,))]
+    copies = [Ls]
+    if m <= CSUM_ROWS:  # a decode call: timed over copies of its weight, as a model streams its weights
+        nbytes = L.w.numel() * L.w.element_size()
+        for _ in range(min(TUNE_STREAM_COPIES, -(-TUNE_STREAM_BYTES // max(nbytes, 1))) - 1):
+            w = torch.empty_strided(L.w.shape, L.w.stride(), dtype=L.w.dtype, device=dev).copy_(L.w)
+            copies.append(dataclasses.replace(Ls, w=w))
     best, best_t = None, float("inf")
     for c in cands:
         one = ver is not None and _one_launch(m, n, k, c[0], dev)
         P = _call_buffer(m, n, k, c, one, detect, dev)
 
         def run(c=c, one=one, P=P):
-            _launch_gemm(c, Ls, bias=bias, w12=w12, P=P, inj=None, flag=flag, ws=_cells(dev)[0] if one else ws,
-                         call_id=1, detect=detect, verify_output=verify_output, dot_f32=dot_f32,
-                         verify=ver if one else None)
+            for Lc in copies:
+                _launch_gemm(c, Lc, bias=bias, w12=w12, P=P, inj=None, flag=flag, ws=_cells(dev)[0] if one else ws,
+                             call_id=1, detect=detect, verify_output=verify_output, dot_f32=dot_f32,
+                             verify=ver if one else None)
         try:
             with torch.cuda.device(dev):
                 ms = gpu_time(run)

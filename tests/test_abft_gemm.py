@@ -647,11 +647,15 @@ def test_tuner_times_decode_calls_in_the_form_they_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(G, "CONFIGS_SMALL", [(16, 32, 64, 4, 1), (16, 16, 128, 4, 1)])  # small for the interpreter
-    seen = []
+    monkeypatch.setattr(G, "TUNE_STREAM_COPIES", 2)  # (8 on a GPU)
+    seen, weights = [], []
     real = G._GEMM_LAUNCH
-    at = {a: G._gemm_kernel.arg_names.index(a) for a in ("n_split", "Cnt")}
+    at = {a: G._gemm_kernel.arg_names.index(a) for a in ("n_split", "Cnt", "W")}
 
     def spy(grid, args, kwargs):
+        weights.append(args[at["W"]])
+        if len(weights) % 2 == 0:  # each timed run: the call over the weight and one copy of it
+            return real(grid, args, kwargs)
         seen.append((kwargs["BLOCK_N"], kwargs["ONE_LAUNCH"], kwargs["CSUM"], kwargs["SPLIT"], args[at["n_split"]]))
         if kwargs["ONE_LAUNCH"]:
             seen[-1] += (args[at["Cnt"]],)
@@ -680,6 +684,12 @@ def test_tuner_times_decode_calls_in_the_form_they_run(monkeypatch):
         if detect:
             assert all(int(e[5].abs().sum()) == 0 for e in seen)  # clean: nothing counted
         assert int(G._cells(x.device)[0].abs().sum().item()) == 0
+        # timed over the weight and a copy of it (a decode call streams its weight from memory)
+        assert len(weights) == 2 * len(seen) and all(weights[i] is w for i in range(0, len(weights), 2))
+        copy = weights[1]
+        assert copy is not w and all(v is copy for v in weights[1::2])
+        assert copy.stride() == w.stride() and torch.equal(copy, w)
+        weights.clear()
 
 
 @pytest.mark.gpu
