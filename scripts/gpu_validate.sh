@@ -16,8 +16,6 @@
 #   linear     V-ABFT: calibration, GPU tests, bench_linear, the seed 004 study (docs/vabft.md)
 #   gemm       the checked GEMM's GPU tests and bench_linear with CUDA-graph and pointer-load columns
 #   parts      a decode GEMM call in parts (plain, GEMM launch alone, two launches, one launch), fp16
-#   partsorder session 23's unexplained detections: the same columns with a copy of the kernel module
-#              loaded after it, before it, and without it (events per column)
 #   profile    torch.profiler tables of Qwen2-0.5B's compiled decode (attention-only and full protection)
 #   compiled   Qwen2-0.5B's compiled decode (CUDA graphs), variants interleaved (issue 7's decode target)
 #   generate   scripts/bench_generate.py (end to end, issue 7)
@@ -80,16 +78,6 @@ run_part() {
     parts)  # where a decode GEMM call's time goes: scripts/bench_gemm_parts.py (graphs of 16 calls)
       FTT_ABFT_GEMM_TUNE=0 timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_gemm_parts.py --out "$dir" 2>&1 \
         | grep --line-buffered -v Warning ;;
-    partsorder)  # session 23: detections at 1x896x896 only while another copy of the module was loaded
-      cp kernels/abft_gemm.py kernels/_abft_gemm_copy.py
-      i=0
-      for mods in abft_gemm,_abft_gemm_copy:one _abft_gemm_copy:one,abft_gemm abft_gemm; do
-        i=$((i + 1))
-        echo "--- modules $mods"
-        FTT_ABFT_GEMM_TUNE=0 timeout ${BENCH_TIMEOUT:-150} python3 scripts/bench_gemm_parts.py --out "$dir/run$i" \
-          --shapes 1x896x896,1x128x896 --rounds 2 --modules "$mods" 2>&1 | grep --line-buffered -v Warning
-      done
-      rm -f kernels/_abft_gemm_copy.py ;;
     profile)  # where a protected compiled decode step's time goes (issue 7)
       python3 scripts/bench_generate.py --out "$dir" --models qwen2-0.5b --prefill --decode-batch 1 \
         --new-tokens 16 --variants attn_only full --compile reduce-overhead --profile --no-progress 2>&1 | tail -30
