@@ -923,14 +923,15 @@ def _split_plan(m: int, n: int, k: int, cfg, n_csum: int, detect: bool, device: 
     return 1, 1
 
 
-def _call_buffer(m: int, n: int, k: int, cfg, one: bool, detect: bool, device: torch.device) -> torch.Tensor:
-    """The `_stats_buffer` of a call with config ``cfg``, one launch or two (checks off: room for the
-    split-K partials only)."""
+def _call_buffer(m: int, n: int, k: int, cfg, one: bool, detect: bool, device: torch.device,
+                 unused: torch.Tensor) -> torch.Tensor:
+    """The `_stats_buffer` of a call with config ``cfg``, one launch or two; checks off: room for the
+    split-K partials, or ``unused`` (any tensor, passed as the kernel's unread ``P``) without them."""
     n_csum = _csum_layout(m, k, cfg[0], one)[0] if detect else 0
     n_split = _split_plan(m, n, k, cfg, n_csum, detect, device)[0]
     part = n_split * m * n if n_split > 1 else 0
     if not detect:
-        return torch.empty(max(part, 1), dtype=torch.float32, device=device)
+        return torch.empty(part, dtype=torch.float32, device=device) if part else unused
     return _stats_buffer(_cdiv(n, cfg[1]), m, device, n_csum, part)
 
 
@@ -1093,7 +1094,7 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
     best, best_t = None, float("inf")
     for c in cands:
         one = ver is not None and _one_launch(m, n, k, c[0], dev)
-        P = _call_buffer(m, n, k, c, one, detect, dev)
+        P = _call_buffer(m, n, k, c, one, detect, dev, y_scratch)
 
         def run(c=c, one=one, P=P):
             for Lc in copies:
@@ -1238,7 +1239,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
     flag, call_id = call_flag(dev)
     sem, slots, _ = _cells(dev)
     if not detect:
-        _launch_gemm(cfg, L, bias=bias, w12=y, P=_call_buffer(m, n, k, cfg, False, False, dev), inj=inj, flag=flag,
+        _launch_gemm(cfg, L, bias=bias, w12=y, P=_call_buffer(m, n, k, cfg, False, False, dev, y), inj=inj, flag=flag,
                      ws=slots, call_id=call_id, detect=False, verify_output=False, dot_f32=dot_f32)
         return y
     if wc is None:
@@ -1247,7 +1248,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         emax = _emax(y.dtype, dev, mode, k)
     t = _cdiv(n, cfg[1])
     one = _one_launch(m, n, k, cfg[0], dev)
-    P = _call_buffer(m, n, k, cfg, one, True, dev)
+    P = _call_buffer(m, n, k, cfg, one, True, dev, y)
     # a repaired row is re-verified as stored (rounded): with the output-side unit error
     reverify = 1.0
     if correct and not verify_output:
