@@ -158,7 +158,8 @@ CSUM_ROWS = 16
 CSUM_ELEMS = 4096
 # Split-K for those calls (`_split_k`): each tile's K blocks over up to SPLIT_PROGRAMS_PER_SM · SMs / T programs
 # of at least SPLIT_MIN_BLOCKS K blocks (896-wide decode GEMMs have 14 tiles at BLOCK_N = 64: 14 busy SMs without
-# it); none past SPLIT_MAX_TILES tiles. The tuner times every decode config with and without it.
+# it); none past SPLIT_MAX_TILES tiles (< ONE_LAUNCH_ROW_BLOCKS: the tiles' split counts use those cells). The tuner
+# times every decode config with and without it.
 SPLIT_PROGRAMS_PER_SM = 1
 SPLIT_MIN_BLOCKS = 2
 SPLIT_MAX_TILES = 1024
@@ -169,7 +170,7 @@ INTERPRET_SMS = 4  # the SM count split-K assumes under the interpreter
 TUNE_STREAM_BYTES = 120_000_000
 TUNE_STREAM_COPIES = 8
 PREPARED_PER_WEIGHT = 64  # prepared call signatures kept per weight (`_PreparedCall`)
-_TUNE_CACHE: dict[tuple, tuple[int, int, int, int, int]] = {}
+_TUNE_CACHE: dict[tuple, tuple] = {}  # key → config (5 entries, or 6 with False: no split-K)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -942,8 +943,11 @@ def _split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -
     """(n_split, kb_per) of a decode call with checksum programs: each of its T tiles runs as n_split
     programs of kb_per ≥ SPLIT_MIN_BLOCKS K blocks (the last may have fewer; none is empty), n_split ≤
     SPLIT_PROGRAMS_PER_SM · SMs / T, so that a call of few tiles still fills the GPU. ``(1, ·)``:
-    no split. ``FTT_ABFT_GEMM_SPLIT=S`` asks for S splits (1: never split)."""
+    no split. ``FTT_ABFT_GEMM_SPLIT=S`` asks for S splits (1: never split). Never past SPLIT_MAX_TILES
+    tiles: their split counts live in the one-launch cell block."""
     t, nkb = _cdiv(n, block_n), _cdiv(k, block_k)
+    if t > SPLIT_MAX_TILES:
+        return 1, nkb
     env = os.environ.get("FTT_ABFT_GEMM_SPLIT")
     if env:
         want = int(env)
@@ -955,8 +959,6 @@ def _split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -
             sms = _SMS[device] = (INTERPRET_SMS if device.type != "cuda"
                                   else torch.cuda.get_device_properties(device).multi_processor_count)
         want = SPLIT_PROGRAMS_PER_SM * sms // t
-        if t > SPLIT_MAX_TILES:
-            want = 1
     per = _cdiv(nkb, max(1, min(want, nkb)))
     if not env:
         per = max(per, SPLIT_MIN_BLOCKS)

@@ -635,6 +635,30 @@ def test_tuner_times_nothing_while_capturing(monkeypatch):
     assert G._TUNE_CACHE == before
 
 
+def test_split_k_plans_cover_k_without_empty_splits(monkeypatch):
+    """`_split_k`: every split gets at least one K block and together they cover K exactly, forced or
+    not; a forced split never goes past SPLIT_MAX_TILES tiles (their counts live in the one-launch
+    cells); a bad forced value is refused."""
+    dev = torch.device(DEV)
+    for forced in (None, "1", "3", "64"):
+        if forced is None:
+            monkeypatch.delenv("FTT_ABFT_GEMM_SPLIT", raising=False)
+        else:
+            monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT", forced)
+        for n in (16, 40, 896, 4864):
+            for k in (32, 100, 896, 4864):
+                n_split, per = G._split_k(n, k, 32, 64, dev)
+                nkb = -(-k // 64)
+                assert n_split >= 1 and per >= 1 and (n_split - 1) * per < nkb <= n_split * per, (n, k, n_split, per)
+                if forced == "1":
+                    assert n_split == 1
+        wide = 32 * (G.SPLIT_MAX_TILES + 1)
+        assert G._split_k(wide, 4096, 32, 64, dev)[0] == 1
+    monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT", "0")
+    with pytest.raises(ValueError, match="FTT_ABFT_GEMM_SPLIT"):
+        G._split_k(896, 896, 32, 64, dev)
+
+
 @pytest.mark.skipif(DEV != "cpu", reason="stand-in timings and the interpreter's 4 SMs (split-K counts)")
 def test_tuner_times_decode_calls_in_the_form_they_run(monkeypatch):
     """The tuner times a decode call's candidates as the call runs them: one launch with checksum
