@@ -1084,9 +1084,15 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
     if detect and m <= CSUM_ROWS:
         ver = _Verify(torch.zeros(2, dtype=torch.float32, device=dev), new_counters(dev), None, True, 0,
                       (0.0, 0.0, 0.0, 0.0, 0.0, float("inf")), 1.0, False)
-    if m <= CSUM_ROWS and not os.environ.get("FTT_ABFT_GEMM_SPLIT"):
-        # each config with split-K (where it applies) and without
-        cands = [v for c in cands for v in ((c, (*c, False)) if _split_k(n, k, c[1], c[2], dev)[0] > 1 else (c,))]
+
+    def one_launch(c) -> bool:
+        return ver is not None and _one_launch(m, n, k, c[0], dev)
+
+    if not os.environ.get("FTT_ABFT_GEMM_SPLIT"):
+        # each config with split-K (where the call's form splits, `_split_plan`) and without
+        n_csum = {c: _csum_layout(m, k, c[0], one_launch(c))[0] if detect else 0 for c in cands}
+        cands = [v for c in cands
+                 for v in ((c, (*c, False)) if _split_plan(m, n, k, c, n_csum[c], detect, dev)[0] > 1 else (c,))]
     copies = [Ls]
     if m <= CSUM_ROWS:  # a decode call: timed over copies of its weight, as a model streams its weights
         nbytes = L.w.numel() * L.w.element_size()
@@ -1095,7 +1101,7 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
             copies.append(dataclasses.replace(Ls, w=w))
     best, best_t = None, float("inf")
     for c in cands:
-        one = ver is not None and _one_launch(m, n, k, c[0], dev)
+        one = one_launch(c)
         P = _call_buffer(m, n, k, c, one, detect, dev, y_scratch)
 
         def run(c=c, one=one, P=P):
