@@ -20,13 +20,15 @@ Layout of one program (query block × (batch, head)), tutorial style:
   tile). The checksum GEMM ``Q·Kc1ᵀ`` keeps fp32 accuracy
   by splitting the fp32 checksum operand into slices of the input dtype (fp16: hi + lo = 22 bits,
   with a per-tile power-of-two scale so the slices neither overflow nor go subnormal; bf16:
-  hi + mid + lo = 24 bits; fp32 inputs: one IEEE fp32 dot): 2 resp. 3 extra tensor-core dots of
-  N = 16 next to the main GEMM. ``Kc2 = Σ_l (l+1)·K[l·16+r]`` and ``Sc2`` serve only to locate a
+  hi + mid + lo = 24 bits; fp32 inputs: one IEEE fp32 dot). The slices sit side by side in one
+  operand (`_load_parts`: N = 32 for fp16, 64 for bf16 with 16 zero columns, 16 for fp32), so the
+  checksum is one more tensor-core dot, and one wait for it, next to the main GEMM; its columns
+  are summed in registers (`_fold_parts`). ``Kc2 = Σ_l (l+1)·K[l·16+r]`` and ``Sc2`` serve only to locate a
   fault, so they are computed only in the (rare) branch where some group failed: same D2, same
   counters, a third less checksum work on the clean path.
-* **GEMM II checksums**: ``Vc1`` and ``Vc2`` (two N = 16 operands, same splitting) go through the
+* **GEMM II checksums**: ``Vc1`` and ``Vc2`` (same splitting, slices side by side) go through the
   same ``P`` and the same α rescale as ``O``: ``Oc = P·Vc``, P the register operand as in ``P·V``
-  and the pre-pass's ``Vc`` slices (N = 16 dots next to ``P·V``), stored transposed so that the
+  and the pre-pass's ``Vc`` slices (one dot each, after ``P·V``), stored transposed so that the
   dot's B operand is K-major like Q·Kc's. (Stored N-major, as V is, the kernels with in-loop
   injection computed wrong ``Oc`` on the H100 with Triton 3.6: every output group failed step 7,
   or an illegal address with both passes in one launch.) ``Oc2`` only locates output faults. The
@@ -42,12 +44,15 @@ Layout of one program (query block × (batch, head)), tutorial style:
   window and padding selects run only on key blocks that hold a masked key (`_edge_block`).
 * **Steps 3–5**: SNVR row-max check, the product check of ``P = exp(x)`` per group of 16 keys
   (`_exp_test`: the fp32 product of the group's clamped P and one ``lg2`` of it per group),
-  row sum ``l`` (fp32 sum of P) and its independent twin ``lc`` (a differently ordered grouped
-  reduction of the same P), ``O += P·V`` with P rounded to the input dtype (as flash attention
-  does), ``Oc1/Oc2 += P·Vc`` with the *same* rounded P, all rescaled by the same α.
+  row sum ``l`` (fp32 sum of P) and its independent twin ``lc`` (a differently ordered reduction of
+  the same P: carried per residue group, summed across them after the loop), ``O += P·V`` with P
+  rounded to the input dtype (as flash attention does), ``Oc1/Oc2 += P·Vc`` with the *same* rounded
+  P, all rescaled by the same α.
 * **A clean pass, and a repair pass only when needed** (`_key_loop`): the clean pass over the key
-  blocks has no data-dependent branch and no block-wide reduction. Steps 1–4 only raise per-row
-  flags, and the loop stays as pipelineable as the unchecked one. If any row of the query block
+  blocks has no data-dependent branch and no block-wide reduction. Step 3 raises per-row flags;
+  steps 1 and 4 only keep each (row, group)'s worst margin over the key blocks (``|D1| − T_s`` and
+  the product check's, `_score_margin`, `_exp_test`: a NaN-propagating running max), tested once
+  after the loop, so the loop stays as pipelineable as the unchecked one. If any row of the query block
   raised a flag, the program runs the key loop again in repair mode: one block-wide test per key
   block guards a branch that counts and repairs in the contract's order (step 1, then steps 3–4
   redone on the repaired scores). That branch recomputes GEMM I, re-applying the same injected
@@ -187,8 +192,9 @@ def _split(b, bmax, DT: tl.constexpr, PARTS: tl.constexpr, SCALE: tl.constexpr):
     """Split the fp32 checksum operand b into PARTS slices of the input dtype DT: b ≈ ic·(p0 + p1 + p2).
 
     fp16 (PARTS=2, SCALE): b is first scaled by a power of two so that bmax (an upper bound of |b|,
-    at most 8× above its max) lands in [2^14, 2^15); hi + lo keep 22 significant bits, nothing
-    overflows, and what goes subnormal is < 2^-25 of the max. bf16 (PARTS=3): hi + mid + lo, 24 bits
+    at most 8× above its max) lands in [2^14, 2^15) (for bmax ≥ 2^-26; a smaller block is scaled by
+    2^40); hi + lo keep 22 significant bits, nothing overflows, and what goes subnormal is < 2^-25 of
+    the max. bf16 (PARTS=3): hi + mid + lo, 24 bits
     (bf16 has fp32's range, no scaling). fp32 (PARTS=1): b itself. Unused slices are zeros.
     Returns (p0, p1, p2, ic) with ic the inverse scale (a scalar).
     """
@@ -199,8 +205,11 @@ def _split(b, bmax, DT: tl.constexpr, PARTS: tl.constexpr, SCALE: tl.constexpr):
         p2 = p1
     else:
         if SCALE:
+            # 2^(141 − e) as an exponent field, within 2^-20 … 2^40: fp16 sums never need less (their
+            # bmax < 2^22), and the main loop moves the Oc sums between blocks' scales (`_key_loop`)
+            # by at most 2^60, which cannot overflow them
             ebits = (bmax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-            f = tl.minimum(tl.maximum(268 - ebits, 1), 253)  # 2^(141 − e) as an exponent field
+            f = tl.minimum(tl.maximum(268 - ebits, 107), 167)
             b = b * (f << 23).to(tl.float32, bitcast=True)
             ic = ((254 - f) << 23).to(tl.float32, bitcast=True)
         p0 = b.to(DT)
@@ -248,8 +257,12 @@ def _v_checksums(v, LVP: tl.constexpr, INTERP: tl.constexpr):
 @triton.jit
 def _lg2(x):
     """log2 on the GPU for the step-4 check: one MUFU lg2.approx (abs. error ≤ 2^-22 near 1, rel. 2^-22
-    elsewhere: far inside the check's tolerance); tl.log2 would be a libdevice call."""
-    return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    elsewhere: far inside the check's tolerance); tl.log2 would be a libdevice call. The ``ftz`` form:
+    its argument, a product of at most EXP_MAX_GROUP values clamped to ≥ P_MIN, is never subnormal
+    (NaN and inf pass through), so the subnormal fix-up of plain lg2.approx (three instructions) is
+    dead code."""
+    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
@@ -286,9 +299,10 @@ def _exp_test(x, p, exp_tol, exp_xmin, INTERP: tl.constexpr, LOG2: tl.constexpr)
     is larger (NaN-propagating max: a NaN stays, a negative P becomes P_min); with L ≤ 4 the product
     of clamped values stays a normal fp32 number (`ft_transformers.exp_check`).
 
-    x, p: (BLOCK_M, BLOCK_N) fp32. Returns (BLOCK_M, 16) bool, the groups that fail
-    |log2 Π P − log2(e)·Σ x| ≤ exp_tol·log2(e)·(3L + |Σ x|). LOG2: x is given as x·log2(e) (the
-    folded path), and the same test is written in those units.
+    x, p: (BLOCK_M, BLOCK_N) fp32. Returns the margin (BLOCK_M, 16) fp32 of each group,
+    |log2 Π P − log2(e)·Σ x| − exp_tol·log2(e)·(3L + |Σ x|): the group fails the test where it is not
+    ≤ 0 (NaN included). LOG2: x is given as x·log2(e) (the folded path), and the same test is
+    written in those units.
     """
     BM: tl.constexpr = x.shape[0]
     L: tl.constexpr = x.shape[1] // 16
@@ -304,11 +318,11 @@ def _exp_test(x, p, exp_tol, exp_xmin, INTERP: tl.constexpr, LOG2: tl.constexpr)
         lp = _lg2(tl.reduce(pc, 1, _mul))
     if LOG2:
         d = lp - xs
-        ok = tl.abs(d) <= exp_tol * (3.0 * L * _LOG2E + tl.abs(xs))
+        e = tl.abs(d) - exp_tol * (3.0 * L * _LOG2E + tl.abs(xs))
     else:
         d = lp - xs * _LOG2E
-        ok = tl.abs(d) <= exp_tol * _LOG2E * (3.0 * L + tl.abs(xs))
-    return ~ok
+        e = tl.abs(d) - exp_tol * _LOG2E * (3.0 * L + tl.abs(xs))
+    return e
 
 
 @triton.jit
@@ -443,14 +457,15 @@ def _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D: tl.constexpr, PAR
     scores' units: unscaled when FOLD), kabs (16,) = max_d Σ_l |K|, and 1 if the block is non-finite."""
     r16 = tl.arange(0, 16)
     kabs = tl.load(KA + cb * 16 + r16)
-    k0, k1, k2 = _load_parts(KC + cb * (PARTS * 16 * BLOCK_D) + offs_d[:, None] + r16[None, :] * BLOCK_D,
-                             16 * BLOCK_D, PARTS)
+    kc = _load_parts(KC + cb * (PARTS * 16 * BLOCK_D), offs_d, PARTS, BLOCK_D)  # (BLOCK_D, 16·parts)
     kic = tl.load(SC + cb * 4)
     knf = (tl.load(SC + cb * 4 + 3) != 0).to(tl.int32)
+    # one dot over the slices side by side (one tensor-core wait instead of one per slice)
+    z = _fold_parts(_dot(q, kc, tl.zeros((q.shape[0], kc.shape[1]), tl.float32), DOT_F32 or PARTS == 1))
     if PASA or FOLD:
-        sc1 = _parts_dot(q, k0, k1, k2, PARTS, DOT_F32) * kic
+        sc1 = z * kic
     else:
-        sc1 = _parts_dot(q, k0, k1, k2, PARTS, DOT_F32) * (kic * scale)
+        sc1 = z * (kic * scale)
     return sc1, kabs, knf
 
 
@@ -464,6 +479,14 @@ def _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L: tl.constexpr):
     sg = tl.reshape(s, (s.shape[0], L, 16))
     d1 = sc1 - tl.sum(sg, axis=1)
     return sg, d1, ~(tl.abs(d1) <= thr) & row_ok[:, None] & chk
+
+
+@triton.jit
+def _score_margin(s, sc1, kabs, qn1, s_floor, L: tl.constexpr):
+    """The clean pass's step-1 test of one key block: |D1| − T_s per group (BLOCK_M, 16), failing
+    where not ≤ 0 (NaN included). Only used while the inputs are finite (`_key_loop`), where T_s is."""
+    d1 = sc1 - tl.sum(tl.reshape(s, (s.shape[0], L, 16)), axis=1)
+    return tl.abs(d1) - (qn1[:, None] * kabs[None, :] + s_floor)
 
 
 @triton.jit
@@ -483,9 +506,12 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
     subtraction and a multiply by log2 e. Step 4 then runs in those base-2 units. The max element
     gets |y| ≤ a few ulp of |m·log2 e| instead of exactly 0, which step 6 allows for (`_output_tests`).
 
-    Without REPAIR (the clean path) the checks only raise flags; with REPAIR (taken when some flag of
-    the block is raised) they count and repair exactly as the contract orders them, step 3 before
-    step 4. Returns (S masked, m_new, P, rows with a raised flag (BLOCK_M,) bool, cnt, nf).
+    Without REPAIR (the clean path) the checks only raise flags: step 3 per row, and step 4 as the
+    margin of each group (`_exp_test`), which the caller folds into a running maximum (a test after
+    the loop instead of a reduction per block); with REPAIR (taken when some flag of the block is
+    raised) they count and repair exactly as the contract orders them, step 3 before step 4. Returns
+    (S masked, m_new, P, rows with a raised flag (BLOCK_M,) bool, step-4 margins (BLOCK_M, 16) (the
+    clean path; else 0), cnt, nf).
     """
     s, nfb = _bias_mask(s, offs_m, offs_n, b, h, M, N, window, edge, Bias, sbb, sbh, sbm, sbn,
                         Mask, smb, smh, smm, smn, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT)
@@ -530,21 +556,23 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
             p = p.to(tl.float16).to(tl.float32)
     if INJ_P != 0:
         p = _inject(p, Inj, 2, INJ_P, bh, offs_m[:, None], offs_n[None, :], M, N)
-    if DETECT:
-        badg = _exp_test(x, p, exp_tol, exp_xmin, INTERP, FOLD) & row_ok[:, None] & chk
+    e4 = tl.zeros((x.shape[0], 16), tl.float32)
+    if DETECT and not REPAIR:
+        e4 = _exp_test(x, p, exp_tol, exp_xmin, INTERP, FOLD)
+    if DETECT and REPAIR:
+        badg = ~(_exp_test(x, p, exp_tol, exp_xmin, INTERP, FOLD) <= 0.0) & row_ok[:, None] & chk
         bad_row = bad_row | (tl.max(badg.to(tl.int32), axis=1) > 0)
-        if REPAIR:
-            nbp = tl.sum(tl.sum(badg.to(tl.int32), axis=1), axis=0)
-            if nbp > 0:
-                cnt = _bump(cnt, _PROBS + _DET, nbp)
-                if CORRECT:  # recompute exp over every member of a failing group
-                    cnt = _bump(cnt, _PROBS + _COR, nbp)
-                    redo = tl.reshape(tl.broadcast_to(badg[:, None, :], (x.shape[0], x.shape[1] // 16, 16)),
-                                      (x.shape[0], x.shape[1]))
-                    p = tl.where(redo, _exp(x, INTERP, FOLD), p)
-                else:
-                    cnt = _bump(cnt, _PROBS + _UNC, nbp)
-    return s, m_new, p, bad_row, cnt, nf
+        nbp = tl.sum(tl.sum(badg.to(tl.int32), axis=1), axis=0)
+        if nbp > 0:
+            cnt = _bump(cnt, _PROBS + _DET, nbp)
+            if CORRECT:  # recompute exp over every member of a failing group
+                cnt = _bump(cnt, _PROBS + _COR, nbp)
+                redo = tl.reshape(tl.broadcast_to(badg[:, None, :], (x.shape[0], x.shape[1] // 16, 16)),
+                                  (x.shape[0], x.shape[1]))
+                p = tl.where(redo, _exp(x, INTERP, FOLD), p)
+            else:
+                cnt = _bump(cnt, _PROBS + _UNC, nbp)
+    return s, m_new, p, bad_row, e4, cnt, nf
 
 
 @triton.jit
@@ -597,16 +625,29 @@ def _plain_pass(q, Kb, Vb, skn, skd, svn, svd, b, h, offs_m, offs_d, M, N, D, sc
 
 
 @triton.jit
-def _load_parts(ptr, stride, PARTS: tl.constexpr):
-    """The PARTS slices stored at ptr, ptr + stride, ptr + 2·stride (unused slices: the first again)."""
-    p0 = tl.load(ptr)
-    p1 = p0
-    p2 = p0
-    if PARTS >= 2:
-        p1 = tl.load(ptr + stride)
-    if PARTS == 3:
-        p2 = tl.load(ptr + 2 * stride)
-    return p0, p1, p2
+def _load_parts(base, inner, PARTS: tl.constexpr, STRIDE_R: tl.constexpr):
+    """The PARTS slices of a checksum table row as one operand (len(inner), 16·2^(PARTS−1)): column
+    c = 16·part + r sits at base + inner + c·STRIDE_R (the tables store the slices one after the other).
+    The width is a power of two: bf16's three slices take 64 columns, the last 16 zeros."""
+    PW: tl.constexpr = 16 << (PARTS - 1)
+    rp = tl.arange(0, PW)
+    ptr = base + inner[:, None] + rp[None, :] * STRIDE_R
+    if PW == 16 * PARTS:
+        t = tl.load(ptr)
+    else:
+        t = tl.load(ptr, mask=rp[None, :] < 16 * PARTS, other=0.0)
+    return t
+
+
+@triton.jit
+def _fold_parts(z):
+    """(rows, 16·n) → (rows, 16): the sum of the n slices' products. Column r + 16·part lies in the
+    same thread for every part (the MMA layout repeats every 8 columns), so this is in-register."""
+    if z.shape[1] == 16:
+        f = z
+    else:
+        f = tl.sum(tl.reshape(z, (z.shape[0], z.shape[1] // 16, 16)), axis=1)
+    return f
 
 
 @triton.jit
@@ -836,7 +877,8 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
     Returns the online-softmax state m_i, l_i (BLOCK_M,), acc (BLOCK_M, BLOCK_D); the checksum
     state lc (BLOCK_M,), oc1, oc2 (BLOCK_M, 16), nvalid (BLOCK_M,) int32, vmax (16,); the event
     slots cnt (32,) int32 (REPAIR only); nf; and the clean pass's flags: rows with a raised flag
-    (BLOCK_M,) bool and failing step-1 groups per row (BLOCK_M,) int32.
+    (BLOCK_M,) bool and failing step-1 groups per row (BLOCK_M,) int32 (groups (row, residue) that
+    failed in some key block: a group failing in two blocks counts once).
     """
     L: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
     offs_j = tl.arange(0, BLOCK_N)
@@ -847,6 +889,10 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
     nvis = tl.full([], 0, tl.int32)  # PASA: key blocks seen so far
     flag_rows = row_ok & False
     n1_rows = tl.zeros((BLOCK_M,), tl.int32)
+    NEG_INF: tl.constexpr = -float("inf")
+    worst1 = tl.full((BLOCK_M, 16), NEG_INF, tl.float32)  # clean pass: worst step-1 / step-4 margins
+    worst4 = tl.full((BLOCK_M, 16), NEG_INF, tl.float32)  # per (row, group) over the key blocks
+    lc16 = tl.zeros((BLOCK_M, 16), tl.float32)  # the row-sum twin per residue group
 
     for start_n in range(scan_lo, scan_hi, BLOCK_N):
         jblk = start_n // BLOCK_N
@@ -871,8 +917,11 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
             nf = nf | knf  # a non-finite key is an input problem, not a fault
             vmax = _max_nan(vmax, vtile)
             chk = nf == 0
-            _, _, bad = _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L)
-            nbad_row = tl.sum(bad.to(tl.int32), axis=1)
+            if REPAIR:
+                _, _, bad = _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L)
+                nbad_row = tl.sum(bad.to(tl.int32), axis=1)
+            else:  # the clean pass keeps each group's worst margin; one test after the loop
+                worst1 = _max_nan(worst1, tl.where(chk, _score_margin(s, sc1, kabs, qn1, s_floor, L), NEG_INF))
 
         s_in = s
         if PASA:
@@ -890,12 +939,14 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
             s_in = s + dcur[:, None]
 
         # ---- 2.–4. bias and masks, running max, exp (clean path: the checks only raise flags) ----
-        sm, m_new, p, bad_row, cnt, nf = _softmax_steps(
+        sm, m_new, p, bad_row, e4, cnt, nf = _softmax_steps(
             s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge, scale,
             Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin, snvr_rel, snvr_cap,
             HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P, INTERP, False, HALF_STATE, FOLD)
         if DETECT:
             if REPAIR:
+                bad4 = ~(e4 <= 0.0) & row_ok[:, None] & (nf == 0)
+                bad_row = bad_row | (tl.max(bad4.to(tl.int32), axis=1) > 0)
                 # One block-wide test per key block (step-1 groups that failed, plus rows that raised a
                 # step 3/4 flag ·2^16). A failing block takes the branch that recomputes its scores,
                 # with the same injected faults, and counts and repairs in the contract's order
@@ -951,14 +1002,14 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
                     s_in = s
                     if PASA:
                         s_in = s + dcur[:, None]
-                    sm, m_new, p, bad_row, cnt, nf = _softmax_steps(
+                    sm, m_new, p, bad_row, _, cnt, nf = _softmax_steps(
                         s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge,
                         scale, Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, exp_tol, exp_xmin,
                         snvr_rel, snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P,
                         INTERP, True, HALF_STATE, FOLD)
-            else:  # the clean pass only raises flags: rows, and the step-1 groups that failed
+            else:  # the clean pass only raises flags: rows (step 3), and the step-4 margins
                 flag_rows = flag_rows | bad_row
-                n1_rows += nbad_row
+                worst4 = _max_nan(worst4, tl.where(nf == 0, e4, NEG_INF))
             chk = nf == 0
             if HAS_BIAS or MASK_KIND != 0:  # without them the count has a closed form (after the loop)
                 nvalid += tl.sum((sm > -float("inf")).to(tl.int32), axis=1)
@@ -980,17 +1031,28 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
         else:
             acc = _dot(pd, v, acc * alpha[:, None], DOT_F32)
         if DETECT:
-            lc = lc * alpha + tl.sum(tl.sum(tl.reshape(p, (BLOCK_M, L, 16)), axis=2), axis=1)
-            vbase = VC + cb * (2 * PARTS * 16 * BLOCK_N) + offs_j[:, None] + r16[None, :] * BLOCK_N
-            a0, a1, a2 = _load_parts(vbase, 16 * BLOCK_N, PARTS)
+            # the twin per group (in-thread sums; one cross-thread sum after the loop)
+            lc16 = lc16 * alpha[:, None] + tl.sum(tl.reshape(p, (BLOCK_M, L, 16)), axis=1)
+            # Oc += P·Vc, the slices side by side in one dot (one tensor-core wait, not one per slice).
+            # Two orders made ptxas serialise every wgmma of the loop (warning C7515, 2.2× the time in
+            # one case): Oc accumulated in place like O (in units of each block's slice scale), and this
+            # dot issued before P·V.
+            vbase = VC + cb * (2 * PARTS * 16 * BLOCK_N)
+            a = _load_parts(vbase, offs_j, PARTS, BLOCK_N)  # (BLOCK_N, 16·parts)
             aic = tl.load(SC + cb * 4 + 1)
-            if OC2:
-                c0, c1, c2 = _load_parts(vbase + PARTS * 16 * BLOCK_N, 16 * BLOCK_N, PARTS)
-                cic = tl.load(SC + cb * 4 + 2)
-            oc1 = oc1 * alpha[:, None] + _parts_dot(pd, a0, a1, a2, PARTS, DOT_F32) * aic
+            zero = tl.zeros((BLOCK_M, a.shape[1]), tl.float32)
+            oc1 = oc1 * alpha[:, None] + _fold_parts(_dot(pd, a, zero, DOT_F32 or PARTS == 1)) * aic
             if OC2:  # the weighted checksum only locates output faults: carried when it may be needed
-                oc2 = oc2 * alpha[:, None] + _parts_dot(pd, c0, c1, c2, PARTS, DOT_F32) * cic
+                c = _load_parts(vbase + PARTS * 16 * BLOCK_N, offs_j, PARTS, BLOCK_N)
+                cic = tl.load(SC + cb * 4 + 2)
+                oc2 = oc2 * alpha[:, None] + _fold_parts(_dot(pd, c, zero, DOT_F32 or PARTS == 1)) * cic
         m_i = m_new
+    if DETECT:
+        lc = tl.sum(lc16, axis=1)
+    if DETECT and not REPAIR:
+        # the clean pass's tests of steps 1 and 4, once: a group fails if it failed in some key block
+        n1_rows = tl.sum((~(worst1 <= 0.0) & row_ok[:, None]).to(tl.int32), axis=1)
+        flag_rows = flag_rows | (tl.max((~(worst4 <= 0.0) & row_ok[:, None]).to(tl.int32), axis=1) > 0)
     if DETECT and not (HAS_BIAS or MASK_KIND != 0):
         # unmasked keys per row: those in [scan_lo, scan_hi) below N, the causal limit and above the
         # window (what counting S > −inf gives while the scores are finite; a non-finite score raises
@@ -1122,7 +1184,8 @@ def _efta_fwd(
     if DETECT:
         if (todo > 0) & (tl.sum(cnt, axis=0) == 0):
             # the clean pass saw failing step-1 groups that the second pass does not have: a
-            # transient fault in GEMM I, repaired by the recomputation
+            # transient fault in GEMM I, repaired by the recomputation (one event per failing
+            # (row, residue) group, however many of its key blocks failed)
             cnt = _bump(cnt, _SCORES + _DET, n1)
             cnt = _bump(cnt, _SCORES + _REC, n1)
     nf = nf_loop

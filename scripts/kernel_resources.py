@@ -6,7 +6,9 @@ so variants of the kernel (dtype, checks, block config, PASA, split-key decode, 
 compiled for ``sm_90a`` here and compared by what ``ptxas -v`` says — registers per thread, stack
 and spill bytes, shared memory — before spending GPU time on them. (Compile errors that only the
 GPU toolchain would raise show up here too.) Spill bytes are a static count: spills inside the
-rarely taken repair branches cost little at run time.
+rarely taken repair branches cost little at run time. Each variant also says whether ptxas
+serialised its wgmma instructions (warning C7515: a wait after every one; the EFTA loop once took
+2.2× its time so), which the installed ptxas may report differently from the GPU image's.
 
     python scripts/kernel_resources.py                      # the standard variants
     python scripts/kernel_resources.py --arch 90 --csv out.csv
@@ -178,7 +180,10 @@ def ptxas_info(ptx: str) -> dict:
     text = out.stderr + out.stdout
     grab = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else -1  # noqa: E731
     return {"registers": grab(r"Used (\d+) registers"), "stack": grab(r"(\d+) bytes stack frame"),
-            "spill_stores": grab(r"(\d+) bytes spill stores"), "spill_loads": grab(r"(\d+) bytes spill loads")}
+            "spill_stores": grab(r"(\d+) bytes spill stores"), "spill_loads": grab(r"(\d+) bytes spill loads"),
+            # ptxas C7515: it could not keep the wgmma pipeline and serialised every wgmma (a wait after
+            # each one), which cost the EFTA loop 2.2x its time once
+            "wgmma_serialized": "C7515" in text}
 
 
 def loop_census(cubin: bytes) -> list[tuple[int, collections.Counter, int]]:
@@ -273,8 +278,8 @@ def main() -> int:
                    compile_s=round(time.time() - t0, 1), **info)
         rows.append(row)
         print(f"{name:32s} [{dtype}] warps {nw}: {info.get('registers')} regs, spill stores "
-              f"{info.get('spill_stores')} B, loads {info.get('spill_loads')} B, shared {c.metadata.shared} B",
-              flush=True)
+              f"{info.get('spill_stores')} B, loads {info.get('spill_loads')} B, shared {c.metadata.shared} B"
+              + (", WGMMA SERIALISED (ptxas C7515)" if info.get("wgmma_serialized") else ""), flush=True)
         if args.loops:
             for n, body, short in loop_census(c.asm["cubin"]):
                 print(f"    loop body {n} instructions (shortest path {short}): "
