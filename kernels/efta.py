@@ -192,9 +192,8 @@ def _split(b, bmax, DT: tl.constexpr, PARTS: tl.constexpr, SCALE: tl.constexpr):
     """Split the fp32 checksum operand b into PARTS slices of the input dtype DT: b ≈ ic·(p0 + p1 + p2).
 
     fp16 (PARTS=2, SCALE): b is first scaled by a power of two so that bmax (an upper bound of |b|,
-    at most 8× above its max) lands in [2^14, 2^15) (for bmax ≥ 2^-26; a smaller block is scaled by
-    2^40); hi + lo keep 22 significant bits, nothing overflows, and what goes subnormal is < 2^-25 of
-    the max. bf16 (PARTS=3): hi + mid + lo, 24 bits
+    at most 8× above its max) lands in [2^14, 2^15); hi + lo keep 22 significant bits, nothing
+    overflows, and what goes subnormal is < 2^-25 of the max. bf16 (PARTS=3): hi + mid + lo, 24 bits
     (bf16 has fp32's range, no scaling). fp32 (PARTS=1): b itself. Unused slices are zeros.
     Returns (p0, p1, p2, ic) with ic the inverse scale (a scalar).
     """
@@ -205,11 +204,8 @@ def _split(b, bmax, DT: tl.constexpr, PARTS: tl.constexpr, SCALE: tl.constexpr):
         p2 = p1
     else:
         if SCALE:
-            # 2^(141 − e) as an exponent field, within 2^-20 … 2^40: fp16 sums never need less (their
-            # bmax < 2^22), and the main loop moves the Oc sums between blocks' scales (`_key_loop`)
-            # by at most 2^60, which cannot overflow them
             ebits = (bmax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-            f = tl.minimum(tl.maximum(268 - ebits, 107), 167)
+            f = tl.minimum(tl.maximum(268 - ebits, 1), 253)  # 2^(141 − e) as an exponent field
             b = b * (f << 23).to(tl.float32, bitcast=True)
             ic = ((254 - f) << 23).to(tl.float32, bitcast=True)
         p0 = b.to(DT)
