@@ -100,7 +100,7 @@ from ..injection import FaultPlan
 from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
 from ..vabft import WeightChecksums, default_emax, weight_checksums
 from .launch import DirectLauncher
-from .tl_common import call_flag, gpu_time, on_tensor_device, runs_interpreted
+from .tl_common import call_flag, gpu_time, on_tensor_device, runs_interpreted, sm_count
 from .tl_common import cdiv as _cdiv
 from .tl_common import dot as _mma
 
@@ -936,9 +936,6 @@ def _call_buffer(m: int, n: int, k: int, cfg, one: bool, detect: bool, device: t
     return _stats_buffer(_cdiv(n, cfg[1]), m, device, n_csum, part)
 
 
-_SMS: dict[torch.device, int] = {}
-
-
 def _split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> tuple[int, int]:
     """(n_split, kb_per) of a decode call with checksum programs: each of its T tiles runs as n_split
     programs of kb_per ≥ SPLIT_MIN_BLOCKS K blocks (the last may have fewer; none is empty), n_split ≤
@@ -954,10 +951,7 @@ def _split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -
         if want < 1:
             raise ValueError(f"FTT_ABFT_GEMM_SPLIT must be a positive integer, got {env!r}")
     else:
-        sms = _SMS.get(device)
-        if sms is None:
-            sms = _SMS[device] = (INTERPRET_SMS if device.type != "cuda"
-                                  else torch.cuda.get_device_properties(device).multi_processor_count)
+        sms = sm_count(device) if device.type == "cuda" else INTERPRET_SMS
         want = SPLIT_PROGRAMS_PER_SM * sms // t
     per = _cdiv(nkb, max(1, min(want, nkb)))
     if not env:
