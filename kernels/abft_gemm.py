@@ -465,6 +465,7 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
                                  th_var23, th_var4, th_bias, reverify_scale, VBLOCK_N, VBLOCK_K, VBLOCK_T, HAS_BIAS,
                                  CORRECT, DEBUG, DOT_F32, False, VERIFY_OUTPUT, CSUM)
                 tl.store(Sem + 1, 0)  # the recompute slot counter, for the next call
+                tl.store(Flag, 0)  # the non-finite flag too (`call_flag`'s self_reset: no memset in a graph)
             else:
                 for r0 in range(0, tl.minimum(BLOCK_M, M - pid_m * BLOCK_M), VERIFY_R):
                     _verify_rows(X, W, Y, Bias, B12, P, S, Acc, Flag, Sem + 1, Sem + 2, Dbg,
@@ -481,6 +482,7 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
                     c8 = tl.arange(0, 8)
                     cs = tl.load(Sem + c8, cache_modifier=".cg")  # [2:6]: detected, corrected, recomputed, unc.
                     tl.store(Sem + c8, 0)
+                    tl.store(Flag, 0)  # every tile has raised it or not, and it was read above
                     cbase = Cnt + _SITE_ROW * scn0
                     if ok:
                         if tl.sum(tl.where((c8 >= 2) & (c8 < 6), cs, 0), axis=0) > 0:
@@ -1238,11 +1240,10 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         inj = None
     if inj is None:
         cfg = _pick_config(L, bias=bias, detect=detect, verify_output=verify_output, dot_f32=dot_f32)
-    flag, call_id = call_flag(dev)
     sem, slots, _ = _cells(dev)
-    if not detect:
-        _launch_gemm(cfg, L, bias=bias, w12=y, P=_call_buffer(m, n, k, cfg, False, False, dev, y), inj=inj, flag=flag,
-                     ws=slots, call_id=call_id, detect=False, verify_output=False, dot_f32=dot_f32)
+    if not detect:  # no flag: the plain GEMM never reads it
+        _launch_gemm(cfg, L, bias=bias, w12=y, P=_call_buffer(m, n, k, cfg, False, False, dev, y), inj=inj, flag=slots,
+                     ws=slots, call_id=0, detect=False, verify_output=False, dot_f32=dot_f32)
         return y
     if wc is None:
         wc = WeightChecksums.compute(weight, bias, weight_is_kn=weight_is_kn)
@@ -1250,6 +1251,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         emax = _emax(y.dtype, dev, mode, k)
     t = _cdiv(n, cfg[1])
     one = _one_launch(m, n, k, cfg[0], dev)
+    flag, call_id = call_flag(dev, self_reset=one)  # one launch: its last program resets the flag
     P = _call_buffer(m, n, k, cfg, one, True, dev, y)
     # a repaired row is re-verified as stored (rounded): with the output-side unit error
     reverify = 1.0
@@ -1298,7 +1300,7 @@ class _PreparedCall:
     `WeightChecksums.launches`, so it goes when the weight changes; it holds none of the call's own
     tensors (x, y, the stats buffer, the counters are put in at each call)."""
 
-    __slots__ = ("launches", "bound", "y_shape", "dtype", "device", "p_numel")
+    __slots__ = ("launches", "bound", "y_shape", "dtype", "device", "p_numel", "self_reset")
 
     @classmethod
     def record(cls, launches, x2d, y, P, counters, call_id) -> _PreparedCall:
@@ -1314,6 +1316,7 @@ class _PreparedCall:
             bound = launcher.bind(grid, args, kwargs) if isinstance(launcher, DirectLauncher) else None
             self.launches.append((which, grid, template, kwargs, where, id_at, bound))
         self.bound = all(entry[-1] is not None for entry in self.launches)
+        self.self_reset = len(launches) == 1  # the one-launch form resets its flag (`call_flag`)
         self.y_shape, self.dtype, self.device, self.p_numel = tuple(y.shape), y.dtype, y.device, P.numel()
         return self
 
@@ -1324,7 +1327,7 @@ class _PreparedCall:
                 return self(x2d, counters)
         y = torch.empty(self.y_shape, dtype=self.dtype, device=self.device)
         P = torch.empty(self.p_numel, dtype=torch.float32, device=self.device)
-        _, call_id = call_flag(self.device)
+        _, call_id = call_flag(self.device, self.self_reset)  # the same cell as the recorded call's
         # the bound kernels were specialised on 16-byte aligned y and P (fresh allocations always are)
         direct = self.bound and (y.data_ptr() | P.data_ptr()) & 15 == 0
         for which, grid, template, kwargs, where, id_at, bound in self.launches:

@@ -572,6 +572,35 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
 
 
 @triton.jit
+def _program_rows(start_m, M, GROUP, BLOCK_M: tl.constexpr, PACK: tl.constexpr):
+    """The query rows of program (start_m, axis 1): (h, hk, qblk, offs_m, row_ok).
+
+    Unpacked: query block start_m of head h = program_id(1) (a scalar), kv head hk = h // GROUP,
+    rows offs_m = start_m·BLOCK_M + i (BLOCK_M,), query block qblk = start_m.
+    PACK (GQA decode, M = 1): kv head hk = program_id(1), and row i is query head hk·GROUP + g with
+    g = start_m·BLOCK_M + i < GROUP; h is then (BLOCK_M, 1) (each row's head, for the q, bias, mask
+    and output addresses, which broadcast it against the rows), every row's query position is 0
+    (offs_m = 0) and qblk = 0. K and V blocks are loaded once for the group's heads, not once per
+    head: the checked decode's per-block work (checksum loads and dots, the tests) was repeated
+    GROUP times over rows holding one query each.
+    """
+    if PACK:
+        hk = tl.program_id(1).to(tl.int64)
+        g = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = g < GROUP
+        h = (hk * GROUP + tl.where(row_ok, g, 0))[:, None]
+        offs_m = tl.zeros((BLOCK_M,), tl.int32)
+        qblk = 0
+    else:
+        h = tl.program_id(1).to(tl.int64)
+        hk = h // GROUP
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < M
+        qblk = start_m
+    return h, hk, qblk, offs_m, row_ok
+
+
+@triton.jit
 def _key_range(start_m, M, N, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr):
     """[lo, hi): the keys visible to some row of query block start_m (bottom-right aligned causal and
@@ -1078,8 +1107,10 @@ def _efta_fwd(
     INJ_O: tl.constexpr, NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
     DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr,
     SPLIT: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr, PHASE: tl.constexpr, FOLD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Grid (row blocks · nsplit, Hq, B); with PACK (GQA decode, M = 1) (row blocks · nsplit, Hkv, B),
+    the rows of a block being the query heads of one kv head (`_program_rows`)."""
     L: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
     FLT_MAX: tl.constexpr = 3.4028234663852886e38
     REC: tl.constexpr = (36 + BLOCK_D) * BLOCK_M + 17  # floats per partial-state record (SPLIT)
@@ -1094,13 +1125,10 @@ def _efta_fwd(
         rep_val = tl.load(rep_at)
         if rep_val == 0:
             return
-    h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    bh = tl.program_id(2) * Hq + tl.program_id(1)  # index into the sites' (B·Hq, ...) shapes
-    hk = h // GROUP
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(2) * Hq + tl.program_id(1)  # index into the sites' (B·Hq, ...) shapes (unpacked)
+    h, hk, qblk, offs_m, row_ok = _program_rows(start_m, M, GROUP, BLOCK_M, PACK)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < M
     d_ok = offs_d < D
     # masks only along rows/keys when D is a power of two: loads stay vectorised and pipelined
     io_ok = row_ok[:, None]
@@ -1111,7 +1139,7 @@ def _efta_fwd(
     Vb = V + b * svb + hk * svh
 
     nblocks = tl.cdiv(N, BLOCK_N)
-    lo, hi = _key_range(start_m, M, N, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    lo, hi = _key_range(qblk, M, N, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     scan_lo = lo
     scan_hi = hi
     if NO_SKIP:  # injecting: visit every block, like the reference
@@ -1152,7 +1180,7 @@ def _efta_fwd(
             if todo > 0:
                 m_i, l_i, acc, lc, oc1, oc2, nvalid, vmax, cnt, nf_loop, flag_rows, n1_rows = _key_loop(
                     q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, cs_row, Inj, b, h, bh,
-                    start_m, offs_m, offs_d, row_ok, d_ok, M, N, nblocks, window, scale, scan_lo, scan_hi,
+                    qblk, offs_m, offs_d, row_ok, d_ok, M, N, nblocks, window, scale, scan_lo, scan_hi,
                     Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
                     exp_tol, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
@@ -1187,7 +1215,7 @@ def _efta_fwd(
     nf = nf_loop
 
     if SPLIT:  # partial state of this key range, merged by `_efta_combine`
-        rec = W + (((b * Hq + h) * tl.cdiv(M, BLOCK_M) + start_m) * nsplit + split) * REC
+        rec = W + ((b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)) * REC
         rows = tl.arange(0, BLOCK_M)
         tl.store(rec + rows, m_i)
         tl.store(rec + BLOCK_M + rows, l_i)
@@ -1219,29 +1247,28 @@ def _efta_combine(
     Hq, M, N, D, GROUP, scale, window, call_id, nsplit, gu,
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
     MASK_KIND: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr, INJ_O: tl.constexpr,
-    DOT_F32: tl.constexpr, EVEN_D: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr, EVEN_D: tl.constexpr, FOLD: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Split-key decode, second half: merge the ``nsplit`` partial states that `_efta_fwd` (SPLIT)
     wrote for one query block — (m, l, lc, nvalid, O, Oc1, Oc2) rescaled to the common maximum
     exactly like the loop's α, Σ|V| maxima and non-finite flags — then finish (steps 6–8)."""
     REC: tl.constexpr = (36 + BLOCK_D) * BLOCK_M + 17
     start_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     bh = tl.program_id(2) * Hq + tl.program_id(1)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    h, hk, qblk, offs_m, row_ok = _program_rows(start_m, M, GROUP, BLOCK_M, PACK)
     offs_d = tl.arange(0, BLOCK_D)
     rows = tl.arange(0, BLOCK_M)
     r16 = tl.arange(0, 16)
-    row_ok = offs_m < M
     io_ok = row_ok[:, None]
     if not EVEN_D:
         io_ok = io_ok & (offs_d < D)[None, :]
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=io_ok, other=0.0)
-    Kb = K + b * skb + (h // GROUP) * skh
-    Vb = V + b * svb + (h // GROUP) * svh
+    Kb = K + b * skb + hk * skh
+    Vb = V + b * svb + hk * svh
     nblocks = tl.cdiv(N, BLOCK_N)
-    lo, hi = _key_range(start_m, M, N, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    lo, hi = _key_range(qblk, M, N, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
 
     m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -1252,7 +1279,7 @@ def _efta_combine(
     oc2 = tl.zeros((BLOCK_M, 16), tl.float32)
     vmax = tl.zeros((16,), tl.float32)
     nf = tl.full([], 0, tl.int32)
-    base = W + ((b * Hq + h) * tl.cdiv(M, BLOCK_M) + start_m) * nsplit * REC
+    base = W + ((b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + start_m) * nsplit * REC
     for sp in range(0, nsplit):
         rec = base + sp * REC
         m_s = tl.load(rec + rows)
@@ -1316,9 +1343,8 @@ def _prune(configs, named_args, **kwargs):
 _efta_fwd_tuned = triton.autotune(
     configs=[_cfg(c) for c in CONFIGS_PREFILL + CONFIGS_DECODE],
     key=["M_KEY", "N_KEY", "BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT", "CORRECT", "PASA",
-         "HALF_STATE", "PHASE"],
+         "HALF_STATE", "PHASE", "PACK"],
     prune_configs_by={"early_config_prune": _prune},
-    restore_value=["Cnt", "Flag"],
     do_bench=gpu_time,  # GPU time: an eager timing of a host-bound decode call measures the host
 )(_efta_fwd)
 
@@ -1591,9 +1617,13 @@ def efta_triton_forward(
     if (detect or pasa) and cfg is not None and cfg[1] != CS_BLOCK_N:
         raise ValueError(f"the checked kernel runs key blocks of {CS_BLOCK_N}; FTT_EFTA_CONFIG asks for {cfg[1]}")
 
+    # GQA decode: the query heads of a kv head share a program's rows (`_program_rows`); not while
+    # injecting (fault positions index rows of one head) nor with PASA
+    pack = M == 1 and Hq > Hkv and not no_skip and not pasa
+    qrows, ax1 = (Hq // Hkv, Hkv) if pack else (M, Hq)  # rows per (batch, grid axis 1); that axis
     # split-key decode: few (batch, head) programs against a long cache would leave most of the GPU idle
-    nsplit = 1 if pasa else _num_splits(B * Hq, M, N, cfg, any(modes[:4]), dev, interp)  # PASA: one frame
     block_m = cfg[0] if cfg is not None else 16  # the autotuner's decode configs all have BLOCK_M = 16
+    nsplit = 1 if pasa else _num_splits(B * ax1 * _cdiv(qrows, block_m), M, N, cfg, any(modes[:4]), dev, interp)
     work = counters  # unused placeholder
     # prefill with correction: the repairing pass runs in a second launch, only for the query blocks
     # whose clean pass raised a flag (it holds more state than the clean loop: compiled into the same
@@ -1604,7 +1634,7 @@ def efta_triton_forward(
     if phased:  # one entry per program; 16 is the smallest BLOCK_M of any config
         rep_buf = torch.empty(B * Hq * -(-M // 16), dtype=torch.int32, device=dev)
     if nsplit > 1:
-        work = torch.empty(B * Hq * -(-M // block_m) * nsplit * ((36 + block_d) * block_m + 17),
+        work = torch.empty(B * ax1 * _cdiv(qrows, block_m) * nsplit * ((36 + block_d) * block_m + 17),
                            dtype=torch.float32, device=dev)
 
     # checksum tables, computed once per key block by the pre-pass: in prefill every query block (and
@@ -1647,12 +1677,12 @@ def efta_triton_forward(
         INJ_S=modes[0], INJ_M=modes[1], INJ_P=modes[2], INJ_L=modes[3], INJ_O=modes[4],
         NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
         EVEN_D=D == block_d, SPLIT=nsplit > 1, PASA=bool(pasa), HALF_STATE=half_state, PHASE=int(phased),
-        FOLD=_fold(interp, pasa or has_bias or mask_kind == 2 or bool(modes[0])),
+        FOLD=_fold(interp, pasa or has_bias or mask_kind == 2 or bool(modes[0])), PACK=pack,
     )
     def launch_fwd(c: tuple[int, int, int, int], splits: int, **phase) -> None:
         """`_efta_fwd` with config ``c`` (BLOCK_M, BLOCK_N, num_warps, num_stages), ``splits`` programs
         per query block; ``phase`` overrides PHASE."""
-        _FWD_LAUNCH((_cdiv(M, c[0]) * splits, Hq, B), args, dict(
+        _FWD_LAUNCH((_cdiv(qrows, c[0]) * splits, ax1, B), args, dict(
             meta, **phase, BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3]))
 
     tkey = None
@@ -1661,21 +1691,26 @@ def efta_triton_forward(
         cfg = _TUNED.get(tkey)
     if cfg is None:
         def grid(meta_):
-            return (triton.cdiv(M, meta_["BLOCK_M"]) * nsplit, Hq, B)
+            return (_cdiv(qrows, meta_["BLOCK_M"]) * nsplit, ax1, B)
 
-        _efta_fwd_tuned[grid](*args, **meta)
+        # the candidates run on scratch counters and flag (the autotuner times them on a stream of its
+        # own, and restoring the caller's counters there raced with work queued on the caller's stream:
+        # garbage counts once, H200); the call itself is the launch below
+        scratch = list(args)
+        scratch[4] = torch.empty_strided(counters.shape, counters.stride(), dtype=counters.dtype, device=dev).zero_()
+        scratch[5] = torch.zeros_like(flag)
+        _efta_fwd_tuned[grid](*scratch, **meta)
         best = _efta_fwd_tuned.best_config
         _TUNED[tkey] = cfg = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
-    else:
-        launch_fwd(cfg, nsplit)
+    launch_fwd(cfg, nsplit)
     LAST_CONFIG[0] = cfg
     if phased:  # the repairing pass: its programs return at once unless the clean launch flagged them
         launch_fwd(cfg, 1, PHASE=2)
     if nsplit > 1:
-        _COMBINE_LAUNCH((_cdiv(M, block_m), Hq, B), (
+        _COMBINE_LAUNCH((_cdiv(qrows, block_m), ax1, B), (
             q, k, v, out, counters, flag, bias4, mask4, inj, work, *strides,
             Hq, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit, gu,
         ), dict({key: meta[key] for key in ("BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT",
-                                            "CORRECT", "INJ_O", "DOT_F32", "EVEN_D", "FOLD")},
+                                            "CORRECT", "INJ_O", "DOT_F32", "EVEN_D", "FOLD", "PACK")},
                 BLOCK_M=block_m, BLOCK_N=CS_BLOCK_N, num_warps=4))
     return out

@@ -46,7 +46,14 @@ def gpu_time(fn, quantiles=None):
     there). An eager timing (``do_bench``) brackets each call with events, so for a call whose host
     work outlasts its kernel (decode, or a 2048³ GEMM, on the H100 host) it measures the host's
     launch work, about the same for every candidate, and the pick is left to noise. Under a graph
-    the candidates' kernels run back to back, which is also how a compiled model replays them."""
+    the candidates' kernels run back to back, which is also how a compiled model replays them.
+
+    Triton times on a new stream that does not wait for the current one, so the device is
+    synchronised first: else the candidates ran beside kernels still queued before the tuning call,
+    and the autotuner's ``restore_value`` copy of the EFTA counters could be taken before a
+    queued ``zero_()`` of them and restored over it (garbage counts, seen on an H200), while the
+    GEMM tuner's launches shared the one-launch cells with a GEMM still running."""
+    torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=quantiles)
 
 
@@ -84,25 +91,38 @@ def on_tensor_device(fn):
 # Host side: the per-call non-finite flag
 # ------------------------------------------------------------------------------------------------
 
-_FLAGS: dict[torch.device, torch.Tensor] = {}
+_FLAGS: dict[tuple[torch.device, bool], torch.Tensor] = {}
 _CALL_ID = [0]
 
 
-def call_flag(device: torch.device) -> tuple[torch.Tensor, int]:
+def call_flag(device: torch.device, self_reset: bool = False) -> tuple[torch.Tensor, int]:
     """Per-device int32 cell + an id for this kernel call, for "once per call" non-finite handling.
 
     A program that finds non-finite inputs raises the cell to the call id (``atomic_max``); the
     first to do so counts the event (EFTA), or later programs of the same call compare the cell with
     the id (the checked GEMM switches its checks off). Eager calls get increasing ids, so the cell
-    never needs a reset (it wraps). A call captured into a CUDA graph would replay with a frozen id,
-    so there the cell is zeroed inside the graph (a captured memset) and the id is 1.
+    never needs a reset (it wraps). A call captured into a CUDA graph would replay with a frozen id
+    (1), so there the cell must be 0 when the call starts:
+
+    * ``self_reset=False``: the cell is zeroed inside the graph (a captured memset before the call);
+    * ``self_reset=True`` (the launch's last program stores 0 into the cell when it is done: the
+      one-launch checked GEMM): the call gets a second cell, used only by such calls, which is 0
+      between calls, and no memset. A compiled decode step made one memset node per checked
+      Linear call before: 1.0-1.1 µs per call of a 16-call graph (H200, session 26, docs/vabft.md).
     """
-    flag = _FLAGS.get(device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    key = (device, capturing and self_reset)
+    flag = _FLAGS.get(key)
     if flag is None:
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
-        _FLAGS[device] = flag
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        flag.zero_()
+        # both cells at once, on the device's first call (an eager one, normally): a cell first made
+        # during a capture would live in the graph's memory pool (torch.compile's CUDA graphs refuse
+        # a live tensor there that is not a graph output)
+        both = torch.zeros(2, dtype=torch.int32, device=device)
+        _FLAGS[(device, False)], _FLAGS[(device, True)] = both[0:1], both[1:2]
+        flag = _FLAGS[key]
+    if capturing:
+        if not self_reset:
+            flag.zero_()
         return flag, 1
     _CALL_ID[0] += 1
     if _CALL_ID[0] >= 2**31 - 1:  # wrap: reset the cell (stream-ordered, no sync)

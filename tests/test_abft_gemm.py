@@ -458,6 +458,42 @@ def test_nonfinite_inputs_count_once_and_skip_checks(where):
     torch.testing.assert_close(y.cpu(), F.linear(x, w).cpu(), equal_nan=True, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("m", [5, 40], ids=["one-block", "three-blocks"])
+def test_one_launch_resets_its_flag_for_a_frozen_call_id(m, monkeypatch):
+    """Captured into a CUDA graph, every replay of a call has the same call id (1) and a one-launch
+    call gets no memset of its non-finite flag (`call_flag`'s self_reset): the launch's last program
+    must set the cell back to 0, else a NaN in one replay would switch the checks off in every later
+    one. Stand-in for the replays: `call_flag` returning the same cell and id 1 for every call, with
+    a flip injected after a call whose x held a NaN; both calls counted like the reference."""
+    monkeypatch.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", "1")
+    monkeypatch.setattr(G, "_VERIFY_LAUNCH", _no_second_launch)
+    cell = torch.zeros(1, dtype=torch.int32, device=DEV)
+    asked = []
+
+    def frozen(device, self_reset=False):
+        asked.append(self_reset)
+        return cell, 1
+
+    monkeypatch.setattr(G, "call_flag", frozen)
+    k, n = 32, 24
+    x = _rand((m, k), torch.float32, 71)
+    w = _rand((n, k), torch.float32, 72, k**-0.5)
+    xn = x.clone()
+    xn[m - 1, 3] = float("nan")
+    _, st = _run(xn, w)
+    assert st == dict(ZERO, nonfinite_input=1)
+    assert int(cell.item()) == 0
+    spec = FaultSpec(site="linear.output", bit=HIGH_BIT[torch.float32][-1], count=1, seed=2)
+    with torch.no_grad():
+        y_t, st_t = ftt.checked_linear(x, w, inject=spec, backend="triton")
+        _, st_r = ftt.checked_linear(x, w, inject=spec, backend="reference")
+    assert dict(st_t) == dict(st_r) and st_t["detected"] == 1, (dict(st_t), dict(st_r))
+    ref = _ref64(x, w)
+    torch.testing.assert_close(y_t.double().cpu(), ref, rtol=0, atol=_gemm_rel_tol(torch.float32, k) * float(
+        ref.abs().max()))
+    assert int(cell.item()) == 0 and asked == [True, True]
+
+
 @pytest.mark.parametrize("m,two", [(5, False), (40, True)], ids=["one-launch", "two-launches"])
 def test_prepared_calls_match_first_calls(m, two, monkeypatch):
     """A repeated call signature takes the prepared launches (`_PreparedCall`): new x, y, stats buffer
@@ -715,6 +751,47 @@ def test_tuner_times_decode_calls_in_the_form_they_run(monkeypatch):
         assert copy is not w and all(v is copy for v in weights[1::2])
         assert copy.stride() == w.stride() and torch.equal(copy, w)
         weights.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_graph_replays_count_nonfinite_per_replay():
+    """A decode call (one launch) captured into a CUDA graph: a replay whose x holds a NaN counts one
+    nonfinite_input, clean replays count nothing and match F.linear, and a NaN replay after clean
+    ones counts again (the flag goes back to 0 at the end of each replay, with no memset captured)."""
+    k, n = 896, 4864
+    lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.float16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+    cnt = new_counters("cuda")
+
+    def call():
+        return G.checked_linear_triton_forward(x, lin.weight, lin.bias, weight_is_kn=False, emax=None, csigma=2.5,
+                                               detect=True, correct=True, plan=None, counters=cnt, cache_owner=lin)
+
+    with torch.no_grad():
+        stream = torch.cuda.Stream()  # warm-up (tuning, the prepared call) on a side stream, as torch advises
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = call()
+        clean = x.clone()
+        seen = []
+        for nan in (False, True, False, False, True, False):
+            x.copy_(clean)
+            if nan:
+                x[0, 7] = float("nan")
+            cnt.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            seen.append(dict(FaultStats(cnt)))
+            if not nan:
+                torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=2e-3, atol=2e-3)
+    expect = [dict(ZERO, nonfinite_input=1) if nan else ZERO for nan in (False, True, False, False, True, False)]
+    assert seen == expect, seen
 
 
 @pytest.mark.gpu

@@ -454,6 +454,86 @@ def test_folded_split_keys_match_float64(monkeypatch):
     assert all(val == 0 for val in stats.values()) and len(merges) == 1
 
 
+# ------------------------------------------------------------------------------------------------
+# GQA decode: the query heads of a kv head packed into one program's rows
+# ------------------------------------------------------------------------------------------------
+
+PACK_CASES = {  # (B, Hq, Hkv, N, D), kwargs; q_len 1
+    "causal": ((2, 8, 2, 150, 64), dict(causal=True)),
+    "head_bias": ((2, 6, 2, 150, 32), dict(bias="per_head", scale=1.0)),  # T5-like bias differing per head
+    "head_mask_window": ((2, 4, 1, 150, 64), dict(causal=True, window=90, attn_mask="per_head")),
+    "two_row_blocks": ((1, 40, 1, 100, 32), dict(causal=True)),  # 40 heads > one block's rows (32 here)
+}
+
+
+def _pack_case(name):
+    (B, Hq, Hkv, N, D), kw = PACK_CASES[name]
+    kw = dict(kw)
+    g = torch.Generator().manual_seed(7)
+    if kw.get("bias") == "per_head":
+        kw["bias"] = torch.randn(B, Hq, 1, N, generator=g).to(DEV)
+    if kw.get("attn_mask") == "per_head":
+        keep = torch.rand(B, Hq, 1, N, generator=g) > 0.3
+        keep[1, :, :, :50] = False  # batch 1 left-padded
+        keep[0, 2] = False  # a head that sees no key
+        kw["attn_mask"] = keep.to(DEV)
+    return (B, Hq, Hkv, N, D), kw
+
+
+def _spy_fwd(monkeypatch) -> list:
+    """Record the grids of `_efta_fwd` launches."""
+    grids: list = []
+    real = K._FWD_LAUNCH
+
+    def spy(grid, args, kwargs):
+        grids.append((grid, kwargs["PACK"]))
+        real(grid, args, kwargs)
+
+    monkeypatch.setattr(K, "_FWD_LAUNCH", spy)
+    return grids
+
+
+@pytest.mark.parametrize("split", ["1", "3"])
+@pytest.mark.parametrize("case", list(PACK_CASES))
+def test_packed_gqa_decode_matches_float64(monkeypatch, case, split):
+    """q_len 1 with GQA: one program row per query head of a kv head (grid axis 1 = Hkv), with per-head
+    bias and masks, a head that sees no key, more heads than a block's rows, keys split or not;
+    against float64 attention, checks on and off, no events."""
+    (B, Hq, Hkv, N, D), kw = _pack_case(case)
+    q, k, v = rand_qkv(B, Hq, Hkv, 1, N, D, seed=60 + list(PACK_CASES).index(case))
+    ref = ref_attention(q, k, v, **kw)
+    monkeypatch.setenv("FTT_EFTA_SPLIT", split)
+    grids = _spy_fwd(monkeypatch)
+    merges = _spy_combine(monkeypatch)
+    for detect in (True, False):
+        out, stats, _ = kernel(q, k, v, detect=detect, correct=detect, **kw)
+        assert maxdiff(out, ref) <= TOL[torch.float32], (case, detect)
+        assert all(val == 0 for val in stats.values()), stats.by_site()
+    assert all(pack and grid[1] == Hkv and grid[2] == B for grid, pack in grids), grids
+    assert len(merges) == (2 if split == "3" else 0)
+
+
+def test_packed_gqa_decode_nonfinite_and_injection_unpacked(monkeypatch):
+    """A NaN in one query head: counted once, NaN in that head's output only. Injection keeps the
+    unpacked grid (fault positions index one head's rows) and counts like the reference."""
+    grids = _spy_fwd(monkeypatch)
+    q, k, v = rand_qkv(2, 8, 2, 1, 150, 64, seed=70)
+    qn = q.clone()
+    qn[1, 5, 0, 3] = math.nan
+    out, stats, _ = kernel(qn, k, v, causal=True)
+    assert stats["nonfinite_input"] == 1 and stats["detected"] == 0
+    nan_heads = torch.isnan(out.cpu()).any(dim=-1).any(dim=-1)
+    assert nan_heads.nonzero().tolist() == [[1, 5]]
+    assert grids[-1][1] and grids[-1][0][1] == 2
+    clean, _, _ = kernel(q, k, v, causal=True)
+    spec = FaultSpec(site="attn.scores", bit=30, seed=1)
+    out, stats, _ = kernel(q, k, v, causal=True, inject=spec)
+    assert not grids[-1][1] and grids[-1][0][1] == 8
+    assert stats["detected"] >= 1 and maxdiff(out, clean) <= 2e-4
+    _, rstats = reference(q, k, v, causal=True, inject=spec)
+    assert counts(stats) == counts(rstats)
+
+
 def test_masked_and_decode_injection():
     """Masks, GQA, window and decode-shaped calls: faults repaired, counters equal the reference's."""
     B, Hq, Hkv, M, N, D = 2, 4, 2, 3, 150, 64
@@ -722,3 +802,4 @@ def test_gpu_injection_matches_reference(site):
                 assert stats["detected"] >= 1, (bit, seed)
             _, rstats = reference(q, k, v, causal=True, inject=spec)
             assert counts(stats) == counts(rstats), (bit, seed, stats.by_site(), rstats.by_site())
+
