@@ -1447,11 +1447,17 @@ def _pasa_scalars(beta: float | None, N: int, D: int, slack: float) -> tuple[flo
     return (t1, s_floor, P.recovery_factor(bn, beta), P.recovery_factor(w_last, beta), diag, off, diag_l, off_l)
 
 
-def _num_splits(programs: int, M: int, N: int, cfg, no_skip: bool, device: torch.device, interp: bool) -> int:
+def _num_splits(programs: int, M: int, N: int, cfg, no_skip: bool, device: torch.device, interp: bool,
+                detect: bool = False) -> int:
     """How many programs share the keys of one query block (split-key decode; 1 = no split).
 
-    Decode (M ≤ 16) splits when the (batch, head) programs alone would not fill the GPU: up to two
-    programs per SM, at least 256 keys each. Never while injecting (fault positions index the
+    Decode (M ≤ 16) splits when the programs alone would not fill the GPU: up to two programs per
+    SM, at least 256 keys each, or with the checks on 128 keys each up to 2,048 keys. Each checked
+    key block takes longer, so on short caches shorter chains pay for the bigger merge; on long ones
+    the merge's serial walk over the splits does not (batch 1, 14 query / 2 kv heads, H200, session
+    26: 528 keys 19.7 µs with 4 splits against 23.5 with 2; 1,024 keys at D = 128, 23.9 against 27.4;
+    4,096 keys 34.0 with 32 splits against 29.5 with 16; the unchecked kernel was not faster with
+    more splits). Never while injecting (fault positions index the
     unsplit loop; output faults are fine, they strike after the merge). ``FTT_EFTA_SPLIT=n`` forces n
     (tests, tuning; with a fixed or forced config).
     """
@@ -1464,7 +1470,7 @@ def _num_splits(programs: int, M: int, N: int, cfg, no_skip: bool, device: torch
         return max(1, int(env))
     if interp or M > 16 or (cfg is not None and cfg[0] != 16):
         return 1
-    return max(1, min(2 * sm_count(device) // max(programs, 1), N // 256))
+    return max(1, min(2 * sm_count(device) // max(programs, 1), N // (128 if detect and N <= 2048 else 256)))
 
 
 def _fold(interp: bool, scaled_scores: bool) -> bool:
@@ -1623,7 +1629,8 @@ def efta_triton_forward(
     qrows, ax1 = (Hq // Hkv, Hkv) if pack else (M, Hq)  # rows per (batch, grid axis 1); that axis
     # split-key decode: few (batch, head) programs against a long cache would leave most of the GPU idle
     block_m = cfg[0] if cfg is not None else 16  # the autotuner's decode configs all have BLOCK_M = 16
-    nsplit = 1 if pasa else _num_splits(B * ax1 * _cdiv(qrows, block_m), M, N, cfg, any(modes[:4]), dev, interp)
+    nsplit = 1 if pasa else _num_splits(B * ax1 * _cdiv(qrows, block_m), M, N, cfg, any(modes[:4]), dev, interp,
+                                           bool(detect))
     work = counters  # unused placeholder
     # prefill with correction: the repairing pass runs in a second launch, only for the query blocks
     # whose clean pass raised a flag (it holds more state than the clean loop: compiled into the same

@@ -46,7 +46,7 @@ FLOATS = {"scale", "gu", "exp_tol", "exp_xmin", "snvr_rel", "snvr_cap", "pasa_t1
           "gamma_last"}
 BASE = dict(BLOCK_D=64, CAUSAL=True, HAS_WINDOW=False, HAS_BIAS=False, MASK_KIND=0, DETECT=True, CORRECT=True,
             INJ_S=0, INJ_M=0, INJ_P=0, INJ_L=0, INJ_O=0, NO_SKIP=False, PARTS=2, SCALE_CS=True, DOT_F32=False,
-            INTERP=False, EVEN_D=True, SPLIT=False, PASA=False, HALF_STATE=False, PHASE=0, FOLD=True,
+            INTERP=False, EVEN_D=True, SPLIT=False, PASA=False, HALF_STATE=False, PHASE=0, FOLD=True, PACK=False,
             BLOCK_M=128, BLOCK_N=64)
 FP = {"fp16": dict(PARTS=2, SCALE_CS=True), "bf16": dict(PARTS=3, SCALE_CS=False),
       "fp32": dict(PARTS=1, SCALE_CS=False, DOT_F32=True)}
@@ -65,6 +65,8 @@ VARIANTS = [
      dict(PASA=True, HALF_STATE=True, DETECT=False, CORRECT=False, FOLD=False), 8, 3),
     ("decode split detect+correct", "fp16", dict(BLOCK_M=16, SPLIT=True), 4, 3),
     ("decode split detect+correct, bool mask", "fp16", dict(BLOCK_M=16, SPLIT=True, MASK_KIND=1), 4, 3),
+    ("decode GQA packed, split detect+correct, bool mask", "fp16",
+     dict(BLOCK_M=16, SPLIT=True, MASK_KIND=1, PACK=True), 4, 3),
     ("prefill detect+correct BM=64, bool mask", "fp16", dict(BLOCK_M=64, MASK_KIND=1, PHASE=1), 4, 3),
     ("injection, all sites", "fp16", dict(INJ_S=1, INJ_M=1, INJ_P=2, INJ_L=1, INJ_O=1, NO_SKIP=True, BLOCK_M=64,
                                           PHASE=1, FOLD=False), 4, 2),
