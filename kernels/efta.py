@@ -9,7 +9,8 @@ step 7 skipping the rows step 6 already flagged, −inf in q/k/v counting as non
 Layout of one program (query block × (batch, head)), tutorial style:
 
 * Q block (BLOCK_M × D) stays in SRAM; K/V blocks of BLOCK_N keys are streamed; online softmax
-  in fp32. GQA in the kernel (kv head = h // (Hq/Hkv)); causal and sliding window bottom-right
+  in fp32. GQA in the kernel (kv head = h // (Hq/Hkv); in q_len-1 decode the query heads of one
+  kv head are the rows of one program, `_program_rows`); causal and sliding window bottom-right
   aligned, with key blocks that are fully masked for the whole query block skipped; bool or
   additive masks and an additive bias read through (possibly zero) strides; key padding at N.
 * **Checksum tables** (prefill): a pre-pass (`_efta_checksums`, one program per key block) reduces
