@@ -108,7 +108,7 @@ def call_flag(device: torch.device, self_reset: bool = False) -> tuple[torch.Ten
     * ``self_reset=True`` (the launch's last program stores 0 into the cell when it is done: the
       one-launch checked GEMM): the call gets a second cell, used only by such calls, which is 0
       between calls, and no memset. A compiled decode step made one memset node per checked
-      Linear call before: 1.0-1.1 µs per call of a 16-call graph (H200, session 26, docs/vabft.md).
+      Linear call before: 0.9-1.1 µs per call of a 16-call graph (H200, session 26, docs/vabft.md).
     """
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     key = (device, capturing and self_reset)
