@@ -1308,6 +1308,7 @@ _INTERP = interpreting()
 _FWD_LAUNCH = DirectLauncher(_efta_fwd, _INTERP)
 _CHECKSUMS_LAUNCH = DirectLauncher(_efta_checksums, _INTERP)
 _COMBINE_LAUNCH = DirectLauncher(_efta_combine, _INTERP)
+_CNT_AT, _FLAG_AT = (_efta_fwd.arg_names.index(a) for a in ("Cnt", "Flag"))  # in `_efta_fwd`'s arguments
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1705,8 +1706,9 @@ def efta_triton_forward(
         # own, and restoring the caller's counters there raced with work queued on the caller's stream:
         # garbage counts once, H200); the call itself is the launch below
         scratch = list(args)
-        scratch[4] = torch.empty_strided(counters.shape, counters.stride(), dtype=counters.dtype, device=dev).zero_()
-        scratch[5] = torch.zeros_like(flag)
+        scratch[_CNT_AT] = torch.empty_strided(counters.shape, counters.stride(), dtype=counters.dtype,
+                                               device=dev).zero_()
+        scratch[_FLAG_AT] = torch.zeros_like(flag)
         _efta_fwd_tuned[grid](*scratch, **meta)
         best = _efta_fwd_tuned.best_config
         _TUNED[tkey] = cfg = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)

@@ -344,6 +344,25 @@ def _spy_combine(monkeypatch) -> list:
     return grids
 
 
+def test_split_rule_for_decode(monkeypatch):
+    """`_num_splits` on a 132-SM GPU: decode splits until two programs per SM, at least 256 keys a
+    split, 128 with the checks on up to 2,048 keys; never for prefill rows or while injecting; a forced
+    count (FTT_EFTA_SPLIT) is taken as it is."""
+    monkeypatch.delenv("FTT_EFTA_SPLIT", raising=False)
+    monkeypatch.setattr(K, "sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+
+    def splits(programs, n, detect, m=1, no_skip=False):
+        return K._num_splits(programs, m, n, None, no_skip, dev, False, detect)
+
+    assert splits(2, 528, False) == 2 and splits(2, 528, True) == 4
+    assert splits(2, 1024, True) == 8 and splits(2, 4096, True) == splits(2, 4096, False) == 16
+    assert splits(8, 8192, True) == 32 and splits(32, 4096, True) == 8  # two programs per SM at most
+    assert splits(2, 100, True) == 1 and splits(2, 528, True, m=64) == 1 and splits(2, 528, True, no_skip=True) == 1
+    monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
+    assert splits(2, 528, True) == 3
+
+
 def test_split_keys_nonfinite_counted_once(monkeypatch):
     monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
     q, k, v = rand_qkv(1, 2, 2, 1, 300, 32, seed=44)
@@ -802,22 +821,3 @@ def test_gpu_injection_matches_reference(site):
                 assert stats["detected"] >= 1, (bit, seed)
             _, rstats = reference(q, k, v, causal=True, inject=spec)
             assert counts(stats) == counts(rstats), (bit, seed, stats.by_site(), rstats.by_site())
-
-
-
-def test_split_rule_for_decode(monkeypatch):
-    """`_num_splits` on a 132-SM GPU: decode splits until two programs per SM, at least 256 keys a
-    split, 128 with the checks on up to 2,048 keys; never for prefill rows, injection or a forced 1."""
-    monkeypatch.delenv("FTT_EFTA_SPLIT", raising=False)
-    monkeypatch.setattr(K, "sm_count", lambda device: 132)
-    dev = torch.device("cpu")
-
-    def splits(programs, n, detect, m=1, no_skip=False):
-        return K._num_splits(programs, m, n, None, no_skip, dev, False, detect)
-
-    assert splits(2, 528, False) == 2 and splits(2, 528, True) == 4
-    assert splits(2, 1024, True) == 8 and splits(2, 4096, True) == splits(2, 4096, False) == 16
-    assert splits(8, 8192, True) == 32 and splits(32, 4096, True) == 8  # two programs per SM at most
-    assert splits(2, 100, True) == 1 and splits(2, 528, True, m=64) == 1 and splits(2, 528, True, no_skip=True) == 1
-    monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
-    assert splits(2, 528, True) == 3
