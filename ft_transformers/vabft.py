@@ -354,6 +354,8 @@ class WeightChecksums:
         n, k: the output and input features.
         launches: the checked GEMM's prepared launches for this weight version, by call
             signature (`ft_transformers.kernels.abft_gemm`; they go with the checksums).
+        groups: the decode kernel's per-64-column checksums and constants, built on its first call
+            (`ft_transformers.kernels.abft_decode.group_checksums`).
 
     The scalars are host numbers: building the checksums reads them once (one synchronisation
     per weight version), so that each call's threshold costs a handful of (M,)-sized ops.
@@ -371,6 +373,7 @@ class WeightChecksums:
     n: int
     k: int
     launches: dict = field(default_factory=dict, repr=False, compare=False)
+    groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def compute(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -68,6 +68,11 @@ Design (one or two launches, no host synchronisation):
    1 × 896 × 4864 (session 24). The tuner times these calls in that form, each config with and
    without split-K, over copies of the weight past L2.
 
+   Batch-1 decode calls (M = 1, at most ``GROUPED_MAX_TILES`` tiles) take neither form: the decode kernel
+   (`abft_decode`) checks each 64-column tile against its own column-group checksum in the tile's
+   epilogue, with no cross-program step (0.5-1.0 µs of checks per call instead of 1.6-1.9, H200,
+   session 27).
+
 Block sizes: the ``CONFIGS_*`` lists below are the only place; ``_pick_config`` times the
 candidates (GPU time, `tl_common.gpu_time`) once per (dtype, layout, flags, M bucket, N, K) on CUDA
 and caches the winner (set
@@ -99,6 +104,7 @@ from ..counters import new_counters
 from ..injection import FaultPlan
 from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
 from ..vabft import WeightChecksums, default_emax, weight_checksums
+from .abft_decode import GROUP_COLS, GROUP_CONSTS, group_checksums, grouped_gemm_kernel, k_blocks, round_and_inject
 from .launch import DirectLauncher
 from .tl_common import call_flag, gpu_time, on_tensor_device, runs_interpreted, sm_count
 from .tl_common import cdiv as _cdiv
@@ -142,6 +148,17 @@ CONFIGS_SMALL = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3),
 CONFIGS_FP32 = [(64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (32, 64, 32, 4, 3)]  # IEEE fp32 FMAs
 CONFIG_INJECT = (64, 64, 32, 4, 3)  # fixed while injecting (positions bucketed per row block)
 CONFIG_INTERPRET = (16, 32, 32, 4, 1)
+# The decode kernel (`abft_decode`, M ≤ CSUM_ROWS, one GROUP_COLS-column group per tile: BLOCK_N = GROUP_COLS);
+# the first entry is also its config while injecting
+CONFIGS_GROUPED = [(16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3)]
+CONFIG_INTERPRET_GROUPED = (16, 64, 32, 4, 1)
+# ... for calls of at most GROUPED_MAX_ROWS rows (batch-1 decode) and GROUPED_MAX_TILES tiles. Measured on an H200
+# (session 27, tuned): at M = 1 it beat the row-checked one-launch form at every Qwen2-0.5B layer shape (0.7-1.4 µs
+# less per call); at M = 16 it lost (10.1 against 8.9 µs at 16 × 4864 × 896: the tuner's pick; the first config
+# alone took 7.8); and a tile's own verification costs it ~1 µs after its loop, which a call of many waves of tiles
+# pays per wave (a 151,936-wide lm_head: 100 µs against 74 µs with rows checked)
+GROUPED_MAX_ROWS = 1
+GROUPED_MAX_TILES = 1024
 GROUP_M = 8
 VERIFY_ROWS = 32  # rows per verify program (≥ 16: its recompute uses tl.dot)
 VERIFY_BLOCK = (64, 64)  # (BLOCK_N, BLOCK_K) of the verify kernel's repair/recompute loops
@@ -211,12 +228,7 @@ def _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, W12, P, S, Acc, Inj, Flag, Part, Tcnt,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_bn = offs_n % N
-    if SPLIT:
-        kb0 = split * kb_per
-        kb1 = tl.minimum(kb0 + kb_per, tl.cdiv(K, BLOCK_K))
-    else:
-        kb0 = 0
-        kb1 = tl.cdiv(K, BLOCK_K)
+    kb0, kb1 = k_blocks(split, kb_per, K, BLOCK_K, SPLIT)
     a_ptrs = X + offs_am[:, None] * sxm + (kb0 * BLOCK_K + offs_k)[None, :] * sxk
     b_ptrs = W + (kb0 * BLOCK_K + offs_k)[:, None] * swk + offs_bn[None, :] * swn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -286,32 +298,9 @@ def _tile_epilogue(acc, Y, Yd, Bias, P, S, Acc, Inj, Flag, pid_m, pid_n, num_pid
     BLOCK_N: tl.constexpr = acc.shape[1]
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    yv = acc.to(Y.dtype.element_ty)
-    if INJ:
-        # flips at site linear.output, on the rounded value: the (row, col, bit) triples of this
-        # row block (CSR over the row blocks of the fixed injection config)
-        p0 = tl.load(Inj + pid_m)
-        p1 = tl.load(Inj + pid_m + 1)
-        xm = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
-        for p in range(p0, p1):
-            r = tl.load(Inj + num_pid_m + 1 + 3 * p)
-            c = tl.load(Inj + num_pid_m + 2 + 3 * p)
-            bit = tl.load(Inj + num_pid_m + 3 + 3 * p)
-            xm = xm ^ tl.where((offs_m[:, None] == r) & (offs_n[None, :] == c), 1 << bit, 0)
-        hit = xm != 0
-        if Y.dtype.element_ty == tl.float32:
-            yf = (yv.to(tl.int32, bitcast=True) ^ xm).to(tl.float32, bitcast=True)
-        else:
-            yf = (yv.to(tl.int16, bitcast=True) ^ xm.to(tl.int16)).to(Y.dtype.element_ty, bitcast=True)
-        yv = tl.where(hit, yf, yv)
+    # flips at site linear.output, on the rounded value
+    yv, v = round_and_inject(acc, Y.dtype.element_ty, Inj, pid_m, num_pid_m, offs_m, offs_n, n_ok, INJ, VERIFY_OUTPUT)
     if DETECT:
-        if VERIFY_OUTPUT:
-            v = yv.to(tl.float32)
-        elif INJ:
-            v = tl.where(hit, yv.to(tl.float32), acc)
-        else:
-            v = acc
-        v = tl.where(n_ok[None, :], v, 0.0)
         colw = (offs_n + 1).to(tl.float32) * inv_n
         s1 = tl.sum(v, axis=1)
         s2 = tl.sum(v * colw[None, :], axis=1)
@@ -705,12 +694,15 @@ def interpreting() -> bool:
 _INTERP = interpreting()
 _GEMM_LAUNCH = DirectLauncher(_gemm_kernel, _INTERP)
 _VERIFY_LAUNCH = DirectLauncher(_verify_kernel, _INTERP)
-_CALL_ID_AT = (_gemm_kernel.arg_names.index("call_id"), _verify_kernel.arg_names.index("call_id"))
+_GROUPED_LAUNCH = DirectLauncher(grouped_gemm_kernel, _INTERP)
+# where each launch takes its call id (the decode kernel takes none: it has no non-finite flag)
+_CALL_ID_AT = (_gemm_kernel.arg_names.index("call_id"), _verify_kernel.arg_names.index("call_id"), None)
 
 
 def _launcher(which: int) -> DirectLauncher:
-    """0: the GEMM's launcher, 1: the verify kernel's (looked up at each call, so tests can replace them)."""
-    return (_GEMM_LAUNCH, _VERIFY_LAUNCH)[which]
+    """0: the GEMM's launcher, 1: the verify kernel's, 2: the decode kernel's (looked up at each call, so
+    tests can replace them)."""
+    return (_GEMM_LAUNCH, _VERIFY_LAUNCH, _GROUPED_LAUNCH)[which]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1004,6 +996,69 @@ def _one_launch(m: int, n: int, k: int, block_m: int, device: torch.device) -> b
     return _host_bound(m, n, k)
 
 
+def _grouped(m: int, n: int, dtype: torch.dtype, debug: torch.Tensor | None, capacity: int) -> bool:
+    """Whether a checked call runs the decode kernel (`abft_decode`: each tile verifies its 64 columns):
+    M ≤ GROUPED_MAX_ROWS, at most GROUPED_MAX_TILES tiles, fp16 or bf16 (fp32's IEEE-dot form did not compile
+    in an earlier form: Triton 3.6's thread-locality pass asserted), no ``debug`` output (it has no
+    per-row D1), at least M recompute slots (it recomputes every failing row of a tile), and a forced
+    config (``FTT_ABFT_GEMM_CONFIG``), if any, that fits it. ``FTT_ABFT_GEMM_GROUPS=0``: never (the
+    row-checked one-launch form instead)."""
+    if (m > GROUPED_MAX_ROWS or _cdiv(n, GROUP_COLS) > GROUPED_MAX_TILES or dtype == torch.float32 or debug is not None
+            or capacity < m or os.environ.get("FTT_ABFT_GEMM_GROUPS") == "0"):
+        return False
+    forced = _forced_config()
+    return forced is None or (forced[0] >= max(m, 16) and forced[1] == GROUP_COLS)
+
+
+def _group_sums(wc: WeightChecksums, weight: torch.Tensor, bias: torch.Tensor | None,
+                weight_is_kn: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's `abft_decode.group_checksums`, cached with its `WeightChecksums`."""
+    g = wc.groups.get(GROUP_COLS)
+    if g is None:
+        g = wc.groups[GROUP_COLS] = group_checksums(weight, bias, weight_is_kn)
+    return g
+
+
+def _grouped_split(n: int, k: int, cfg, device: torch.device) -> tuple[int, int]:
+    """(n_split, kb_per) of a decode-kernel call: `_split_k`, or none when the config says so."""
+    if len(cfg) > 5 and not cfg[5]:
+        return 1, 1
+    return _split_k(n, k, cfg[1], cfg[2], device)
+
+
+def _grouped_buffer(m: int, n: int, k: int, cfg, device: torch.device) -> torch.Tensor | None:
+    """The decode kernel's split-K partials: (n_split, M, N) tiles, then (n_split, T, M, 4) checksums and
+    statistics; None without split-K."""
+    s = _grouped_split(n, k, cfg, device)[0]
+    if s == 1:
+        return None
+    return torch.empty(s * m * (n + _cdiv(n, cfg[1]) * 4), dtype=torch.float32, device=device)
+
+
+def _grouped_call(cfg, L: _Launch, *, bias, groups, P, inj, ver: _Verify, emax: float, csigma: float,
+                  verify_output: bool, dot_f32: bool) -> tuple:
+    """The decode kernel's launch as ``(grid, args, kwargs)``; ``groups`` = (w1g, consts) of
+    `_group_sums`, ``P`` = `_grouped_buffer`."""
+    bm, bn, bk, warps, stages = cfg[:5]
+    assert bn == GROUP_COLS, cfg
+    m, k = L.x.shape
+    n = L.y.shape[1]
+    w1g, gc = groups
+    n_split, kb_per = _grouped_split(n, k, cfg, L.x.device)
+    c = ver.counters
+    return (_cdiv(n, bn) * n_split,), (
+        L.x, L.w, L.y, bias if bias is not None else gc, w1g, gc, inj if inj is not None else gc,
+        P if P is not None else gc, _cells(L.x.device)[0], c,
+        m, n, k, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1), c.stride(0), c.stride(1),
+        1.0 / k, float(emax), float(csigma), float(ver.reverify), int(ver.w_finite), n_split, kb_per,
+    ), dict(
+        BLOCK_M=bm, G=bn, BLOCK_K=bk, ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None,
+        VERIFY_OUTPUT=verify_output,
+        INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0, CORRECT=ver.correct, SPLIT=n_split > 1,
+        num_warps=warps, num_stages=stages,
+    )
+
+
 def _launch_gemm(cfg, L: _Launch, **kw) -> None:
     """Launch `_gemm_call`'s GEMM."""
     _launcher(0)(*_gemm_call(cfg, L, **kw))
@@ -1047,22 +1102,24 @@ def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect,
     )
 
 
-def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
-    """The block sizes for this call: forced, interpreter, or timed once per shape key (CUDA)."""
+def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, grouped: bool = False):
+    """The block sizes for this call: forced, interpreter, or timed once per shape key (CUDA).
+    ``grouped``: for the decode kernel (`_grouped`)."""
     forced = _forced_config()
     if forced is not None:
         return forced
-    if _INTERP:
-        return CONFIG_INTERPRET
     m, k = L.x.shape
     n = L.y.shape[1]
+    if _INTERP:  # the plain GEMM of a decode shape takes the decode kernel's blocks: the same sums as its
+        plain_decode = not detect and _grouped(m, n, L.x.dtype, None, m)
+        return CONFIG_INTERPRET_GROUPED if grouped or plain_decode else CONFIG_INTERPRET
     # (the forms a decode call is timed in depend on the one-launch and split-K settings)
-    key = (L.x.dtype, L.kn, L.tma, bias is not None, detect, verify_output, _bucket(m), n, k,
+    key = (L.x.dtype, L.kn, L.tma, bias is not None, detect, verify_output, _bucket(m), n, k, grouped,
            os.environ.get("FTT_ABFT_GEMM_SPLIT"), os.environ.get("FTT_ABFT_GEMM_ONE_LAUNCH"))
     cfg = _TUNE_CACHE.get(key)
     if cfg is not None:
         return cfg
-    cands = _candidates(L.x.dtype, m)
+    cands = CONFIGS_GROUPED if grouped else _candidates(L.x.dtype, m)
     if len(cands) == 1 or os.environ.get("FTT_ABFT_GEMM_TUNE", "1") == "0":
         _TUNE_CACHE[key] = cands[0]
         return cands[0]
@@ -1080,15 +1137,26 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
     if detect and m <= CSUM_ROWS:
         ver = _Verify(torch.zeros(2, dtype=torch.float32, device=dev), new_counters(dev), None, True, 0,
                       (0.0, 0.0, 0.0, 0.0, 0.0, float("inf")), 1.0, False)
+    if grouped:
+        # the decode kernel on scratch group checksums whose threshold is infinite (bias_sd = inf): it runs
+        # its clean path, checks included, and finds nothing to repair. (Timed with its checks switched
+        # off instead, w_finite = 0, it picked configs 1.6-1.9× slower than the first one, on an H200.)
+        ng = _cdiv(n, GROUP_COLS)
+        groups = (torch.zeros((ng, k), dtype=torch.float32, device=dev),
+                  torch.zeros((ng, GROUP_CONSTS), dtype=torch.float32, device=dev))
+        groups[1][:, 6] = float("inf")
 
     def one_launch(c) -> bool:
-        return ver is not None and _one_launch(m, n, k, c[0], dev)
+        return ver is not None and not grouped and _one_launch(m, n, k, c[0], dev)
+
+    def splits(c) -> int:
+        if grouped:
+            return _grouped_split(n, k, c, dev)[0]
+        return _split_plan(m, n, k, c, _csum_layout(m, k, c[0], one_launch(c))[0] if detect else 0, detect, dev)[0]
 
     if not os.environ.get("FTT_ABFT_GEMM_SPLIT"):
         # each config with split-K (where the call's form splits, `_split_plan`) and without
-        n_csum = {c: _csum_layout(m, k, c[0], one_launch(c))[0] if detect else 0 for c in cands}
-        cands = [v for c in cands
-                 for v in ((c, (*c, False)) if _split_plan(m, n, k, c, n_csum[c], detect, dev)[0] > 1 else (c,))]
+        cands = [v for c in cands for v in ((c, (*c, False)) if splits(c) > 1 else (c,))]
     copies = [Ls]
     if m <= CSUM_ROWS:  # a decode call: timed over copies of its weight, as a model streams its weights
         nbytes = L.w.numel() * L.w.element_size()
@@ -1098,13 +1166,21 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32):
     best, best_t = None, float("inf")
     for c in cands:
         one = one_launch(c)
-        P = _call_buffer(m, n, k, c, one, detect, dev, y_scratch)
+        if grouped:
+            P = _grouped_buffer(m, n, k, c, dev)
 
-        def run(c=c, one=one, P=P):
-            for Lc in copies:
-                _launch_gemm(c, Lc, bias=bias, w12=w12, P=P, inj=None, flag=flag, ws=_cells(dev)[0] if one else ws,
-                             call_id=1, detect=detect, verify_output=verify_output, dot_f32=dot_f32,
-                             verify=ver if one else None)
+            def run(c=c, P=P):
+                for Lc in copies:
+                    _launcher(2)(*_grouped_call(c, Lc, bias=bias, groups=groups, P=P, inj=None, ver=ver, emax=1.0,
+                                                csigma=1.0, verify_output=verify_output, dot_f32=dot_f32))
+        else:
+            P = _call_buffer(m, n, k, c, one, detect, dev, y_scratch)
+
+            def run(c=c, one=one, P=P):
+                for Lc in copies:
+                    _launch_gemm(c, Lc, bias=bias, w12=w12, P=P, inj=None, flag=flag,
+                                 ws=_cells(dev)[0] if one else ws, call_id=1, detect=detect,
+                                 verify_output=verify_output, dot_f32=dot_f32, verify=ver if one else None)
         try:
             with torch.cuda.device(dev):
                 ms = gpu_time(run)
@@ -1233,13 +1309,17 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
     L = _Launch(x2d, weight, bias, y, swn, swk, weight_is_kn, _tma_ok(m, n, k, x2d, weight, y))
     dot_f32 = x2d.dtype == torch.float32 or _INTERP
     verify_output = mode == "output"
+    grouped = detect and _grouped(m, n, x2d.dtype, debug, capacity)
     if plan:
-        cfg = _forced_config() or (CONFIG_INTERPRET if _INTERP else CONFIG_INJECT)
+        if grouped:
+            cfg = _forced_config() or (CONFIG_INTERPRET_GROUPED if _INTERP else CONFIGS_GROUPED[0])
+        else:
+            cfg = _forced_config() or (CONFIG_INTERPRET if _INTERP else CONFIG_INJECT)
         inj = _inj_table(plan, m, n, y.dtype, dev, cfg[0])
     else:
         inj = None
     if inj is None:
-        cfg = _pick_config(L, bias=bias, detect=detect, verify_output=verify_output, dot_f32=dot_f32)
+        cfg = _pick_config(L, bias=bias, detect=detect, verify_output=verify_output, dot_f32=dot_f32, grouped=grouped)
     sem, slots, _ = _cells(dev)
     if not detect:  # no flag: the plain GEMM never reads it
         _launch_gemm(cfg, L, bias=bias, w12=y, P=_call_buffer(m, n, k, cfg, False, False, dev, y), inj=inj, flag=slots,
@@ -1249,19 +1329,25 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         wc = WeightChecksums.compute(weight, bias, weight_is_kn=weight_is_kn)
     if emax is None:
         emax = _emax(y.dtype, dev, mode, k)
-    t = _cdiv(n, cfg[1])
-    one = _one_launch(m, n, k, cfg[0], dev)
-    flag, call_id = call_flag(dev, self_reset=one)  # one launch: its last program resets the flag
-    P = _call_buffer(m, n, k, cfg, one, True, dev, y)
     # a repaired row is re-verified as stored (rounded): with the output-side unit error
     reverify = 1.0
     if correct and not verify_output:
         reverify = max(1.0, _emax(y.dtype, dev, "output", k) / float(emax))
     ver = _Verify(wc.b12, counters, debug, bool(wc.finite), int(capacity),
                   _threshold_consts(wc, float(emax), float(csigma)), reverify, correct)
-    launches = [(0, *_gemm_call(cfg, L, bias=bias, w12=wc.w12, P=P, inj=inj, flag=flag,
-                                           ws=sem if one else slots, call_id=call_id, detect=True,
-                                           verify_output=verify_output, dot_f32=dot_f32, verify=ver if one else None))]
+    t = _cdiv(n, cfg[1])
+    one = grouped or _one_launch(m, n, k, cfg[0], dev)
+    if grouped:
+        P, call_id = _grouped_buffer(m, n, k, cfg, dev), None
+        launches = [(2, *_grouped_call(cfg, L, bias=bias, groups=_group_sums(wc, weight, bias, weight_is_kn), P=P,
+                                       inj=inj, ver=ver, emax=emax, csigma=csigma, verify_output=verify_output,
+                                       dot_f32=dot_f32))]
+    else:
+        flag, call_id = call_flag(dev, self_reset=one)  # one launch: its last program resets the flag
+        P = _call_buffer(m, n, k, cfg, one, True, dev, y)
+        launches = [(0, *_gemm_call(cfg, L, bias=bias, w12=wc.w12, P=P, inj=inj, flag=flag,
+                                    ws=sem if one else slots, call_id=call_id, detect=True,
+                                    verify_output=verify_output, dot_f32=dot_f32, verify=ver if one else None))]
     if not one:
         vbn, vbk = VERIFY_BLOCK
         launches.append((1, (_cdiv(m, VERIFY_ROWS),), (
@@ -1274,7 +1360,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         )))
     for which, grid, args, kwargs in launches:
         _launcher(which)(grid, args, kwargs)
-    if prep_key is not None and not L.tma:
+    if prep_key is not None and (grouped or not L.tma):
         if len(wc.launches) >= PREPARED_PER_WEIGHT:  # e.g. prefills of many lengths: start afresh
             wc.launches.clear()
         wc.launches[prep_key] = prepared = _PreparedCall.record(launches, x2d, y, P, counters, call_id)
@@ -1288,7 +1374,8 @@ def _env_key() -> tuple:
     `DirectLauncher`)."""
     env = os.environ
     return (env.get("FTT_ABFT_GEMM_TMA"), env.get("FTT_ABFT_GEMM_ONE_LAUNCH"), env.get("FTT_ABFT_GEMM_CONFIG"),
-            env.get("FTT_ABFT_GEMM_TUNE"), env.get("FTT_DIRECT_LAUNCH"), env.get("FTT_ABFT_GEMM_SPLIT"))
+            env.get("FTT_ABFT_GEMM_TUNE"), env.get("FTT_DIRECT_LAUNCH"), env.get("FTT_ABFT_GEMM_SPLIT"),
+            env.get("FTT_ABFT_GEMM_GROUPS"))
 
 
 class _PreparedCall:
@@ -1300,24 +1387,28 @@ class _PreparedCall:
     `WeightChecksums.launches`, so it goes when the weight changes; it holds none of the call's own
     tensors (x, y, the stats buffer, the counters are put in at each call)."""
 
-    __slots__ = ("launches", "bound", "y_shape", "dtype", "device", "p_numel", "self_reset")
+    __slots__ = ("launches", "bound", "y_shape", "dtype", "device", "p_numel", "self_reset", "flagged")
 
     @classmethod
     def record(cls, launches, x2d, y, P, counters, call_id) -> _PreparedCall:
+        """``P``: the call's stats buffer, or None (the decode kernel without split-K); ``call_id``: None
+        for the decode kernel, which takes none."""
         self = cls()
-        per_call = (x2d, y, P, counters)
+        per_call = tuple(t for t in (x2d, y, P, counters) if t is not None)
         self.launches = []
         for which, grid, args, kwargs in launches:
             where = tuple(tuple(i for i, a in enumerate(args) if a is obj) for obj in per_call)
             template = [None if any(a is obj for obj in per_call) else a for a in args]
             id_at = _CALL_ID_AT[which]
-            assert args[id_at] == call_id
+            assert id_at is None or args[id_at] == call_id
             launcher = _launcher(which)
             bound = launcher.bind(grid, args, kwargs) if isinstance(launcher, DirectLauncher) else None
             self.launches.append((which, grid, template, kwargs, where, id_at, bound))
         self.bound = all(entry[-1] is not None for entry in self.launches)
         self.self_reset = len(launches) == 1  # the one-launch form resets its flag (`call_flag`)
-        self.y_shape, self.dtype, self.device, self.p_numel = tuple(y.shape), y.dtype, y.device, P.numel()
+        self.flagged = call_id is not None
+        self.y_shape, self.dtype, self.device = tuple(y.shape), y.dtype, y.device
+        self.p_numel = P.numel() if P is not None else 0
         return self
 
     def __call__(self, x2d: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
@@ -1326,16 +1417,21 @@ class _PreparedCall:
             with torch.cuda.device(self.device):  # launches go to the current device's stream
                 return self(x2d, counters)
         y = torch.empty(self.y_shape, dtype=self.dtype, device=self.device)
-        P = torch.empty(self.p_numel, dtype=torch.float32, device=self.device)
-        _, call_id = call_flag(self.device, self.self_reset)  # the same cell as the recorded call's
-        # the bound kernels were specialised on 16-byte aligned y and P (fresh allocations always are)
-        direct = self.bound and (y.data_ptr() | P.data_ptr()) & 15 == 0
+        per_call = (x2d, y, counters)
+        direct = self.bound and y.data_ptr() & 15 == 0
+        if self.p_numel:
+            P = torch.empty(self.p_numel, dtype=torch.float32, device=self.device)
+            per_call = (x2d, y, P, counters)
+            direct = direct and P.data_ptr() & 15 == 0
+        # (the bound kernels were specialised on 16-byte aligned y and P: fresh allocations always are)
+        call_id = call_flag(self.device, self.self_reset)[1] if self.flagged else None  # the recorded call's cell
         for which, grid, template, kwargs, where, id_at, bound in self.launches:
             args = template.copy()
-            for obj, positions in zip((x2d, y, P, counters), where):
+            for obj, positions in zip(per_call, where):
                 for i in positions:
                     args[i] = obj
-            args[id_at] = call_id
+            if id_at is not None:
+                args[id_at] = call_id
             if bound is not None and direct:
                 bound(tuple(args))
             else:

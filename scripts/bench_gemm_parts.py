@@ -10,16 +10,20 @@ weight copies past the H100's 50 MB L2 (as a model's layer stack streams its wei
   row sums and statistics written), its verification launch replaced by nothing: no check is made,
   so this column is a measurement device only,
 * ``two``       — the GEMM launch and the verification launch,
-* ``one``       — one launch (the default for one row block): the last program to finish verifies.
-* ``plain_nosplit``, ``one_nosplit`` — ``plain`` and ``one`` without split-K (``FTT_ABFT_GEMM_SPLIT=1``;
-  by default a call of few tiles runs each tile as several programs over parts of K, `_split_k`).
+* ``one``       — one launch, rows checked: the last program to finish verifies (``FTT_ABFT_GEMM_GROUPS=0``;
+  before session 27 the default for one row block),
+* ``decode``    — the decode kernel (`kernels/abft_decode.py`, the default for M ≤ 16): each tile verifies its
+  64-column groups in its epilogue.
+* ``plain_nosplit``, ``one_nosplit``, ``decode_nosplit`` — without split-K (``FTT_ABFT_GEMM_SPLIT=1``; by
+  default a call of few tiles runs each tile as several programs over parts of K, `_split_k`).
 
 Every column counts its events in its own counters (``events_by_column``; clean inputs, so any
 event is a false positive, whose recompute would dominate that column's time).
 ``gemm_only − plain`` is what the tiles' share of the checks costs. For a kernel whose one-launch
 form also carries that share (before the decode checksum programs, `cb662d0`), ``one − gemm_only``
 is the one-launch tail (the count, the last tile's loads, the threshold); with the checksum
-programs (M ≤ 16) ``one`` runs without the share, and ``one − plain`` is the whole checks' cost.
+programs (M ≤ 16) ``one`` runs without the share, and ``one − plain`` is the whole checks' cost;
+``decode − plain`` is the decode kernel's.
 
 ``--modules`` takes further copies of the kernel module inside ``ft_transformers.kernels`` (e.g. a
 variant saved as ``kernels/_abft_gemm_x.py``), each with its own columns (``name:mode+mode``, default
@@ -49,7 +53,7 @@ from bench_linear import _cycled, _graphed, _with_env, weight_copies  # noqa: E4
 # Qwen2-0.5B's decode GEMMs (q/o 896², k/v 128×896, MLP 4864×896 and 896×4864, lm_head) and SmolLM2's MLP
 SHAPES = [(1, 896, 896), (1, 128, 896), (1, 4864, 896), (1, 896, 4864), (16, 4864, 896), (1, 1536, 576),
           (1, 151936, 896)]
-MODES = ("plain", "plain_nosplit", "gemm_only", "two", "one", "one_nosplit")
+MODES = ("plain", "plain_nosplit", "gemm_only", "two", "one", "one_nosplit", "decode", "decode_nosplit")
 
 
 def _no_launch(grid, args, kwargs) -> None:
@@ -69,6 +73,8 @@ def _call(mod, mode: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, cnt
         run = _with_env(run, "FTT_ABFT_GEMM_SPLIT", "1")
     if mode in ("two", "gemm_only"):
         run = _with_env(run, "FTT_ABFT_GEMM_ONE_LAUNCH", "0")
+    if mode in ("two", "gemm_only", "one"):  # the row-checked forms (M ≤ 16 takes the decode kernel otherwise)
+        run = _with_env(run, "FTT_ABFT_GEMM_GROUPS", "0")
     if mode == "gemm_only":
         inner = run
 

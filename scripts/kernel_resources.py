@@ -128,29 +128,42 @@ GEMM_VARIANTS = [
     ("output-side check, one launch", "bf16", (64, 128, 64, 4, 4), dict(VERIFY_OUTPUT=True, VERIFY_R=64)),
     ("prefill, TMA, two launches", "fp16", (128, 256, 64, 8, 3),
      dict(TMA=True, TMA_STORE=True, ONE_LAUNCH=False, CORRECT=False, VERIFY_R=64)),
+    # the decode kernel (`abft_decode.grouped_gemm_kernel`: DECODE=True, overrides of DECODE_BASE)
+    ("decode kernel, 64-column groups", "fp16", (16, 64, 128, 4, 4), dict(DECODE=True)),
+    ("decode kernel, BLOCK_K 256, split-K, bias", "bf16", (16, 64, 256, 4, 3),
+     dict(DECODE=True, SPLIT=True, HAS_BIAS=True)),
+    ("decode kernel, M = 16", "fp16", (16, 64, 128, 4, 4), dict(DECODE=True, ROWS=16)),
+    ("decode kernel, injection, ragged K", "fp16", (16, 64, 128, 4, 4), dict(DECODE=True, INJ=True, EVEN_K=False)),
+    ("decode kernel, output-side check", "bf16", (16, 64, 256, 4, 3), dict(DECODE=True, VERIFY_OUTPUT=True)),
 ]
+DECODE_BASE = dict(ROWS=1, HAS_BIAS=False, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
+                   CORRECT=True, SPLIT=False)
 _GEMM_INTS_1 = ("sxk", "swk", "syn")  # unit inner strides (contiguous x, W, y)
 _GEMM_NOT_DIV16 = ("call_id", "w_finite", "scn0", "scn1", "capacity", "n_csum", "n_split", "kb_per")
 
 
 def compile_gemm_variant(dtype: str, cfg: tuple, over: dict, arch: int):
-    """Compile the checked GEMM's `_gemm_kernel` as a call on contiguous, 16-byte aligned tensors
-    would specialise it (TMA: descriptors of the config's block shapes)."""
-    fn = G._gemm_kernel
+    """Compile the checked GEMM's `_gemm_kernel` (or with ``DECODE`` its decode kernel) as a call on
+    contiguous, 16-byte aligned tensors would specialise it (TMA: descriptors of the config's block shapes)."""
+    decode = over.get("DECODE", False)
+    fn = G.grouped_gemm_kernel if decode else G._gemm_kernel
     bm, bn, bk, warps, stages = cfg
-    consts = {**GEMM_BASE, **over, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+    consts = {**(DECODE_BASE if decode else GEMM_BASE), **{k: v for k, v in over.items() if k != "DECODE"},
+              "BLOCK_M": bm, "BLOCK_K": bk, ("G" if decode else "BLOCK_N"): bn}
     consts.update({name: 1 for name in _GEMM_INTS_1})
     blocks = {"Xd": (bm, bk), "Wd": (bn, bk), "Yd": (bm, bn)}
     data = {"X", "W", "Y", "Bias"}
     ints = {"Inj", "Flag", "Ws", "Sem", "Cnt"}
-    floats = {"inv_n", "fn", "inv_k", "th_det", "th_v2", "th_v3", "th_var23", "th_var4", "th_bias", "reverify_scale"}
+    floats = {"inv_n", "fn", "inv_k", "th_det", "th_v2", "th_v3", "th_var23", "th_var4", "th_bias", "reverify_scale",
+              "emax", "csigma"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
         elif name in blocks:
-            sig[name] = f"tensordesc<{dtype}[{blocks[name][0]},{blocks[name][1]}]>" if consts["TMA"] else f"*{dtype}"
-        elif name in data or name in ints or name in ("W12", "P", "B12", "Dbg", "Acc"):
+            bm_, bn_ = blocks[name]
+            sig[name] = f"tensordesc<{dtype}[{bm_},{bn_}]>" if consts.get("TMA") else f"*{dtype}"
+        elif name in data or name in ints or name in ("W12", "P", "B12", "Dbg", "Acc", "W1g", "Gc", "Part"):
             sig[name] = f"*{dtype}" if name in data else "*i32" if name in ints else "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in floats:

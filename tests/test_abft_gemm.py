@@ -39,6 +39,7 @@ _vabft = importlib.import_module("ft_transformers.vabft")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SUBPROCESS = DEV == "cpu" and not G.interpreting()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES16 = DTYPES[1:]  # the decode kernel's (fp32 decode calls take the row-checked form)
 DISTS = ["N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)"]
 ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 
@@ -111,7 +112,10 @@ def test_matches_float64_matmul(dtype, kn, with_bias, mkn, monkeypatch):
     tol = _gemm_rel_tol(dtype, k) if (dtype == torch.float32 and DEV == "cuda") else 2 * ULP[dtype]
     torch.testing.assert_close(y.double().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())
     assert st == ZERO
-    # detect=False is the plain GEMM: same values
+    # detect=False is the plain GEMM: same values (loaded through pointers where the checked call took the
+    # decode kernel: descriptor loads can sum differently, under the interpreter's matmul of a transposed view)
+    if G._grouped(m, n, dtype, None, m):
+        monkeypatch.setenv("FTT_ABFT_GEMM_TMA", "0")
     y0, st0 = _run(x, w, b, kn=kn, detect=False)
     assert torch.equal(y0, y) and st0 == ZERO
 
@@ -229,7 +233,10 @@ def test_one_launch_verifies_like_reference(dtype, config, m, monkeypatch):
     """The GEMM verifies itself (the last tile of each row block verifies that block), no second
     launch: single flips located and repaired, rows with several flips recomputed, non-finite
     inputs counted once for the call and every other row block's counts dropped; all counted
-    exactly like the reference path. One and several row blocks (interpreter config: 16 rows)."""
+    exactly like the reference path. One and several row blocks (interpreter config: 16 rows). The
+    row-checked form (``FTT_ABFT_GEMM_GROUPS=0``: a call of M ≤ 16 takes the decode kernel otherwise,
+    tested below)."""
+    monkeypatch.setenv("FTT_ABFT_GEMM_GROUPS", "0")
     if config is not None:
         monkeypatch.setenv("FTT_ABFT_GEMM_CONFIG", config)
     verify_launch = G._VERIFY_LAUNCH
@@ -294,7 +301,9 @@ def test_decode_checksum_programs_verify_like_reference(dtype, m, split, monkeyp
     atomics: clean calls count nothing and match float64; flips at high bits are located, repaired
     and counted exactly as the reference path counts them; the cells are back to 0 after each call.
     ``auto``: each of the 2 tiles runs as 2 split-K programs of 10 K blocks (the interpreter counts 4
-    SMs, `_split_k`), whose last one sums the partials; ``1``: no split."""
+    SMs, `_split_k`), whose last one sums the partials; ``1``: no split. (The row-checked form,
+    ``FTT_ABFT_GEMM_GROUPS=0``; by default such a call takes the decode kernel.)"""
+    monkeypatch.setenv("FTT_ABFT_GEMM_GROUPS", "0")
     grids = []
     real = G._GEMM_LAUNCH
     at = {a: G._gemm_kernel.arg_names.index(a) for a in ("N", "n_csum", "n_split", "kb_per")}
@@ -440,6 +449,190 @@ def test_ber_mode_matches_reference_positions():
     torch.testing.assert_close(ratio, y_r[flipped_r].abs() / F.linear(x, w)[flipped_r].abs(), rtol=1e-3, atol=0)
 
 
+# --------------------------------------------------------------------------- the decode kernel
+
+
+def _spy_launches(monkeypatch) -> list:
+    """Record ``(launcher, SPLIT, n_split)`` of every GEMM-side launch (0: `_gemm_kernel`, 2: the decode kernel);
+    calls of up to 16 rows take the decode kernel (by default only M = 1 does: `GROUPED_MAX_ROWS`)."""
+    monkeypatch.setattr(G, "GROUPED_MAX_ROWS", G.CSUM_ROWS)
+    seen = []
+    for which, attr in ((0, "_GEMM_LAUNCH"), (2, "_GROUPED_LAUNCH")):
+        real = getattr(G, attr)
+        kernel = G._gemm_kernel if which == 0 else G.grouped_gemm_kernel
+        at = kernel.arg_names.index("n_split")
+
+        def spy(grid, args, kwargs, which=which, real=real, at=at):
+            seen.append((which, kwargs["SPLIT"], args[at]))
+            return real(grid, args, kwargs)
+
+        monkeypatch.setattr(G, attr, spy)
+    monkeypatch.setattr(G, "_VERIFY_LAUNCH", _no_second_launch)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES16, ids=str)
+@pytest.mark.parametrize("m,n,k,kn,with_bias,splits", [
+    (1, 200, 96, False, True, 1),  # 4 tiles of 64 on the interpreter's 4 SMs: no split; last group 8 wide
+    (16, 40, 600, True, False, 4),  # one tile: 4 splits of 5 K blocks (19 of 32)
+    (5, 130, 70, False, True, 1),  # K not a multiple of BLOCK_K, 3 groups
+], ids=["ragged-n", "split-k", "ragged-k"])
+def test_decode_kernel_matches_float64_and_plain(dtype, m, n, k, kn, with_bias, splits, monkeypatch):
+    """A checked call of M ≤ 16 runs the decode kernel alone (no other launch): clean calls count
+    nothing, match float64, and equal the plain GEMM of the same blocks bit for bit."""
+    monkeypatch.delenv("FTT_ABFT_GEMM_SPLIT", raising=False)
+    seen = _spy_launches(monkeypatch)
+    x = _rand((m, k), dtype, 91, 2.0)
+    w = _rand((k, n) if kn else (n, k), dtype, 92, k**-0.5)
+    b = _rand((n,), dtype, 93) if with_bias else None
+    y, st = _run(x, w, b, kn=kn)
+    assert st == ZERO
+    if G.interpreting():
+        assert seen == [(2, splits > 1, splits)], seen
+    else:
+        assert [s[0] for s in seen] == [2], seen
+    ref = _ref64(x, w, b, kn)
+    tol = _gemm_rel_tol(dtype, k) * float(ref.abs().max())
+    assert float((y.double().cpu() - ref).abs().max()) <= tol
+    if G.interpreting():  # the same blocks and splits (on a GPU each form is tuned on its own)
+        monkeypatch.setenv("FTT_ABFT_GEMM_TMA", "0")  # and pointer loads, as the decode kernel's
+        y0, st0 = _run(x, w, b, kn=kn, detect=False)
+        assert torch.equal(y0, y) and st0 == ZERO
+
+
+# bits whose flip changes a value of magnitude 0.05-100 by at least its own size and stays finite:
+# exponent bit 3 (fp16: ×2^8 or ÷2^8), bit 6 (bf16: ×2^64 or ÷2^64)
+_GROUP_BIT = {torch.float16: 13, torch.bfloat16: 13}
+
+
+@pytest.mark.parametrize("dtype", DTYPES16, ids=str)
+@pytest.mark.parametrize("split", ["auto", "1"])
+def test_decode_kernel_counts_per_group(dtype, split, monkeypatch):
+    """Flips in a decode call are counted per (row, 64-column group): a group row with one flip is
+    located and repaired (``corrected``), one with several is recomputed (``recomputed``); with
+    ``correct=False`` every such group row is ``detected`` and ``uncorrectable`` and y keeps the
+    flips. Expected counts come from the injected positions alone; repaired outputs match float64.
+    With N ≤ 64 (one group per row) the counts equal the reference path's."""
+    if split != "auto":
+        monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT", split)
+    seen = _spy_launches(monkeypatch)
+    m, k, n = 6, 160, 200
+    x = _rand((m, k), dtype, 95, 2.0)
+    w = _rand((n, k), dtype, 96, k**-0.5)
+    b = _rand((n,), dtype, 97)
+    ref = _ref64(x, w, b)
+    tol = _gemm_rel_tol(dtype, k) * float(ref.abs().max())
+    bit = _GROUP_BIT[dtype]
+    checked = 0
+    for count, seed in ((1, 1), (4, 2), (12, 3), (12, 4)):
+        spec = FaultSpec(site="linear.output", bit=bit, count=count, seed=seed)
+        pos = FaultPlan(spec).for_site("linear.output", (m, n), dtype, DEV).positions.tolist()
+        if any(not 0.05 < abs(float(ref[r, c])) < 100 for r, c in pos):
+            continue  # a flip of a tiny value may hide in the rounding noise: not this test's subject
+        per_group = {}
+        for r, c in pos:
+            per_group[(r, c // 64)] = per_group.get((r, c // 64), 0) + 1
+        ones = sum(1 for v in per_group.values() if v == 1)
+        with torch.no_grad():
+            y, st = _run(x, w, b, plan=FaultPlan(spec))
+            y_off, st_off = _run(x, w, b, plan=FaultPlan(spec), correct=False)
+            y_flip, _ = _run(x, w, b, plan=FaultPlan(spec), detect=False)
+        assert st == dict(ZERO, detected=len(per_group), corrected=ones, recomputed=len(per_group) - ones), (
+            pos, st)
+        assert float((y.double().cpu() - ref).abs().max()) <= tol, pos
+        assert st_off == dict(ZERO, detected=len(per_group), uncorrectable=len(per_group)), (pos, st_off)
+        torch.testing.assert_close(y_off.float(), y_flip.float(), rtol=max(4 * ULP[dtype], 1e-4), atol=tol)
+        checked += 1
+    assert checked >= 3 and {s[0] for s in seen} == {0, 2}  # (the plain GEMM took the flips for y_flip)
+    # one group per row (N = 48): the reference path's counts, also for several flips in a row and for
+    # flips to ~1e38 (at the top exponent bit) -- where the reference finds every flipped row: its
+    # output-side check misses some bf16 values shrunk to ~0 (2.6 → 4e-39), which the kernel repairs
+    w48, b48 = w[:48].contiguous(), b[:48].contiguous()
+    ref48 = _ref64(x, w48, b48)
+    for count in (1, 3, 9, 12):
+        spec = FaultSpec(site="linear.output", bit=HIGH_BIT[dtype][-1], count=count, seed=20 + count)
+        rows = {r for r, _ in FaultPlan(spec).for_site("linear.output", (m, 48), dtype, DEV).positions.tolist()}
+        with torch.no_grad():
+            y_t, st_t = ftt.checked_linear(x, w48, b48, inject=spec, backend="triton")
+            _, st_r = ftt.checked_linear(x, w48, b48, inject=spec, backend="reference")
+        st_t, st_r = dict(st_t), dict(st_r)
+        assert st_t["detected"] == len(rows) and st_t["uncorrectable"] == 0, (count, st_t)
+        if st_r["detected"] == len(rows):
+            assert st_t == st_r, (count, st_t, st_r)
+        tol48 = _gemm_rel_tol(dtype, k) * float(ref48.abs().max())
+        assert float((y_t.double().cpu() - ref48).abs().max()) <= tol48
+    assert seen[-1][0] == 2
+
+
+def test_decode_kernel_group_constants_against_float64():
+    """`group_checksums` against an independent float64 computation: ``w1_g`` is each group's column
+    sum, ``b1_g`` its bias sum, and the thresholds its constants give (`group_thresholds`, the kernel's
+    formula) equal `vabft.vabft_threshold` of the group's columns alone (plus the bias share of
+    `WeightChecksums.thresholds`), including the ragged last group (200 = 3·64 + 8 columns)."""
+    from ft_transformers.kernels.abft_decode import group_checksums, group_thresholds
+
+    m, k, n = 7, 90, 200
+    x = _rand((m, k), torch.float32, 1, 3.0, "N(1,1)").cpu()
+    w = _rand((n, k), torch.float32, 2).cpu()
+    b = _rand((n,), torch.float32, 3).cpu()
+    w1g, consts = group_checksums(w, b)
+    wkn, consts_kn = group_checksums(w.t().contiguous(), b, weight_is_kn=True)
+    assert torch.equal(w1g, wkn) and torch.equal(consts, consts_kn)
+    assert w1g.shape == (4, k) and consts.shape == (4, 8)
+    mu, var = _vabft.row_stats(x)
+    got = group_thresholds(consts, mu, var, emax=1e-6, csigma=2.5)
+    for g in range(4):
+        cols = slice(64 * g, min(64 * g + 64, n))
+        torch.testing.assert_close(w1g[g].double(), w[cols].double().sum(0), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(consts[g, 0].double(), b[cols].double().sum(), rtol=1e-6, atol=1e-5)
+        assert consts[g, 7] == w[cols].shape[0]
+        # the group's own V-ABFT threshold, and the bias share with the group's width and bias
+        want = _vabft.vabft_threshold(x.double(), w[cols].double().t(), emax=1e-6, csigma=2.5).double()
+        bg = b[cols].double()
+        bmu = bg.mean()
+        bsd = ((bg.max() - bmu) * (bmu - bg.min())).clamp_min(0).sqrt()
+        ng = bg.numel()
+        want = want + 1e-6 * (ng * bmu.abs() + 2.5 * ng**0.5 * bsd)
+        torch.testing.assert_close(got[:, g], want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="stand-in timings and the interpreter's 4 SMs (split-K counts)")
+def test_tuner_times_the_decode_kernel(monkeypatch):
+    """The decode kernel's candidates are timed in its own launches (CONFIGS_GROUPED, each with
+    split-K where it applies and without), on its clean path against an infinite threshold: the
+    scratch counters see nothing."""
+    monkeypatch.setattr(G, "_INTERP", False)
+    for var in ("FTT_ABFT_GEMM_CONFIG", "FTT_ABFT_GEMM_TUNE", "FTT_ABFT_GEMM_SPLIT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(G, "CONFIGS_GROUPED", [(16, 64, 64, 4, 1), (16, 64, 128, 4, 1)])
+    monkeypatch.setattr(G, "TUNE_STREAM_COPIES", 1)
+    seen = []
+    real = G._GROUPED_LAUNCH
+    at = {a: G.grouped_gemm_kernel.arg_names.index(a) for a in ("n_split", "Cnt")}
+
+    def spy(grid, args, kwargs):
+        seen.append((kwargs["BLOCK_K"], kwargs["SPLIT"], args[at["n_split"]], args[at["Cnt"]]))
+        return real(grid, args, kwargs)
+
+    monkeypatch.setattr(G, "_GROUPED_LAUNCH", spy)
+    monkeypatch.setattr(G, "_GEMM_LAUNCH", _no_second_launch)
+    times = {(64, True): 2.0, (64, False): 1.5, (128, True): 1.0, (128, False): 3.0}  # (BLOCK_K, split): "ms"
+    monkeypatch.setattr(G, "gpu_time", lambda run: (run(), times[seen[-1][:2]])[1])
+    monkeypatch.setattr(G, "_TUNE_CACHE", {})
+    x = _rand((3, 640), torch.float16, 5)
+    w = _rand((128, 640), torch.float16, 6, 640**-0.5)
+    launch = G._Launch(x=x, w=w, b=None, y=torch.empty(3, 128, dtype=x.dtype), swn=w.stride(0), swk=w.stride(1))
+    cfg = G._pick_config(launch, bias=None, detect=True, verify_output=False, dot_f32=True, grouped=True)
+    # 2 tiles of 64 on the interpreter's 4 SMs: 2 splits (of 5 K blocks of 64, or 3 and 2 of 128), or none
+    assert [e[:3] for e in seen] == [(64, True, 2), (64, False, 1), (128, True, 2), (128, False, 1)], seen
+    assert cfg == (16, 64, 128, 4, 1)
+    for *_, cnt in seen:
+        assert dict(FaultStats(cnt)) == ZERO
+    assert int(G._cells(x.device)[0].abs().sum().item()) == 0  # the split counts back to 0
+
+
 # --------------------------------------------------------------------------- inputs
 
 
@@ -466,6 +659,7 @@ def test_one_launch_resets_its_flag_for_a_frozen_call_id(m, monkeypatch):
     one. Stand-in for the replays: `call_flag` returning the same cell and id 1 for every call, with
     a flip injected after a call whose x held a NaN; both calls counted like the reference."""
     monkeypatch.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", "1")
+    monkeypatch.setenv("FTT_ABFT_GEMM_GROUPS", "0")  # (the decode kernel has no flag)
     monkeypatch.setattr(G, "_VERIFY_LAUNCH", _no_second_launch)
     cell = torch.zeros(1, dtype=torch.int32, device=DEV)
     asked = []
@@ -494,15 +688,21 @@ def test_one_launch_resets_its_flag_for_a_frozen_call_id(m, monkeypatch):
     assert int(cell.item()) == 0 and asked == [True, True]
 
 
-@pytest.mark.parametrize("m,two", [(5, False), (40, True)], ids=["one-launch", "two-launches"])
-def test_prepared_calls_match_first_calls(m, two, monkeypatch):
+@pytest.mark.parametrize("m,form", [(5, "decode"), (5, "decode-nosplit"), (5, "one"), (40, "two")],
+                         ids=["decode-kernel", "decode-kernel-nosplit", "one-launch", "two-launches"])
+def test_prepared_calls_match_first_calls(m, form, monkeypatch):
     """A repeated call signature takes the prepared launches (`_PreparedCall`): new x, y, stats buffer
-    and call id each time. Results equal float64 and a fresh first call's; a NaN in a later call's x
-    is counted once, as on the first call; another weight version, alignment or setting prepares anew."""
+    (none for the decode kernel without split-K) and call id each time. Results equal float64 and a
+    fresh first call's; a NaN in a later call's x is counted once, as on the first call; another
+    weight version, alignment or setting prepares anew."""
     monkeypatch.setenv("FTT_ABFT_GEMM_TMA", "0")  # TMA calls are not prepared (descriptors hold pointers)
-    monkeypatch.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", "0" if two else "1")
+    monkeypatch.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", "0" if form == "two" else "1")
+    monkeypatch.setenv("FTT_ABFT_GEMM_GROUPS", "0" if form == "one" else "1")
+    monkeypatch.setattr(G, "GROUPED_MAX_ROWS", G.CSUM_ROWS)  # the decode kernel at M = 5 too
+    if form == "decode-nosplit":
+        monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT", "1")
     k = 96  # three K blocks of the interpreter config
-    lin = torch.nn.Linear(k, 24).to(DEV)
+    lin = torch.nn.Linear(k, 24).to(DEV, torch.float16)
     cnt = new_counters(DEV)
 
     def call(x):
@@ -511,20 +711,24 @@ def test_prepared_calls_match_first_calls(m, two, monkeypatch):
                                                 detect=True, correct=True, plan=None, counters=cnt, cache_owner=lin)
         return y
 
-    xs = [_rand((m, k), torch.float32, 80 + i) for i in range(3)]
+    xs = [_rand((m, k), torch.float16, 80 + i) for i in range(3)]
     for x in xs:
         y = call(x)
         ref = _ref64(x, lin.weight.detach(), lin.bias.detach())
-        assert ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item() < _gemm_rel_tol(torch.float32, k)
+        assert ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item() < _gemm_rel_tol(torch.float16, k)
     (checksums,) = _checksums_of(lin)
     assert len(checksums.launches) == 1  # one signature, prepared once, then reused
+    (prepared,) = checksums.launches.values()
+    assert [e[0] for e in prepared.launches] == {"one": [0], "two": [0, 1]}.get(form, [2])  # the launchers
+    if form == "decode-nosplit" or G.interpreting():  # (on a GPU K = 96 is one K block: never split)
+        assert (prepared.p_numel == 0) == (form == "decode-nosplit")
     assert FaultStats(cnt)["detected"] == 0
     bad = xs[0].clone()
     bad[m - 1, 3] = float("nan")
     y = call(bad)
     assert dict(FaultStats(cnt)) == dict(ZERO, nonfinite_input=1)
     assert torch.isnan(y[m - 1]).any() and not torch.isnan(y[: m - 1]).any()
-    call(_rand((m * k + 1,), torch.float32, 90)[1:].view(m, k))  # 4 bytes off: a fresh signature
+    call(_rand((m * k + 1,), torch.float16, 90)[1:].view(m, k))  # 4 bytes off: a fresh signature
     assert len(checksums.launches) == 2
     with torch.no_grad():
         lin.weight.mul_(2.0)  # a new weight version: new checksums, nothing prepared yet
@@ -532,7 +736,7 @@ def test_prepared_calls_match_first_calls(m, two, monkeypatch):
     (fresh,) = _checksums_of(lin)
     assert fresh is not checksums and len(fresh.launches) == 1
     ref = _ref64(xs[1], lin.weight.detach(), lin.bias.detach())
-    assert ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item() < _gemm_rel_tol(torch.float32, k)
+    assert ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item() < _gemm_rel_tol(torch.float16, k)
 
 
 def test_module_fast_path_like_full_path(monkeypatch):
@@ -898,6 +1102,15 @@ def test_bench_gemm_parts_columns(monkeypatch):
         return real_gemm(grid, args, kwargs)
 
     monkeypatch.setattr(G, "_GEMM_LAUNCH", gemm_spy)
+    real_decode = G._GROUPED_LAUNCH
+    decode_launches = []
+
+    def decode_spy(grid, args, kwargs):
+        splits.append(kwargs["SPLIT"])
+        decode_launches.append(grid)
+        return real_decode(grid, args, kwargs)
+
+    monkeypatch.setattr(G, "_GROUPED_LAUNCH", decode_spy)
     timed = []
 
     def timer(fn):
@@ -906,7 +1119,7 @@ def test_bench_gemm_parts_columns(monkeypatch):
         fn()
         return 1.0 if all(splits) else 2.0 if not any(splits) else 3.0
 
-    modes = ["plain", "plain_nosplit", "gemm_only", "two", "one", "one_nosplit"]
+    modes = ["plain", "plain_nosplit", "gemm_only", "two", "one", "one_nosplit", "decode", "decode_nosplit"]
     us, events, err = parts.bench_shape(1, 48, 160, torch.float16, [(G, modes)],
                                         calls=2, rounds=2, timer=timer, device=DEV, graphed=lambda fn: fn)
     assert set(us) == {"cublas", *modes} and len(timed) == 2 * len(us)
@@ -914,6 +1127,10 @@ def test_bench_gemm_parts_columns(monkeypatch):
     # 2 splits each), 2 ms where none did
     assert us["one"] == us["plain"] == pytest.approx(1e3 / 2)
     assert us["one_nosplit"] == us["plain_nosplit"] == us["two"] == pytest.approx(2e3 / 2)
+    # the decode kernel (1 tile of 64: 4 splits on the interpreter's 4 SMs), only in its own columns:
+    # the error check's call, then 2 rounds × 2 calls for each of its two columns
+    assert us["decode"] == pytest.approx(1e3 / 2) and us["decode_nosplit"] == pytest.approx(2e3 / 2)
+    assert len(decode_launches) == 2 * (1 + 2 * 2), len(decode_launches)
     # the `two` column: one verification for the error check, then one per call of the 2 rounds × 2 calls
     assert len(verifies) == 1 + 2 * 2, len(verifies)
     assert events == dict.fromkeys(modes, 0) and err < _gemm_rel_tol(torch.float16, 160)

@@ -1,0 +1,408 @@
+"""The checked GEMM of a batch-1 decode call: V-ABFT per 64-column tile, inside the tile.
+
+The general kernel (`abft_gemm._gemm_kernel`) verifies whole output rows: ``Σ_n y[m, n]`` against
+``x[m]·w1`` with ``w1 = Σ_n W[n, :]``, which needs every tile's row sums in one place (atomics into
+cells, a last program that counts and verifies: 1.6-2.2 µs per decode call over the plain GEMM on an
+H200, ``docs/vabft.md``, session 26). Here each program computes one group of ``G = 64`` output
+columns (``GROUP_COLS``; the tile) and the group is its own checked GEMM (SPEC §5 with ``N``
+replaced by the group's width ``n_g``, 64 or less for the last):
+
+* ``D1[m] = Σ_{n∈g} v[m, n] − (x[m]·w1_g + b1_g)``, ``w1_g = Σ_{n∈g} W[n, :]`` (fp32, cached per
+  weight: ``(⌈N/64⌉, K)``, 1/32 of an fp16 weight's bytes), ``v`` the fp32 accumulators (or the
+  rounded outputs in ``output`` mode), flips at ``linear.output`` included;
+* the threshold ``T[m]`` of SPEC §5 from x's row statistics and the group's weight statistics
+  (`group_checksums`: ``Σ_k |μ_gk|``, ``Σ_k σ²_gk``, ``Σ_k μ_gk²`` over the group's rows of W).
+
+Every K block passes through the tile, so it computes ``x·w1_g`` and x's statistics beside its dot
+and verifies its columns in its epilogue, before the store: no other program, no cell, no atomic
+on a clean call. With split-K (`abft_gemm._split_k`) the last split of a tile first sums the
+splits' fp32 partials (tile, checksum, statistics) in split order.
+
+A failing row (rare) is recomputed in fp32 by the tile (the same dot over all of K). The reference
+path's location test then runs on the exact differences ``d = v − ref``:
+``t = G·Σ_j ((j+1)/G)·d_j / Σ_j d_j`` within 0.25 of an integer locates a single error, which is
+replaced by the recomputed value and re-verified (the row's group re-summed as stored, against the
+output-side threshold, as the reference path re-verifies a repair; in accumulator mode also the
+other elements' differences from the recomputation, against the accumulator-side one) →
+``corrected``; any other failing row of the tile takes the recomputed values → ``recomputed``.
+``correct=False``: ``detected`` + ``uncorrectable``.
+
+Counting is per (row, tile). Where N ≤ 64 (one tile per row), or a row has faults in one tile only,
+the counts are the reference path's; a row with faults in several tiles counts one event per tile
+(the reference counts the row once), each tile repairing its own. Non-finite x (every tile sees all
+of it) or W/b switch the call's checks off and count one ``nonfinite_input`` (tile 0), as on the
+reference path.
+
+`abft_gemm` sends a checked call here when M ≤ ``GROUPED_MAX_ROWS`` (1: batch-1 decode, where it was
+measured faster) and the call has at most ``GROUPED_MAX_TILES`` tiles; the kernel itself takes up to
+16 rows (ROWS = next_pow2(M) rows of statistics; the tests run it so).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..sites import KIND_INDEX, SITE_INDEX
+from .tl_common import cdiv
+from .tl_common import dot as _mma
+
+__all__ = ["GROUP_COLS", "GROUP_CONSTS", "group_checksums", "group_thresholds", "grouped_gemm_kernel", "inject_output",
+           "k_blocks", "round_and_inject"]
+
+GROUP_COLS = 64  # output columns per checksum group
+GROUP_CONSTS = 8  # fp32 per group: b1, det, v2, v3, v4, bias_det, bias_sd, n_g (`group_checksums`)
+_CHUNK_ELEMS = 1 << 24  # fp32 temporaries while building the group checksums
+
+_SITE_ROW = tl.constexpr(SITE_INDEX["linear.output"])
+_DET, _COR, _REC, _UNC, _NONF = (tl.constexpr(KIND_INDEX[k]) for k in
+                                 ("detected", "corrected", "recomputed", "uncorrectable", "nonfinite_input"))
+
+
+@torch.no_grad()
+def group_checksums(weight: torch.Tensor, bias: torch.Tensor | None, weight_is_kn: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-group checksums and threshold constants of a weight, in fp32.
+
+    Args:
+        weight: (N, K), or (K, N) with ``weight_is_kn``.
+        bias: (N,) or None.
+    Returns:
+        ``w1g`` (⌈N/64⌉, K): ``Σ_{n∈g} W[n, :]``; ``consts`` (⌈N/64⌉, 8): per group ``b1_g = Σ b_n``,
+        ``n_g·Σ_k|μ_gk|``, ``n_g·Σ_k σ²_gk``, ``n_g²·Σ_k μ_gk²``, ``sqrt(n_g·Σ_k σ²_gk)``,
+        ``n_g·|μ_b|``, ``sqrt(n_g)·σ_b`` and ``n_g`` (μ_gk, σ²_gk: mean and Bhatia–Davis variance of
+        column k of the group's rows; μ_b, σ_b: the group's bias, as `WeightChecksums`), so that
+        ``T = e·(det·|μ| + c·sqrt(μ²·v2 + σ²·v3) + c·v4·σ + bias_det + c·bias_sd)`` (SPEC §5).
+    """
+    w = weight.detach()
+    w_nk = w.t() if weight_is_kn else w
+    n, k = w_nk.shape
+    g = GROUP_COLS
+    ng = cdiv(n, g)
+    dev = w.device
+    n_g = torch.full((ng,), float(g), device=dev)
+    n_g[-1] = n - g * (ng - 1)
+    w1g = torch.empty((ng, k), dtype=torch.float32, device=dev)
+    sums = torch.zeros((ng, 3), dtype=torch.float32, device=dev)  # Σ|μ|, Σσ², Σμ²
+    pad = ng * g - n
+    step = max(1, _CHUNK_ELEMS // (ng * g))
+    for k0 in range(0, k, step):
+        blk = w_nk[:, k0:k0 + step].float()  # (N, kc)
+        kc = blk.shape[1]
+        lo = torch.nn.functional.pad(blk, (0, 0, 0, pad), value=float("inf")).view(ng, g, kc)
+        hi = torch.nn.functional.pad(blk, (0, 0, 0, pad), value=-float("inf")).view(ng, g, kc)
+        s = torch.nn.functional.pad(blk, (0, 0, 0, pad)).view(ng, g, kc).sum(1)  # (ng, kc)
+        w1g[:, k0:k0 + kc] = s
+        mu = s / n_g[:, None]
+        var = ((hi.amax(1) - mu) * (mu - lo.amin(1))).clamp_min(0.0)
+        sums[:, 0] += mu.abs().sum(1)
+        sums[:, 1] += var.sum(1)
+        sums[:, 2] += mu.square().sum(1)
+    consts = torch.zeros((ng, GROUP_CONSTS), dtype=torch.float32, device=dev)
+    if bias is not None:
+        b = torch.nn.functional.pad(bias.detach().float(), (0, pad))
+        bs = b.view(ng, g).sum(1)
+        bmu = bs / n_g
+        bhi = torch.nn.functional.pad(bias.detach().float(), (0, pad), value=-float("inf")).view(ng, g).amax(1)
+        blo = torch.nn.functional.pad(bias.detach().float(), (0, pad), value=float("inf")).view(ng, g).amin(1)
+        consts[:, 0] = bs
+        consts[:, 5] = n_g * bmu.abs()
+        consts[:, 6] = n_g.sqrt() * ((bhi - bmu) * (bmu - blo)).clamp_min(0.0).sqrt()
+    consts[:, 1] = n_g * sums[:, 0]
+    consts[:, 2] = n_g * sums[:, 1]
+    consts[:, 3] = n_g * n_g * sums[:, 2]
+    consts[:, 4] = (n_g * sums[:, 1]).sqrt()
+    consts[:, 7] = n_g
+    return w1g, consts
+
+
+def group_thresholds(consts: torch.Tensor, mu: torch.Tensor, var: torch.Tensor, emax: float,
+                     csigma: float) -> torch.Tensor:
+    """(M, ⌈N/64⌉) thresholds of rows with x statistics ``mu``, ``var`` (M,): the kernel's formula on
+    the host (tests compare it with `vabft.vabft_threshold` of each group's columns)."""
+    c = consts.double()
+    mu, var = mu.double()[:, None], var.double()[:, None]
+    t = (c[:, 1] * mu.abs() + csigma * torch.sqrt(mu * mu * c[:, 2] + var * c[:, 3])
+         + csigma * c[:, 4] * var.sqrt() + c[:, 5] + csigma * c[:, 6])
+    return emax * t
+
+
+@triton.jit
+def round_and_inject(acc, dtype: tl.constexpr, Inj, pid_m, num_pid_m, offs_m, offs_n, n_ok, INJ: tl.constexpr,
+                     VERIFY_OUTPUT: tl.constexpr):
+    """A tile's fp32 sum ``acc`` (BLOCK_M, BLOCK_N), bias included, rounded to ``dtype`` with the flips
+    of `inject_output` (INJ); returns it and the fp32 values the checks sum (``v``: the rounded
+    outputs with VERIFY_OUTPUT, else the accumulators, flipped where a flip landed; 0 past N)."""
+    yv = acc.to(dtype)
+    if INJ:
+        yv, hit = inject_output(yv, Inj, pid_m, num_pid_m, offs_m, offs_n)
+    if VERIFY_OUTPUT:
+        v = yv.to(tl.float32)
+    elif INJ:
+        v = tl.where(hit, yv.to(tl.float32), acc)
+    else:
+        v = acc
+    return yv, tl.where(n_ok[None, :], v, 0.0)
+
+
+@triton.jit
+def k_blocks(split, kb_per, K, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """The K blocks ``[kb0, kb1)`` of a program: split ``split`` of ``kb_per`` blocks each with SPLIT, else all."""
+    if SPLIT:
+        kb0 = split * kb_per
+        kb1 = tl.minimum(kb0 + kb_per, tl.cdiv(K, BLOCK_K))
+    else:
+        kb0 = 0
+        kb1 = tl.cdiv(K, BLOCK_K)
+    return kb0, kb1
+
+
+@triton.jit
+def inject_output(yv, Inj, pid_m, num_pid_m, offs_m, offs_n):
+    """Flips of site ``linear.output`` on the rounded tile ``yv`` (BLOCK_M, BLOCK_N): the (row, col,
+    bit) triples of row block ``pid_m`` (``Inj``: CSR over the row blocks, then the triples).
+    Returns the flipped tile and the (BLOCK_M, BLOCK_N) mask of flipped elements."""
+    p0 = tl.load(Inj + pid_m)
+    p1 = tl.load(Inj + pid_m + 1)
+    xm = tl.zeros(yv.shape, tl.int32)
+    for p in range(p0, p1):
+        r = tl.load(Inj + num_pid_m + 1 + 3 * p)
+        c = tl.load(Inj + num_pid_m + 2 + 3 * p)
+        bit = tl.load(Inj + num_pid_m + 3 + 3 * p)
+        xm = xm ^ tl.where((offs_m[:, None] == r) & (offs_n[None, :] == c), 1 << bit, 0)
+    hit = xm != 0
+    if yv.dtype == tl.float32:
+        yf = (yv.to(tl.int32, bitcast=True) ^ xm).to(tl.float32, bitcast=True)
+    else:
+        yf = (yv.to(tl.int16, bitcast=True) ^ xm.to(tl.int16)).to(yv.dtype, bitcast=True)
+    return tl.where(hit, yf, yv), hit
+
+
+@triton.jit
+def _combine_stats(c1a, sma, mxa, mna, c1b, smb, mxb, mnb):
+    """`tl.reduce` of (x·w1_g, sum, max, min) together."""
+    return c1a + c1b, sma + smb, tl.maximum(mxa, mxb), tl.minimum(mna, mnb)
+
+
+@triton.jit
+def _on_tile_rows(t, BLOCK_M: tl.constexpr):
+    """(ROWS, C) → (BLOCK_M, C), row r taking row r mod ROWS (ROWS divides BLOCK_M)."""
+    ROWS: tl.constexpr = t.shape[0]
+    C: tl.constexpr = t.shape[1]
+    return tl.reshape(tl.broadcast_to(t[None, :, :], (BLOCK_M // ROWS, ROWS, C)), (BLOCK_M, C))
+
+
+@triton.jit
+def _recompute(X, W, offs_am, offs_bn, K, sxm, sxk, swn, swk, acc, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """The tile's products again over all of K: (x·Wᵀ, |x|·|W|ᵀ) in fp32, shapes of ``acc``."""
+    offs_k = tl.arange(0, BLOCK_K)
+    ref = tl.zeros_like(acc)
+    rabs = tl.zeros_like(acc)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        a = tl.load(X + offs_am[:, None] * sxm + kk[None, :] * sxk, mask=kk[None, :] < K, other=0.0)
+        b = tl.load(W + kk[:, None] * swk + offs_bn[None, :] * swn, mask=kk[:, None] < K, other=0.0)
+        ref = _mma(a, b, ref, DOT_F32)
+        rabs = _mma(tl.abs(a), tl.abs(b), rabs, DOT_F32)
+    return ref, rabs
+
+
+@triton.jit
+def _repair(v, yv, ref, rabs, d1, c1, thr, bad, n_ok, n_g, K, n_split, reverify_scale,
+            BLOCK_K: tl.constexpr, VERIFY_OUTPUT: tl.constexpr):
+    """The rare path: the failing rows ``bad`` (BLOCK_M,) of a tile, given its recomputation ``ref``
+    and ``rabs = |x|·|W|ᵀ`` (BLOCK_M, BLOCK_N). Returns the tile to store and the rows corrected
+    (one located element replaced); the other failing rows take ``ref`` whole (recomputed)."""
+    BLOCK_N: tl.constexpr = v.shape[1]
+    # locate on the exact differences (the reference's D2/D1 test, weights (j+1)/G ≤ 1, so that a
+    # flipped value near the dtype's max does not overflow the weighted sum)
+    d = tl.where(n_ok[None, :], v - ref, 0.0)
+    colw = (tl.arange(0, BLOCK_N) + 1).to(tl.float32)
+    tq = tl.sum(d * (colw * (1.0 / BLOCK_N))[None, :], axis=1) / tl.sum(d, axis=1) * BLOCK_N
+    j = tl.floor(tq + 0.5)
+    loc = bad & (tl.abs(tq) < float("inf")) & (tl.abs(tq - j) <= 0.25) & (j >= 1.0) & (j <= n_g)
+    at = loc[:, None] & (colw[None, :] == j[:, None])  # the located element of each row
+    newv = ref.to(yv.dtype)
+    # re-verify as the reference does: the row's group as stored, with the repaired element
+    rs = tl.sum(tl.where(n_ok[None, :], tl.where(at, newv, yv).to(tl.float32), 0.0), axis=1)
+    fixed = loc & (tl.abs(rs - c1) <= thr * reverify_scale)
+    if not VERIFY_OUTPUT:
+        # and the rest of the group must be clean: the other elements' differences from the
+        # recomputation sum to within the threshold plus the bound of two fp32 summation orders (the
+        # tile's K blocks and splits against the recomputation's). Not D1 with the located term
+        # swapped, as the row-checked kernel does: an exponent flip of ×2^64 makes D1's fp32 sum absorb
+        # everything else, and a second flip in the group (a bf16 value shrunk ÷2^64) passed as repaired
+        others = n_ok[None, :] & ~at
+        noise = 2.0 * (tl.cdiv(K, BLOCK_K) + n_split) * 2.0**-24
+        fixed = fixed & (tl.abs(tl.sum(tl.where(others, d, 0.0), axis=1))
+                         <= thr + noise * tl.sum(tl.where(others, rabs, 0.0), axis=1))
+    need = bad & ~fixed
+    return tl.where(need[:, None] | (at & fixed[:, None]), newv, yv), fixed
+
+
+@triton.jit
+def _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, pid_n, offs_m, offs_am, m_ok, offs_n, offs_bn, n_ok,
+              M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale, w_finite,
+              BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr,
+              DOT_F32: tl.constexpr, CORRECT: tl.constexpr):
+    """A tile's fp32 sum ``acc`` (BLOCK_M, G), ``x·w1_g`` ``c1`` and x's row sum / max / min of the
+    ROWS = next_pow2(M) rows (ROWS,), the group's constants ``gc`` (the tuple ``(b1, det, v2, v3, v4,
+    bias_det, bias_sd, n_g)`` of `group_checksums`) and bias (G,) fp32: bias, rounding, injection, the
+    check, repairs, the counts, y's store."""
+    b1, det, v2, v3, v4, bdet, bsd, n_g = gc
+    if HAS_BIAS:
+        acc += bias[None, :]
+    yv, v = round_and_inject(acc, Y.dtype.element_ty, Inj, 0, 1, offs_m, offs_n, n_ok, INJ, VERIFY_OUTPUT)
+    # T[m] (SPEC §5 over the group's n_g columns; `group_checksums`), in the rows' own layout
+    mu = sm * inv_k
+    var = tl.maximum((mx - mu) * (mu - mn), 0.0)
+    thr = emax * (det * tl.abs(mu) + csigma * tl.sqrt(mu * mu * v2 + var * v3) + csigma * v4 * tl.sqrt(var)
+                  + bdet + csigma * bsd)
+    # any x non-finite (a NaN makes the sum NaN, ±inf shows in max/min): then, as for non-finite W/b, the
+    # call's checks are off
+    r_ok = tl.arange(0, sm.shape[0]) < M
+    nf = r_ok & (~(tl.abs(sm) < float("inf")) | (mx == float("inf")) | (mn == -float("inf")))
+    nf = tl.max(nf.to(tl.int32), axis=0)
+    # c1 and T onto the tile's BLOCK_M rows together (row r takes row r mod ROWS: r itself for r < M)
+    c1, thr = tl.split(_on_tile_rows(tl.join(c1 + b1, thr), acc.shape[0]))
+    d1 = tl.sum(v, axis=1) - c1
+    bad = ~(tl.abs(d1) <= thr) & m_ok
+    cbase = Cnt + _SITE_ROW * scn0
+    if (nf != 0) | (w_finite == 0):
+        if pid_n == 0:
+            tl.atomic_add(cbase + _NONF * scn1, 1)
+    elif tl.max(bad.to(tl.int32), axis=0) > 0:
+        n_bad = tl.sum(bad.to(tl.int32), axis=0)
+        tl.atomic_add(cbase + _DET * scn1, n_bad)
+        if CORRECT:
+            ref, rabs = _recompute(X, W, offs_am, offs_bn, K, sxm, sxk, swn, swk, acc, BLOCK_K, DOT_F32)
+            if HAS_BIAS:
+                ref += bias[None, :]
+            yv, fixed = _repair(v, yv, ref, rabs, d1, c1, thr, bad, n_ok, n_g, K, n_split, reverify_scale, BLOCK_K,
+                                VERIFY_OUTPUT)
+            n_fix = tl.sum(fixed.to(tl.int32), axis=0)
+            if n_fix > 0:
+                tl.atomic_add(cbase + _COR * scn1, n_fix)
+            if n_bad > n_fix:
+                tl.atomic_add(cbase + _REC * scn1, n_bad - n_fix)
+        else:
+            tl.atomic_add(cbase + _UNC * scn1, n_bad)
+    tl.store(Y + offs_m[:, None] * sym + offs_n[None, :] * syn, yv, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
+                        M, N, K, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale,
+                        w_finite, n_split, kb_per,
+                        BLOCK_M: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr,
+                        DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, CORRECT: tl.constexpr, SPLIT: tl.constexpr):
+    """y (M, N) = x (M ≤ BLOCK_M, K) · Wᵀ + b, one program per G-column group (= tile), each verifying
+    its own columns (ROWS = next_pow2(M)).
+
+    W (N, K) through strides ``swn``, ``swk`` (a (K, N) weight has them swapped); ``W1g`` (⌈N/G⌉, K)
+    and ``Gc`` (⌈N/G⌉, 8) from `group_checksums`; ``Cnt`` the (6, 5) int32 counters. With SPLIT,
+    ``n_split`` programs per tile over ``kb_per`` K blocks each (program ``pid`` is split
+    ``pid % n_split`` of tile ``pid // n_split``): each stores its partial tile in ``Part``
+    (n_split, M, N) and its x·w1_g and statistics after them ((n_split, T, M, 4)), counts on the
+    cell ``Sem[9 + tile]`` (0 between calls), and the last to count resets it and runs the epilogue
+    on the partials summed in split order."""
+    pid = tl.program_id(0)
+    pid_n = pid // n_split
+    split = pid % n_split
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_am = offs_m % M  # wrapped rows: in-bounds loads without a mask, never stored
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * G + tl.arange(0, G)
+    n_ok = offs_n < N
+    offs_bn = offs_n % N
+    kb0, kb1 = k_blocks(split, kb_per, K, BLOCK_K, SPLIT)
+    # the epilogue's constants, loaded before the loop so that their latency hides behind it (7.6 → 6.9 µs
+    # per 896² call on an H200)
+    gp = Gc + pid_n * 8
+    gc = (tl.load(gp), tl.load(gp + 1), tl.load(gp + 2), tl.load(gp + 3), tl.load(gp + 4), tl.load(gp + 5),
+          tl.load(gp + 6), tl.load(gp + 7))
+    if HAS_BIAS:
+        bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((G,), tl.float32)
+    a_ptrs = X + offs_am[:, None] * sxm + (kb0 * BLOCK_K + offs_k)[None, :] * sxk
+    b_ptrs = W + (kb0 * BLOCK_K + offs_k)[:, None] * swk + offs_bn[None, :] * swn
+    acc = tl.zeros((BLOCK_M, G), tl.float32)
+    # Beside the dot, on the CUDA cores in fp32: x·w1_g and x's row statistics, over the ROWS =
+    # next_pow2(M) rows only (the dot's BLOCK_M rows repeat them: at M = 1 the work would be done 16
+    # times), in element-wise accumulators reduced once after the loop (a reduction across the tile's
+    # threads in every K block made the whole call 1.1-1.35× slower on an H200). x and w1_g are loaded one K
+    # block ahead, so that their latency overlaps the previous block's work (two blocks ahead was
+    # 0.5-2.6 µs slower per call on an H200).
+    rows = tl.arange(0, ROWS) % M
+    x_ptrs = X + rows[:, None] * sxm + (kb0 * BLOCK_K + offs_k)[None, :] * sxk
+    w_ptrs = W1g + pid_n * K + kb0 * BLOCK_K + offs_k
+    kk = kb0 * BLOCK_K + offs_k
+    xn = tl.load(x_ptrs, mask=(kk < K)[None, :], other=0.0)
+    wn = tl.load(w_ptrs, mask=kk < K, other=0.0)
+    c1e = tl.zeros((ROWS, BLOCK_K), tl.float32)
+    sme = tl.zeros((ROWS, BLOCK_K), tl.float32)
+    mxe = tl.full((ROWS, BLOCK_K), -float("inf"), tl.float32)
+    mne = tl.full((ROWS, BLOCK_K), float("inf"), tl.float32)
+    for kb in range(kb0, kb1):
+        kk = kb * BLOCK_K + offs_k
+        k_ok = kk < K
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = _mma(a, b, acc, DOT_F32)
+        xf = xn.to(tl.float32)
+        w1 = wn
+        x_ptrs += BLOCK_K * sxk
+        w_ptrs += BLOCK_K
+        xn = tl.load(x_ptrs, mask=(kk + BLOCK_K < K)[None, :], other=0.0)  # the next block's (or nothing)
+        wn = tl.load(w_ptrs, mask=kk + BLOCK_K < K, other=0.0)
+        c1e += xf * w1[None, :]
+        sme += xf
+        if EVEN_K:
+            mxe = tl.maximum(mxe, xf)
+            mne = tl.minimum(mne, xf)
+        else:
+            mxe = tl.maximum(mxe, tl.where(k_ok[None, :], xf, -float("inf")))
+            mne = tl.minimum(mne, tl.where(k_ok[None, :], xf, float("inf")))
+        a_ptrs += BLOCK_K * sxk
+        b_ptrs += BLOCK_K * swk
+    # all four in one reduction (one exchange between the warps instead of four)
+    c1, sm, mx, mn = tl.reduce((c1e, sme, mxe, mne), 1, _combine_stats)  # (ROWS,)
+    if SPLIT:
+        T = tl.cdiv(N, G)
+        pmask = m_ok[:, None] & n_ok[None, :]
+        part = Part + offs_m[:, None] * N + offs_n[None, :]
+        r_ok = tl.arange(0, ROWS) < M
+        srow = Part + n_split * M * N + (pid_n * M + tl.arange(0, ROWS)) * 4  # + split · T · M · 4
+        tl.store(part + split * M * N, acc, mask=pmask)
+        tl.store(srow + split * T * M * 4, c1, mask=r_ok)
+        tl.store(srow + split * T * M * 4 + 1, sm, mask=r_ok)
+        tl.store(srow + split * T * M * 4 + 2, mx, mask=r_ok)
+        tl.store(srow + split * T * M * 4 + 3, mn, mask=r_ok)
+        tl.debug_barrier()  # every thread's partials before the count
+        if tl.atomic_add(Sem + 9 + pid_n, 1, sem="acq_rel") == n_split - 1:
+            tl.store(Sem + 9 + pid_n, 0)  # ready for the next call (every split has counted)
+            acc = tl.zeros((BLOCK_M, G), tl.float32)
+            c1 = tl.zeros((ROWS,), tl.float32)
+            sm = tl.zeros((ROWS,), tl.float32)
+            for s in range(0, n_split):  # a fixed order: the same sums whichever split came last
+                so = srow + s * T * M * 4
+                acc += tl.load(part + s * M * N, mask=pmask, other=0.0, cache_modifier=".cg")
+                c1 += tl.load(so, mask=r_ok, other=0.0, cache_modifier=".cg")
+                sm += tl.load(so + 1, mask=r_ok, other=0.0, cache_modifier=".cg")
+                mx = tl.maximum(mx, tl.load(so + 2, mask=r_ok, other=-float("inf"), cache_modifier=".cg"))
+                mn = tl.minimum(mn, tl.load(so + 3, mask=r_ok, other=float("inf"), cache_modifier=".cg"))
+            _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, pid_n, offs_m, offs_am, m_ok, offs_n, offs_bn,
+                      n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma,
+                      reverify_scale, w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT)
+    else:
+        _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, pid_n, offs_m, offs_am, m_ok, offs_n, offs_bn,
+                  n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale,
+                  w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT)
