@@ -479,7 +479,8 @@ def _spy_launches(monkeypatch) -> list:
 ], ids=["ragged-n", "split-k", "ragged-k"])
 def test_decode_kernel_matches_float64_and_plain(dtype, m, n, k, kn, with_bias, splits, monkeypatch):
     """A checked call of M ≤ 16 runs the decode kernel alone (no other launch): clean calls count
-    nothing, match float64, and equal the plain GEMM of the same blocks bit for bit."""
+    nothing (also verifying the rounded outputs, ``mode="output"``), match float64, and equal the
+    plain GEMM of the same blocks bit for bit."""
     monkeypatch.delenv("FTT_ABFT_GEMM_SPLIT", raising=False)
     seen = _spy_launches(monkeypatch)
     x = _rand((m, k), dtype, 91, 2.0)
@@ -491,6 +492,10 @@ def test_decode_kernel_matches_float64_and_plain(dtype, m, n, k, kn, with_bias, 
         assert seen == [(2, splits > 1, splits)], seen
     else:
         assert [s[0] for s in seen] == [2], seen
+    y_out, st_out = _run(x, w, b, kn=kn, mode="output")
+    assert st_out == ZERO and seen[-1][0] == 2
+    if G.interpreting():  # one config (a GPU tunes each mode on its own)
+        assert torch.equal(y_out, y)
     ref = _ref64(x, w, b, kn)
     tol = _gemm_rel_tol(dtype, k) * float(ref.abs().max())
     assert float((y.double().cpu() - ref).abs().max()) <= tol
