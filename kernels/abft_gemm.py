@@ -70,7 +70,7 @@ Design (one or two launches, no host synchronisation):
 
    Batch-1 decode calls (M = 1, at most ``GROUPED_MAX_TILES`` tiles) take neither form: the decode kernel
    (`abft_decode`) checks each 64-column tile against its own column-group checksum in the tile's
-   epilogue, with no cross-program step (0.5-1.0 µs of checks per call instead of 1.6-1.9, H200,
+   epilogue, with no cross-program step (0.5-1.2 µs of checks per call instead of 1.6-1.9, H200,
    session 27).
 
 Block sizes: the ``CONFIGS_*`` lists below are the only place; ``_pick_config`` times the
@@ -998,8 +998,9 @@ def _one_launch(m: int, n: int, k: int, block_m: int, device: torch.device) -> b
 
 def _grouped(m: int, n: int, dtype: torch.dtype, debug: torch.Tensor | None, capacity: int) -> bool:
     """Whether a checked call runs the decode kernel (`abft_decode`: each tile verifies its 64 columns):
-    M ≤ GROUPED_MAX_ROWS, at most GROUPED_MAX_TILES tiles, fp16 or bf16 (fp32's IEEE-dot form did not compile
-    in an earlier form: Triton 3.6's thread-locality pass asserted), no ``debug`` output (it has no
+    M ≤ GROUPED_MAX_ROWS, at most GROUPED_MAX_TILES tiles, fp16 or bf16 (fp32 calls keep the row check: the
+    kernel's fp32 form compiles for sm_90 now, but an earlier form made Triton 3.6 assert, and none was timed),
+    no ``debug`` output (it has no
     per-row D1), at least M recompute slots (it recomputes every failing row of a tile), and a forced
     config (``FTT_ABFT_GEMM_CONFIG``), if any, that fits it. ``FTT_ABFT_GEMM_GROUPS=0``: never (the
     row-checked one-launch form instead)."""
