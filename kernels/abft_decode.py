@@ -45,11 +45,11 @@ import triton
 import triton.language as tl
 
 from ..sites import KIND_INDEX, SITE_INDEX
+from ..vabft import row_stats
 from .tl_common import cdiv
 from .tl_common import dot as _mma
 
-__all__ = ["GROUP_COLS", "GROUP_CONSTS", "group_checksums", "group_thresholds", "grouped_gemm_kernel", "inject_output",
-           "k_blocks", "round_and_inject"]
+__all__ = ["GROUP_COLS", "GROUP_CONSTS", "group_checksums", "grouped_gemm_kernel", "k_blocks", "round_and_inject"]
 
 GROUP_COLS = 64  # output columns per checksum group
 GROUP_CONSTS = 8  # fp32 per group: b1, det, v2, v3, v4, bias_det, bias_sd, n_g (`group_checksums`)
@@ -79,36 +79,36 @@ def group_checksums(weight: torch.Tensor, bias: torch.Tensor | None, weight_is_k
     w_nk = w.t() if weight_is_kn else w
     n, k = w_nk.shape
     g = GROUP_COLS
-    ng = cdiv(n, g)
+    ng, full = cdiv(n, g), n // g
     dev = w.device
+
+    def groups(t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(first group, (groups, rows, ...)) views of t's rows: the full groups, then the ragged last one."""
+        parts = [(0, t[:full * g].unflatten(0, (full, g)))] if full else []
+        return parts + ([(full, t[full * g:].unsqueeze(0))] if n > full * g else [])
+
     n_g = torch.full((ng,), float(g), device=dev)
     n_g[-1] = n - g * (ng - 1)
     w1g = torch.empty((ng, k), dtype=torch.float32, device=dev)
     sums = torch.zeros((ng, 3), dtype=torch.float32, device=dev)  # Σ|μ|, Σσ², Σμ²
-    pad = ng * g - n
-    step = max(1, _CHUNK_ELEMS // (ng * g))
+    step = max(1, _CHUNK_ELEMS // n)
     for k0 in range(0, k, step):
-        blk = w_nk[:, k0:k0 + step].float()  # (N, kc)
-        kc = blk.shape[1]
-        lo = torch.nn.functional.pad(blk, (0, 0, 0, pad), value=float("inf")).view(ng, g, kc)
-        hi = torch.nn.functional.pad(blk, (0, 0, 0, pad), value=-float("inf")).view(ng, g, kc)
-        s = torch.nn.functional.pad(blk, (0, 0, 0, pad)).view(ng, g, kc).sum(1)  # (ng, kc)
-        w1g[:, k0:k0 + kc] = s
-        mu = s / n_g[:, None]
-        var = ((hi.amax(1) - mu) * (mu - lo.amin(1))).clamp_min(0.0)
-        sums[:, 0] += mu.abs().sum(1)
-        sums[:, 1] += var.sum(1)
-        sums[:, 2] += mu.square().sum(1)
+        blk = w_nk[:, k0:k0 + step].float().contiguous()  # (N, kc); one layout: a (K, N) weight sums alike
+        for g0, part in groups(blk):  # (groups, rows, kc)
+            rows = slice(g0, g0 + part.shape[0])
+            w1g[rows, k0:k0 + blk.shape[1]] = part.sum(1)
+            mu, var = row_stats(part, dim=1)  # per group and k: over the group's rows
+            sums[rows, 0] += mu.abs().sum(1)
+            sums[rows, 1] += var.sum(1)
+            sums[rows, 2] += mu.square().sum(1)
     consts = torch.zeros((ng, GROUP_CONSTS), dtype=torch.float32, device=dev)
     if bias is not None:
-        b = torch.nn.functional.pad(bias.detach().float(), (0, pad))
-        bs = b.view(ng, g).sum(1)
-        bmu = bs / n_g
-        bhi = torch.nn.functional.pad(bias.detach().float(), (0, pad), value=-float("inf")).view(ng, g).amax(1)
-        blo = torch.nn.functional.pad(bias.detach().float(), (0, pad), value=float("inf")).view(ng, g).amin(1)
-        consts[:, 0] = bs
-        consts[:, 5] = n_g * bmu.abs()
-        consts[:, 6] = n_g.sqrt() * ((bhi - bmu) * (bmu - blo)).clamp_min(0.0).sqrt()
+        for g0, part in groups(bias.detach().float()):  # (groups, rows)
+            rows = slice(g0, g0 + part.shape[0])
+            bmu, bvar = row_stats(part, dim=1)
+            consts[rows, 0] = part.sum(1)
+            consts[rows, 5] = n_g[rows] * bmu.abs()
+            consts[rows, 6] = n_g[rows].sqrt() * bvar.sqrt()
     consts[:, 1] = n_g * sums[:, 0]
     consts[:, 2] = n_g * sums[:, 1]
     consts[:, 3] = n_g * n_g * sums[:, 2]
@@ -117,26 +117,15 @@ def group_checksums(weight: torch.Tensor, bias: torch.Tensor | None, weight_is_k
     return w1g, consts
 
 
-def group_thresholds(consts: torch.Tensor, mu: torch.Tensor, var: torch.Tensor, emax: float,
-                     csigma: float) -> torch.Tensor:
-    """(M, ⌈N/64⌉) thresholds of rows with x statistics ``mu``, ``var`` (M,): the kernel's formula on
-    the host (tests compare it with `vabft.vabft_threshold` of each group's columns)."""
-    c = consts.double()
-    mu, var = mu.double()[:, None], var.double()[:, None]
-    t = (c[:, 1] * mu.abs() + csigma * torch.sqrt(mu * mu * c[:, 2] + var * c[:, 3])
-         + csigma * c[:, 4] * var.sqrt() + c[:, 5] + csigma * c[:, 6])
-    return emax * t
-
-
 @triton.jit
 def round_and_inject(acc, dtype: tl.constexpr, Inj, pid_m, num_pid_m, offs_m, offs_n, n_ok, INJ: tl.constexpr,
                      VERIFY_OUTPUT: tl.constexpr):
     """A tile's fp32 sum ``acc`` (BLOCK_M, BLOCK_N), bias included, rounded to ``dtype`` with the flips
-    of `inject_output` (INJ); returns it and the fp32 values the checks sum (``v``: the rounded
+    of `_inject_output` (INJ); returns it and the fp32 values the checks sum (``v``: the rounded
     outputs with VERIFY_OUTPUT, else the accumulators, flipped where a flip landed; 0 past N)."""
     yv = acc.to(dtype)
     if INJ:
-        yv, hit = inject_output(yv, Inj, pid_m, num_pid_m, offs_m, offs_n)
+        yv, hit = _inject_output(yv, Inj, pid_m, num_pid_m, offs_m, offs_n)
     if VERIFY_OUTPUT:
         v = yv.to(tl.float32)
     elif INJ:
@@ -159,7 +148,7 @@ def k_blocks(split, kb_per, K, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def inject_output(yv, Inj, pid_m, num_pid_m, offs_m, offs_n):
+def _inject_output(yv, Inj, pid_m, num_pid_m, offs_m, offs_n):
     """Flips of site ``linear.output`` on the rounded tile ``yv`` (BLOCK_M, BLOCK_N): the (row, col,
     bit) triples of row block ``pid_m`` (``Inj``: CSR over the row blocks, then the triples).
     Returns the flipped tile and the (BLOCK_M, BLOCK_N) mask of flipped elements."""
@@ -209,7 +198,7 @@ def _recompute(X, W, offs_am, offs_bn, K, sxm, sxk, swn, swk, acc, BLOCK_K: tl.c
 
 
 @triton.jit
-def _repair(v, yv, ref, rabs, d1, c1, thr, bad, n_ok, n_g, K, n_split, reverify_scale,
+def _repair(v, yv, ref, rabs, c1, thr, bad, n_ok, n_g, K, n_split, reverify_scale,
             BLOCK_K: tl.constexpr, VERIFY_OUTPUT: tl.constexpr):
     """The rare path: the failing rows ``bad`` (BLOCK_M,) of a tile, given its recomputation ``ref``
     and ``rabs = |x|·|W|ᵀ`` (BLOCK_M, BLOCK_N). Returns the tile to store and the rows corrected
@@ -279,7 +268,7 @@ def _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, pid_n, offs_m, o
             ref, rabs = _recompute(X, W, offs_am, offs_bn, K, sxm, sxk, swn, swk, acc, BLOCK_K, DOT_F32)
             if HAS_BIAS:
                 ref += bias[None, :]
-            yv, fixed = _repair(v, yv, ref, rabs, d1, c1, thr, bad, n_ok, n_g, K, n_split, reverify_scale, BLOCK_K,
+            yv, fixed = _repair(v, yv, ref, rabs, c1, thr, bad, n_ok, n_g, K, n_split, reverify_scale, BLOCK_K,
                                 VERIFY_OUTPUT)
             n_fix = tl.sum(fixed.to(tl.int32), axis=0)
             if n_fix > 0:

@@ -571,10 +571,10 @@ def test_decode_kernel_counts_per_group(dtype, split, monkeypatch):
 
 def test_decode_kernel_group_constants_against_float64():
     """`group_checksums` against an independent float64 computation: ``w1_g`` is each group's column
-    sum, ``b1_g`` its bias sum, and the thresholds its constants give (`group_thresholds`, the kernel's
-    formula) equal `vabft.vabft_threshold` of the group's columns alone (plus the bias share of
+    sum, ``b1_g`` its bias sum, and the thresholds its constants give (the kernel's formula, in float64
+    here) equal `vabft.vabft_threshold` of the group's columns alone (plus the bias share of
     `WeightChecksums.thresholds`), including the ragged last group (200 = 3·64 + 8 columns)."""
-    from ft_transformers.kernels.abft_decode import group_checksums, group_thresholds
+    from ft_transformers.kernels.abft_decode import group_checksums
 
     m, k, n = 7, 90, 200
     x = _rand((m, k), torch.float32, 1, 3.0, "N(1,1)").cpu()
@@ -585,7 +585,10 @@ def test_decode_kernel_group_constants_against_float64():
     assert torch.equal(w1g, wkn) and torch.equal(consts, consts_kn)
     assert w1g.shape == (4, k) and consts.shape == (4, 8)
     mu, var = _vabft.row_stats(x)
-    got = group_thresholds(consts, mu, var, emax=1e-6, csigma=2.5)
+    c, mu64, var64 = consts.double(), mu.double()[:, None], var.double()[:, None]
+    # `abft_decode._epilogue`'s T from the constants (b1, det, v2, v3, v4, bias_det, bias_sd, n_g)
+    got = 1e-6 * (c[:, 1] * mu64.abs() + 2.5 * torch.sqrt(mu64 * mu64 * c[:, 2] + var64 * c[:, 3])
+                  + 2.5 * c[:, 4] * var64.sqrt() + c[:, 5] + 2.5 * c[:, 6])
     for g in range(4):
         cols = slice(64 * g, min(64 * g + 64, n))
         torch.testing.assert_close(w1g[g].double(), w[cols].double().sum(0), rtol=1e-6, atol=1e-5)
