@@ -354,8 +354,8 @@ class WeightChecksums:
         n, k: the output and input features.
         launches: the checked GEMM's prepared launches for this weight version, by call
             signature (`ft_transformers.kernels.abft_gemm`; they go with the checksums).
-        groups: the decode kernel's per-64-column checksums and constants, built on its first call
-            (`ft_transformers.kernels.abft_decode.group_checksums`).
+        groups: the decode kernel's per-64-column checksums and constants, built by the weight's first
+            checked fp16/bf16 GEMM call (`ft_transformers.kernels.abft_decode.group_checksums`).
 
     The scalars are host numbers: building the checksums reads them once (one synchronisation
     per weight version), so that each call's threshold costs a handful of (M,)-sized ops.

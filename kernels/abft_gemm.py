@@ -996,16 +996,21 @@ def _one_launch(m: int, n: int, k: int, block_m: int, device: torch.device) -> b
     return _host_bound(m, n, k)
 
 
+def _groupable(n: int, dtype: torch.dtype) -> bool:
+    """Whether a weight of ``n`` output features may take the decode kernel in ``dtype``: at most
+    GROUPED_MAX_TILES tiles, fp16 or bf16 (fp32 calls keep the row check: the kernel's fp32 form compiles for
+    sm_90 now, but an earlier form made Triton 3.6 assert, and none was timed), and not
+    ``FTT_ABFT_GEMM_GROUPS=0`` (the row-checked one-launch form instead)."""
+    return (_cdiv(n, GROUP_COLS) <= GROUPED_MAX_TILES and dtype != torch.float32
+            and os.environ.get("FTT_ABFT_GEMM_GROUPS") != "0")
+
+
 def _grouped(m: int, n: int, dtype: torch.dtype, debug: torch.Tensor | None, capacity: int) -> bool:
     """Whether a checked call runs the decode kernel (`abft_decode`: each tile verifies its 64 columns):
-    M ≤ GROUPED_MAX_ROWS, at most GROUPED_MAX_TILES tiles, fp16 or bf16 (fp32 calls keep the row check: the
-    kernel's fp32 form compiles for sm_90 now, but an earlier form made Triton 3.6 assert, and none was timed),
-    no ``debug`` output (it has no
-    per-row D1), at least M recompute slots (it recomputes every failing row of a tile), and a forced
-    config (``FTT_ABFT_GEMM_CONFIG``), if any, that fits it. ``FTT_ABFT_GEMM_GROUPS=0``: never (the
-    row-checked one-launch form instead)."""
-    if (m > GROUPED_MAX_ROWS or _cdiv(n, GROUP_COLS) > GROUPED_MAX_TILES or dtype == torch.float32 or debug is not None
-            or capacity < m or os.environ.get("FTT_ABFT_GEMM_GROUPS") == "0"):
+    a `_groupable` weight, M ≤ GROUPED_MAX_ROWS, no ``debug`` output (it has no per-row D1), at least M
+    recompute slots (it recomputes every failing row of a tile), and a forced config
+    (``FTT_ABFT_GEMM_CONFIG``), if any, that fits it."""
+    if m > GROUPED_MAX_ROWS or debug is not None or capacity < m or not _groupable(n, dtype):
         return False
     forced = _forced_config()
     return forced is None or (forced[0] >= max(m, 16) and forced[1] == GROUP_COLS)
@@ -1336,6 +1341,12 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         reverify = max(1.0, _emax(y.dtype, dev, "output", k) / float(emax))
     ver = _Verify(wc.b12, counters, debug, bool(wc.finite), int(capacity),
                   _threshold_consts(wc, float(emax), float(csigma)), reverify, correct)
+    if not grouped and _groupable(n, x2d.dtype):
+        # the weight's group checksums, built now if this call does not use them: a decode step compiled
+        # with CUDA graphs (after an eager prefill) must find them made, since a tensor first allocated
+        # in the graphs' warm-up lands in their pool and makes the capture fail ("tensor(s) in the
+        # cudagraph pool not tracked as outputs")
+        _group_sums(wc, weight, bias, weight_is_kn)
     t = _cdiv(n, cfg[1])
     one = grouped or _one_launch(m, n, k, cfg[0], dev)
     if grouped:

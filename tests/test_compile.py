@@ -160,3 +160,29 @@ def test_generation_compile_config_route():
     assert all("end_step" in reason for reason in breaks), list(breaks)
     report = ftt.fault_report(model)
     assert report.steps == NEW_TOKENS and report.events == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gpu_cuda_graph_decode_after_eager_prefill(batch):
+    # transformers' route with CUDA graphs (mode="reduce-overhead"): the prefill runs eagerly, the decode
+    # steps compiled and captured. The first decode-shaped call of each Linear (batch 1: the decode GEMM
+    # kernel) then happens in the graphs' warm-up, whose allocations land in the graph pool: a tensor the
+    # library caches there (e.g. the weight's group checksums) fails the capture. A fresh model, so that no
+    # eager decode step has built anything before.
+    from transformers import CompileConfig
+
+    ids = _prompt(6, batch=batch).cuda()
+    ref = ftt.enable_fault_tolerance(make_model("qwen2", attn="efta", dtype=torch.float16).cuda(), ftt.FTConfig())
+    eager = _generate(ref, ids)
+    model = ftt.enable_fault_tolerance(make_model("qwen2", attn="efta", dtype=torch.float16).cuda(), ftt.FTConfig())
+    torch._dynamo.reset()
+    cc = CompileConfig(backend="inductor", mode="reduce-overhead", fullgraph=False)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             cache_implementation="static", pad_token_id=0, compile_config=cc)
+    assert "_compiled_call" in model.__dict__
+    assert torch.equal(out, eager)
+    report = ftt.fault_report(model)
+    assert report.steps == NEW_TOKENS and report.events == []
