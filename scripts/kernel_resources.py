@@ -41,7 +41,7 @@ from triton.compiler import ASTSource
 
 POINTERS = {"Q": "in", "K": "in", "V": "in", "Out": "in", "KC": "in", "VC": "in", "KS": "*fp16", "Cnt": "*i32",
             "Flag": "*i32", "Inj": "*i32", "Bias": "*fp32", "Mask": "*fp32", "KA": "*fp32", "VA": "*fp32",
-            "SC": "*fp32", "W": "*fp32", "Rep": "*i32"}
+            "SC": "*fp32", "W": "*fp32", "Rep": "*i32", "Arr": "*i32"}
 FLOATS = {"scale", "gu", "exp_tol", "exp_xmin", "snvr_rel", "snvr_cap", "pasa_t1", "s_floor", "gamma",
           "gamma_last"}
 BASE = dict(BLOCK_D=64, CAUSAL=True, HAS_WINDOW=False, HAS_BIAS=False, MASK_KIND=0, DETECT=True, CORRECT=True,
@@ -67,6 +67,8 @@ VARIANTS = [
     ("decode split detect+correct, bool mask", "fp16", dict(BLOCK_M=16, SPLIT=True, MASK_KIND=1), 4, 3),
     ("decode GQA packed, split detect+correct, bool mask", "fp16",
      dict(BLOCK_M=16, SPLIT=True, MASK_KIND=1, PACK=True), 4, 3),
+    ("decode GQA packed, split checks off (merged in the launch), bool mask", "fp16",
+     dict(BLOCK_M=16, SPLIT=True, MASK_KIND=1, PACK=True, DETECT=False, CORRECT=False), 4, 3),
     ("prefill detect+correct BM=64, bool mask", "fp16", dict(BLOCK_M=64, MASK_KIND=1, PHASE=1), 4, 3),
     ("injection, all sites", "fp16", dict(INJ_S=1, INJ_M=1, INJ_P=2, INJ_L=1, INJ_O=1, NO_SKIP=True, BLOCK_M=64,
                                           PHASE=1, FOLD=False), 4, 2),
@@ -76,9 +78,10 @@ VARIANTS = [
 
 # How the runtime specialises the integer arguments of a call on contiguous tensors with sizes that
 # are multiples of 16 (Triton turns an int equal to 1 into a constant and marks one divisible by 16):
-# last-dim strides and the counter block's inner stride are 1; no GQA and no split (GROUP = nsplit = 1)
+# last-dim strides and the counter block's inner stride are 1; no GQA and, unless SPLIT, no split
+# (GROUP = nsplit = 1)
 ONE = ("sqd", "skd", "svd", "sod", "cst1", "GROUP", "nsplit")
-NOT_DIV16 = ("cst0", "window", "call_id", "sbb", "sbh", "sbm", "sbn", "smb", "smh", "smm", "smn")
+NOT_DIV16 = ("cst0", "window", "call_id", "nsplit", "sbb", "sbh", "sbm", "sbn", "smb", "smh", "smm", "smn")
 
 
 def compile_variant(dtype: str, over: dict, num_warps: int, num_stages: int, arch: int):
@@ -87,7 +90,7 @@ def compile_variant(dtype: str, over: dict, num_warps: int, num_stages: int, arc
     not pipelined, which misstates registers and loop bodies)."""
     fn = K._efta_fwd
     consts = {k: v for k, v in {**BASE, **FP[dtype], **over}.items() if k in fn.arg_names}
-    consts.update({name: 1 for name in ONE if name in fn.arg_names})
+    consts.update({name: 1 for name in ONE if name in fn.arg_names and not (name == "nsplit" and consts["SPLIT"])})
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_graphs import captured
 from interpreted import interpreted_tests
 
 if not torch.cuda.is_available():
@@ -981,15 +982,7 @@ def test_gpu_graph_replays_count_nonfinite_per_replay():
                                                detect=True, correct=True, plan=None, counters=cnt, cache_owner=lin)
 
     with torch.no_grad():
-        stream = torch.cuda.Stream()  # warm-up (tuning, the prepared call) on a side stream, as torch advises
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = call()
+        graph, y = captured(call, warmups=3)  # the warm-up tunes and prepares the call
         clean = x.clone()
         seen = []
         for nan in (False, True, False, False, True, False):

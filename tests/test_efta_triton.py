@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from cuda_graphs import captured
 from float64_attention import ref_attention
 from interpreted import interpreted_tests
 from nonfinite_cases import NONFINITE_CASES, nonfinite_case
@@ -323,25 +324,32 @@ def test_split_keys_match_float64(monkeypatch, case, dtype):
     q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, dtype, seed=40 + list(SPLIT_CASES).index(case))
     ref = ref_attention(q, k, v, **kw)
     monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
-    merges = _spy_combine(monkeypatch)
+    merges = _spy_splits(monkeypatch)
     for detect in (True, False):
         out, stats, _ = kernel(q, k, v, detect=detect, correct=detect, **kw)
         assert maxdiff(out, ref) <= TOL[dtype], (case, detect)
         assert all(val == 0 for val in stats.values()), stats.by_site()
-    assert len(merges) == 2  # the keys really were split (one merge launch per call)
+    assert len(merges) == 2  # the keys really were split (one split launch per call)
+    assert _cells_back_to_zero()
 
 
-def _spy_combine(monkeypatch) -> list:
-    """Record the launches of the split-key merge kernel."""
+def _spy_splits(monkeypatch) -> list:
+    """Record the grids of the split-key launches (`_efta_fwd` with SPLIT: their last programs merge)."""
     grids: list = []
-    real = K._COMBINE_LAUNCH
+    real = K._FWD_LAUNCH
 
     def spy(grid, args, kwargs):
-        grids.append(grid)
+        if kwargs["SPLIT"]:
+            grids.append(grid)
         real(grid, args, kwargs)
 
-    monkeypatch.setattr(K, "_COMBINE_LAUNCH", spy)
+    monkeypatch.setattr(K, "_FWD_LAUNCH", spy)
     return grids
+
+
+def _cells_back_to_zero() -> bool:
+    """The split-key arrival cells are 0 between calls (each call's last programs reset them)."""
+    return int(K._arrival_cells(torch.device(DEV)).count_nonzero()) == 0
 
 
 def test_split_rule_for_decode(monkeypatch):
@@ -370,6 +378,9 @@ def test_split_keys_nonfinite_counted_once(monkeypatch):
     out, stats, _ = kernel(q, k, v, causal=True)
     assert stats["nonfinite_input"] == 1 and stats["detected"] == 0
     assert torch.isnan(out[0, 1]).any() and not torch.isnan(out[0, 0]).any()
+    # checks off: the last program of each row block merges (and still propagates the NaN)
+    out, stats, _ = kernel(q, k, v, causal=True, detect=False, correct=False)
+    assert torch.isnan(out[0, 1]).any() and not torch.isnan(out[0, 0]).any() and _cells_back_to_zero()
 
 
 @pytest.mark.parametrize("bit", EXP_BITS)
@@ -465,7 +476,7 @@ def test_folded_path_injection_corrected(monkeypatch, site, inj_data):
 def test_folded_split_keys_match_float64(monkeypatch):
     monkeypatch.setenv("FTT_EFTA_FOLD", "1")
     monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
-    merges = _spy_combine(monkeypatch)
+    merges = _spy_splits(monkeypatch)
     (B, Hq, Hkv, M, N, D), kw = _split_case("padding")
     q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, seed=67)
     out, stats, _ = kernel(q, k, v, **kw)
@@ -523,7 +534,7 @@ def test_packed_gqa_decode_matches_float64(monkeypatch, case, split):
     ref = ref_attention(q, k, v, **kw)
     monkeypatch.setenv("FTT_EFTA_SPLIT", split)
     grids = _spy_fwd(monkeypatch)
-    merges = _spy_combine(monkeypatch)
+    merges = _spy_splits(monkeypatch)
     for detect in (True, False):
         out, stats, _ = kernel(q, k, v, detect=detect, correct=detect, **kw)
         assert maxdiff(out, ref) <= TOL[torch.float32], (case, detect)
@@ -821,3 +832,41 @@ def test_gpu_injection_matches_reference(site):
                 assert stats["detected"] >= 1, (bit, seed)
             _, rstats = reference(q, k, v, causal=True, inject=spec)
             assert counts(stats) == counts(rstats), (bit, seed, stats.by_site(), rstats.by_site())
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_graph_replays_split_decode(monkeypatch):
+    """A split-key decode call (Qwen2-0.5B heads, a static cache's bool mask) captured into a CUDA graph:
+    clean replays match fp32 attention and count nothing; a replay with a NaN in V counts one
+    nonfinite_input, and so does a later one; the arrival cells are 0 after every replay."""
+    monkeypatch.setenv("FTT_EFTA_SPLIT", "4")
+    B, Hq, Hkv, N, D = 2, 14, 2, 544, 64
+    q, k, v = rand_qkv(B, Hq, Hkv, 1, N, D, torch.float16, seed=11, device="cuda")
+    keep = torch.ones(B, 1, 1, N, dtype=torch.bool, device="cuda")
+    keep[..., 520:] = False  # the unfilled end of a static cache
+    cnt = new_counters("cuda")
+
+    def call():
+        return K.efta_triton_forward(q, k, v, scale=None, causal=False, bias=None, attn_mask=keep, window=None,
+                                     detect=True, correct=True, plan=None, counters=cnt)
+
+    graph, out = captured(call, warmups=2)
+    clean = v.clone()
+    seen = []
+    pattern = (False, True, False, True, True, False)
+    for nan in pattern:
+        v.copy_(clean)
+        if nan:
+            v[1, 0, 300, 5] = float("nan")
+        cnt.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        seen.append((FaultStats(cnt)["nonfinite_input"], FaultStats(cnt)["detected"]))
+        assert _cells_back_to_zero()
+        if not nan:
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q.float(), k.float().repeat_interleave(Hq // Hkv, 1), v.float().repeat_interleave(Hq // Hkv, 1),
+                attn_mask=keep)
+            assert maxdiff(out, ref) <= TOL[torch.float16]
+    assert seen == [(int(nan), 0) for nan in pattern], seen
