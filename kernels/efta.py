@@ -1397,13 +1397,13 @@ _ARRIVE: dict[torch.device, torch.Tensor] = {}
 
 def _arrival_cells(device: torch.device) -> torch.Tensor:
     """Per-device int32 cells that outlive calls (fixed addresses for CUDA graphs), 0 between calls:
-    (SPLIT_BLOCKS + 1,), one arrival count per row block of a split-key call, then the count of its
-    finished row blocks (`_efta_fwd`'s SPLIT epilogue resets what it used). Made on the device's first
-    call, an eager one normally: a tensor first made during torch.compile's CUDA-graph warm-up would
-    live in the graphs' pool, which refuses it."""
+    (SPLIT_BLOCKS,), one arrival count per row block of a checks-off split-key call (the row block's
+    last program resets its cell, `_efta_fwd`). Made on the device's first call, an eager one
+    normally: a tensor first made during torch.compile's CUDA-graph warm-up would live in the graphs'
+    pool, which refuses it."""
     c = _ARRIVE.get(device)
     if c is None:
-        c = _ARRIVE[device] = torch.zeros(SPLIT_BLOCKS + 1, dtype=torch.int32, device=device)
+        c = _ARRIVE[device] = torch.zeros(SPLIT_BLOCKS, dtype=torch.int32, device=device)
     return c
 
 

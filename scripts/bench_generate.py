@@ -253,6 +253,13 @@ class Result:
     times: list[float] = field(default_factory=list)
 
 
+def _error_text(e: Exception) -> str:
+    """What failed, for the CSV and the closing summary: the exception type and the first line of its
+    message (at most 200 characters), so that a run whose stderr was cut still says why."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:200]}" if msg else type(e).__name__
+
+
 def compile_kwargs(mode: str, backend: str, device: torch.device) -> dict:
     """``generate`` keywords for a static KV cache with transformers' compiled decode steps."""
     if mode == "off":
@@ -459,7 +466,7 @@ def markdown(results: list[Result], variants: list[str], header: str) -> str:
                 row += ["–"] * (1 if v == BASELINE else 2)
                 continue
             unit = " ms" if r.workload.kind == "prefill" else " ms/tok"
-            row.append(r.error or _fmt(r.ms, ".3f", unit))
+            row.append(r.error.split(":", 1)[0] or _fmt(r.ms, ".3f", unit))  # the type; the CSV has the message
             if v != BASELINE:
                 row.append(_fmt(rat[id(r)][0], ".2f", "×"))
         b = cell.get((*k, BASELINE))
@@ -675,7 +682,7 @@ def _measure_interleaved(copies: dict, name: str, dname: str, wl: Workload, dev:
             r.error = "OOM"
     except Exception as e:  # keep the other measurements; say what failed
         for r in results:
-            r.error = f"{type(e).__name__}"
+            r.error = _error_text(e)
         print(f"\n{name} {dname} {wl.label} (interleaved): {type(e).__name__}: {e}", file=sys.stderr)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -759,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
                     except torch.cuda.OutOfMemoryError:
                         r.error = "OOM"
                     except Exception as e:  # keep the other measurements; say what failed
-                        r.error = f"{type(e).__name__}"
+                        r.error = _error_text(e)
                         print(f"\n{name} {dname} {variant} {wl.label}: {type(e).__name__}: {e}", file=sys.stderr)
                     results.append(r)
                     write_csv(csv_path, results)  # a killed run keeps what it measured

@@ -110,3 +110,27 @@ def test_profile_writes_a_table_per_variant_and_workload(tmp_path):
     assert "Self CPU" in text and "aten::" in text
     with pytest.raises(SystemExit, match="--interleave"):
         bg.resolve(bg.parse_args(["--device", "cpu", "--interleave", "--profile"]))
+
+
+def test_failed_measurement_keeps_its_message(tmp_path, monkeypatch):
+    """A variant whose measurement raises: the CSV says what failed (type and the message's first
+    line), the markdown table the type, and the other variants are still measured."""
+    real = bg.run_workload
+    calls = []
+
+    def flaky(model, wl, *args, **kwargs):
+        calls.append(wl.kind)
+        if len(calls) == 2:  # the second variant (full; sdpa runs first)
+            raise RuntimeError("Detected 3 tensor(s) in the pool\nsecond line")
+        return real(model, wl, *args, **kwargs)
+
+    monkeypatch.setattr(bg, "run_workload", flaky)
+    out = tmp_path / "bg"
+    rc = bg.main(["--device", "cpu", "--quick", "--models", "gpt2", "--prefill", "16", "--decode-batch",
+                  "--repeats", "1", "--variants", "full", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    rows = {r["variant"]: r for r in csv.DictReader((out / "bench_generate.csv").open())}
+    assert rows["sdpa"]["error"] == "" and float(rows["sdpa"]["ms"]) > 0
+    assert rows["full"]["error"] == "RuntimeError: Detected 3 tensor(s) in the pool"
+    table = (out / "bench_generate.md").read_text()
+    assert "| RuntimeError |" in table and "second line" not in table
