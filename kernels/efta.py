@@ -1278,7 +1278,7 @@ def _efta_fwd(
         if DETECT:  # the loop's events (steps 1, 3, 4); steps 6–7 count in the merge
             slots = tl.arange(0, 32)
             tl.atomic_add(Cnt + (slots // 5) * cst0 + (slots % 5) * cst1, cnt, mask=cnt != 0)
-        if not DETECT:  # the row block's last program merges and finishes (`_efta_combine` with the checks on)
+        else:  # checks off: the row block's last program merges and finishes (`_efta_combine` with the checks on)
             nq = tl.num_programs(0) // nsplit
             blk = (b * tl.num_programs(1) + tl.program_id(1)) * nq + start_m  # this row block's cell
             tl.debug_barrier()  # every thread's stores of the record before the count (acq_rel: seen by the last)
@@ -1679,9 +1679,9 @@ def efta_triton_forward(
     qrows, ax1 = (Hq // Hkv, Hkv) if pack else (M, Hq)  # rows per (batch, grid axis 1); that axis
     # split-key decode: few (batch, head) programs against a long cache would leave most of the GPU idle
     block_m = cfg[0] if cfg is not None else 16  # the autotuner's decode configs all have BLOCK_M = 16
-    nsplit = 1 if pasa else _num_splits(B * ax1 * _cdiv(qrows, block_m), M, N, cfg, any(modes[:4]), dev, interp,
-                                           bool(detect))
-    if not detect and B * ax1 * _cdiv(qrows, block_m) > SPLIT_BLOCKS:  # more row blocks than arrival cells
+    row_blocks = B * ax1 * _cdiv(qrows, block_m)
+    nsplit = 1 if pasa else _num_splits(row_blocks, M, N, cfg, any(modes[:4]), dev, interp, bool(detect))
+    if not detect and row_blocks > SPLIT_BLOCKS:  # more row blocks than arrival cells
         nsplit = 1
     # checks off never touch the flag: no captured memset for it (the self-resetting cell stays 0)
     flag, call_id = call_flag(dev, self_reset=not detect)
