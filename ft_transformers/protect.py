@@ -28,6 +28,7 @@ from .checked_linear import _FAST_PATH_ATTR, _autocast_dtype, _checked_linear_fo
 from .config import FTConfig
 from .events import EventRecorder, FTReport, ModuleSlot
 from .injection import FaultPlan, FaultSpec, derive_seed
+from .siblings import install_siblings, sibling_output
 
 _STATE_ATTR = "_ftt_state"
 _NO_FAULTS = FaultPlan(None)  # the plan of every call while no faults are active (never mutated)
@@ -50,6 +51,8 @@ class _ModuleContext:
         self.pasa_beta = cfg.pasa_beta
         self.layout = layout
         self.calls = 0
+        self.siblings = None  # the `siblings._SiblingGroup` this layer belongs to, if any
+        self.sibling_index = 0
 
     def _matches(self, spec: FaultSpec) -> bool:
         if spec.is_attention != self.is_attention:
@@ -122,6 +125,9 @@ def _checked_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return _checked_forward(self, x)
     ctx: _ModuleContext = self._ftt
+    y = sibling_output(ctx, x)
+    if y is not None:  # computed with its siblings' by the parent (`ft_transformers.siblings`)
+        return y
     if torch.compiler.is_compiling():
         if ctx.faults_may_hit() or _autocast_dtype(x.device.type) is not None:
             return _checked_forward_outside_graph(self, x)
@@ -232,30 +238,32 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
             if layout is None:
                 continue
             ctx = _ModuleContext(state, state.recorder.add_slot(name, layer), False, in_scope(layer), layout)
-            _install_forward(module)
+            _install_forward(module, _checked_forward)
             _CACHE_OWNERS[id(module)] = module
             state.patched.append(module)
         module._ftt = ctx
         state.contexts.append(ctx)
+    if config.linear:
+        state.patched += install_siblings(model, adapter, _install_forward)
     state.recorder.prepare({p.device for p in model.parameters()} | {b.device for b in model.buffers()})
     state.hooks.append(model.register_forward_hook(lambda *_: state.recorder.end_step()))
     setattr(model, _STATE_ATTR, state)
     return model
 
 
-def _install_forward(module: torch.nn.Module) -> None:
-    """Route ``module``'s calls through the checked GEMM.
+def _install_forward(module: torch.nn.Module, fn) -> None:
+    """Route ``module``'s calls through ``fn(module, ...)`` (the checked GEMM, a sibling parent's forward).
 
-    A module that accelerate hooked (``device_map``, offloading) keeps its hook: the checked forward
-    replaces the hook's inner ``_old_forward``, so the hook still moves the input to the weight's
-    device first (e.g. a tied ``lm_head`` whose weight sits on another GPU than the last block).
+    A module that accelerate hooked (``device_map``, offloading) keeps its hook: ``fn`` replaces the
+    hook's inner ``_old_forward``, so the hook still moves the input to the weight's device first
+    (e.g. a tied ``lm_head`` whose weight sits on another GPU than the last block).
     """
-    checked = types.MethodType(_checked_forward, module)
+    bound = types.MethodType(fn, module)
     if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__:
         module._ftt_inner_forward = module._old_forward
-        module._old_forward = checked
+        module._old_forward = bound
     else:
-        module.forward = checked
+        module.forward = bound
 
 
 def _uninstall_forward(module: torch.nn.Module) -> None:
@@ -276,7 +284,7 @@ def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
         _uninstall_forward(module)
         _CACHE_OWNERS.pop(id(module), None)
     for module in model.modules():
-        for attr in ("_ftt", "_ftt_vabft_checksums", _FAST_PATH_ATTR):
+        for attr in ("_ftt", "_ftt_vabft_checksums", "_ftt_siblings", _FAST_PATH_ATTR):
             if attr in module.__dict__:
                 delattr(module, attr)
     if state.original_attn and model.config._attn_implementation != state.original_attn:

@@ -231,7 +231,7 @@ def _repair(v, yv, ref, rabs, c1, thr, bad, n_ok, n_g, K, n_split, reverify_scal
 
 
 @triton.jit
-def _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, pid_n, offs_m, offs_am, m_ok, offs_n, offs_bn, n_ok,
+def _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m, offs_am, m_ok, offs_n, offs_bn, n_ok,
               M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale, w_finite,
               BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr,
               DOT_F32: tl.constexpr, CORRECT: tl.constexpr):
@@ -259,7 +259,7 @@ def _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, pid_n, offs_m, o
     bad = ~(tl.abs(d1) <= thr) & m_ok
     cbase = Cnt + _SITE_ROW * scn0
     if (nf != 0) | (w_finite == 0):
-        if pid_n == 0:
+        if tile == 0:  # the weight's first tile counts it
             tl.atomic_add(cbase + _NONF * scn1, 1)
     elif tl.max(bad.to(tl.int32), axis=0) > 0:
         n_bad = tl.sum(bad.to(tl.int32), axis=0)
@@ -282,16 +282,24 @@ def _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, pid_n, offs_m, o
 
 @triton.jit
 def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
+                        W_b, Bias_b, W1g_b, Gc_b, Cnt_b, W_c, Bias_c, W1g_c, Gc_c, Cnt_c, t_b, t_c,
                         M, N, K, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale,
                         w_finite, n_split, kb_per,
                         BLOCK_M: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                         HAS_BIAS: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr,
-                        DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, CORRECT: tl.constexpr, SPLIT: tl.constexpr):
+                        DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, CORRECT: tl.constexpr, SPLIT: tl.constexpr,
+                        SEGS: tl.constexpr):
     """y (M, N) = x (M ≤ BLOCK_M, K) · Wᵀ + b, one program per G-column group (= tile), each verifying
     its own columns (ROWS = next_pow2(M)).
 
     W (N, K) through strides ``swn``, ``swk`` (a (K, N) weight has them swapped); ``W1g`` (⌈N/G⌉, K)
-    and ``Gc`` (⌈N/G⌉, 8) from `group_checksums`; ``Cnt`` the (6, 5) int32 counters. With SPLIT,
+    and ``Gc`` (⌈N/G⌉, 8) from `group_checksums`; ``Cnt`` the (6, 5) int32 counters.
+
+    Sibling weights (SEGS = 2 or 3, `abft_gemm.checked_gemm_siblings`): y = x · [W; W_b; W_c]ᵀ + [b; b_b; b_c]
+    in one launch, the weights left where they are. Tiles ``[0, t_b)`` are W's, ``[t_b, t_c)`` W_b's
+    (``[t_b, T)`` with SEGS = 2), the rest W_c's; every weight but the last has a multiple of G rows, so
+    a tile, its checksum group and its counters (``Cnt_b``, ``Cnt_c``: each weight's own) belong to
+    one weight, and N is the total. With SEGS = 1 the ``_b``/``_c`` arguments are not read. With SPLIT,
     ``n_split`` programs per tile over ``kb_per`` K blocks each (program ``pid`` is split
     ``pid % n_split`` of tile ``pid // n_split``): each stores its partial tile in ``Part``
     (n_split, M, N) and its x·w1_g and statistics after them ((n_split, T, M, 4)), counts on the
@@ -300,21 +308,35 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
     pid = tl.program_id(0)
     pid_n = pid // n_split
     split = pid % n_split
+    # the tile's weight: its first tile t0 and rows n_w (SEGS = 1: W, from tile 0, all N rows)
+    t0 = 0
+    n_w = N
+    if SEGS > 1:
+        n_w = t_b * G
+        if pid_n >= t_b:
+            W, Bias, W1g, Gc, Cnt, t0 = W_b, Bias_b, W1g_b, Gc_b, Cnt_b, t_b
+            n_w = (t_c * G if SEGS > 2 else N) - t_b * G
+        if SEGS > 2:
+            if pid_n >= t_c:
+                W, Bias, W1g, Gc, Cnt, t0 = W_c, Bias_c, W1g_c, Gc_c, Cnt_c, t_c
+                n_w = N - t_c * G
+    lt = pid_n - t0  # the tile within its weight
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_am = offs_m % M  # wrapped rows: in-bounds loads without a mask, never stored
     offs_k = tl.arange(0, BLOCK_K)
-    offs_n = pid_n * G + tl.arange(0, G)
-    n_ok = offs_n < N
-    offs_bn = offs_n % N
+    offs_n = pid_n * G + tl.arange(0, G)  # y's columns
+    offs_wn = lt * G + tl.arange(0, G)  # the weight's rows
+    n_ok = offs_wn < n_w
+    offs_bn = offs_wn % n_w
     kb0, kb1 = k_blocks(split, kb_per, K, BLOCK_K, SPLIT)
     # the epilogue's constants, loaded before the loop so that their latency hides behind it (7.6 → 6.9 µs
     # per 896² call on an H200)
-    gp = Gc + pid_n * 8
+    gp = Gc + lt * 8
     gc = (tl.load(gp), tl.load(gp + 1), tl.load(gp + 2), tl.load(gp + 3), tl.load(gp + 4), tl.load(gp + 5),
           tl.load(gp + 6), tl.load(gp + 7))
     if HAS_BIAS:
-        bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        bias = tl.load(Bias + offs_wn, mask=n_ok, other=0.0).to(tl.float32)
     else:
         bias = tl.zeros((G,), tl.float32)
     a_ptrs = X + offs_am[:, None] * sxm + (kb0 * BLOCK_K + offs_k)[None, :] * sxk
@@ -328,7 +350,7 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
     # 0.5-2.6 µs slower per call on an H200).
     rows = tl.arange(0, ROWS) % M
     x_ptrs = X + rows[:, None] * sxm + (kb0 * BLOCK_K + offs_k)[None, :] * sxk
-    w_ptrs = W1g + pid_n * K + kb0 * BLOCK_K + offs_k
+    w_ptrs = W1g + lt * K + kb0 * BLOCK_K + offs_k
     kk = kb0 * BLOCK_K + offs_k
     xn = tl.load(x_ptrs, mask=(kk < K)[None, :], other=0.0)
     wn = tl.load(w_ptrs, mask=kk < K, other=0.0)
@@ -388,10 +410,10 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
                 sm += tl.load(so + 1, mask=r_ok, other=0.0, cache_modifier=".cg")
                 mx = tl.maximum(mx, tl.load(so + 2, mask=r_ok, other=-float("inf"), cache_modifier=".cg"))
                 mn = tl.minimum(mn, tl.load(so + 3, mask=r_ok, other=float("inf"), cache_modifier=".cg"))
-            _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, pid_n, offs_m, offs_am, m_ok, offs_n, offs_bn,
+            _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
                       n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma,
                       reverify_scale, w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT)
     else:
-        _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, pid_n, offs_m, offs_am, m_ok, offs_n, offs_bn,
+        _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
                   n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale,
                   w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT)

@@ -89,6 +89,7 @@ import contextlib
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,7 @@ __all__ = [
     "CONFIGS_LARGE",
     "CONFIGS_SMALL",
     "checked_gemm",
+    "checked_gemm_siblings",
     "checked_linear_triton_forward",
     "gemm_residuals",
     "interpreting",
@@ -1042,9 +1044,11 @@ def _grouped_buffer(m: int, n: int, k: int, cfg, device: torch.device) -> torch.
 
 
 def _grouped_call(cfg, L: _Launch, *, bias, groups, P, inj, ver: _Verify, emax: float, csigma: float,
-                  verify_output: bool, dot_f32: bool) -> tuple:
+                  verify_output: bool, dot_f32: bool, siblings: tuple = ()) -> tuple:
     """The decode kernel's launch as ``(grid, args, kwargs)``; ``groups`` = (w1g, consts) of
-    `_group_sums`, ``P`` = `_grouped_buffer`."""
+    `_group_sums`, ``P`` = `_grouped_buffer`. ``siblings``: up to two more weights after ``L.w`` in the
+    same launch (`checked_gemm_siblings`), each ``(weight, bias, groups, counters)``; ``L.y`` then holds
+    all their columns, ``L.w``'s first."""
     bm, bn, bk, warps, stages = cfg[:5]
     assert bn == GROUP_COLS, cfg
     m, k = L.x.shape
@@ -1052,16 +1056,25 @@ def _grouped_call(cfg, L: _Launch, *, bias, groups, P, inj, ver: _Verify, emax: 
     w1g, gc = groups
     n_split, kb_per = _grouped_split(n, k, cfg, L.x.device)
     c = ver.counters
+    seg = [(L.w, bias if bias is not None else gc, w1g, gc, c)]
+    starts, t0 = [], _cdiv(L.w.shape[1] if L.kn else L.w.shape[0], bn)
+    for w_s, b_s, (w1g_s, gc_s), c_s in siblings:
+        seg.append((w_s, b_s if b_s is not None else gc_s, w1g_s, gc_s, c_s))
+        starts.append(t0)
+        t0 += _cdiv(w_s.shape[0], bn)
+    segs = len(seg)
+    seg += [seg[0]] * (3 - segs)
+    starts += [0] * (2 - len(starts))
     return (_cdiv(n, bn) * n_split,), (
-        L.x, L.w, L.y, bias if bias is not None else gc, w1g, gc, inj if inj is not None else gc,
-        P if P is not None else gc, _cells(L.x.device)[0], c,
+        L.x, L.w, L.y, seg[0][1], w1g, gc, inj if inj is not None else gc,
+        P if P is not None else gc, _cells(L.x.device)[0], c, *seg[1], *seg[2], *starts,
         m, n, k, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1), c.stride(0), c.stride(1),
         1.0 / k, float(emax), float(csigma), float(ver.reverify), int(ver.w_finite), n_split, kb_per,
     ), dict(
         BLOCK_M=bm, G=bn, BLOCK_K=bk, ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None,
         VERIFY_OUTPUT=verify_output,
         INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0, CORRECT=ver.correct, SPLIT=n_split > 1,
-        num_warps=warps, num_stages=stages,
+        SEGS=segs, num_warps=warps, num_stages=stages,
     )
 
 
@@ -1108,9 +1121,11 @@ def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect,
     )
 
 
-def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, grouped: bool = False):
+def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, grouped: bool = False, siblings: tuple = ()):
     """The block sizes for this call: forced, interpreter, or timed once per shape key (CUDA).
-    ``grouped``: for the decode kernel (`_grouped`)."""
+    ``grouped``: for the decode kernel (`_grouped`); ``siblings``: the weights after ``L.w`` in a
+    `checked_gemm_siblings` launch, as `_grouped_call` takes them (timed per exact M: at 1 × 9728 × 896
+    and 16 × 9728 × 896 different configs were fastest, 11.7 and 9.3 µs, H200)."""
     forced = _forced_config()
     if forced is not None:
         return forced
@@ -1120,7 +1135,8 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, grouped: b
         plain_decode = not detect and _grouped(m, n, L.x.dtype, None, m)
         return CONFIG_INTERPRET_GROUPED if grouped or plain_decode else CONFIG_INTERPRET
     # (the forms a decode call is timed in depend on the one-launch and split-K settings)
-    key = (L.x.dtype, L.kn, L.tma, bias is not None, detect, verify_output, _bucket(m), n, k, grouped,
+    key = (L.x.dtype, L.kn, L.tma, bias is not None, detect, verify_output, m if siblings else _bucket(m), n, k,
+           grouped, tuple(sib[0].shape[0] for sib in siblings),
            os.environ.get("FTT_ABFT_GEMM_SPLIT"), os.environ.get("FTT_ABFT_GEMM_ONE_LAUNCH"))
     cfg = _TUNE_CACHE.get(key)
     if cfg is not None:
@@ -1151,6 +1167,11 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, grouped: b
         groups = (torch.zeros((ng, k), dtype=torch.float32, device=dev),
                   torch.zeros((ng, GROUP_CONSTS), dtype=torch.float32, device=dev))
         groups[1][:, 6] = float("inf")
+        sib_scratch, t0 = [], _cdiv(L.w.shape[0], GROUP_COLS)
+        for w_s, b_s, *_ in siblings:  # each sibling weight's slice of the scratch groups
+            t1 = t0 + _cdiv(w_s.shape[0], GROUP_COLS)
+            sib_scratch.append((w_s, b_s, (groups[0][t0:t1], groups[1][t0:t1]), ver.counters))
+            t0 = t1
 
     def one_launch(c) -> bool:
         return ver is not None and not grouped and _one_launch(m, n, k, c[0], dev)
@@ -1178,7 +1199,8 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, grouped: b
             def run(c=c, P=P):
                 for Lc in copies:
                     _launcher(2)(*_grouped_call(c, Lc, bias=bias, groups=groups, P=P, inj=None, ver=ver, emax=1.0,
-                                                csigma=1.0, verify_output=verify_output, dot_f32=dot_f32))
+                                                csigma=1.0, verify_output=verify_output, dot_f32=dot_f32,
+                                                siblings=tuple(sib_scratch)))
         else:
             P = _call_buffer(m, n, k, c, one, detect, dev, y_scratch)
 
@@ -1378,6 +1400,92 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         wc.launches[prep_key] = prepared = _PreparedCall.record(launches, x2d, y, P, counters, call_id)
         if keep is not None:
             keep.append(prepared)
+    return y
+
+
+SIBLINGS_MAX = 3  # weights per sibling launch (the decode kernel's SEGS)
+SIBLINGS_MAX_ROWS = 16  # rows per sibling launch (the decode kernel's BLOCK_M)
+
+
+def siblings_supported(x2d: torch.Tensor, weights: Sequence[torch.Tensor],
+                       biases: Sequence[torch.Tensor | None]) -> bool:
+    """Whether `checked_gemm_siblings` takes these operands (host metadata only): 2 to SIBLINGS_MAX
+    ``nn.Linear`` weights (N_i, K), contiguous, of x's fp16/bf16 dtype and device, all with a bias or
+    none, every N_i but the last a multiple of GROUP_COLS, M ≤ SIBLINGS_MAX_ROWS, and a decode-kernel
+    config (a forced ``FTT_ABFT_GEMM_CONFIG``, if any) that fits."""
+    m, k = x2d.shape
+    if not 2 <= len(weights) <= SIBLINGS_MAX or not 0 < m <= SIBLINGS_MAX_ROWS or k == 0:
+        return False
+    if x2d.dtype not in (torch.float16, torch.bfloat16) or len({b is None for b in biases}) != 1:
+        return False
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        if w.dim() != 2 or w.shape[1] != k or not w.is_contiguous() or w.dtype != x2d.dtype or w.device != x2d.device:
+            return False
+        if i < len(weights) - 1 and w.shape[0] % GROUP_COLS or w.shape[0] == 0:
+            return False
+        if b is not None and (b.shape != (w.shape[0],) or b.dtype != x2d.dtype or b.device != x2d.device):
+            return False
+    if _cdiv(sum(w.shape[0] for w in weights), GROUP_COLS) > GROUPED_MAX_TILES:
+        return False
+    forced = _forced_config()
+    return forced is None or (forced[0] >= 16 and forced[1] == GROUP_COLS)
+
+
+def checked_gemm_siblings(x2d: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+                          wcs: Sequence[WeightChecksums], counters: Sequence[torch.Tensor], *,
+                          emax: float | None = None, csigma: float = 2.5, correct: bool = True) -> torch.Tensor:
+    """Checked GEMMs of sibling layers that read the same input, in one launch of the decode kernel.
+
+    ``y = x · [W_0; W_1; …]ᵀ + [b_0; b_1; …]``: each weight keeps its own storage, checksum groups
+    (`abft_decode.group_checksums`, cached in its `WeightChecksums`) and counters, so the events of
+    ``y[:, the columns of W_i]`` are W_i's, counted as its own `checked_gemm` call would count them
+    (per row and 64-column group, accumulator-side verification). One launch instead of one per
+    weight: Q, K and V projections, or a gated MLP's gate and up projections.
+
+    Args:
+        x2d: (M, K), fp16/bf16 (`siblings_supported` says which operands are taken).
+        weights: 2 or 3 tensors (N_i, K), contiguous, x's dtype and device.
+        biases: (N_i,) each, or all None.
+        wcs: each weight's `WeightChecksums` (of exactly that weight and bias), all finite.
+        counters: each weight's (6, 5) int32 counter block.
+        emax / csigma / correct: as `checked_gemm`'s (emax None: the calibrated accumulator-side value).
+    Returns:
+        y (M, ΣN_i) in x's dtype; ``y[:, :N_0]`` is layer 0's output, and so on.
+    """
+    if not siblings_supported(x2d, weights, biases):
+        raise AbftGemmUnsupported("checked_gemm_siblings: operands not supported (see siblings_supported)")
+    if not all(wc.finite for wc in wcs):
+        raise AbftGemmUnsupported("checked_gemm_siblings needs finite weights and biases")
+    m, k = x2d.shape
+    dev, dtype = x2d.device, x2d.dtype
+    correct = bool(correct)
+    key = ("siblings", m, *x2d.stride(), x2d.data_ptr() % 16 == 0,
+           tuple((w.data_ptr(), id(wc)) for w, wc in zip(weights, wcs)),
+           tuple(c.data_ptr() for c in counters), counters[0].stride(), emax, csigma, correct, _env_key(),
+           dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    cache = wcs[0].launches
+    prepared = cache.get(key)
+    if prepared is not None:
+        return prepared(x2d, counters[0])
+    n = sum(w.shape[0] for w in weights)
+    y = torch.empty((m, n), dtype=dtype, device=dev)
+    w0 = weights[0]
+    L = _Launch(x2d, w0, biases[0], y, w0.stride(0), w0.stride(1))
+    groups = [_group_sums(wc, w, b, False) for w, b, wc in zip(weights, biases, wcs)]
+    sibs = tuple(zip(weights[1:], biases[1:], groups[1:], counters[1:]))
+    cfg = _pick_config(L, bias=biases[0], detect=True, verify_output=False, dot_f32=_INTERP, grouped=True,
+                       siblings=sibs)
+    if emax is None:
+        emax = _emax(dtype, dev, "accumulator", k)
+    reverify = max(1.0, _emax(dtype, dev, "output", k) / float(emax)) if correct else 1.0
+    ver = _Verify(wcs[0].b12, counters[0], None, True, RECOMPUTE_ROWS, (), reverify, correct)
+    P = _grouped_buffer(m, n, k, cfg, dev)
+    launches = [(2, *_grouped_call(cfg, L, bias=biases[0], groups=groups[0], P=P, inj=None, ver=ver, emax=emax,
+                                   csigma=csigma, verify_output=False, dot_f32=_INTERP, siblings=sibs))]
+    _launcher(2)(*launches[0][1:])
+    if len(cache) >= PREPARED_PER_WEIGHT:
+        cache.clear()
+    cache[key] = _PreparedCall.record(launches, x2d, y, P, counters[0], None)
     return y
 
 

@@ -24,12 +24,15 @@ class FamilyAdapter:
         model_types: ``config.model_type`` values served.
         attention_classes: class names of the modules that call the attention interface.
         quirks: one line on what is special in this family (shown in the README table).
+        siblings: ``(parent class name, input argument, layer attribute names)`` of the Linear layers
+            that read one input (`ft_transformers.siblings`: checked in one launch on the GPU).
     """
 
     family: str
     model_types: tuple[str, ...]
     attention_classes: tuple[str, ...]
     quirks: str = ""
+    siblings: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
 
     def is_attention(self, module: torch.nn.Module) -> bool:
         return type(module).__name__ in self.attention_classes

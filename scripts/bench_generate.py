@@ -18,6 +18,8 @@ Variants, measured side by side on the same model object in one run:
 * ``full``      — attention and every Linear / Conv1D checked (``FTConfig()``)
 * ``full_off``  — (optional) everything wrapped, checks off (``FTConfig(detect=False, correct=False)``):
   the cost of the wrappers alone
+* ``full_per_layer`` — (optional) ``full`` with one checked launch per Linear layer (``FTT_SIBLINGS=0``:
+  Q/K/V and gate/up not in one launch, `ft_transformers.siblings`)
 
 Workloads: prefill of S tokens at batch 1 (``--prefill``, default 1k 4k 16k; one forward building the
 KV cache, ``logits_to_keep=1``), and decode of ``--new-tokens`` tokens (default 128) at batch 1 and 16
@@ -65,6 +67,7 @@ import copy
 import csv
 import gc
 import math
+import os
 import platform
 import re
 import sys
@@ -80,7 +83,7 @@ import ft_transformers as ftt
 
 MODELS = ("gpt2", "qwen2-0.5b", "qwen2-1.5b", "smollm2")
 VARIANTS = ("sdpa", "efta_off", "attn_only", "full")
-ALL_VARIANTS = (*VARIANTS, "full_off")
+ALL_VARIANTS = (*VARIANTS, "full_off", "full_per_layer")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BASELINE = "sdpa"
 
@@ -93,6 +96,7 @@ def variant_config(variant: str) -> ftt.FTConfig | None:
         "attn_only": ftt.FTConfig(linear=False),
         "full": ftt.FTConfig(),
         "full_off": ftt.FTConfig(detect=False, correct=False),
+        "full_per_layer": ftt.FTConfig(),
     }[variant]
 
 
@@ -159,7 +163,15 @@ def set_variant(model, variant: str, compiled: bool = False) -> None:
         model.set_attn_implementation("sdpa")
     cfg = variant_config(variant)
     if cfg is not None:
-        ftt.enable_fault_tolerance(model, cfg)
+        old = os.environ.get("FTT_SIBLINGS")
+        os.environ["FTT_SIBLINGS"] = "0" if variant == "full_per_layer" else (old or "1")
+        try:
+            ftt.enable_fault_tolerance(model, cfg)
+        finally:
+            if old is None:
+                del os.environ["FTT_SIBLINGS"]
+            else:
+                os.environ["FTT_SIBLINGS"] = old
 
 
 # -- timing ------------------------------------------------------------------------------------

@@ -138,11 +138,14 @@ GEMM_VARIANTS = [
     ("decode kernel, M = 16", "fp16", (16, 64, 128, 4, 4), dict(DECODE=True, ROWS=16)),
     ("decode kernel, injection, ragged K", "fp16", (16, 64, 128, 4, 4), dict(DECODE=True, INJ=True, EVEN_K=False)),
     ("decode kernel, output-side check", "bf16", (16, 64, 256, 4, 3), dict(DECODE=True, VERIFY_OUTPUT=True)),
+    ("decode kernel, 3 sibling weights, bias", "fp16", (16, 64, 128, 4, 4), dict(DECODE=True, SEGS=3, HAS_BIAS=True)),
+    ("decode kernel, 2 sibling weights, M = 16, split-K", "bf16", (16, 64, 128, 4, 4),
+     dict(DECODE=True, SEGS=2, ROWS=16, SPLIT=True)),
 ]
 DECODE_BASE = dict(ROWS=1, HAS_BIAS=False, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
-                   CORRECT=True, SPLIT=False)
+                   CORRECT=True, SPLIT=False, SEGS=1)
 _GEMM_INTS_1 = ("sxk", "swk", "syn")  # unit inner strides (contiguous x, W, y)
-_GEMM_NOT_DIV16 = ("call_id", "w_finite", "scn0", "scn1", "capacity", "n_csum", "n_split", "kb_per")
+_GEMM_NOT_DIV16 = ("call_id", "w_finite", "scn0", "scn1", "capacity", "n_csum", "n_split", "kb_per", "t_b", "t_c")
 
 
 def compile_gemm_variant(dtype: str, cfg: tuple, over: dict, arch: int):
@@ -155,8 +158,8 @@ def compile_gemm_variant(dtype: str, cfg: tuple, over: dict, arch: int):
               "BLOCK_M": bm, "BLOCK_K": bk, ("G" if decode else "BLOCK_N"): bn}
     consts.update({name: 1 for name in _GEMM_INTS_1})
     blocks = {"Xd": (bm, bk), "Wd": (bn, bk), "Yd": (bm, bn)}
-    data = {"X", "W", "Y", "Bias"}
-    ints = {"Inj", "Flag", "Ws", "Sem", "Cnt"}
+    data = {"X", "W", "Y", "Bias", "W_b", "W_c", "Bias_b", "Bias_c"}
+    ints = {"Inj", "Flag", "Ws", "Sem", "Cnt", "Cnt_b", "Cnt_c"}
     floats = {"inv_n", "fn", "inv_k", "th_det", "th_v2", "th_v3", "th_var23", "th_var4", "th_bias", "reverify_scale",
               "emax", "csigma"}
     sig, attrs = {}, {}
@@ -166,7 +169,8 @@ def compile_gemm_variant(dtype: str, cfg: tuple, over: dict, arch: int):
         elif name in blocks:
             bm_, bn_ = blocks[name]
             sig[name] = f"tensordesc<{dtype}[{bm_},{bn_}]>" if consts.get("TMA") else f"*{dtype}"
-        elif name in data or name in ints or name in ("W12", "P", "B12", "Dbg", "Acc", "W1g", "Gc", "Part"):
+        elif name in data or name in ints or name in ("W12", "P", "B12", "Dbg", "Acc", "W1g", "Gc", "Part", "W1g_b",
+                                                        "W1g_c", "Gc_b", "Gc_c"):
             sig[name] = f"*{dtype}" if name in data else "*i32" if name in ints else "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in floats:
