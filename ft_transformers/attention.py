@@ -23,6 +23,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ._states import STATES, faults_may_hit, static_of, step_block
 from .counters import new_counters
 from .efta import _efta_forward
 from .events import EventRecorder
@@ -74,14 +75,16 @@ def efta_attention_forward(
         )
     elif not torch.compiler.is_compiling():
         out = _protected(ctx, query, key, value, attention_mask, position_bias, scaling, causal)
-    elif ctx.faults_may_hit():
-        out = _protected_outside_graph(ctx, query, key, value, attention_mask, position_bias, scaling, causal)
     else:
-        # Already (B, M, Hq, D), contiguous.
-        return torch.ops.ftt.efta_module(
-            query, key, value, attention_mask, position_bias, ctx.step_block(query.device), ctx.slot.index,
-            scaling, causal, ctx.detect, ctx.correct, ctx.pasa, ctx.pasa_beta,
-            ctx.state.config.on_uncorrectable == "raise", ctx.slot.name), None
+        st = static_of(ctx.key)  # (one guard, `_states`)
+        if faults_may_hit(st):
+            out = _protected_outside_graph(ctx, query, key, value, attention_mask, position_bias, scaling, causal)
+        else:
+            # Already (B, M, Hq, D), contiguous.
+            return torch.ops.ftt.efta_module(
+                query, key, value, attention_mask, position_bias, step_block(st, query.device), st.index,
+                scaling, causal, st.detect, st.correct, st.pasa, st.pasa_beta,
+                STATES[st.state_key].config.on_uncorrectable == "raise", st.name), None
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -2,8 +2,10 @@
 
 Protection is applied in place: attention modules are switched to the ``"efta"`` attention
 implementation and tagged with a `_ModuleContext`; every ``nn.Linear`` (and GPT-2 ``Conv1D``)
-gets an instance-level ``forward`` that runs the checked GEMM. The class, the parameters and
-the state dict stay untouched, so disabling restores the model exactly.
+runs the checked GEMM as its forward: its class becomes a subclass whose forward it is
+(`_CheckedLinear`, `_CheckedConv1D`; under an accelerate hook, the hook's inner forward is replaced
+instead). Parameters and state dict stay untouched, and disabling restores the classes, so the
+model is exactly what it was.
 
 ``torch.compile``: while Dynamo traces a protected model, each protected call goes through one
 opaque custom op (``ftt::checked_linear_module`` here, ``ftt::efta_module`` in
@@ -11,7 +13,9 @@ opaque custom op (``ftt::checked_linear_module`` here, ``ftt::efta_module`` in
 reference paths cause no graph breaks and the graph has one node per protected call. While
 faults are being injected (`inject_faults`), the calls of the targeted modules run eagerly outside
 the graph instead (the plan is host state that changes every call); Dynamo guards on the list of
-active faults, so opening and closing an injection context recompiles once each way.
+active faults, so opening and closing an injection context recompiles once each way. What the
+traced code reads of the protection is laid out so that the compiled model's guards stay few
+(`ft_transformers._states`).
 """
 
 from __future__ import annotations
@@ -22,13 +26,17 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+from transformers.pytorch_utils import Conv1D
 
+from ._states import KEYS as _KEYS
+from ._states import STATES as _STATES
+from ._states import STATIC, Static, faults_may_hit, forget, spec_matches, static_of, step_block
 from .attention import ATTN_IMPLEMENTATION
 from .checked_linear import _FAST_PATH_ATTR, _autocast_dtype, _checked_linear_forward
 from .config import FTConfig
 from .events import EventRecorder, FTReport, ModuleSlot
 from .injection import FaultPlan, FaultSpec, derive_seed
-from .siblings import install_siblings, sibling_output
+from .siblings import drop_sibling_group, install_siblings, sibling_output
 
 _STATE_ATTR = "_ftt_state"
 _NO_FAULTS = FaultPlan(None)  # the plan of every call while no faults are active (never mutated)
@@ -42,7 +50,8 @@ class _ModuleContext:
     def __init__(self, state: _ProtectionState, slot: ModuleSlot, is_attention: bool, protected: bool,
                  layout: str | None = None) -> None:
         cfg = state.config
-        self.state = state
+        self.key = next(_KEYS)
+        self.state_key = state.key
         self.slot = slot
         self.is_attention = is_attention
         self.detect = cfg.detect and protected
@@ -51,26 +60,26 @@ class _ModuleContext:
         self.pasa_beta = cfg.pasa_beta
         self.layout = layout
         self.calls = 0
-        self.siblings = None  # the `siblings._SiblingGroup` this layer belongs to, if any
+        self.sibling_key = None  # the key of the `siblings._SiblingGroup` this layer belongs to, if any
         self.sibling_index = 0
+        self.publish()
+
+    def publish(self) -> None:
+        """Make this context's settings what compiled code reads (`_states.static_of`)."""
+        STATIC[self.key] = Static(self.state_key, self.slot.index, self.slot.name, self.slot.layer, self.is_attention,
+                                  self.detect, self.correct, self.layout == "kn", self.pasa, self.pasa_beta,
+                                  self.sibling_key, self.sibling_index)
+
+    @property
+    def state(self) -> _ProtectionState:
+        return _STATES[self.state_key]
 
     def _matches(self, spec: FaultSpec) -> bool:
-        if spec.is_attention != self.is_attention:
-            return False
-        if spec.layers is None:
-            return True
-        name = self.slot.name
-        for sel in spec.layers:
-            if isinstance(sel, str):
-                if name == sel or name.startswith(sel + "."):
-                    return True
-            elif int(sel) == self.slot.layer:
-                return True
-        return False
+        return spec_matches(static_of(self.key), spec)
 
     def faults_may_hit(self) -> bool:
         """Whether an active `FaultSpec` targets this module (only those calls need a plan)."""
-        return any(self._matches(s) for s in self.state.active_faults)
+        return faults_may_hit(static_of(self.key))
 
     def plan_for_call(self) -> FaultPlan:
         """The faults of this forward call (advances the module's call count while faults are active).
@@ -105,6 +114,7 @@ class _ModuleContext:
 
 class _ProtectionState:
     def __init__(self, config: FTConfig, original_attn: str | None) -> None:
+        self.key = next(_KEYS)
         self.config = config
         self.original_attn = original_attn
         self.recorder = EventRecorder(policy=config.on_uncorrectable, record=config.record_events)
@@ -114,9 +124,14 @@ class _ProtectionState:
         self.patched: list[torch.nn.Module] = []
         self.hooks: list[torch.utils.hooks.RemovableHandle] = []
 
+    def keys(self) -> list[int]:
+        """Its entries in `_states`: the state's, the contexts', the sibling groups'."""
+        groups = {c.sibling_key for c in self.contexts if c.sibling_key is not None}
+        return [self.key, *(c.key for c in self.contexts), *groups]
+
 
 def _checked_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Instance ``forward`` of a protected Linear / Conv1D: x (..., K) -> y (..., N)."""
+    """``forward`` of a protected Linear / Conv1D: x (..., K) -> y (..., N)."""
     if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
         # Protection is inference-only; compute the same values without autograd.
         warnings.warn("ft_transformers protection is inference-only: gradients do not flow through "
@@ -124,18 +139,17 @@ def _checked_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
                       UserWarning, stacklevel=2)
         with torch.no_grad():
             return _checked_forward(self, x)
-    ctx: _ModuleContext = self._ftt
-    y = sibling_output(ctx, x)
+    st = static_of(self._ftt.key)
+    y = sibling_output(st, x)
     if y is not None:  # computed with its siblings' by the parent (`ft_transformers.siblings`)
         return y
     if torch.compiler.is_compiling():
-        if ctx.faults_may_hit() or _autocast_dtype(x.device.type) is not None:
+        if faults_may_hit(st) or _autocast_dtype(x.device.type) is not None:
             return _checked_forward_outside_graph(self, x)
-        cfg = ctx.state.config
+        cfg = _STATES[st.state_key].config
         return torch.ops.ftt.checked_linear_module(
-            x, self.weight, self.bias, ctx.step_block(x.device), ctx.slot.index, id(self),
-            ctx.layout == "kn", cfg.emax, float(cfg.csigma), ctx.detect, ctx.correct,
-            cfg.on_uncorrectable == "raise", ctx.slot.name)
+            x, self.weight, self.bias, step_block(st, x.device), st.index, id(self), st.kn, cfg.emax,
+            float(cfg.csigma), st.detect, st.correct, cfg.on_uncorrectable == "raise", st.name)
     return _checked_forward_eager(self, x)
 
 
@@ -155,6 +169,25 @@ def _checked_forward_eager(module: torch.nn.Module, x: torch.Tensor) -> torch.Te
 
 # Under torch.compile with faults active (or autocast): run the call eagerly, outside the graph.
 _checked_forward_outside_graph = torch.compiler.disable(_checked_forward_eager)
+
+
+class _CheckedLinear(torch.nn.Linear):
+    """An ``nn.Linear`` while protected: its class is swapped to this one (the forward a class
+    attribute, so a traced call takes ``self`` without the identity guard that a bound method stored on
+    the instance costs) and back by `disable_fault_tolerance`; parameters and state dict untouched."""
+
+    _ftt_base = torch.nn.Linear
+    forward = _checked_forward
+
+
+class _CheckedConv1D(Conv1D):
+    """GPT-2's ``Conv1D`` while protected (see `_CheckedLinear`)."""
+
+    _ftt_base = Conv1D
+    forward = _checked_forward
+
+
+_CHECKED_CLASSES = {torch.nn.Linear: _CheckedLinear, Conv1D: _CheckedConv1D}
 
 
 @torch.library.custom_op("ftt::checked_linear_module", mutates_args=("step_counters",))
@@ -221,6 +254,7 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
         original_attn = getattr(model.config, "_attn_implementation", None)
 
     state = _ProtectionState(config, original_attn)
+    _STATES[state.key] = state
     layers = None if config.layers is None else set(config.layers)
 
     def in_scope(layer: int) -> bool:
@@ -238,21 +272,27 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
             if layout is None:
                 continue
             ctx = _ModuleContext(state, state.recorder.add_slot(name, layer), False, in_scope(layer), layout)
-            _install_forward(module, _checked_forward)
+            _install_forward(module, _checked_forward, _CHECKED_CLASSES.get(type(module)))
             _CACHE_OWNERS[id(module)] = module
             state.patched.append(module)
         module._ftt = ctx
         state.contexts.append(ctx)
     if config.linear:
         state.patched += install_siblings(model, adapter, _install_forward)
+    # (a model dropped while protected takes its entries along)
+    weakref.finalize(model, forget, state.keys())
     state.recorder.prepare({p.device for p in model.parameters()} | {b.device for b in model.buffers()})
     state.hooks.append(model.register_forward_hook(lambda *_: state.recorder.end_step()))
     setattr(model, _STATE_ATTR, state)
     return model
 
 
-def _install_forward(module: torch.nn.Module, fn) -> None:
+def _install_forward(module: torch.nn.Module, fn, swap: type | None = None) -> None:
     """Route ``module``'s calls through ``fn(module, ...)`` (the checked GEMM, a sibling parent's forward).
+
+    ``swap``: a subclass of the module's class whose ``forward`` is ``fn`` (with ``_ftt_base`` naming the
+    class): the module's class becomes it, unless the instance has a ``forward`` of its own. Otherwise
+    ``fn`` is bound into the instance's ``forward``.
 
     A module that accelerate hooked (``device_map``, offloading) keeps its hook: ``fn`` replaces the
     hook's inner ``_old_forward``, so the hook still moves the input to the weight's device first
@@ -262,6 +302,8 @@ def _install_forward(module: torch.nn.Module, fn) -> None:
     if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__:
         module._ftt_inner_forward = module._old_forward
         module._old_forward = bound
+    elif swap is not None and "forward" not in module.__dict__:
+        module.__class__ = swap
     else:
         module.forward = bound
 
@@ -271,6 +313,9 @@ def _uninstall_forward(module: torch.nn.Module) -> None:
         module._old_forward = module.__dict__.pop("_ftt_inner_forward")
     elif "forward" in module.__dict__:
         del module.forward
+    base = type(module).__dict__.get("_ftt_base")
+    if base is not None:
+        module.__class__ = base
 
 
 def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
@@ -284,12 +329,14 @@ def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
         _uninstall_forward(module)
         _CACHE_OWNERS.pop(id(module), None)
     for module in model.modules():
-        for attr in ("_ftt", "_ftt_vabft_checksums", "_ftt_siblings", _FAST_PATH_ATTR):
+        drop_sibling_group(module)
+        for attr in ("_ftt", "_ftt_vabft_checksums", _FAST_PATH_ATTR):
             if attr in module.__dict__:
                 delattr(module, attr)
     if state.original_attn and model.config._attn_implementation != state.original_attn:
         model.set_attn_implementation(state.original_attn)
     delattr(model, _STATE_ATTR)
+    forget(state.keys())
     return model
 
 

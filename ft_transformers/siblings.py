@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import functools
 import os
-import types
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
+from ._states import GROUPS, KEYS, STATES, STATIC, static_of, step_block
 from .checked_linear import _TRITON_FAILED, _autocast_dtype, _checked_linear_forward
 from .events import EventRecorder
 from .vabft import weight_checksums
@@ -49,64 +50,70 @@ def _kernels():
     return abft_gemm
 
 
+class _SiblingStatic(NamedTuple):
+    """A sibling group's settings, read by traced code as one constant (`_states.static_of`)."""
+
+    names: tuple[str, ...]  # the layers' attribute names on the parent, in output order
+    arg: str  # the parent forward's name for the shared input ("hidden_states", "x")
+    k: int  # in_features
+    sizes: tuple[int, ...]  # out_features of each layer
+    state_key: int  # the model's `_states.STATES` key
+    max_rows: int  # the kernel's row limit (`abft_gemm.SIBLINGS_MAX_ROWS`)
+    on_cpu: bool  # run on CPU too (tests, under the interpreter)
+
+
 class _SiblingGroup:
-    """The protected Linear layers of one parent module that read the same input.
+    """The protected Linear layers of one parent module that read the same input: the mutable part.
+
+    Its settings are a `_SiblingStatic` under the same key. Traced code reaches the layers through the
+    parent (``getattr(parent, name)``, the path the parent's own forward takes) and the group through
+    `_states.GROUPS`: an object reached along two paths costs an identity guard on every call of the
+    compiled model (`_states`).
 
     Attributes:
-        members: the layers (``nn.Linear``), in output order.
-        contexts: their protection contexts (`protect._ModuleContext`).
-        arg: the parent forward's name for the shared input (``"hidden_states"``, ``"x"``).
-        inner: the parent's forward before protection (called with the original arguments).
         pending: ``(h, outputs)`` while the parent's forward runs with precomputed outputs, else None.
     """
 
-    def __init__(self, members: Sequence[torch.nn.Module], contexts: Sequence, arg: str, inner) -> None:
-        self.members = list(members)
-        self.contexts = list(contexts)
-        self.state = self.contexts[0].state
-        self.arg = arg
-        self.inner = inner
-        self.k = int(self.members[0].weight.shape[1])
-        self.sizes = [int(m.weight.shape[0]) for m in self.members]
-        self.kernels = _kernels()  # (looked up here: a traced forward should not run the import)
-        self.on_cpu = _ON_CPU and self.kernels.interpreting()
+    def __init__(self) -> None:
         self.pending: tuple[torch.Tensor, Sequence[torch.Tensor]] | None = None
 
-    def eligible(self, x: object) -> bool:
-        """Whether this call of the parent runs its siblings in one launch (host metadata only)."""
-        G = self.kernels
-        if self.state.active_faults or not isinstance(x, torch.Tensor):
-            return False
-        dev = x.device
-        if not (dev.type == "cuda" or self.on_cpu):
-            return False
-        if x.dtype not in _DTYPES16 or x.dtype in _TRITON_FAILED or x.dim() < 1 or x.shape[-1] != self.k:
-            return False
-        rows = x.numel() // self.k
-        if not 0 < rows <= G.SIBLINGS_MAX_ROWS or _autocast_dtype(dev.type) is not None:
-            return False
-        ws = [m.weight for m in self.members]
-        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)):
-            return False
-        return all(w.dtype == x.dtype and w.device == dev for w in ws)
 
-    def outputs(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The members' outputs for input x (..., K): views (..., N_i) of one (..., ΣN_i) tensor."""
-        cfg = self.state.config
-        weights = [m.weight for m in self.members]
-        biases = [m.bias for m in self.members if m.bias is not None]
-        if torch.compiler.is_compiling():
-            y = torch.ops.ftt.checked_linear_siblings(
-                x, weights, biases, self.contexts[0].step_block(x.device), [c.slot.index for c in self.contexts],
-                [id(m) for m in self.members], cfg.emax, float(cfg.csigma), self.contexts[0].correct,
-                cfg.on_uncorrectable == "raise", ",".join(c.slot.name for c in self.contexts))
-        else:
-            counters = [c.counters(x.device) for c in self.contexts]
-            y = _siblings_forward(x, weights, biases, counters, self.members, cfg.emax, float(cfg.csigma),
-                                  self.contexts[0].correct)
-            for c, cnt in zip(self.contexts, counters):
-                c.after_call(cnt)
-        return list(y.split(self.sizes, dim=-1))
+def _eligible(gs: _SiblingStatic, x: object, members: Sequence[torch.nn.Module]) -> bool:
+    """Whether this call of the parent runs its siblings in one launch (host metadata only)."""
+    if STATES[gs.state_key].active_faults or not isinstance(x, torch.Tensor):
+        return False
+    dev = x.device
+    if not (dev.type == "cuda" or gs.on_cpu):
+        return False
+    if x.dtype not in _DTYPES16 or x.dtype in _TRITON_FAILED or x.dim() < 1 or x.shape[-1] != gs.k:
+        return False
+    rows = x.numel() // gs.k
+    if not 0 < rows <= gs.max_rows or _autocast_dtype(dev.type) is not None:
+        return False
+    ws = [m.weight for m in members]
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)):
+        return False
+    return all(w.dtype == x.dtype and w.device == dev for w in ws)
+
+
+def _outputs(gs: _SiblingStatic, x: torch.Tensor, members: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+    """The members' outputs for input x (..., K): views (..., N_i) of one (..., ΣN_i) tensor."""
+    cfg = STATES[gs.state_key].config
+    sts = [static_of(m._ftt.key) for m in members]
+    weights = [m.weight for m in members]
+    biases = [m.bias for m in members if m.bias is not None]
+    correct = sts[0].correct
+    if torch.compiler.is_compiling():
+        y = torch.ops.ftt.checked_linear_siblings(
+            x, weights, biases, step_block(sts[0], x.device), [st.index for st in sts], [id(m) for m in members],
+            cfg.emax, float(cfg.csigma), correct, cfg.on_uncorrectable == "raise", ",".join(st.name for st in sts))
+    else:
+        ctxs = [m._ftt for m in members]
+        counters = [c.counters(x.device) for c in ctxs]
+        y = _siblings_forward(x, weights, biases, counters, members, cfg.emax, float(cfg.csigma), correct)
+        for c, cnt in zip(ctxs, counters):
+            c.after_call(cnt)
+    return list(y.split(gs.sizes, dim=-1))
 
 
 def _siblings_forward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor],
@@ -167,55 +174,92 @@ def _(x, weights, biases, step_counters, slots, owners, emax, csigma, correct, r
     return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
 
 
-def _parent_forward(self: torch.nn.Module, *args, **kwargs):
-    """Instance ``forward`` of a parent of siblings: their outputs first (when eligible), then the
-    original forward, whose sibling calls take them."""
-    grp: _SiblingGroup = self._ftt_siblings
-    x = kwargs[grp.arg] if grp.arg in kwargs else (args[0] if args else None)
-    if not grp.eligible(x):
-        return grp.inner(*args, **kwargs)
-    grp.pending = (x, grp.outputs(x))
+def _parent_forward(self: torch.nn.Module, inner, args: tuple, kwargs: dict):
+    """The forward of a parent of siblings: their outputs first (when eligible), then ``inner(*args,
+    **kwargs)`` (its original forward), whose sibling calls take them."""
+    key = self._ftt_sibling_key
+    gs = static_of(key)
+    x = kwargs[gs.arg] if gs.arg in kwargs else (args[0] if args else None)
+    members = [getattr(self, n) for n in gs.names]
+    if not _eligible(gs, x, members):
+        return inner(*args, **kwargs)
+    grp = GROUPS[key]
+    grp.pending = (x, _outputs(gs, x, members))
     try:
-        return grp.inner(*args, **kwargs)
+        return inner(*args, **kwargs)
     finally:
         grp.pending = None
 
 
-def sibling_output(ctx, x: torch.Tensor) -> torch.Tensor | None:
-    """The parked output of the layer with protection context ``ctx`` for input ``x``, or None."""
-    grp = ctx.siblings
-    if grp is None or grp.pending is None or grp.pending[0] is not x:
+def _hooked_parent_forward(self: torch.nn.Module, *args, **kwargs):
+    """A parent's forward under an accelerate hook (the hook's inner ``_old_forward``)."""
+    return _parent_forward(self, self._ftt_inner_forward, args, kwargs)
+
+
+def sibling_output(st, x: torch.Tensor) -> torch.Tensor | None:
+    """The parked output of the layer with settings ``st`` (`_states.Static`) for input ``x``, or None."""
+    if st.sibling_key is None:
         return None
-    return grp.pending[1][ctx.sibling_index]
+    grp = GROUPS[st.sibling_key]
+    if grp.pending is None or grp.pending[0] is not x:
+        return None
+    return grp.pending[1][st.sibling_index]
+
+
+_PARENT_CLASSES: dict[type, type] = {}
+
+
+def _parent_class(base: type) -> type:
+    """The subclass of a parent's class whose ``forward`` runs `_parent_forward` around the class's own
+    (made once per class and kept in this module's namespace, so that a protected model pickles)."""
+    cls = _PARENT_CLASSES.get(base)
+    if cls is None:
+        def forward(self, *args, **kwargs):
+            return _parent_forward(self, functools.partial(base.forward, self), args, kwargs)
+
+        name = f"_Siblings{base.__name__}"
+        cls = type(name, (base,), {"forward": forward, "_ftt_base": base, "__module__": __name__,
+                                   "__doc__": f"``{base.__name__}`` while protected (`ft_transformers.siblings`)."})
+        globals()[name] = _PARENT_CLASSES[base] = cls
+    return cls
 
 
 def install_siblings(model: torch.nn.Module, adapter, install_forward) -> list[torch.nn.Module]:
     """Give the parents named by ``adapter.siblings`` whose members are all protected ``nn.Linear``
     layers (same settings, same in_features) the sibling forward; returns the parents patched.
-    ``install_forward(module, fn)`` installs an instance forward (`protect._install_forward`)."""
-    if not adapter.siblings or os.environ.get("FTT_SIBLINGS") == "0" or _kernels() is None:
+    ``install_forward(module, fn, swap)`` installs it (`protect._install_forward`)."""
+    G = _kernels()
+    if not adapter.siblings or os.environ.get("FTT_SIBLINGS") == "0" or G is None:
         return []
     by_class = {cls: (arg, names) for cls, arg, names in adapter.siblings}
     patched = []
     for module in model.modules():
         spec = by_class.get(type(module).__name__)
-        if spec is None:
+        if spec is None or "forward" in module.__dict__:
             continue
         arg, names = spec
         members = [getattr(module, n, None) for n in names]
         ctxs = [getattr(m, "_ftt", None) for m in members]
-        if any(type(m) is not torch.nn.Linear or c is None or not c.detect or c.layout != "nk" for m, c in
+        if any(not isinstance(m, torch.nn.Linear) or c is None or not c.detect or c.layout != "nk" for m, c in
                zip(members, ctxs)):
             continue
         if len({m.weight.shape[1] for m in members}) != 1 or len({c.correct for c in ctxs}) != 1:
             continue
-        hooked = hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__
-        inner = module._old_forward if hooked else module.__dict__.get("forward", types.MethodType(
-            type(module).forward, module))
-        grp = _SiblingGroup(members, ctxs, arg, inner)
+        key = next(KEYS)
+        STATIC[key] = _SiblingStatic(tuple(names), arg, int(members[0].weight.shape[1]),
+                                     tuple(int(m.weight.shape[0]) for m in members), ctxs[0].state_key,
+                                     G.SIBLINGS_MAX_ROWS, _ON_CPU and G.interpreting())
+        GROUPS[key] = _SiblingGroup()
         for i, c in enumerate(ctxs):
-            c.siblings, c.sibling_index = grp, i
-        module._ftt_siblings = grp
-        install_forward(module, _parent_forward)
+            c.sibling_key, c.sibling_index = key, i
+            c.publish()
+        module._ftt_sibling_key = key
+        install_forward(module, _hooked_parent_forward, _parent_class(type(module)))
         patched.append(module)
     return patched
+
+
+def drop_sibling_group(module: torch.nn.Module) -> None:
+    """Forget a parent's sibling group key (`protect.disable_fault_tolerance`, which drops the group's
+    entries in `_states` with the model's)."""
+    module.__dict__.pop("_ftt_sibling_key", None)

@@ -188,10 +188,11 @@ def test_model_siblings_generate_like_one_call_per_layer(family, monkeypatch):
     assert torch.equal(out.sequences, out_ref.sequences)
     torch.testing.assert_close(torch.stack(out.scores), torch.stack(out_ref.scores), rtol=0, atol=2e-2)
     assert ftt.fault_report(model).events == []
-    parents = [m for m in model.modules() if "_ftt_siblings" in m.__dict__]
+    parents = [m for m in model.modules() if "_ftt_sibling_key" in m.__dict__]
     assert len(parents) == 2 * layers
     ftt.disable_fault_tolerance(model)
-    assert all("forward" not in m.__dict__ and "_ftt_siblings" not in m.__dict__ for m in model.modules())
+    assert not any(type(m).__name__.startswith(("_Siblings", "_Checked")) for m in model.modules())
+    assert all("forward" not in m.__dict__ and "_ftt_sibling_key" not in m.__dict__ for m in model.modules())
 
 
 def test_model_sibling_events_stay_with_their_layer(monkeypatch):
