@@ -7,7 +7,8 @@ launch of the decode kernel (`kernels.abft_gemm.checked_gemm_siblings`): every w
 storage, checksums and counters, so events stay attributed to ``q_proj``, ``k_proj`` and ``v_proj``.
 
 How it is wired, without rewriting transformers' forwards: the parent module (the attention block,
-the MLP) gets an instance ``forward`` that computes the siblings' outputs first, parks them on its
+the MLP) takes a subclass of its class while protected (`_parent_class`; under an accelerate hook, the
+hook's inner forward instead) whose forward computes the siblings' outputs first, parks them on its
 `_SiblingGroup` (``pending``), and calls the original forward; each sibling's checked forward
 returns its parked slice when it is called with that very input tensor (``x is h``), and runs its
 own checked GEMM otherwise. ``torch.compile`` traces through this (the group is one opaque op,
