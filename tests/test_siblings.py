@@ -211,6 +211,21 @@ def test_model_sibling_events_stay_with_their_layer(monkeypatch):
                     ("model.layers.1.self_attn.k_proj", "recomputed", 6)}, mods
 
 
+def test_model_sibling_uncorrectable_raises_naming_the_layer(monkeypatch):
+    """With ``on_uncorrectable="raise"`` and correction off, a failing check in v_proj's columns of the
+    fused launch raises, naming v_proj."""
+    monkeypatch.setenv("FTT_SIBLINGS", "1")
+    monkeypatch.setattr(S, "_ON_CPU", True)
+    model = ftt.enable_fault_tolerance(make_model("qwen2", attn="efta", dtype=torch.float16).to(DEV),
+                                       ftt.FTConfig(correct=False, on_uncorrectable="raise"))
+    ids = _prompt(seed=6)
+    _generate(model, ids, tokens=1)  # builds the checksums
+    v_proj = model.model.layers[0].self_attn.v_proj
+    v_proj._ftt_vabft_checksums[None][-1].groups[G.GROUP_COLS][1][0, 0] += 100.0
+    with pytest.raises(ftt.UncorrectableFaultError, match=r"model\.layers\.0\.self_attn\.v_proj"):
+        _generate(model, ids, tokens=1)
+
+
 def test_model_siblings_step_aside_for_injection(monkeypatch):
     """While faults are injected each layer runs its own call (the plan is per layer): a flip in
     v_proj's output is found and repaired there, and the sibling path is not taken."""
