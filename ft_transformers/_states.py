@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 STATES: dict[int, Any] = {}  # state key -> `protect._ProtectionState`
-KEYS = itertools.count()  # state keys and context keys alike
+KEYS = itertools.count()  # state, context and sibling-group keys alike
 
 
 class Static(NamedTuple):

@@ -36,7 +36,7 @@ from .checked_linear import _FAST_PATH_ATTR, _autocast_dtype, _checked_linear_fo
 from .config import FTConfig
 from .events import EventRecorder, FTReport, ModuleSlot
 from .injection import FaultPlan, FaultSpec, derive_seed
-from .siblings import drop_sibling_group, install_siblings, sibling_output
+from .siblings import install_siblings, sibling_output
 
 _STATE_ATTR = "_ftt_state"
 _NO_FAULTS = FaultPlan(None)  # the plan of every call while no faults are active (never mutated)
@@ -329,8 +329,7 @@ def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
         _uninstall_forward(module)
         _CACHE_OWNERS.pop(id(module), None)
     for module in model.modules():
-        drop_sibling_group(module)
-        for attr in ("_ftt", "_ftt_vabft_checksums", _FAST_PATH_ATTR):
+        for attr in ("_ftt", "_ftt_vabft_checksums", "_ftt_sibling_key", _FAST_PATH_ATTR):
             if attr in module.__dict__:
                 delattr(module, attr)
     if state.original_attn and model.config._attn_implementation != state.original_attn:

@@ -130,7 +130,7 @@ def _siblings_forward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: 
     wcs = [weight_checksums(w, b, cache_owner=o) for w, b, o in zip(weights, bs, owners)]
     if G.siblings_supported(x2d, weights, bs) and all(wc.finite for wc in wcs) and x.dtype not in _TRITON_FAILED:
         try:
-            y = G.checked_gemm_siblings(x2d, weights, bs, wcs, counters, emax=emax, csigma=csigma, correct=correct)
+            y = G._checked_gemm_siblings(x2d, weights, bs, wcs, counters, emax, csigma, correct)
             return y.view(*x.shape[:-1], y.shape[1])
         except Exception as exc:  # noqa: BLE001 - e.g. a Triton compile failure on an untested GPU
             _TRITON_FAILED.add(x.dtype)
@@ -259,8 +259,3 @@ def install_siblings(model: torch.nn.Module, adapter, install_forward) -> list[t
         patched.append(module)
     return patched
 
-
-def drop_sibling_group(module: torch.nn.Module) -> None:
-    """Forget a parent's sibling group key (`protect.disable_fault_tolerance`, which drops the group's
-    entries in `_states` with the model's)."""
-    module.__dict__.pop("_ftt_sibling_key", None)

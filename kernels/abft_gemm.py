@@ -971,6 +971,15 @@ def _emax(dtype: torch.dtype, device: torch.device, mode: str, k: int) -> float:
     return e
 
 
+def _reverify_scale(dtype: torch.dtype, device: torch.device, k: int, emax: float, correct: bool,
+                    verify_output: bool) -> float:
+    """The threshold factor a repaired row is re-verified with: it is re-verified as stored (rounded), so
+    with the output-side unit error (1 without correction or in output mode)."""
+    if not correct or verify_output:
+        return 1.0
+    return max(1.0, _emax(dtype, device, "output", k) / float(emax))
+
+
 def _one_launch(m: int, n: int, k: int, block_m: int, device: torch.device) -> bool:
     """Whether this call verifies inside the GEMM launch (`_gemm_kernel`'s ONE_LAUNCH) instead of in a
     second launch (`_verify_kernel`). Measured on the H100 (``docs/vabft.md``, session 18):
@@ -1357,10 +1366,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         wc = WeightChecksums.compute(weight, bias, weight_is_kn=weight_is_kn)
     if emax is None:
         emax = _emax(y.dtype, dev, mode, k)
-    # a repaired row is re-verified as stored (rounded): with the output-side unit error
-    reverify = 1.0
-    if correct and not verify_output:
-        reverify = max(1.0, _emax(y.dtype, dev, "output", k) / float(emax))
+    reverify = _reverify_scale(y.dtype, dev, k, emax, correct, verify_output)
     ver = _Verify(wc.b12, counters, debug, bool(wc.finite), int(capacity),
                   _threshold_consts(wc, float(emax), float(csigma)), reverify, correct)
     if not grouped and _groupable(n, x2d.dtype):
@@ -1456,6 +1462,12 @@ def checked_gemm_siblings(x2d: torch.Tensor, weights: Sequence[torch.Tensor], bi
         raise AbftGemmUnsupported("checked_gemm_siblings: operands not supported (see siblings_supported)")
     if not all(wc.finite for wc in wcs):
         raise AbftGemmUnsupported("checked_gemm_siblings needs finite weights and biases")
+    return _checked_gemm_siblings(x2d, weights, biases, wcs, counters, emax, csigma, correct)
+
+
+def _checked_gemm_siblings(x2d, weights, biases, wcs, counters, emax, csigma, correct) -> torch.Tensor:
+    """`checked_gemm_siblings` on operands it takes (the module path checks them once, in
+    `siblings._siblings_forward`)."""
     m, k = x2d.shape
     dev, dtype = x2d.device, x2d.dtype
     correct = bool(correct)
@@ -1477,7 +1489,7 @@ def checked_gemm_siblings(x2d: torch.Tensor, weights: Sequence[torch.Tensor], bi
                        siblings=sibs)
     if emax is None:
         emax = _emax(dtype, dev, "accumulator", k)
-    reverify = max(1.0, _emax(dtype, dev, "output", k) / float(emax)) if correct else 1.0
+    reverify = _reverify_scale(dtype, dev, k, emax, correct, False)
     ver = _Verify(wcs[0].b12, counters[0], None, True, RECOMPUTE_ROWS, (), reverify, correct)
     P = _grouped_buffer(m, n, k, cfg, dev)
     launches = [(2, *_grouped_call(cfg, L, bias=biases[0], groups=groups[0], P=P, inj=None, ver=ver, emax=emax,
