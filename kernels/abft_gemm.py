@@ -88,7 +88,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,7 +106,7 @@ from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
 from ..vabft import WeightChecksums, default_emax, weight_checksums
 from .abft_decode import GROUP_COLS, GROUP_CONSTS, group_checksums, grouped_gemm_kernel, k_blocks, round_and_inject
 from .launch import DirectLauncher
-from .tl_common import call_flag, gpu_time, on_tensor_device, runs_interpreted, sm_count
+from .tl_common import call_flag, env_get, env_reader, gpu_time, on_tensor_device, runs_interpreted, sm_count
 from .tl_common import cdiv as _cdiv
 from .tl_common import dot as _mma
 
@@ -144,6 +143,11 @@ class AbftGemmUnsupported(ValueError):
 
 CONFIGS_LARGE = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]
 CONFIGS_MID = [(64, 128, 64, 4, 4), (64, 256, 64, 8, 3)]  # 16 < M ≤ 64
+# also timed for M > 64 when N ≤ NARROW_N: Qwen2-0.5B's k_proj/v_proj (N = 128) at M = 4096 have 32 row blocks of
+# 128, one tile each, on a 132-SM GPU; (64, 64, ...) gives 128 programs: 17.6 µs against 33.2 for the tuner's
+# pick among CONFIGS_LARGE (cuBLAS 4.3 µs; one launch, CUDA graphs, H200, session 30)
+CONFIGS_NARROW = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
+NARROW_N = 256
 # M ≤ 16 (decode); the narrow tiles give more programs where N is small (896: 14 programs at BLOCK_N = 64)
 CONFIGS_SMALL = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3),
                  (16, 32, 256, 4, 3), (16, 16, 512, 4, 3)]
@@ -747,7 +751,7 @@ def _tma_ok(m: int, n: int, k: int, *ts: torch.Tensor) -> bool:
     ``FTT_ABFT_GEMM_TMA``: ``0`` never, ``1`` whenever the layout allows, unset or ``auto`` as above
     (the interpreter: whenever the layout allows, so that the tests cover the descriptor path).
     """
-    mode = os.environ.get("FTT_ABFT_GEMM_TMA", "auto")
+    mode = env_get("FTT_ABFT_GEMM_TMA", "auto")
     if mode == "0":
         return False
     dev = ts[0].device
@@ -784,18 +788,18 @@ def _bucket(m: int) -> int:
     return 16 if m <= 16 else 64 if m <= 64 else 1 << min(max(int(m - 1).bit_length(), 7), 13)
 
 
-def _candidates(dtype: torch.dtype, m: int) -> list[tuple[int, int, int, int, int]]:
+def _candidates(dtype: torch.dtype, m: int, n: int) -> list[tuple[int, int, int, int, int]]:
     if dtype == torch.float32:
         return CONFIGS_FP32
     if m <= 16:
         return CONFIGS_SMALL
     if m <= 64:
         return CONFIGS_MID
-    return CONFIGS_LARGE
+    return CONFIGS_LARGE + CONFIGS_NARROW if n <= NARROW_N else CONFIGS_LARGE
 
 
 def _forced_config() -> tuple[int, int, int, int, int] | None:
-    env = os.environ.get("FTT_ABFT_GEMM_CONFIG")
+    env = env_get("FTT_ABFT_GEMM_CONFIG")
     if not env:
         return None
     vals = tuple(int(v) for v in env.split(","))
@@ -941,7 +945,7 @@ def _split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -
     t, nkb = _cdiv(n, block_n), _cdiv(k, block_k)
     if t > SPLIT_MAX_TILES:
         return 1, nkb
-    env = os.environ.get("FTT_ABFT_GEMM_SPLIT")
+    env = env_get("FTT_ABFT_GEMM_SPLIT")
     if env:
         want = int(env)
         if want < 1:
@@ -996,7 +1000,7 @@ def _one_launch(m: int, n: int, k: int, block_m: int, device: torch.device) -> b
     ``FTT_ABFT_GEMM_ONE_LAUNCH``: ``0`` never, ``1`` always, unset or ``auto`` as above. Calls of more
     row blocks than the cells hold take two launches.
     """
-    mode = os.environ.get("FTT_ABFT_GEMM_ONE_LAUNCH", "auto")
+    mode = env_get("FTT_ABFT_GEMM_ONE_LAUNCH", "auto")
     blocks = _cdiv(m, block_m)
     if mode == "0" or blocks > ONE_LAUNCH_ROW_BLOCKS:
         return False
@@ -1013,7 +1017,7 @@ def _groupable(n: int, dtype: torch.dtype) -> bool:
     sm_90 now, but an earlier form made Triton 3.6 assert, and none was timed), and not
     ``FTT_ABFT_GEMM_GROUPS=0`` (the row-checked one-launch form instead)."""
     return (_cdiv(n, GROUP_COLS) <= GROUPED_MAX_TILES and dtype != torch.float32
-            and os.environ.get("FTT_ABFT_GEMM_GROUPS") != "0")
+            and env_get("FTT_ABFT_GEMM_GROUPS") != "0")
 
 
 def _grouped(m: int, n: int, dtype: torch.dtype, debug: torch.Tensor | None, capacity: int) -> bool:
@@ -1146,12 +1150,12 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, grouped: b
     # (the forms a decode call is timed in depend on the one-launch and split-K settings)
     key = (L.x.dtype, L.kn, L.tma, bias is not None, detect, verify_output, m if siblings else _bucket(m), n, k,
            grouped, tuple(sib[0].shape[0] for sib in siblings),
-           os.environ.get("FTT_ABFT_GEMM_SPLIT"), os.environ.get("FTT_ABFT_GEMM_ONE_LAUNCH"))
+           env_get("FTT_ABFT_GEMM_SPLIT"), env_get("FTT_ABFT_GEMM_ONE_LAUNCH"))
     cfg = _TUNE_CACHE.get(key)
     if cfg is not None:
         return cfg
-    cands = CONFIGS_GROUPED if grouped else _candidates(L.x.dtype, m)
-    if len(cands) == 1 or os.environ.get("FTT_ABFT_GEMM_TUNE", "1") == "0":
+    cands = CONFIGS_GROUPED if grouped else _candidates(L.x.dtype, m, n)
+    if len(cands) == 1 or env_get("FTT_ABFT_GEMM_TUNE", "1") == "0":
         _TUNE_CACHE[key] = cands[0]
         return cands[0]
     dev = L.x.device
@@ -1190,7 +1194,7 @@ def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, grouped: b
             return _grouped_split(n, k, c, dev)[0]
         return _split_plan(m, n, k, c, _csum_layout(m, k, c[0], one_launch(c))[0] if detect else 0, detect, dev)[0]
 
-    if not os.environ.get("FTT_ABFT_GEMM_SPLIT"):
+    if not env_get("FTT_ABFT_GEMM_SPLIT"):
         # each config with split-K (where the call's form splits, `_split_plan`) and without
         cands = [v for c in cands for v in ((c, (*c, False)) if splits(c) > 1 else (c,))]
     copies = [Ls]
@@ -1238,7 +1242,7 @@ def _check_device(t: torch.Tensor) -> None:
     if dev.type == "cpu" and _INTERP:
         return
     hint = ""
-    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if dev.type == "cpu" and env_get("TRITON_INTERPRET", "0") not in ("", "0"):
         hint = (" (TRITON_INTERPRET=1 is set, but triton was imported before it was: set it before anything "
                 "imports triton)")
     raise AbftGemmUnsupported("the Triton checked GEMM needs CUDA tensors (or CPU tensors with "
@@ -1501,13 +1505,10 @@ def _checked_gemm_siblings(x2d, weights, biases, wcs, counters, emax, csigma, co
     return y
 
 
-def _env_key() -> tuple:
-    """The environment settings a call's launch plan depends on (`_tma_ok`, `_one_launch`, `_pick_config`,
-    `DirectLauncher`)."""
-    env = os.environ
-    return (env.get("FTT_ABFT_GEMM_TMA"), env.get("FTT_ABFT_GEMM_ONE_LAUNCH"), env.get("FTT_ABFT_GEMM_CONFIG"),
-            env.get("FTT_ABFT_GEMM_TUNE"), env.get("FTT_DIRECT_LAUNCH"), env.get("FTT_ABFT_GEMM_SPLIT"),
-            env.get("FTT_ABFT_GEMM_GROUPS"))
+_env_key = env_reader(("FTT_ABFT_GEMM_TMA", "FTT_ABFT_GEMM_ONE_LAUNCH", "FTT_ABFT_GEMM_CONFIG", "FTT_ABFT_GEMM_TUNE",
+                       "FTT_DIRECT_LAUNCH", "FTT_ABFT_GEMM_SPLIT", "FTT_ABFT_GEMM_GROUPS"))
+"""() -> the environment settings a call's launch plan depends on (`_tma_ok`, `_one_launch`, `_pick_config`,
+`DirectLauncher`), raw."""
 
 
 class _PreparedCall:

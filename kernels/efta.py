@@ -101,7 +101,6 @@ skipping), so faults land exactly where they land in the reference.
 from __future__ import annotations
 
 import functools
-import os
 import struct
 from dataclasses import dataclass
 
@@ -117,7 +116,7 @@ from ..exp_check import EXP_MAX_GROUP, EXP_ULPS, EXP_XMIN, LOG2E, P_MIN
 from ..injection import FaultPlan
 from ..sites import ATTENTION_SITES, COUNTER_SHAPE
 from .launch import DirectLauncher
-from .tl_common import call_flag, gpu_time, on_tensor_device, runs_interpreted, sm_count
+from .tl_common import call_flag, env_get, gpu_time, on_tensor_device, runs_interpreted, sm_count
 from .tl_common import cdiv as _cdiv
 from .tl_common import dot as _dot
 
@@ -155,7 +154,7 @@ class Bounds:
     gemm_slack_interp: float = 1.0
 
     def gemm_slack(self, interpreted: bool) -> float:
-        env = os.environ.get("FTT_EFTA_GEMM_SLACK")
+        env = env_get("FTT_EFTA_GEMM_SLACK")
         if env:
             return float(env)
         return self.gemm_slack_interp if interpreted else self.gemm_slack_cuda
@@ -1408,7 +1407,7 @@ def _arrival_cells(device: torch.device) -> torch.Tensor:
 
 
 def _forced_config():
-    env = os.environ.get("FTT_EFTA_CONFIG")  # "BLOCK_M,BLOCK_N,num_warps,num_stages"
+    env = env_get("FTT_EFTA_CONFIG")  # "BLOCK_M,BLOCK_N,num_warps,num_stages"
     if not env:
         return None
     vals = tuple(int(x) for x in env.split(","))
@@ -1513,7 +1512,7 @@ def _num_splits(programs: int, M: int, N: int, cfg, no_skip: bool, device: torch
     """
     if no_skip:
         return 1
-    env = os.environ.get("FTT_EFTA_SPLIT")
+    env = env_get("FTT_EFTA_SPLIT")
     if env:
         if cfg is None and M > 16:
             return 1
@@ -1531,7 +1530,7 @@ def _fold(interp: bool, scaled_scores: bool) -> bool:
     ``FTT_EFTA_FOLD=0/1`` forces it off/on (A/B timings; CPU tests of the folded path)."""
     if scaled_scores:
         return False
-    env = os.environ.get("FTT_EFTA_FOLD", "")
+    env = env_get("FTT_EFTA_FOLD", "")
     return env == "1" if env in ("0", "1") else not interp
 
 
@@ -1601,7 +1600,7 @@ def efta_triton_forward(
         raise EftaUnsupported(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     dev = q.device
     if dev.type != "cuda" and not (interp and dev.type == "cpu"):
-        why = ("" if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else
+        why = ("" if env_get("TRITON_INTERPRET", "0") in ("", "0") else
                " (TRITON_INTERPRET=1 is set, but triton was imported before it was: set it before anything "
                "imports triton)")
         raise EftaUnsupported("EFTA Triton kernel needs CUDA tensors (or CPU tensors with "
@@ -1690,7 +1689,7 @@ def efta_triton_forward(
     # whose clean pass raised a flag (it holds more state than the clean loop: compiled into the same
     # kernel, it made ptxas spill inside the clean loop; on the H100 that cost ~20% of the call).
     # FTT_EFTA_TWO_LAUNCH=0 keeps both passes in one launch (benchmarks, diagnosis).
-    phased = correct and nsplit == 1 and M > 16 and os.environ.get("FTT_EFTA_TWO_LAUNCH", "1") != "0"
+    phased = correct and nsplit == 1 and M > 16 and env_get("FTT_EFTA_TWO_LAUNCH", "1") != "0"
     rep_buf = counters  # unused placeholder
     if phased:  # one entry per program; 16 is the smallest BLOCK_M of any config
         rep_buf = torch.empty(B * Hq * -(-M // 16), dtype=torch.int32, device=dev)

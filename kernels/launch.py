@@ -28,13 +28,14 @@ Under the interpreter (``TRITON_INTERPRET=1``) every call goes through Triton.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
+
+from .tl_common import env_get
 
 __all__ = ["BoundLaunch", "DirectLauncher"]
 
@@ -153,7 +154,7 @@ class DirectLauncher:
     def _active(self, grid: Sequence[int] | Callable) -> bool:
         """Whether this call may launch directly (not interpreted, not given up, a fixed grid, not
         switched off by ``FTT_DIRECT_LAUNCH=0``)."""
-        return self.enabled and not callable(grid) and os.environ.get("FTT_DIRECT_LAUNCH", "1") != "0"
+        return self.enabled and not callable(grid) and env_get("FTT_DIRECT_LAUNCH", "1") != "0"
 
     def __call__(self, grid: Sequence[int] | Callable, args: tuple, kwargs: dict[str, Any]) -> None:
         keyed = self._key(args, kwargs) if self._active(grid) else None

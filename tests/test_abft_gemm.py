@@ -880,8 +880,18 @@ def test_tuner_times_nothing_while_capturing(monkeypatch):
     for dtype in (torch.float32, torch.float16):
         launch.x, launch.w, launch.y = x.to(dtype), w.to(dtype), launch.y.to(dtype)
         cfg = G._pick_config(launch, bias=None, detect=True, verify_output=False, dot_f32=dtype == torch.float32)
-        assert len(G._candidates(dtype, 200)) > 1 and cfg == G._candidates(dtype, 200)[0]
+        assert len(G._candidates(dtype, 200, 80)) > 1 and cfg == G._candidates(dtype, 200, 80)[0]
     assert G._TUNE_CACHE == before
+
+
+def test_narrow_outputs_also_time_narrow_tiles():
+    """Many rows and few output columns (a k_proj/v_proj prefill): the tuner also times tiles narrow enough
+    to give such a call more programs; wide outputs keep the large-tile list."""
+    narrow = G._candidates(torch.float16, 4096, 128)
+    wide = G._candidates(torch.float16, 4096, 4864)
+    assert wide == G.CONFIGS_LARGE
+    assert set(G.CONFIGS_LARGE) < set(narrow)
+    assert min(c[0] * c[1] for c in narrow) * 4 <= min(c[0] * c[1] for c in wide)
 
 
 def test_split_k_plans_cover_k_without_empty_splits(monkeypatch):
