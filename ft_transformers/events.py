@@ -65,6 +65,9 @@ class EventRecorder:
         self._current: dict[torch.device, torch.Tensor] = {}
         # The persistent (modules, sites, kinds) int32 step buffer of each device.
         self._buffers: dict[torch.device, torch.Tensor] = {}
+        # (slot index, device) -> that slot's view of the device's buffer: made once, not at every call
+        # (an indexing op, a few µs of host time per protected call)
+        self._views: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._history: list[tuple[int, dict[torch.device, torch.Tensor]]] = []
         self._pending_warn: list[tuple[int, torch.Tensor, object]] = []
         self._warned = 0
@@ -100,7 +103,13 @@ class EventRecorder:
 
     def counters(self, slot: ModuleSlot, device: torch.device) -> torch.Tensor:
         """The (sites, kinds) int32 block of ``slot`` for the current step on ``device``."""
-        return self.step_block(device)[slot.index]
+        buf = self.step_block(device)
+        if torch.compiler.is_compiling():
+            return buf[slot.index]
+        view = self._views.get((slot.index, device))
+        if view is None or view._base is not buf:  # (a copied or unpickled recorder: made again)
+            view = self._views[(slot.index, device)] = buf[slot.index]
+        return view
 
     # -- steps ---------------------------------------------------------------------------------
     @torch.compiler.disable

@@ -105,7 +105,7 @@ from ..injection import FaultPlan
 from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
 from ..vabft import WeightChecksums, default_emax, weight_checksums
 from .abft_decode import GROUP_COLS, GROUP_CONSTS, group_checksums, grouped_gemm_kernel, k_blocks, round_and_inject
-from .launch import DirectLauncher
+from .launch import DirectLauncher, record_launches, replay_launches
 from .tl_common import call_flag, env_get, env_reader, gpu_time, on_tensor_device, runs_interpreted, sm_count
 from .tl_common import cdiv as _cdiv
 from .tl_common import dot as _mma
@@ -1528,15 +1528,7 @@ class _PreparedCall:
         for the decode kernel, which takes none."""
         self = cls()
         per_call = tuple(t for t in (x2d, y, P, counters) if t is not None)
-        self.launches = []
-        for which, grid, args, kwargs in launches:
-            where = tuple(tuple(i for i, a in enumerate(args) if a is obj) for obj in per_call)
-            template = [None if any(a is obj for obj in per_call) else a for a in args]
-            id_at = _CALL_ID_AT[which]
-            assert id_at is None or args[id_at] == call_id
-            launcher = _launcher(which)
-            bound = launcher.bind(grid, args, kwargs) if isinstance(launcher, DirectLauncher) else None
-            self.launches.append((which, grid, template, kwargs, where, id_at, bound))
+        self.launches = record_launches(launches, per_call, call_id, _CALL_ID_AT, _launcher)
         self.bound = all(entry[-1] is not None for entry in self.launches)
         self.self_reset = len(launches) == 1  # the one-launch form resets its flag (`call_flag`)
         self.flagged = call_id is not None
@@ -1558,17 +1550,7 @@ class _PreparedCall:
             direct = direct and P.data_ptr() & 15 == 0
         # (the bound kernels were specialised on 16-byte aligned y and P: fresh allocations always are)
         call_id = call_flag(self.device, self.self_reset)[1] if self.flagged else None  # the recorded call's cell
-        for which, grid, template, kwargs, where, id_at, bound in self.launches:
-            args = template.copy()
-            for obj, positions in zip(per_call, where):
-                for i in positions:
-                    args[i] = obj
-            if id_at is not None:
-                args[id_at] = call_id
-            if bound is not None and direct:
-                bound(tuple(args))
-            else:
-                _launcher(which)(grid, tuple(args), kwargs)
+        replay_launches(self.launches, per_call, call_id, _launcher, direct)
         return y
 
 

@@ -115,8 +115,8 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 from ..exp_check import EXP_MAX_GROUP, EXP_ULPS, EXP_XMIN, LOG2E, P_MIN
 from ..injection import FaultPlan
 from ..sites import ATTENTION_SITES, COUNTER_SHAPE
-from .launch import DirectLauncher
-from .tl_common import call_flag, env_get, gpu_time, on_tensor_device, runs_interpreted, sm_count
+from .launch import DirectLauncher, record_launches, replay_launches
+from .tl_common import call_flag, env_get, env_reader, gpu_time, on_tensor_device, runs_interpreted, sm_count
 from .tl_common import cdiv as _cdiv
 from .tl_common import dot as _dot
 
@@ -1340,6 +1340,14 @@ _FWD_LAUNCH = DirectLauncher(_efta_fwd, _INTERP)
 _CHECKSUMS_LAUNCH = DirectLauncher(_efta_checksums, _INTERP)
 _COMBINE_LAUNCH = DirectLauncher(_efta_combine, _INTERP)
 _CNT_AT, _FLAG_AT = (_efta_fwd.arg_names.index(a) for a in ("Cnt", "Flag"))  # in `_efta_fwd`'s arguments
+# where each launch takes the call id (the checksum pre-pass takes none)
+_CALL_ID_AT = (None, _efta_fwd.arg_names.index("call_id"), _efta_combine.arg_names.index("call_id"))
+
+
+def _launcher(which: int) -> DirectLauncher:
+    """0: the checksum pre-pass's launcher, 1: the forward's, 2: the split-key merge's (looked up at each
+    call, so that tests can replace them)."""
+    return (_CHECKSUMS_LAUNCH, _FWD_LAUNCH, _COMBINE_LAUNCH)[which]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1534,6 +1542,62 @@ def _fold(interp: bool, scaled_scores: bool) -> bool:
     return env == "1" if env in ("0", "1") else not interp
 
 
+def _tsig(t: torch.Tensor | None) -> tuple | None:
+    """What a tensor argument's launches depend on: shape, strides, dtype, device, 16-byte alignment."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15 == 0)
+
+
+_replay_env = env_reader(("FTT_EFTA_CONFIG", "FTT_EFTA_SPLIT", "FTT_EFTA_FOLD", "FTT_EFTA_TWO_LAUNCH",
+                          "FTT_EFTA_GEMM_SLACK", "FTT_DIRECT_LAUNCH"))
+REPLAYS_MAX = 256  # call signatures whose launches are kept (`_Replay`); the table starts afresh when full
+_REPLAYS: dict[tuple, _Replay] = {}
+
+
+def _replay_key(q, k, v, scale, causal, bias, attn_mask, window, detect, correct, counters) -> tuple:
+    """A call's signature for `_Replay`: everything the host path decides from (metadata, settings, the
+    environment, whether a CUDA graph is being captured), none of the tensors' values."""
+    dev = q.device
+    return (_tsig(q), _tsig(k), _tsig(v), _tsig(counters), _tsig(bias), _tsig(attn_mask), scale, bool(causal),
+            window, bool(detect), bool(correct), _replay_env(),
+            dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+class _Replay:
+    """The launches of one call, replayed for later calls of the same signature (`_replay_key`) with
+    their own tensors: the host path's validation, config lookup, argument building (~90 arguments per
+    launch) and Triton's specialisation key are skipped (bound launches, `DirectLauncher.bind`). An
+    eager protected layer calls its attention once per step with the same signature; each call took
+    0.15-0.3 ms of host time against SDPA's 0.03 (``docs/benchmarks.md``, session 30). Injected calls
+    and PASA take the full path.
+
+    Per call it allocates the output and the call's scratch (checksum tables, the repair pass's flags,
+    the split-key partials) with the recorded shapes, and takes a call id."""
+
+    __slots__ = ("steps", "out_shape", "shape4", "has_bias", "mask_kind", "scratch", "detect", "cfg")
+
+    def __init__(self, launches, per_call: tuple, out_shape, shape4, has_bias: bool, mask_kind: int,
+                 scratch: list, detect: bool, cfg, call_id: int) -> None:
+        self.out_shape, self.shape4, self.has_bias, self.mask_kind = out_shape, shape4, has_bias, mask_kind
+        self.scratch = [(t.shape, t.dtype) for t in scratch]
+        self.detect, self.cfg = detect, cfg
+        self.steps = record_launches(launches, per_call, call_id, _CALL_ID_AT, _launcher)
+
+    def __call__(self, q, k, v, bias, attn_mask, counters) -> torch.Tensor:
+        dev = q.device
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
+        objs = [q, k, v, out, counters]
+        if self.has_bias:
+            objs.append(_as4d(bias, self.shape4, "bias"))
+        if self.mask_kind:
+            m4 = _as4d(attn_mask, self.shape4, "attn_mask")
+            objs.append(m4.view(torch.uint8) if self.mask_kind == 1 else m4)
+        objs += [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in self.scratch]
+        call_id = call_flag(dev, self_reset=not self.detect)[1]
+        replay_launches(self.steps, tuple(objs), call_id, _launcher)
+        LAST_CONFIG[0] = self.cfg
+        return out
+
+
 def _pow2_bucket(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
@@ -1583,6 +1647,12 @@ def efta_triton_forward(
     Raises:
         EftaUnsupported (a ValueError): head dim, dtype or device the kernel does not handle.
     """
+    key = None
+    if not plan and not pasa:  # a signature seen before: its launches again (`_Replay`)
+        key = _replay_key(q, k, v, scale, causal, bias, attn_mask, window, detect, correct, counters)
+        replay = _REPLAYS.get(key)
+        if replay is not None:
+            return replay(q, k, v, bias, attn_mask, counters)
     interp = _INTERP
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise EftaUnsupported("q, k, v must be 4-D (B, H, S, D)")
@@ -1691,11 +1761,19 @@ def efta_triton_forward(
     # FTT_EFTA_TWO_LAUNCH=0 keeps both passes in one launch (benchmarks, diagnosis).
     phased = correct and nsplit == 1 and M > 16 and env_get("FTT_EFTA_TWO_LAUNCH", "1") != "0"
     rep_buf = counters  # unused placeholder
+    bufs = []  # the call's scratch tensors, in the order a `_Replay` allocates them
     if phased:  # one entry per program; 16 is the smallest BLOCK_M of any config
         rep_buf = torch.empty(B * Hq * -(-M // 16), dtype=torch.int32, device=dev)
+        bufs.append(rep_buf)
     if nsplit > 1:
         work = torch.empty(B * ax1 * _cdiv(qrows, block_m) * nsplit * ((36 + block_d) * block_m + 17),
                            dtype=torch.float32, device=dev)
+        bufs.append(work)
+    launches: list = []
+
+    def run(which: int, grid: tuple, args_: tuple, kwargs: dict) -> None:
+        launches.append((which, grid, args_, kwargs))
+        _launcher(which)(grid, args_, kwargs)
 
     # checksum tables, computed once per key block by the pre-pass: in prefill every query block (and
     # with GQA every query head) would otherwise reduce each key block again, and in decode the in-loop
@@ -1715,7 +1793,8 @@ def efta_triton_forward(
                   torch.empty((rows, 16), dtype=torch.float32, device=dev),
                   torch.empty((rows, 16), dtype=torch.float32, device=dev),
                   torch.empty((rows, 4), dtype=torch.float32, device=dev))
-        _CHECKSUMS_LAUNCH((nb, Hkv, B), (
+        bufs += tables
+        run(0, (nb, Hkv, B), (
             k, v, *tables, kshift, *k.stride(), *v.stride(), Hkv, N, D, float(scale), *pasa_args[4:],
         ), dict(BLOCK_D=block_d, PARTS=parts, SCALE_CS=q.dtype == torch.float16, INTERP=interp, EVEN_D=D == block_d,
                 PASA=bool(pasa), BLOCK_N=CS_BLOCK_N, num_warps=4))
@@ -1742,7 +1821,7 @@ def efta_triton_forward(
     def launch_fwd(c: tuple[int, int, int, int], splits: int, **phase) -> None:
         """`_efta_fwd` with config ``c`` (BLOCK_M, BLOCK_N, num_warps, num_stages), ``splits`` programs
         per query block; ``phase`` overrides PHASE."""
-        _FWD_LAUNCH((_cdiv(qrows, c[0]) * splits, ax1, B), args, dict(
+        run(1, (_cdiv(qrows, c[0]) * splits, ax1, B), args, dict(
             meta, **phase, BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3]))
 
     tkey = None
@@ -1768,10 +1847,16 @@ def efta_triton_forward(
     if phased:  # the repairing pass: its programs return at once unless the clean launch flagged them
         launch_fwd(cfg, 1, PHASE=2)
     if nsplit > 1 and detect:  # checked split-key decode: the merge launch (checks off merge in `_efta_fwd`)
-        _COMBINE_LAUNCH((_cdiv(qrows, block_m), ax1, B), (
+        run(2, (_cdiv(qrows, block_m), ax1, B), (
             q, k, v, out, counters, flag, bias4, mask4, inj, work, *strides,
             Hq, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit, gu,
         ), dict({key: meta[key] for key in ("BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT",
                                             "CORRECT", "INJ_O", "DOT_F32", "EVEN_D", "FOLD", "PACK")},
                 BLOCK_M=block_m, BLOCK_N=CS_BLOCK_N, num_warps=4))
+    if key is not None:
+        if len(_REPLAYS) >= REPLAYS_MAX:
+            _REPLAYS.clear()
+        per_call = (q, k, v, out, counters, *((bias4,) if has_bias else ()), *((mask4,) if mask_kind else ()), *bufs)
+        _REPLAYS[key] = _Replay(launches, per_call, out.shape, shape4, has_bias, mask_kind, bufs, bool(detect), cfg,
+                                call_id)
     return out

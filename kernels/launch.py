@@ -37,7 +37,7 @@ import torch
 
 from .tl_common import env_get
 
-__all__ = ["BoundLaunch", "DirectLauncher"]
+__all__ = ["BoundLaunch", "DirectLauncher", "record_launches", "replay_launches"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _SCALAR_TYPES = (float, bool, type(None))
@@ -225,3 +225,43 @@ def _run(kernel: Any, device: int, grid: Sequence[int], full: tuple) -> None:
     meta = kernel.launch_metadata(grid, stream, *full) if enter is not None else None
     g = tuple(grid) + (1, 1)
     kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, enter, leave, *full)
+
+
+def record_launches(launches: Sequence[tuple], per_call: tuple, call_id: int | None,
+                    call_id_at: Sequence[int | None], launcher_of: Callable[[int], Any]) -> list[tuple]:
+    """Steps to replay one call's launches for a later call of the same signature (`replay_launches`).
+
+    ``launches``: the call's ``(which, grid, args, kwargs)``, ``which`` naming its launcher
+    (``launcher_of(which)``); ``per_call``: the call's own tensors, found in the arguments by identity (a
+    later call puts its own there); ``call_id_at[which]``: where that launch takes the call id, or None.
+    Each step keeps the compiled kernel bound (`DirectLauncher.bind`) when there is one: the later
+    call's arguments specialise alike (the caller's signature guarantees it)."""
+    steps = []
+    for which, grid, args, kwargs in launches:
+        where = tuple(tuple(i for i, a in enumerate(args) if a is obj) for obj in per_call)
+        template = [None if any(a is obj for obj in per_call) else a for a in args]
+        id_at = call_id_at[which]
+        assert id_at is None or args[id_at] == call_id
+        launcher = launcher_of(which)
+        bound = launcher.bind(grid, args, kwargs) if isinstance(launcher, DirectLauncher) else None
+        steps.append((which, grid, template, kwargs, where, id_at, launcher, bound))
+    return steps
+
+
+def replay_launches(steps: Sequence[tuple], per_call: tuple, call_id: int | None,
+                    launcher_of: Callable[[int], Any], direct: bool = True) -> None:
+    """Launch `record_launches`' steps with this call's tensors ``per_call`` (in the recorded order) and
+    call id. A step launches its bound kernel when ``direct`` and its launcher is still the recorded one
+    (tests may replace launchers), else through the launcher."""
+    for which, grid, template, kwargs, where, id_at, launcher, bound in steps:
+        args = template.copy()
+        for obj, positions in zip(per_call, where):
+            for i in positions:
+                args[i] = obj
+        if id_at is not None:
+            args[id_at] = call_id
+        now = launcher_of(which)
+        if bound is not None and direct and now is launcher:
+            bound(tuple(args))
+        else:
+            now(grid, tuple(args), kwargs)

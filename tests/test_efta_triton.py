@@ -564,6 +564,62 @@ def test_packed_gqa_decode_nonfinite_and_injection_unpacked(monkeypatch):
     assert counts(stats) == counts(rstats)
 
 
+REPLAY_CASES = {
+    "causal_prefill": dict(shape=(1, 4, 2, 80, 80, 32), kw=dict(causal=True)),
+    "bool_mask_bias": dict(shape=(2, 2, 2, 24, 40, 32), kw=dict(mask="bool", bias=True)),
+    "split_decode": dict(shape=(1, 4, 2, 1, 200, 32), kw=dict(causal=True), env={"FTT_EFTA_SPLIT": "3"}),
+}
+
+
+@pytest.mark.parametrize("case", list(REPLAY_CASES))
+def test_replayed_launches_match_the_full_path(monkeypatch, case):
+    """A second call of one signature replays the first call's launches (`_Replay`) with its own tensors:
+    outputs within float64 tolerance and bit-equal to the full host path's, the same counters, an injected
+    call never replayed (and events still counted), a changed setting a new signature."""
+    spec = REPLAY_CASES[case]
+    for name, val in spec.get("env", {}).items():
+        monkeypatch.setenv(name, val)
+    B, Hq, Hkv, M, N, D = spec["shape"]
+    kw = dict(spec["kw"])
+    g = torch.Generator().manual_seed(7)
+    if kw.pop("bias", False):
+        kw["bias"] = torch.randn(1, Hq, M, N, generator=g).to(DEV)
+    if kw.pop("mask", None) == "bool":
+        mask = torch.rand(B, 1, M, N, generator=g) > 0.3
+        mask[..., 0] = True
+        kw["attn_mask"] = mask.to(DEV)
+    calls = []
+    real = K._Replay.__call__
+
+    def spy(self, *args):
+        calls.append(self)
+        return real(self, *args)
+
+    monkeypatch.setattr(K._Replay, "__call__", spy)
+    K._REPLAYS.clear()
+    outs = []
+    for seed in (1, 2, 3):
+        q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, torch.float16, seed=seed)
+        out, stats, _ = kernel(q, k, v, **kw)
+        ref = ref_attention(q, k, v, scale=1.0 / math.sqrt(D), **kw)
+        assert maxdiff(out, ref) <= TOL[torch.float16], seed
+        assert all(val == 0 for val in stats.values()), stats.by_site()
+        outs.append((q, k, v, out))
+    assert len(calls) == 2 and calls[0] is calls[1]  # the first call recorded, the next two replayed
+    K._REPLAYS.clear()  # the full path again, for the last inputs: the same bits
+    q, k, v, replayed = outs[-1]
+    full, _, _ = kernel(q, k, v, **kw)
+    assert torch.equal(full, replayed) and len(calls) == 2
+    # injected: the full path (the plan's faults), events counted, nothing replayed
+    inj = FaultSpec(site="attn.output", bit=30, count=1, seed=0)
+    _, stats, _ = kernel(q, k, v, inject=inj, **kw)
+    assert stats["detected"] >= 1 and len(calls) == 2
+    # a setting read from the environment is part of the signature
+    monkeypatch.setenv("FTT_EFTA_TWO_LAUNCH", "0")
+    kernel(q, k, v, **kw)
+    assert len(calls) == 2 and len(K._REPLAYS) == 2
+
+
 def test_masked_and_decode_injection():
     """Masks, GQA, window and decode-shaped calls: faults repaired, counters equal the reference's."""
     B, Hq, Hkv, M, N, D = 2, 4, 2, 3, 150, 64
