@@ -69,6 +69,10 @@ Layout of one program (query block × (batch, head)), tutorial style:
 The same source with ``DETECT=False`` compiles to plain flash attention (the baseline); injection
 stays available there.
 
+Host path: a call whose signature (tensor metadata, settings, environment, capture state) was seen
+before replays that call's launches with its own tensors (`_Replay`), skipping validation, the config
+lookup and the argument building; calls with injection and PASA calls take the full path.
+
 Thresholds: exactly the contract's (``Bounds`` below, one place), except that on CUDA the bounds
 covering tensor-core accumulation (T_s, τ_l, T_o) get a guard factor ``gemm_slack`` (2 by default,
 ``FTT_EFTA_GEMM_SLACK`` overrides; 1 in the interpreter, so interpreted counters equal the
