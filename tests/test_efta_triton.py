@@ -620,6 +620,25 @@ def test_replayed_launches_match_the_full_path(monkeypatch, case):
     assert len(calls) == 2 and len(K._REPLAYS) == 2
 
 
+def test_replay_never_mixes_up_aliased_tensors_or_skips_validation():
+    """A call with k and v one tensor is not recorded (its launches could not tell them apart): the next
+    call of that signature with distinct k and v runs correctly. A recorded signature does not bypass
+    the argument checks that its key does not hold (``pasa_precision``)."""
+    K._REPLAYS.clear()
+    q, k, v = rand_qkv(1, 2, 2, 24, 24, 32, torch.float16, seed=4)
+    out, _, _ = kernel(q, k, k)  # v is k
+    assert maxdiff(out, ref_attention(q, k, k, scale=1.0 / math.sqrt(32))) <= TOL[torch.float16]
+    assert not K._REPLAYS
+    for _ in range(2):  # recorded, then replayed
+        out, _, _ = kernel(q, k, v)
+        assert maxdiff(out, ref_attention(q, k, v, scale=1.0 / math.sqrt(32))) <= TOL[torch.float16]
+    assert len(K._REPLAYS) == 1
+    out, _, _ = kernel(q, v, v)  # aliased again, same signature: the recorded launches, with v for k
+    assert maxdiff(out, ref_attention(q, v, v, scale=1.0 / math.sqrt(32))) <= TOL[torch.float16]
+    with pytest.raises(ValueError, match="pasa_precision"):
+        kernel(q, k, v, pasa_precision="fp16")
+
+
 def test_masked_and_decode_injection():
     """Masks, GQA, window and decode-shaped calls: faults repaired, counters equal the reference's."""
     B, Hq, Hkv, M, N, D = 2, 4, 2, 3, 150, 64
