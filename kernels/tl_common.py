@@ -40,7 +40,7 @@ _DECODE = getattr(os.environ, "decodevalue", None)
 _ENV_KEYS: dict[str, object] = {}
 
 
-def _env_key(name: str) -> object:
+def _encoded(name: str) -> object:
     k = _ENV_KEYS.get(name)
     if k is None:
         k = _ENV_KEYS[name] = _ENCODE(name)
@@ -51,7 +51,7 @@ def env_get(name: str, default: str | None = None) -> str | None:
     """``os.environ.get(name, default)``, reading the environment's dict directly."""
     if _ENV is None or _ENCODE is None or _DECODE is None:  # pragma: no cover - not CPython's os.environ
         return os.environ.get(name, default)
-    v = _ENV.get(_ENV_KEYS.get(name) or _env_key(name))
+    v = _ENV.get(_ENV_KEYS.get(name) or _encoded(name))
     return default if v is None else _DECODE(v)
 
 

@@ -11,6 +11,8 @@ own launch.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from ft_transformers.kernels import launch as L
@@ -197,3 +199,22 @@ def test_a_launcher_that_refuses_our_arguments_falls_back_to_triton(fake):
     bound(args)
     launch((1,), args, kw)
     assert len(fn.calls) == 4 and launch.direct_launches == 0
+
+
+def test_environment_reads_follow_os_environ(monkeypatch):
+    """`env_get` / `env_reader` read os.environ's own dict: a change made through os.environ (as
+    monkeypatch does) shows at the next read, and a reader's tuple differs exactly when a value does."""
+    from ft_transformers.kernels.tl_common import env_get, env_reader
+
+    monkeypatch.delenv("FTT_TEST_SETTING", raising=False)
+    reader = env_reader(("FTT_TEST_SETTING", "FTT_TEST_OTHER"))
+    unset = reader()
+    assert env_get("FTT_TEST_SETTING") is None and env_get("FTT_TEST_SETTING", "d") == "d"
+    monkeypatch.setenv("FTT_TEST_SETTING", "1")
+    assert env_get("FTT_TEST_SETTING") == "1" == os.environ.get("FTT_TEST_SETTING")
+    one = reader()
+    assert one != unset and reader() == one
+    monkeypatch.setenv("FTT_TEST_SETTING", "2")
+    assert env_get("FTT_TEST_SETTING", "d") == "2" and reader() not in (one, unset)
+    monkeypatch.delenv("FTT_TEST_SETTING")
+    assert env_get("FTT_TEST_SETTING") is None and reader() == unset
