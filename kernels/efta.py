@@ -1569,10 +1569,10 @@ def _replay_key(q, k, v, scale, causal, bias, attn_mask, window, detect, correct
 class _Replay:
     """The launches of one call, replayed for later calls of the same signature (`_replay_key`) with
     their own tensors: the host path's validation, config lookup, argument building (~90 arguments per
-    launch) and Triton's specialisation key are skipped (bound launches, `DirectLauncher.bind`). An
-    eager protected layer calls its attention once per step with the same signature; each call took
-    0.15-0.3 ms of host time against SDPA's 0.03 (``docs/benchmarks.md``, session 30). Injected calls
-    and PASA take the full path.
+    launch) and Triton's specialisation key are skipped (bound launches, `DirectLauncher.bind`). The
+    layers of a model share one signature within a forward (and across decode steps with a static
+    cache); each call took 0.17-0.27 ms of host time on the full path against SDPA's 0.03-0.04 on the
+    H100's host (``docs/benchmarks.md``, session 21). Injected calls and PASA take the full path.
 
     Per call it allocates the output and the call's scratch (checksum tables, the repair pass's flags,
     the split-key partials) with the recorded shapes, and takes a call id."""

@@ -237,9 +237,15 @@ def record_launches(launches: Sequence[tuple], per_call: tuple, call_id: int | N
     Each step keeps the compiled kernel bound (`DirectLauncher.bind`) when there is one: the later
     call's arguments specialise alike (the caller's signature guarantees it)."""
     steps = []
+    index = {id(obj): j for j, obj in enumerate(per_call)}  # (ids of live objects are unique)
     for which, grid, args, kwargs in launches:
-        where = tuple(tuple(i for i, a in enumerate(args) if a is obj) for obj in per_call)
-        template = [None if any(a is obj for obj in per_call) else a for a in args]
+        where: list[list[int]] = [[] for _ in per_call]
+        template = list(args)
+        for i, a in enumerate(args):  # one pass over the ~90 arguments, not one per per-call tensor
+            j = index.get(id(a))
+            if j is not None and per_call[j] is a:
+                where[j].append(i)
+                template[i] = None
         id_at = call_id_at[which]
         assert id_at is None or args[id_at] == call_id
         launcher = launcher_of(which)
