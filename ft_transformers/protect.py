@@ -77,10 +77,6 @@ class _ModuleContext:
     def _matches(self, spec: FaultSpec) -> bool:
         return spec_matches(static_of(self.key), spec)
 
-    def faults_may_hit(self) -> bool:
-        """Whether an active `FaultSpec` targets this module (only those calls need a plan)."""
-        return faults_may_hit(static_of(self.key))
-
     def plan_for_call(self) -> FaultPlan:
         """The faults of this forward call (advances the module's call count while faults are active).
 
@@ -103,10 +99,6 @@ class _ModuleContext:
         """This module's (sites, kinds) int32 counter block of the current step on ``device``."""
         return self.state.recorder.counters(self.slot, device)
 
-    def step_block(self, device: torch.device) -> torch.Tensor:
-        """The whole (modules, sites, kinds) counter tensor of the current step on ``device``."""
-        return self.state.recorder.step_block(device)
-
     def after_call(self, counters: torch.Tensor) -> None:
         if self.state.config.on_uncorrectable == "raise":
             EventRecorder.raise_if_uncorrectable(counters, self.slot.name)
@@ -123,6 +115,7 @@ class _ProtectionState:
         self.contexts: list[_ModuleContext] = []
         self.patched: list[torch.nn.Module] = []
         self.hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.release: weakref.finalize | None = None  # drops its `_states` entries (`enable_fault_tolerance`)
 
     def keys(self) -> list[int]:
         """Its entries in `_states`: the state's, the contexts', the sibling groups'."""
@@ -279,8 +272,8 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
         state.contexts.append(ctx)
     if config.linear:
         state.patched += install_siblings(model, adapter, _install_forward)
-    # (a model dropped while protected takes its entries along)
-    weakref.finalize(model, forget, state.keys())
+    # its `_states` entries go when protection is disabled, or with the model if it is dropped protected
+    state.release = weakref.finalize(model, forget, state.keys())
     state.recorder.prepare({p.device for p in model.parameters()} | {b.device for b in model.buffers()})
     state.hooks.append(model.register_forward_hook(lambda *_: state.recorder.end_step()))
     setattr(model, _STATE_ATTR, state)
@@ -335,7 +328,7 @@ def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
     if state.original_attn and model.config._attn_implementation != state.original_attn:
         model.set_attn_implementation(state.original_attn)
     delattr(model, _STATE_ATTR)
-    forget(state.keys())
+    state.release()  # (runs `forget` once and detaches the finalizer)
     return model
 
 

@@ -144,8 +144,8 @@ class AbftGemmUnsupported(ValueError):
 CONFIGS_LARGE = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]
 CONFIGS_MID = [(64, 128, 64, 4, 4), (64, 256, 64, 8, 3)]  # 16 < M ≤ 64
 # also timed for M > 64 when N ≤ NARROW_N: Qwen2-0.5B's k_proj/v_proj (N = 128) at M = 4096 have 32 row blocks of
-# 128, one tile each, on a 132-SM GPU; (64, 64, ...) gives 128 programs: 17.6 µs against 33.2 for the tuner's
-# pick among CONFIGS_LARGE (cuBLAS 4.3 µs; one launch, CUDA graphs, H200, session 30)
+# 128, one tile each, on a 132-SM GPU; the tuner then picks (64, 64, ...), 128 programs: 15.2 µs against 31.2 for
+# its pick among CONFIGS_LARGE (cuBLAS 4.3 µs; one launch, CUDA graphs, H200, session 30)
 CONFIGS_NARROW = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
 NARROW_N = 256
 # M ≤ 16 (decode); the narrow tiles give more programs where N is small (896: 14 programs at BLOCK_N = 64)
