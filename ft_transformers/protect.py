@@ -117,6 +117,13 @@ class _ProtectionState:
         self.hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.release: weakref.finalize | None = None  # drops its `_states` entries (`enable_fault_tolerance`)
 
+    def __deepcopy__(self, memo):
+        # The protected layers find their model's state and settings by key (`_states`); a copy would share
+        # the keys, count its events into this model's report and read its fault injections.
+        raise TypeError("copy.deepcopy of a model with fault tolerance enabled is not supported (the copy's "
+                        "layers would report into the original's counters): copy the model before "
+                        "enable_fault_tolerance, or disable_fault_tolerance, copy, and enable each")
+
     def keys(self) -> list[int]:
         """Its entries in `_states`: the state's, the contexts', the sibling groups'."""
         groups = {c.sibling_key for c in self.contexts if c.sibling_key is not None}

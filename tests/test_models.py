@@ -79,6 +79,28 @@ def test_disable_restores_model():
         ftt.fault_report(model)
 
 
+def test_deepcopy_of_a_protected_model_raises_and_unprotected_copies_protect_apart():
+    """A protected model's layers find their state by key, so a deep copy would report into the original's
+    counters: copying it raises a clear error. Copied before protection, each model counts its own events."""
+    import copy
+
+    model = ftt.enable_fault_tolerance(make_model("qwen2"), ftt.FTConfig(emax=1e-12))
+    with pytest.raises(TypeError, match="disable_fault_tolerance"):
+        copy.deepcopy(model)
+    ftt.disable_fault_tolerance(model)
+    twin = copy.deepcopy(model)
+    ftt.enable_fault_tolerance(model, ftt.FTConfig(emax=1e-12))  # a tiny e_max: rounding noise is flagged
+    ftt.enable_fault_tolerance(twin, ftt.FTConfig(emax=1e-12))
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert ftt.fault_report(model).totals()["detected"] > 0
+    assert ftt.fault_report(twin).totals()["detected"] == 0
+    with torch.no_grad():
+        twin(input_ids=ids, attention_mask=mask)
+    assert ftt.fault_report(twin).totals()["detected"] == ftt.fault_report(model).totals()["detected"]
+
+
 def test_accelerate_hooks_survive_protection():
     """A module accelerate hooked (device_map placement) keeps its hook under protection: the hook
     still runs around the checked GEMM, and disabling protection leaves the hook in place."""
