@@ -10,8 +10,9 @@ weight copies past the H100's 50 MB L2 (as a model's layer stack streams its wei
   row sums and statistics written), its verification launch replaced by nothing: no check is made,
   so this column is a measurement device only,
 * ``two``       — the GEMM launch and the verification launch,
-* ``one``       — one launch, rows checked: the last program to finish verifies (``FTT_ABFT_GEMM_GROUPS=0``;
-  before session 27 the default for one row block),
+* ``one``       — one launch, rows checked: the last program to finish a row block verifies it
+  (``FTT_ABFT_GEMM_ONE_LAUNCH=1``, ``FTT_ABFT_GEMM_GROUPS=0``; before session 27 the default for one row
+  block),
 * ``decode``    — the decode kernel (`kernels/abft_decode.py`, the default for M ≤ 16): each tile verifies its
   64-column groups in its epilogue.
 * ``plain_nosplit``, ``one_nosplit``, ``decode_nosplit`` — without split-K (``FTT_ABFT_GEMM_SPLIT=1``; by
@@ -73,6 +74,8 @@ def _call(mod, mode: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, cnt
         run = _with_env(run, "FTT_ABFT_GEMM_SPLIT", "1")
     if mode in ("two", "gemm_only"):
         run = _with_env(run, "FTT_ABFT_GEMM_ONE_LAUNCH", "0")
+    if mode == "one":  # also for several row blocks, which take two launches under graphs by default
+        run = _with_env(run, "FTT_ABFT_GEMM_ONE_LAUNCH", "1")
     if mode in ("two", "gemm_only", "one"):  # the row-checked forms (M ≤ 16 takes the decode kernel otherwise)
         run = _with_env(run, "FTT_ABFT_GEMM_GROUPS", "0")
     if mode == "gemm_only":
