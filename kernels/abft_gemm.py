@@ -73,6 +73,13 @@ Design (one or two launches, no host synchronisation):
    epilogue, with no cross-program step (0.5-1.2 µs of checks per call instead of 1.6-1.9, H200,
    session 27).
 
+3. The persistent form (wide calls, `_persistent_ok`; ``FTT_ABFT_GEMM_PERSISTENT``): ``_stats_kernel`` passes
+   over x once for ``x·w1``, ``x·w2`` and x's statistics (one statistics slot instead of the tiles'
+   shares), ``_persistent_kernel`` runs the GEMM as one program per SM over TMA descriptors made in the
+   kernel with nothing but the row sums in its epilogue, and ``_verify_kernel`` verifies as above. In
+   Triton 3.6 any checksum work inside that kernel's K loop cost 5-50 % (session 31), where the plain
+   persistent GEMM runs at 0.89-1.01× cuBLAS; the extra read of x is what limits the form to wide N.
+
 Block sizes: the ``CONFIGS_*`` lists below are the only place; ``_pick_config`` times the
 candidates (GPU time, `tl_common.gpu_time`) once per (dtype, layout, flags, M bucket, N, K) on CUDA
 and caches the winner (set
@@ -193,6 +200,17 @@ INTERPRET_SMS = 4  # the SM count split-K assumes under the interpreter
 TUNE_STREAM_BYTES = 120_000_000
 TUNE_STREAM_COPIES = 8
 PREPARED_PER_WEIGHT = 64  # prepared call signatures kept per weight (`_PreparedCall`)
+# Persistent form (`_persistent_ok`): wide calls (N ≥ PERSISTENT_MIN_N, M·N·K ≥ PERSISTENT_MIN_MNK) on Hopper run
+# a pass over x for the checksums and statistics, a persistent TMA GEMM (one program per SM) whose tiles only add
+# their row sums, and the verify launch. On an H100 the persistent TMA plain
+# GEMM reached 0.89-1.01× cuBLAS where the tile kernel reached 0.68-0.78, and every form of the checksum share
+# inside its K loop cost 5-50 %; the pass reads x once more (1.3-1.8 TB/s), which only a wide N amortises
+# (session 31, `scripts/bench_gemm_forms.py`, docs/vabft.md).
+PERSISTENT_CONFIG = (128, 256, 64, 8, 3)  # BM, BN, BK, warps, stages: the fastest at every session-31 shape
+PERSISTENT_CONFIG_INTERPRET = (32, 32, 32, 4, 1)
+PERSISTENT_MIN_N = 2048
+PERSISTENT_MIN_MNK = 1 << 34
+STATS_ROWS, STATS_COLS = 8, 256  # rows per program and K chunk of its pass over x (`_stats_kernel`)
 _TUNE_CACHE: dict[tuple, tuple] = {}  # key → config (5 entries, or 6 with False: no split-K)
 
 
@@ -682,25 +700,116 @@ def _verify_rows(X, W, Y, Bias, B12, P, S, Acc, Flag, Ws, Cnt, Dbg, rows, count_
                 tl.atomic_add(cbase + _NONF * scn1, 1)
 
 
-@triton.jit(do_not_specialize=["call_id", "w_finite", "T"])
+@triton.jit(do_not_specialize=["call_id", "w_finite", "T", "TS"])
 def _verify_kernel(X, W, Y, Bias, B12, P, Flag, Ws,
-                   M, N, K, T, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
+                   M, N, K, T, TS, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
                    Cnt, Dbg, scn0, scn1, fn, inv_k, w_finite, capacity,
                    th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                    HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
-                   DOT_F32: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, GEMM_BK: tl.constexpr):
-    """The second launch (calls of more than one row block): BLOCK_R rows per program. GEMM_BK: the
-    GEMM's BLOCK_K (its tiles hold checksum shares up to the K block count)."""
+                   DOT_F32: tl.constexpr, VERIFY_OUTPUT: tl.constexpr):
+    """The second launch (calls of more than one row block): BLOCK_R rows per program; the row sums of T
+    tiles, the statistics in TS slots (the tiles' shares, or the persistent form's single slot)."""
     pid = tl.program_id(0)
     S = P + T * M * 2
     _verify_rows(X, W, Y, Bias, B12, P, S, P, Flag, Ws, Cnt, Dbg, pid * BLOCK_R + tl.arange(0, BLOCK_R), pid == 0,
-                 M, N, K, T, tl.minimum(T, tl.cdiv(K, GEMM_BK)), sxm, sxk, swn, swk, sym, syn, scn0, scn1,
+                 M, N, K, T, TS, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
                  inv_n, fn, inv_k, call_id, w_finite,
                  capacity, th_det, th_v2, th_v3, th_var23, th_var4, th_bias, reverify_scale,
                  BLOCK_N, BLOCK_K, BLOCK_T, HAS_BIAS, CORRECT, DEBUG, DOT_F32, False, VERIFY_OUTPUT, False)
 
 
+
+
+@triton.jit
+def _stats_rows(X, W12, S, Flag, rows, M, K, sxm, sxk, call_id, CK: tl.constexpr):
+    """The persistent form's statistics of the rows ``rows`` (R,) of x (M, K): ``x·w1``, ``x·w2`` (``W12``
+    (K, 2) fp32) and x's row max / min / sum in fp32, into the single statistics slot ``S`` (M, 8) that the
+    verify launch reads (TS = 1); raises the call's non-finite flag like the tiles' share does
+    (`_store_stats`)."""
+    R: tl.constexpr = rows.shape[0]
+    r_ok = rows < M
+    offs_k = tl.arange(0, CK)
+    c1 = tl.zeros((R,), tl.float32)
+    c2 = tl.zeros((R,), tl.float32)
+    sm = tl.zeros((R,), tl.float32)
+    mx = tl.full((R,), -float("inf"), tl.float32)
+    mn = tl.full((R,), float("inf"), tl.float32)
+    for k0 in range(0, K, CK):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        lm = r_ok[:, None] & k_ok[None, :]
+        xv = tl.load(X + rows[:, None] * sxm + kk[None, :] * sxk, mask=lm, other=0.0).to(tl.float32)
+        c1 += tl.sum(xv * tl.load(W12 + kk * 2, mask=k_ok, other=0.0)[None, :], axis=1)
+        c2 += tl.sum(xv * tl.load(W12 + kk * 2 + 1, mask=k_ok, other=0.0)[None, :], axis=1)
+        sm += tl.sum(xv, axis=1)
+        mx = tl.maximum(mx, tl.max(tl.where(lm, xv, -float("inf")), axis=1))
+        mn = tl.minimum(mn, tl.min(tl.where(lm, xv, float("inf")), axis=1))
+    _store_stats(S + rows * 8, r_ok, c1, c2, mx, mn, sm, Flag, call_id)
+
+
+@triton.jit(do_not_specialize=["call_id"])
+def _stats_kernel(X, W12, P, Flag, Ws, M, K, T, sxm, call_id, R: tl.constexpr, CK: tl.constexpr):
+    """The persistent form's first launch, a pass over x (M, K), R rows per program (`_stats_rows`): the
+    checksums and statistics into the one slot after the T tiles' row sums in ``P``; program 0 zeroes the
+    recompute slot counter ``Ws`` (the two-launch GEMM's first program does). (The same pass as a prologue
+    of `_persistent_kernel` made those calls 8-15 % slower on an H200, session 31.)"""
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(Ws, 0)
+    _stats_rows(X, W12, P + T * M * 2, Flag, pid * R + tl.arange(0, R), M, K, sxm, 1, call_id, CK)
+
+
+@triton.jit
+def _persistent_kernel(X, W, Y, Bias, P, M, N, K, sxm, sw, sym, inv_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP: tl.constexpr, NUM_SMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       W_KN: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, DOT_F32: tl.constexpr):
+    """The persistent form's GEMM, after `_stats_kernel`: NUM_SMS programs loop over the (BLOCK_M, BLOCK_N)
+    tiles of y (M, N) in grouped order, with x (M, K), W (N, K) (or (K, N) when W_KN) and y moved by TMA
+    descriptors made here (plain pointer arguments, so a prepared call replays it), the tile and K loops
+    flattened into one pipeline. Epilogue: bias in fp32, the two row partial sums of each tile into ``P``
+    (T, M, 2) as `_tile_epilogue` stores them (of the fp32 accumulators, or of the rounded outputs with
+    VERIFY_OUTPUT), y rounded and stored. No checksum work in the K loop (it cost 5-50 % there).
+    Row strides sxm, sw (of W as stored), sym; unit inner strides, 16-byte aligned rows (`_persistent_ok`).
+    DOT_F32: the interpreter's dots in fp32 (as `_gemm_tile`'s)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    xd = tl.make_tensor_descriptor(X, shape=[M, K], strides=[sxm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if W_KN:
+        wd = tl.make_tensor_descriptor(W, shape=[K, N], strides=[sw, 1], block_shape=[BLOCK_K, BLOCK_N])
+    else:
+        wd = tl.make_tensor_descriptor(W, shape=[N, K], strides=[sw, 1], block_shape=[BLOCK_N, BLOCK_K])
+    yd = tl.make_tensor_descriptor(Y, shape=[M, N], strides=[sym, 1], block_shape=[BLOCK_M, BLOCK_N])
+    for tile in tl.range(pid, num_pid_m * num_pid_n, NUM_SMS, flatten=True):
+        in_group = GROUP * num_pid_n
+        first_m = (tile // in_group) * GROUP
+        gsize = tl.minimum(num_pid_m - first_m, GROUP)
+        pid_m = first_m + ((tile % in_group) % gsize)
+        pid_n = (tile % in_group) // gsize
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for kb in range(tl.cdiv(K, BLOCK_K)):
+            a = xd.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            if W_KN:
+                b = wd.load([kb * BLOCK_K, pid_n * BLOCK_N])
+            else:
+                b = wd.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
+            acc = _mma(a, b, acc, DOT_F32)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        yv = acc.to(Y.dtype.element_ty)
+        if VERIFY_OUTPUT:
+            v = tl.where(n_ok[None, :], yv.to(tl.float32), 0.0)
+        else:
+            v = tl.where(n_ok[None, :], acc, 0.0)
+        m_ok = offs_m < M
+        prow = P + (pid_n * M + offs_m) * 2
+        tl.store(prow, tl.sum(v, axis=1), mask=m_ok)
+        tl.store(prow + 1, tl.sum(v * ((offs_n + 1).to(tl.float32) * inv_n)[None, :], axis=1), mask=m_ok)
+        yd.store([pid_m * BLOCK_M, pid_n * BLOCK_N], yv)
 
 
 def interpreting() -> bool:
@@ -712,14 +821,17 @@ _INTERP = interpreting()
 _GEMM_LAUNCH = DirectLauncher(_gemm_kernel, _INTERP)
 _VERIFY_LAUNCH = DirectLauncher(_verify_kernel, _INTERP)
 _GROUPED_LAUNCH = DirectLauncher(grouped_gemm_kernel, _INTERP)
+_STATS_LAUNCH = DirectLauncher(_stats_kernel, _INTERP)
+_PERSISTENT_LAUNCH = DirectLauncher(_persistent_kernel, _INTERP)
 # where each launch takes its call id (the decode kernel takes none: it has no non-finite flag)
-_CALL_ID_AT = (_gemm_kernel.arg_names.index("call_id"), _verify_kernel.arg_names.index("call_id"), None)
+_CALL_ID_AT = (_gemm_kernel.arg_names.index("call_id"), _verify_kernel.arg_names.index("call_id"), None,
+               _stats_kernel.arg_names.index("call_id"), None)
 
 
 def _launcher(which: int) -> DirectLauncher:
-    """0: the GEMM's launcher, 1: the verify kernel's, 2: the decode kernel's (looked up at each call, so
-    tests can replace them)."""
-    return (_GEMM_LAUNCH, _VERIFY_LAUNCH, _GROUPED_LAUNCH)[which]
+    """0: the GEMM's launcher, 1: the verify kernel's, 2: the decode kernel's, 3: the persistent form's pass
+    over x, 4: its GEMM (looked up at each call, so tests can replace them)."""
+    return (_GEMM_LAUNCH, _VERIFY_LAUNCH, _GROUPED_LAUNCH, _STATS_LAUNCH, _PERSISTENT_LAUNCH)[which]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -776,11 +888,64 @@ def _tma_ok(m: int, n: int, k: int, *ts: torch.Tensor) -> bool:
             return False
         if mode != "1" and _host_bound(m, n, k):
             return False
+    return _tma_layout(*ts)
+
+
+def _tma_layout(*ts: torch.Tensor) -> bool:
+    """Whether these 2-D tensors can be moved by TMA descriptors: unit inner stride, 16-byte aligned base
+    and row stride."""
     for t in ts:
         es = t.element_size()
         if t.stride(1) != 1 or (t.stride(0) * es) % 16 or t.data_ptr() % 16:
             return False
     return True
+
+
+try:  # the scratch memory of TMA descriptors made in a kernel comes from Triton's allocator (Triton ≥ 3.4)
+    from triton.runtime import _allocation as _triton_allocation
+except ImportError:  # pragma: no cover - older triton: no persistent form
+    _triton_allocation = None
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's global-scratch allocator, from torch's caching allocator (a captured call's scratch comes
+    from its graph's pool): on the interpreter's CPU, or the current CUDA device."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if _INTERP else "cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Set `_scratch` as Triton's allocator where none is set (Triton keeps it per context, so a thread of
+    its own has none); an allocator the user set stays."""
+    if isinstance(_triton_allocation._allocator.get(), _triton_allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+def _persistent_ok(m: int, n: int, k: int, x2d: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether a checked call takes the persistent form (`_persistent_kernel`, see PERSISTENT_CONFIG): fp16/bf16
+    operands in a TMA layout on a Hopper-or-newer GPU, N ≥ PERSISTENT_MIN_N and M·N·K ≥ PERSISTENT_MIN_MNK, and
+    for an eager call M·N·K ≥ TMA_MIN_MNK (smaller ones are host-bound: the form's three launches made a 4k
+    prefill of Qwen2-0.5B 1-1.5 ms slower in wall time on an H200's host, against 1.3 ms less GPU time).
+    ``FTT_ABFT_GEMM_PERSISTENT``: ``0`` never, ``1`` whenever the operands allow (the interpreter too: the
+    tests), unset or ``auto`` as above (never in the interpreter)."""
+    mode = env_get("FTT_ABFT_GEMM_PERSISTENT", "auto")
+    if mode == "0" or _triton_allocation is None or x2d.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if _INTERP:
+        if mode != "1":
+            return False
+    else:
+        dev = x2d.device
+        cap = _CAPABILITY.get(dev)
+        if cap is None:
+            cap = _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)[0]
+        if cap < 9:
+            return False
+        if mode != "1":
+            if n < PERSISTENT_MIN_N or m * n * k < PERSISTENT_MIN_MNK:
+                return False
+            if _host_bound(m, n, k) and not torch.cuda.is_current_stream_capturing():
+                return False  # an eager call this small is host-bound: one launch of the tile kernel, not three
+    return _tma_layout(x2d, weight, y)
 
 
 def _descriptors(cfg, L: _Launch):
@@ -1145,6 +1310,18 @@ def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect,
     )
 
 
+def _persistent_call(cfg, L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, verify_output: bool) -> tuple:
+    """The persistent form's GEMM (`_persistent_kernel`) as ``(grid, args, kwargs)``: one program per SM."""
+    bm, bn, bk, warps, stages = cfg[:5]
+    m, k = L.x.shape
+    n = L.y.shape[1]
+    sms = min(_cdiv(m, bm) * _cdiv(n, bn), INTERPRET_SMS if _INTERP else sm_count(L.x.device))
+    return (sms,), (L.x, L.w, L.y, bias if bias is not None else L.y, P, m, n, k, L.x.stride(0), L.w.stride(0),
+                    L.y.stride(0), 1.0 / n), dict(
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, NUM_SMS=sms, HAS_BIAS=bias is not None, W_KN=L.kn,
+        VERIFY_OUTPUT=verify_output, DOT_F32=_INTERP, num_warps=warps, num_stages=stages)
+
+
 def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, grouped: bool = False, siblings: tuple = ()):
     """The block sizes for this call: forced, interpreter, or timed once per shape key (CUDA).
     ``grouped``: for the decode kernel (`_grouped`); ``siblings``: the weights after ``L.w`` in a
@@ -1370,7 +1547,11 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         inj = _inj_table(plan, m, n, y.dtype, dev, cfg[0])
     else:
         inj = None
-    if inj is None:
+    # (the persistent form has no in-kernel injection: calls with a plan take the tile kernel)
+    persist = detect and inj is None and not grouped and _persistent_ok(m, n, k, x2d, weight, y)
+    if persist:
+        cfg = _forced_config() or (PERSISTENT_CONFIG_INTERPRET if _INTERP else PERSISTENT_CONFIG)
+    elif inj is None:
         cfg = _pick_config(L, bias=bias, detect=detect, verify_output=verify_output, dot_f32=dot_f32, grouped=grouped)
     sem, slots, _ = _cells(dev)
     if not detect:  # no flag: the plain GEMM never reads it
@@ -1391,8 +1572,16 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         # cudagraph pool not tracked as outputs")
         _group_sums(wc, weight, bias, weight_is_kn)
     t = _cdiv(n, cfg[1])
-    one = grouped or _one_launch(m, n, k, cfg[0], dev)
-    if grouped:
+    one = grouped or (not persist and _one_launch(m, n, k, cfg[0], dev))
+    ts = min(t, _cdiv(k, cfg[2]))  # statistics slots that can hold a tile's share (`_verify_rows`)
+    if persist:
+        flag, call_id = call_flag(dev, self_reset=False)
+        P = _call_buffer(m, n, k, cfg, False, True, dev, y)
+        launches = [(3, (_cdiv(m, STATS_ROWS),), (x2d, wc.w12, P, flag, slots, m, k, t, x2d.stride(0), call_id),
+                     dict(R=STATS_ROWS, CK=STATS_COLS, num_warps=4)),
+                    (4, *_persistent_call(cfg, L, bias, P, verify_output))]
+        ts = 1
+    elif grouped:
         P, call_id = _grouped_buffer(m, n, k, cfg, dev), None
         launches = [(2, *_grouped_call(cfg, L, bias=bias, groups=_group_sums(wc, weight, bias, weight_is_kn), P=P,
                                        inj=inj, ver=ver, emax=emax, csigma=csigma, verify_output=verify_output,
@@ -1407,16 +1596,18 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         vbn, vbk = VERIFY_BLOCK
         launches.append((1, (_cdiv(m, VERIFY_ROWS),), (
             x2d, weight, y, bias if bias is not None else y, wc.b12, P, flag, slots,
-            m, n, k, t, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1), 1.0 / n, call_id,
+            m, n, k, t, ts, x2d.stride(0), x2d.stride(1), swn, swk, y.stride(0), y.stride(1), 1.0 / n, call_id,
             *ver.args(n, k, P),
         ), dict(
             BLOCK_R=VERIFY_ROWS, BLOCK_N=vbn, BLOCK_K=vbk, BLOCK_T=VERIFY_TILES, HAS_BIAS=bias is not None,
-            CORRECT=correct, DEBUG=debug is not None, DOT_F32=dot_f32, VERIFY_OUTPUT=verify_output, GEMM_BK=cfg[2],
-            num_warps=4,
+            CORRECT=correct, DEBUG=debug is not None, DOT_F32=dot_f32, VERIFY_OUTPUT=verify_output, num_warps=4,
         )))
+    if persist:
+        _ensure_scratch_allocator()
     for which, grid, args, kwargs in launches:
         _launcher(which)(grid, args, kwargs)
-    if prep_key is not None and (grouped or not L.tma):
+    # (host TMA descriptors are made per call: such a call cannot be replayed; the persistent form makes its own)
+    if prep_key is not None and (grouped or persist or not L.tma):
         if len(wc.launches) >= PREPARED_PER_WEIGHT:  # e.g. prefills of many lengths: start afresh
             wc.launches.clear()
         wc.launches[prep_key] = prepared = _PreparedCall.record(launches, x2d, y, P, counters, call_id)
@@ -1518,9 +1709,9 @@ def _checked_gemm_siblings(x2d, weights, biases, wcs, counters, emax, csigma, co
 
 
 _env_key = env_reader(("FTT_ABFT_GEMM_TMA", "FTT_ABFT_GEMM_ONE_LAUNCH", "FTT_ABFT_GEMM_CONFIG", "FTT_ABFT_GEMM_TUNE",
-                       "FTT_DIRECT_LAUNCH", "FTT_ABFT_GEMM_SPLIT", "FTT_ABFT_GEMM_GROUPS"))
+                       "FTT_DIRECT_LAUNCH", "FTT_ABFT_GEMM_SPLIT", "FTT_ABFT_GEMM_GROUPS", "FTT_ABFT_GEMM_PERSISTENT"))
 """() -> the environment settings a call's launch plan depends on (`_tma_ok`, `_one_launch`, `_pick_config`,
-`DirectLauncher`), raw."""
+`_persistent_ok`, `DirectLauncher`), raw."""
 
 
 class _PreparedCall:
@@ -1532,7 +1723,7 @@ class _PreparedCall:
     `WeightChecksums.launches`, so it goes when the weight changes; it holds none of the call's own
     tensors (x, y, the stats buffer, the counters are put in at each call)."""
 
-    __slots__ = ("launches", "bound", "y_shape", "dtype", "device", "p_numel", "self_reset", "flagged")
+    __slots__ = ("launches", "bound", "y_shape", "dtype", "device", "p_numel", "self_reset", "flagged", "scratch")
 
     @classmethod
     def record(cls, launches, x2d, y, P, counters, call_id) -> _PreparedCall:
@@ -1543,6 +1734,7 @@ class _PreparedCall:
         self.launches = record_launches(launches, per_call, call_id, _CALL_ID_AT, _launcher)
         self.bound = all(entry[-1] is not None for entry in self.launches)
         self.self_reset = len(launches) == 1  # the one-launch form resets its flag (`call_flag`)
+        self.scratch = any(entry[0] == 4 for entry in launches)  # the persistent form: TMA descriptor scratch
         self.flagged = call_id is not None
         self.y_shape, self.dtype, self.device = tuple(y.shape), y.dtype, y.device
         self.p_numel = P.numel() if P is not None else 0
@@ -1562,6 +1754,8 @@ class _PreparedCall:
             direct = direct and P.data_ptr() & 15 == 0
         # (the bound kernels were specialised on 16-byte aligned y and P: fresh allocations always are)
         call_id = call_flag(self.device, self.self_reset)[1] if self.flagged else None  # the recorded call's cell
+        if self.scratch:
+            _ensure_scratch_allocator()
         replay_launches(self.launches, per_call, call_id, _launcher, direct)
         return y
 

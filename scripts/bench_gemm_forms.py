@@ -21,7 +21,8 @@ order rotated), median µs and the ratio to cuBLAS of the same run. Variants (na
   checksum operand (what ``x·w1``, ``x·w2`` and ``Σx`` would be in slices of the input dtype);
 * ``tma_regstats`` — ``tma_rowsums`` plus x's row max / min taken from the loaded x tile in
   registers (Triton 3.6 gave wrong y with the flattened loop: reported as ``wrong``);
-* ``stats_pass`` — a separate kernel reading x once for ``x·w1``, ``x·w2``, max / min / sum per row,
+* ``stats_pass`` — a separate kernel reading x once for ``x·w1``, ``x·w2``, max / min / sum per row
+  (the library's `kernels.abft_gemm._stats_kernel`, which the checked GEMM's persistent form runs since),
   and ``tma_rowsums+stats`` both launches.
 
 Every output is compared with ``F.linear``'s (``max_err``); a variant off by more than 0.05 is marked
@@ -52,6 +53,8 @@ try:
 except ImportError:  # pragma: no cover - the script needs a GPU with triton
     sys.exit("bench_gemm_forms.py needs triton")
 
+from ft_transformers.kernels.abft_gemm import STATS_COLS, STATS_ROWS, _stats_kernel  # noqa: E402  (its pass over x)
+
 # Qwen2-0.5B's prefill GEMMs at 4,096 tokens (q/o, k/v, gate/up, down) and the issue's squares
 SHAPES = [(4096, 896, 896), (4096, 128, 896), (4096, 4864, 896), (4096, 896, 4864), (2048, 2048, 2048),
           (4096, 4096, 4096)]
@@ -59,7 +62,6 @@ CONFIGS = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4)]  # 
 VARIANTS = ("tiles", "persistent", "tma", "tma_flat", "tma_rowsums", "tma_share", "tma_csumdot", "tma_regstats",
             "stats_pass", "tma_rowsums+stats")
 GROUP = 8
-STATS_ROWS, STATS_COLS = 8, 256  # rows per program and K chunk of `stats_pass`
 
 
 @triton.jit
@@ -178,34 +180,6 @@ def _tma_kernel(X, W, Y, B, C, W12, P, S, M, N, K, BM: tl.constexpr, BN: tl.cons
         yd.store([pid_m * BM, pid_n * BN], acc.to(Y.dtype.element_ty))
 
 
-@triton.jit
-def _stats_kernel(X, W12, S, M, K, R: tl.constexpr, CK: tl.constexpr):
-    """x·w1, x·w2, max, min, sum of R rows of x (M, K) per program, into S (M, 8)."""
-    rr = tl.program_id(0) * R + tl.arange(0, R)
-    r_ok = rr < M
-    ok = tl.arange(0, CK)
-    c1 = tl.zeros((R,), tl.float32)
-    c2 = tl.zeros((R,), tl.float32)
-    sm = tl.zeros((R,), tl.float32)
-    mx = tl.full((R,), -float("inf"), tl.float32)
-    mn = tl.full((R,), float("inf"), tl.float32)
-    for k0 in range(0, K, CK):
-        kk = k0 + ok
-        k_ok = kk < K
-        af = tl.load(X + rr[:, None] * K + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        c1 += tl.sum(af * tl.load(W12 + kk * 2, mask=k_ok, other=0.0)[None, :], axis=1)
-        c2 += tl.sum(af * tl.load(W12 + kk * 2 + 1, mask=k_ok, other=0.0)[None, :], axis=1)
-        sm += tl.sum(af, axis=1)
-        mx = tl.maximum(mx, tl.max(tl.where(k_ok[None, :], af, -float("inf")), axis=1))
-        mn = tl.minimum(mn, tl.min(tl.where(k_ok[None, :], af, float("inf")), axis=1))
-    srow = S + rr * 8
-    tl.store(srow, c1, mask=r_ok)
-    tl.store(srow + 1, c2, mask=r_ok)
-    tl.store(srow + 2, mx, mask=r_ok)
-    tl.store(srow + 3, mn, mask=r_ok)
-    tl.store(srow + 4, sm, mask=r_ok)
-
-
 def _alloc(size: int, align: int, stream) -> torch.Tensor:
     """Global scratch for the in-kernel TMA descriptors (`triton.set_allocator`)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
@@ -235,6 +209,7 @@ def make_variant(name: str, cfg: tuple[int, ...], x: torch.Tensor, w: torch.Tens
                    p=torch.zeros(t, m, 2, device=dev), s=torch.zeros(t, m, 8, device=dev),
                    s_rows=torch.zeros(m, 8, device=dev))
     w12, c, p, s, s_rows = buffers.values()
+    flag = torch.zeros(2, dtype=torch.int32, device=dev)  # the pass's non-finite flag and recompute counter
     grid_tiles = (triton.cdiv(m, bm) * t,)
     grid_sms = (min(sms, grid_tiles[0]),)
     opts = dict(num_warps=nw, num_stages=ns)
@@ -247,8 +222,9 @@ def make_variant(name: str, cfg: tuple[int, ...], x: torch.Tensor, w: torch.Tens
         elif name in _TMA_FLAGS:
             _tma_kernel[grid_sms](x, w, y, b, c, w12, p, s, m, n, k, bm, bn, bk, GROUP, sms, *_TMA_FLAGS[name],
                                   **opts)
-        if name in ("stats_pass", "tma_rowsums+stats"):
-            _stats_kernel[(triton.cdiv(m, STATS_ROWS),)](x, w12, s_rows, m, k, STATS_ROWS, STATS_COLS, num_warps=4)
+        if name in ("stats_pass", "tma_rowsums+stats"):  # (T = 0: the slot is s_rows itself)
+            _stats_kernel[(triton.cdiv(m, STATS_ROWS),)](x, w12, s_rows, flag, flag[1:], m, k, 0, k, 1, R=STATS_ROWS,
+                                                         CK=STATS_COLS, num_warps=4)
     run.buffers = buffers
     return run
 

@@ -643,6 +643,110 @@ def test_tuner_times_the_decode_kernel(monkeypatch):
     assert int(G._cells(x.device)[0].abs().sum().item()) == 0  # the split counts back to 0
 
 
+# --------------------------------------------------------------------------- the persistent form
+
+
+def _counted(monkeypatch, name):
+    """Wrap launcher ``name`` of the module; returns the list its calls are appended to."""
+    calls, real = [], getattr(G, name)
+
+    def spy(grid, args, kwargs):
+        calls.append(grid)
+        return real(grid, args, kwargs)
+    monkeypatch.setattr(G, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES16, ids=str)
+@pytest.mark.parametrize("kn", [False, True], ids=["linear", "conv1d"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_persistent_form_is_exact_and_verifies_like_float64(dtype, kn, with_bias, monkeypatch):
+    """The persistent form (a pass over x, a persistent TMA GEMM adding row sums, the verify launch; forced
+    with ``FTT_ABFT_GEMM_PERSISTENT=1``: on a GPU only wide calls take it): y within the GEMM bound of
+    float64, no events on clean inputs, and the verification quantities are float64's: C1 = x·w1 + b1, and
+    D1 far below the threshold."""
+    monkeypatch.setenv("FTT_ABFT_GEMM_PERSISTENT", "1")
+    stats, gemm = _counted(monkeypatch, "_STATS_LAUNCH"), _counted(monkeypatch, "_PERSISTENT_LAUNCH")
+    m, n, k = 72, 80, 96  # row blocks, column tiles and K blocks of 32 that do not all divide evenly
+    x = _rand((m, k), dtype, 81)
+    w = _rand((k, n) if kn else (n, k), dtype, 82, k**-0.5)
+    b = _rand((n,), dtype, 83) if with_bias else None
+    ref = _ref64(x, w, b, kn)
+    y, st = _run(x, w, b, kn=kn)
+    assert stats and gemm, "the persistent form did not run"
+    assert st == ZERO
+    assert float((y.double().cpu() - ref).abs().max()) <= _gemm_rel_tol(dtype, k) * float(ref.abs().max())
+    res = G.gemm_residuals(x, w, b, weight_is_kn=kn)
+    w_nk = (w.t() if kn else w).double().cpu()
+    c1 = x.double().cpu() @ w_nk.sum(0) + (b.double().cpu().sum() if b is not None else 0.0)
+    assert torch.allclose(res["c1"].double().cpu(), c1, rtol=1e-5, atol=1e-4)
+    assert float((res["d1"].abs() / res["thr"]).max()) < 0.5  # thr with e_max = 1: D1 is fp32 rounding
+    assert dict(FaultStats(res["counters"])) == ZERO
+
+
+def test_persistent_form_counts_and_repairs_like_the_two_launch_form(monkeypatch):
+    """Checksums of another weight (row 5 of W changed): every row's D1 is x·Δ, which locates column 5
+    and whose repair cannot explain it, so the first 16 rows are recomputed and the rest counted
+    uncorrectable: the persistent form and the two-launch tile form (same verify launch) give the same
+    counts and the same y. A non-finite x switches the call's checks off: one ``nonfinite_input``."""
+    m, n, k = 40, 64, 64
+    x = _rand((m, k), torch.float16, 91)
+    w = _rand((n, k), torch.float16, 92, k**-0.5)
+    b = _rand((n,), torch.float16, 93)
+    w_bad = w.clone()
+    w_bad[5] += 1.0
+    wc_bad = WeightChecksums.compute(w_bad, b)
+    out = {}
+    for form, env in (("persistent", {"FTT_ABFT_GEMM_PERSISTENT": "1"}),
+                      ("two", {"FTT_ABFT_GEMM_PERSISTENT": "0", "FTT_ABFT_GEMM_ONE_LAUNCH": "0"})):
+        with monkeypatch.context() as mp:
+            for key, val in env.items():
+                mp.setenv(key, val)
+            cnt = new_counters(DEV)
+            with torch.no_grad():
+                y = G.checked_gemm(x, w, b, wc=wc_bad, counters=cnt)
+            out[form] = (y, dict(FaultStats(cnt)))
+    assert out["persistent"][1] == out["two"][1] == dict(ZERO, detected=m, recomputed=16, uncorrectable=m - 16)
+    assert torch.equal(out["persistent"][0], out["two"][0])
+    monkeypatch.setenv("FTT_ABFT_GEMM_PERSISTENT", "1")
+    # a repeated signature replays the recorded launches (`_PreparedCall`) with the new call's tensors
+    gemm = _counted(monkeypatch, "_PERSISTENT_LAUNCH")
+    recorded = []
+    cnt = new_counters(DEV)  # (a layer's counters: part of the call's signature)
+    for i in range(2):
+        with torch.no_grad():
+            y = G.checked_gemm(x, w, b, wc=wc_bad, counters=cnt)
+        assert torch.equal(y, out["two"][0])
+        assert dict(FaultStats(cnt)) == {key: (i + 1) * v for key, v in out["two"][1].items()}
+        recorded.append(dict(wc_bad.launches))
+    assert len(gemm) == 2 and recorded[0] == recorded[1]  # the second call recorded nothing new
+    x_nan = x.clone()
+    x_nan[7, 3] = float("nan")
+    _, st = _run(x_nan, w, b)
+    assert st == dict(ZERO, nonfinite_input=1)
+
+
+def test_persistent_form_is_only_taken_where_it_pays(monkeypatch):
+    """``auto`` never takes it in the interpreter, nor for fp32, narrow N or unaligned rows; ``0`` never."""
+    x = torch.zeros((64, 64), dtype=torch.float16, device=DEV)
+    w = torch.zeros((64, 64), dtype=torch.float16, device=DEV)
+    y = torch.zeros((64, 64), dtype=torch.float16, device=DEV)
+    monkeypatch.setenv("FTT_ABFT_GEMM_PERSISTENT", "1")
+    assert G._persistent_ok(64, 64, 64, x, w, y)
+    assert not G._persistent_ok(64, 64, 64, x.float(), w.float(), y.float())
+    x60 = torch.zeros((64, 60), dtype=torch.float16, device=DEV)  # rows of 120 bytes: no TMA
+    assert not G._persistent_ok(64, 64, 60, x60, w[:, :60], y)
+    monkeypatch.setenv("FTT_ABFT_GEMM_PERSISTENT", "0")
+    assert not G._persistent_ok(64, 64, 64, x, w, y)
+    monkeypatch.delenv("FTT_ABFT_GEMM_PERSISTENT")
+    if G.interpreting():
+        assert not G._persistent_ok(64, 64, 64, x, w, y)
+    else:
+        assert not G._persistent_ok(4096, 896, 4864, x, w, y)  # narrow N
+        assert not G._persistent_ok(2048, 2048, 2048, x, w, y)  # too few multiply-adds
+        assert not G._persistent_ok(4096, 4864, 896, x, w, y)  # eager and host-bound
+
+
 # --------------------------------------------------------------------------- inputs
 
 
