@@ -345,9 +345,13 @@ def test_decode_checksum_programs_verify_like_reference(dtype, m, split, monkeyp
             y_r, st_r = ftt.checked_linear(x, w, b, inject=spec, backend="reference")
         assert dict(st_t) == dict(st_r) and st_t["detected"] >= 1, (count, dict(st_t), dict(st_r))
         assert float((y_t.double().cpu() - ref).abs().max()) <= tol, count
-        # the injecting call took the checksum programs too, split-K as asked (its fixed config may
-        # split differently from the clean call's on a GPU)
-        assert grids[-1][1] and grids[-1][3] == splits[0], grids[-1]
+        # the injecting call took the checksum programs too, split-K as asked (on a GPU its fixed config
+        # may split where the clean call's tuned one did not: on the H100 in session 31 it did)
+        assert grids[-1][1], grids[-1]
+        if split == "1" or G.interpreting():
+            assert grids[-1][3] == splits[0], grids[-1]
+        else:
+            assert grids[-1][3] == (grids[-1][4] > 1), grids[-1]
         assert float(G._cells(x.device)[2].abs().sum().item()) == 0.0
         assert int(G._cells(x.device)[0].abs().sum().item()) == 0  # the split counts too
 
