@@ -382,6 +382,16 @@ def _csum_chunk(X, W12, S, Flag, chunk, M, K, sxm, sxk, call_id, CSUM_R: tl.cons
     _store_stats(S + (chunk * M + rows) * 8, r_ok, c1, c2, mx, mn, sm, Flag, call_id)
 
 
+@triton.jit
+def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP: tl.constexpr):
+    """(pid_m, pid_n) of output tile ``tile`` in grouped order: GROUP row blocks walk the column tiles
+    together, so a W tile is read from L2 by the GROUP programs that need it."""
+    in_group = GROUP * num_pid_n
+    first_m = (tile // in_group) * GROUP
+    gsize = tl.minimum(num_pid_m - first_m, GROUP)
+    return first_m + ((tile % in_group) % gsize), (tile % in_group) // gsize
+
+
 @triton.jit(do_not_specialize=["call_id", "w_finite"])
 def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
                  M, N, K, sxm, sxk, swn, swk, sym, syn, inv_n, call_id,
@@ -437,12 +447,7 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, W12, P, Inj, Flag, Ws,
         split = 0
     else:
         split = 0
-        in_group = GROUP * num_pid_n
-        group_id = pid // in_group
-        first_m = group_id * GROUP
-        gsize = tl.minimum(num_pid_m - first_m, GROUP)
-        pid_m = first_m + ((pid % in_group) % gsize)
-        pid_n = (pid % in_group) // gsize
+        pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_am = offs_m % M  # wrapped rows: in-bounds loads without a mask, never stored
@@ -782,11 +787,7 @@ def _persistent_kernel(X, W, Y, Bias, P, M, N, K, sxm, sw, sym, inv_n, BLOCK_M: 
         wd = tl.make_tensor_descriptor(W, shape=[N, K], strides=[sw, 1], block_shape=[BLOCK_N, BLOCK_K])
     yd = tl.make_tensor_descriptor(Y, shape=[M, N], strides=[sym, 1], block_shape=[BLOCK_M, BLOCK_N])
     for tile in tl.range(pid, num_pid_m * num_pid_n, NUM_SMS, flatten=True):
-        in_group = GROUP * num_pid_n
-        first_m = (tile // in_group) * GROUP
-        gsize = tl.minimum(num_pid_m - first_m, GROUP)
-        pid_m = first_m + ((tile % in_group) % gsize)
-        pid_n = (tile % in_group) // gsize
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for kb in range(tl.cdiv(K, BLOCK_K)):
             a = xd.load([pid_m * BLOCK_M, kb * BLOCK_K])
@@ -856,6 +857,14 @@ TMA_MIN_MNK = 1 << 36  # eager calls with fewer multiply-adds (M·N·K < 4096³)
 _CAPABILITY: dict[torch.device, int] = {}
 
 
+def _hopper(dev: torch.device) -> bool:
+    """Whether the CUDA device is a Hopper or newer GPU (TMA), cached per device."""
+    cap = _CAPABILITY.get(dev)
+    if cap is None:
+        cap = _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)[0]
+    return cap >= 9
+
+
 def _host_bound(m: int, n: int, k: int) -> bool:
     """An eager call this small takes longer on the host than on the GPU (H100: < TMA_MIN_MNK multiply-adds)."""
     return m * n * k < TMA_MIN_MNK
@@ -881,10 +890,7 @@ def _tma_ok(m: int, n: int, k: int, *ts: torch.Tensor) -> bool:
     if not _INTERP:
         if dev.type != "cuda":
             return False
-        cap = _CAPABILITY.get(dev)
-        if cap is None:
-            cap = _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)[0]
-        if cap < 9:
+        if not _hopper(dev):
             return False
         if mode != "1" and _host_bound(m, n, k):
             return False
@@ -934,11 +940,7 @@ def _persistent_ok(m: int, n: int, k: int, x2d: torch.Tensor, weight: torch.Tens
         if mode != "1":
             return False
     else:
-        dev = x2d.device
-        cap = _CAPABILITY.get(dev)
-        if cap is None:
-            cap = _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)[0]
-        if cap < 9:
+        if not _hopper(x2d.device):
             return False
         if mode != "1":
             if n < PERSISTENT_MIN_N or m * n * k < PERSISTENT_MIN_MNK:
@@ -1573,14 +1575,14 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         _group_sums(wc, weight, bias, weight_is_kn)
     t = _cdiv(n, cfg[1])
     one = grouped or (not persist and _one_launch(m, n, k, cfg[0], dev))
-    ts = min(t, _cdiv(k, cfg[2]))  # statistics slots that can hold a tile's share (`_verify_rows`)
+    # statistics slots that can hold a share (`_verify_rows`): the pass's one, or the tiles' up to the K blocks
+    ts = 1 if persist else min(t, _cdiv(k, cfg[2]))
     if persist:
         flag, call_id = call_flag(dev, self_reset=False)
         P = _call_buffer(m, n, k, cfg, False, True, dev, y)
         launches = [(3, (_cdiv(m, STATS_ROWS),), (x2d, wc.w12, P, flag, slots, m, k, t, x2d.stride(0), call_id),
                      dict(R=STATS_ROWS, CK=STATS_COLS, num_warps=4)),
                     (4, *_persistent_call(cfg, L, bias, P, verify_output))]
-        ts = 1
     elif grouped:
         P, call_id = _grouped_buffer(m, n, k, cfg, dev), None
         launches = [(2, *_grouped_call(cfg, L, bias=bias, groups=_group_sums(wc, weight, bias, weight_is_kn), P=P,

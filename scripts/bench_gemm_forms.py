@@ -53,7 +53,8 @@ try:
 except ImportError:  # pragma: no cover - the script needs a GPU with triton
     sys.exit("bench_gemm_forms.py needs triton")
 
-from ft_transformers.kernels.abft_gemm import STATS_COLS, STATS_ROWS, _stats_kernel  # noqa: E402  (its pass over x)
+# the library's pass over x and grouped tile order
+from ft_transformers.kernels.abft_gemm import STATS_COLS, STATS_ROWS, _grouped_tile, _stats_kernel  # noqa: E402
 
 # Qwen2-0.5B's prefill GEMMs at 4,096 tokens (q/o, k/v, gate/up, down) and the issue's squares
 SHAPES = [(4096, 896, 896), (4096, 128, 896), (4096, 4864, 896), (4096, 896, 4864), (2048, 2048, 2048),
@@ -65,18 +66,9 @@ GROUP = 8
 
 
 @triton.jit
-def _tile_ids(tile, num_pid_m, num_pid_n, GROUP: tl.constexpr):
-    """Grouped order: GROUP row blocks share the column tiles (L2 reuse of W)."""
-    in_group = GROUP * num_pid_n
-    first_m = (tile // in_group) * GROUP
-    gsize = tl.minimum(num_pid_m - first_m, GROUP)
-    return first_m + ((tile % in_group) % gsize), (tile % in_group) // gsize
-
-
-@triton.jit
 def _tiles_kernel(X, W, Y, B, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     """One program per (BM, BN) tile of y (M, N); x (M, K), W (N, K), b (N,); K a multiple of BK."""
-    pid_m, pid_n = _tile_ids(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP)
     om = pid_m * BM + tl.arange(0, BM)
     on = pid_n * BN + tl.arange(0, BN)
     ok = tl.arange(0, BK)
@@ -99,7 +91,7 @@ def _persistent_kernel(X, W, Y, B, M, N, K, BM: tl.constexpr, BN: tl.constexpr, 
     num_pid_n = tl.cdiv(N, BN)
     ok = tl.arange(0, BK)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
-        pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP)
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP)
         om = pid_m * BM + tl.arange(0, BM)
         on = pid_n * BN + tl.arange(0, BN)
         am = tl.max_contiguous(tl.multiple_of(om % M, BM), BM)
@@ -129,7 +121,7 @@ def _tma_kernel(X, W, Y, B, C, W12, P, S, M, N, K, BM: tl.constexpr, BN: tl.cons
     cd = tl.make_tensor_descriptor(C, shape=[16, K], strides=[K, 1], block_shape=[16, BK])
     ok = tl.arange(0, BK)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=FLAT):
-        pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, GROUP)
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP)
         om = pid_m * BM + tl.arange(0, BM)
         m_ok = om < M
         acc = tl.zeros((BM, BN), tl.float32)
