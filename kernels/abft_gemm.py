@@ -205,12 +205,16 @@ PREPARED_PER_WEIGHT = 64  # prepared call signatures kept per weight (`_Prepared
 # their row sums, and the verify launch. On an H100 the persistent TMA plain
 # GEMM reached 0.89-1.01× cuBLAS where the tile kernel reached 0.68-0.78, and every form of the checksum share
 # inside its K loop cost 5-50 %; the pass reads x once more (1.3-1.8 TB/s), which only a wide N amortises
-# (session 31, `scripts/bench_gemm_forms.py`, docs/vabft.md).
+# (session 31, `scripts/bench_gemm_forms.py`, docs/vabft.md). Since session 32 the GEMM's programs with a tile
+# fewer make that pass after their tiles where they have room (`_slack_stats`): on an H200 under CUDA graphs,
+# 4096³ went from 0.85 / 0.83× cuBLAS (fp16 / bf16) to 0.91 / 0.90×.
 PERSISTENT_CONFIG = (128, 256, 64, 8, 3)  # BM, BN, BK, warps, stages: the fastest at every session-31 shape
 PERSISTENT_CONFIG_INTERPRET = (32, 32, 32, 4, 1)
 PERSISTENT_MIN_N = 2048
 PERSISTENT_MIN_MNK = 1 << 34
 STATS_ROWS, STATS_COLS = 8, 256  # rows per program and K chunk of its pass over x (`_stats_kernel`)
+SLACK_ROW_BLOCKS = 2  # row blocks of x per idle persistent program, at most, for the pass there (`_slack_stats`)
+SLACK_BLOCK_K, SLACK_STAGES = 128, 4  # its loads of x: (BLOCK_M, SLACK_BLOCK_K) blocks, SLACK_STAGES in flight
 _TUNE_CACHE: dict[tuple, tuple] = {}  # key → config (5 entries, or 6 with False: no split-K)
 
 
@@ -753,6 +757,60 @@ def _stats_rows(X, W12, S, Flag, rows, M, K, sxm, sxk, call_id, CK: tl.constexpr
     _store_stats(S + rows * 8, r_ok, c1, c2, mx, mn, sm, Flag, call_id)
 
 
+@triton.jit
+def _max_min16(mx, mn, a, b):
+    """(max(mx, a), min(mn, b)) elementwise, in the operands' dtype: fp16 and fp32 as Triton does them, bf16
+    as two packed PTX ``max.bf16x2`` / ``min.bf16x2`` (Triton widens bf16 to fp32 and back: twice the
+    instructions). A NaN is dropped, as `_stats_rows`' max / min drop it (the sum keeps it)."""
+    if mx.dtype == tl.bfloat16:
+        mx = tl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [mx, a], dtype=tl.bfloat16,
+                                       is_pure=True, pack=2)
+        mn = tl.inline_asm_elementwise("min.bf16x2 $0, $1, $2;", "=r,r,r", [mn, b], dtype=tl.bfloat16,
+                                       is_pure=True, pack=2)
+    else:
+        mx = tl.maximum(mx, a)
+        mn = tl.minimum(mn, b)
+    return mx, mn
+
+
+@triton.jit
+def _stats_block(xd, W16, Winv, S, Flag, row0, M, K, call_id, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STAGES: tl.constexpr, DOT_F32: tl.constexpr):
+    """`_stats_rows` for the BLOCK_M rows of x (M, K) from ``row0``, as a persistent GEMM program with a tile
+    fewer makes them: x loaded by the TMA descriptor ``xd`` (zero past M and K) in (BLOCK_M, BLOCK_K) blocks,
+    STAGES loads in flight. ``x·w1``, ``x·w2`` and the row sum are one tensor-core dot per block against
+    ``W16`` (K, 16) in x's dtype (`_stats_operand`: w1 and w2 in slices, then ones; ``Winv`` (2,) fp32 the
+    slices' inverse scales); max and min are kept per element in x's dtype (exact) and reduced once. The
+    CUDA-core form of `_stats_rows` moved ~30 GB/s per SM on an H200: too slow for the idle programs."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    cols = tl.arange(0, 16)
+    DT: tl.constexpr = W16.dtype.element_ty
+    MT: tl.constexpr = tl.float32 if DOT_F32 else DT  # (the interpreter's bf16 max / min are not)
+    acc = tl.zeros((BLOCK_M, 16), tl.float32)
+    mx = tl.full((BLOCK_M, BLOCK_K), -float("inf"), MT)
+    mn = tl.full((BLOCK_M, BLOCK_K), float("inf"), MT)
+    nfull = K // BLOCK_K
+    for kb in tl.range(nfull, num_stages=STAGES):
+        xt = xd.load([row0, kb * BLOCK_K])
+        acc = _mma(xt, tl.load(W16 + (kb * BLOCK_K + offs_k)[:, None] * 16 + cols[None, :]), acc, DOT_F32)
+        mx, mn = _max_min16(mx, mn, xt.to(MT), xt.to(MT))
+    if nfull * BLOCK_K < K:  # the last, partial block: TMA's zeros past K must not enter max / min
+        kk = nfull * BLOCK_K + offs_k
+        k_ok = kk < K
+        xt = xd.load([row0, nfull * BLOCK_K])
+        acc = _mma(xt, tl.load(W16 + kk[:, None] * 16 + cols[None, :], mask=k_ok[:, None], other=0.0), acc, DOT_F32)
+        mx, mn = _max_min16(mx, mn, tl.where(k_ok[None, :], xt, -float("inf")).to(MT),
+                            tl.where(k_ok[None, :], xt, float("inf")).to(MT))
+    # W16's columns: w1 in slices 0 .. P-1, w2 in P .. 2P-1, ones at 2P (P = 2 for fp16, 3 for bf16)
+    P: tl.constexpr = 2 if DT == tl.float16 else 3
+    c1 = tl.sum(tl.where(cols[None, :] < P, acc, 0.0), axis=1) * tl.load(Winv)
+    c2 = tl.sum(tl.where((cols[None, :] >= P) & (cols[None, :] < 2 * P), acc, 0.0), axis=1) * tl.load(Winv + 1)
+    sm = tl.sum(tl.where(cols[None, :] == 2 * P, acc, 0.0), axis=1)
+    _store_stats(S + rows * 8, rows < M, c1, c2, tl.max(mx, axis=1).to(tl.float32), tl.min(mn, axis=1).to(tl.float32),
+                 sm, Flag, call_id)
+
+
 @triton.jit(do_not_specialize=["call_id"])
 def _stats_kernel(X, W12, P, Flag, Ws, M, K, T, sxm, call_id, R: tl.constexpr, CK: tl.constexpr):
     """The persistent form's first launch, a pass over x (M, K), R rows per program (`_stats_rows`): the
@@ -765,16 +823,24 @@ def _stats_kernel(X, W12, P, Flag, Ws, M, K, T, sxm, call_id, R: tl.constexpr, C
     _stats_rows(X, W12, P + T * M * 2, Flag, pid * R + tl.arange(0, R), M, K, sxm, 1, call_id, CK)
 
 
-@triton.jit
-def _persistent_kernel(X, W, Y, Bias, P, M, N, K, sxm, sw, sym, inv_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP: tl.constexpr, NUM_SMS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       W_KN: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, DOT_F32: tl.constexpr):
-    """The persistent form's GEMM, after `_stats_kernel`: NUM_SMS programs loop over the (BLOCK_M, BLOCK_N)
-    tiles of y (M, N) in grouped order, with x (M, K), W (N, K) (or (K, N) when W_KN) and y moved by TMA
-    descriptors made here (plain pointer arguments, so a prepared call replays it), the tile and K loops
-    flattened into one pipeline. Epilogue: bias in fp32, the two row partial sums of each tile into ``P``
-    (T, M, 2) as `_tile_epilogue` stores them (of the fp32 accumulators, or of the rounded outputs with
-    VERIFY_OUTPUT), y rounded and stored. No checksum work in the K loop (it cost 5-50 % there).
+@triton.jit(do_not_specialize=["call_id"])
+def _persistent_kernel(X, W, Y, Bias, P, W16, Winv, Flag, Ws, M, N, K, sxm, sw, sym, inv_n, call_id,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                       NUM_SMS: tl.constexpr, HAS_BIAS: tl.constexpr, W_KN: tl.constexpr,
+                       VERIFY_OUTPUT: tl.constexpr, DOT_F32: tl.constexpr, STATS: tl.constexpr,
+                       STATS_BK: tl.constexpr, STATS_STAGES: tl.constexpr):
+    """The persistent form's GEMM: NUM_SMS programs loop over the (BLOCK_M, BLOCK_N) tiles of y (M, N) in
+    grouped order, with x (M, K), W (N, K) (or (K, N) when W_KN) and y moved by TMA descriptors made here
+    (plain pointer arguments, so a prepared call replays it), the tile and K loops flattened into one
+    pipeline. Epilogue: bias in fp32, the two row partial sums of each tile into ``P`` (T, M, 2) as
+    `_tile_epilogue` stores them (of the fp32 accumulators, or of the rounded outputs with VERIFY_OUTPUT),
+    y rounded and stored. No checksum work in the K loop (it cost 5-50 % there).
+
+    STATS: the pass over x for ``x·w1``, ``x·w2`` (``W16``, ``Winv``) and the row statistics, into the slot after
+    ``P``'s T tiles, is made here (else by `_stats_kernel` before): the programs with a tile fewer than the
+    others (the last, partial wave leaves NUM_SMS − T mod NUM_SMS of them idle) take the row blocks in
+    turn after their tiles, `_stats_block`; program 0 zeroes ``Ws`` as `_stats_kernel` does. The host
+    sets it only where that slack has room (`_slack_stats`).
     Row strides sxm, sw (of W as stored), sym; unit inner strides, 16-byte aligned rows (`_persistent_ok`).
     DOT_F32: the interpreter's dots in fp32 (as `_gemm_tile`'s)."""
     pid = tl.program_id(0)
@@ -811,6 +877,15 @@ def _persistent_kernel(X, W, Y, Bias, P, M, N, K, sxm, sw, sym, inv_n, BLOCK_M: 
         tl.store(prow, tl.sum(v, axis=1), mask=m_ok)
         tl.store(prow + 1, tl.sum(v * ((offs_n + 1).to(tl.float32) * inv_n)[None, :], axis=1), mask=m_ok)
         yd.store([pid_m * BLOCK_M, pid_n * BLOCK_N], yv)
+    if STATS:
+        if pid == 0:
+            tl.store(Ws, 0)
+        full = (num_pid_m * num_pid_n) % NUM_SMS  # programs 0 .. full-1 have one tile more
+        if pid >= full:
+            sd = tl.make_tensor_descriptor(X, shape=[M, K], strides=[sxm, 1], block_shape=[BLOCK_M, STATS_BK])
+            for rb in range(pid - full, num_pid_m, NUM_SMS - full):
+                _stats_block(sd, W16, Winv, P + num_pid_n * M * 2, Flag, rb * BLOCK_M, M, K, call_id, BLOCK_M,
+                             STATS_BK, STATS_STAGES, DOT_F32)
 
 
 def interpreting() -> bool:
@@ -826,7 +901,7 @@ _STATS_LAUNCH = DirectLauncher(_stats_kernel, _INTERP)
 _PERSISTENT_LAUNCH = DirectLauncher(_persistent_kernel, _INTERP)
 # where each launch takes its call id (the decode kernel takes none: it has no non-finite flag)
 _CALL_ID_AT = (_gemm_kernel.arg_names.index("call_id"), _verify_kernel.arg_names.index("call_id"), None,
-               _stats_kernel.arg_names.index("call_id"), None)
+               _stats_kernel.arg_names.index("call_id"), _persistent_kernel.arg_names.index("call_id"))
 
 
 def _launcher(which: int) -> DirectLauncher:
@@ -1218,6 +1293,31 @@ def _group_sums(wc: WeightChecksums, weight: torch.Tensor, bias: torch.Tensor | 
     return g
 
 
+def _stats_operand(wc: WeightChecksums, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's checksum vectors as `_stats_block`'s dot operand, cached with its `WeightChecksums`:
+    ``W16`` (K, 16) in ``dtype`` (fp16 / bf16) holds ``w1`` in slices (columns 0 .. P-1), ``w2`` in slices
+    (P .. 2P-1) and ones (column 2P): P = 2 slices for fp16 (scaled by a power of two so that the larger
+    |value| lands in [2^14, 2^15): 22 significant bits, nothing overflows), 3 for bf16 (24 bits, unscaled);
+    ``Winv`` (2,) fp32 the inverse scales. Device ops only (no host read)."""
+    key = ("stats", dtype)
+    op = wc.groups.get(key)
+    if op is None:
+        w12 = wc.w12
+        parts = 2 if dtype == torch.float16 else 3
+        scale = torch.ones(2, dtype=torch.float32, device=w12.device)
+        if dtype == torch.float16:  # amax = f·2^e with f in [0.5, 1): ·2^(15 − e) puts it in [2^14, 2^15)
+            scale = torch.ldexp(scale, 15 - torch.frexp(w12.abs().amax(0)).exponent)
+        rest = w12 * scale
+        w16 = torch.zeros((w12.shape[0], 16), dtype=dtype, device=w12.device)
+        for i in range(parts):
+            sl = rest.to(dtype)
+            w16[:, i], w16[:, parts + i] = sl[:, 0], sl[:, 1]
+            rest = rest - sl.float()
+        w16[:, 2 * parts] = 1
+        op = wc.groups[key] = (w16, 1.0 / scale)
+    return op
+
+
 def _grouped_split(n: int, k: int, cfg, device: torch.device) -> tuple[int, int]:
     """(n_split, kb_per) of a decode-kernel call: `_split_k`, or none when the config says so."""
     if len(cfg) > 5 and not cfg[5]:
@@ -1312,16 +1412,35 @@ def _gemm_call(cfg, L: _Launch, *, bias, w12, P, inj, flag, ws, call_id, detect,
     )
 
 
-def _persistent_call(cfg, L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, verify_output: bool) -> tuple:
-    """The persistent form's GEMM (`_persistent_kernel`) as ``(grid, args, kwargs)``: one program per SM."""
+def _slack_stats(m: int, n: int, cfg, sms: int) -> bool:
+    """Whether the persistent GEMM's programs with a tile fewer (`_persistent_kernel`'s STATS) make the pass
+    over x: there are some (the tiles do not fill whole waves of ``sms`` programs), and none takes more than
+    SLACK_ROW_BLOCKS of x's row blocks. A row block's pass reads a third of a (128, 256) tile's operand bytes
+    and does no MMA, so two fit in the time of the tile such a program does not have (session 32); else
+    `_stats_kernel` runs first, a launch of its own."""
+    if env_get("FTT_ABFT_GEMM_SLACK_STATS", "1") == "0":
+        return False
+    tiles = _cdiv(m, cfg[0]) * _cdiv(n, cfg[1])
+    idle = sms - tiles % sms if tiles % sms else 0
+    return idle > 0 and _cdiv(_cdiv(m, cfg[0]), idle) <= SLACK_ROW_BLOCKS
+
+
+def _persistent_call(cfg, L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, verify_output: bool, *,
+                     stats: tuple | None, flag: torch.Tensor, ws: torch.Tensor, call_id: int) -> tuple:
+    """The persistent form's GEMM (`_persistent_kernel`) as ``(grid, args, kwargs)``: one program per SM (per
+    tile if fewer, unless ``stats``, `_stats_operand`'s (W16, Winv): then the pass over x too, `_slack_stats`)."""
     bm, bn, bk, warps, stages = cfg[:5]
     m, k = L.x.shape
     n = L.y.shape[1]
-    sms = min(_cdiv(m, bm) * _cdiv(n, bn), INTERPRET_SMS if _INTERP else sm_count(L.x.device))
-    return (sms,), (L.x, L.w, L.y, bias if bias is not None else L.y, P, m, n, k, L.x.stride(0), L.w.stride(0),
-                    L.y.stride(0), 1.0 / n), dict(
+    sms = INTERPRET_SMS if _INTERP else sm_count(L.x.device)
+    if stats is None:
+        sms = min(_cdiv(m, bm) * _cdiv(n, bn), sms)
+    w16, winv = stats if stats is not None else (L.x, P)
+    return (sms,), (L.x, L.w, L.y, bias if bias is not None else L.y, P, w16, winv, flag, ws, m, n, k,
+                    L.x.stride(0), L.w.stride(0), L.y.stride(0), 1.0 / n, call_id), dict(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, NUM_SMS=sms, HAS_BIAS=bias is not None, W_KN=L.kn,
-        VERIFY_OUTPUT=verify_output, DOT_F32=_INTERP, num_warps=warps, num_stages=stages)
+        VERIFY_OUTPUT=verify_output, DOT_F32=_INTERP, STATS=stats is not None,
+        STATS_BK=bk if _INTERP else SLACK_BLOCK_K, STATS_STAGES=SLACK_STAGES, num_warps=warps, num_stages=stages)
 
 
 def _pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, grouped: bool = False, siblings: tuple = ()):
@@ -1573,6 +1692,8 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         # in the graphs' warm-up lands in their pool and makes the capture fail ("tensor(s) in the
         # cudagraph pool not tracked as outputs")
         _group_sums(wc, weight, bias, weight_is_kn)
+    if not grouped and x2d.dtype != torch.float32 and (persist or n >= PERSISTENT_MIN_N):
+        _stats_operand(wc, x2d.dtype)  # likewise (an eager call may not take the form its captured twin takes)
     t = _cdiv(n, cfg[1])
     one = grouped or (not persist and _one_launch(m, n, k, cfg[0], dev))
     # statistics slots that can hold a share (`_verify_rows`): the pass's one, or the tiles' up to the K blocks
@@ -1580,9 +1701,13 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
     if persist:
         flag, call_id = call_flag(dev, self_reset=False)
         P = _call_buffer(m, n, k, cfg, False, True, dev, y)
-        launches = [(3, (_cdiv(m, STATS_ROWS),), (x2d, wc.w12, P, flag, slots, m, k, t, x2d.stride(0), call_id),
-                     dict(R=STATS_ROWS, CK=STATS_COLS, num_warps=4)),
-                    (4, *_persistent_call(cfg, L, bias, P, verify_output))]
+        sms = INTERPRET_SMS if _INTERP else sm_count(dev)
+        slack = _slack_stats(m, n, cfg, sms)
+        launches = [] if slack else [
+            (3, (_cdiv(m, STATS_ROWS),), (x2d, wc.w12, P, flag, slots, m, k, t, x2d.stride(0), call_id),
+             dict(R=STATS_ROWS, CK=STATS_COLS, num_warps=4))]
+        launches.append((4, *_persistent_call(cfg, L, bias, P, verify_output, flag=flag, ws=slots, call_id=call_id,
+                                              stats=_stats_operand(wc, x2d.dtype) if slack else None)))
     elif grouped:
         P, call_id = _grouped_buffer(m, n, k, cfg, dev), None
         launches = [(2, *_grouped_call(cfg, L, bias=bias, groups=_group_sums(wc, weight, bias, weight_is_kn), P=P,
@@ -1711,9 +1836,10 @@ def _checked_gemm_siblings(x2d, weights, biases, wcs, counters, emax, csigma, co
 
 
 _env_key = env_reader(("FTT_ABFT_GEMM_TMA", "FTT_ABFT_GEMM_ONE_LAUNCH", "FTT_ABFT_GEMM_CONFIG", "FTT_ABFT_GEMM_TUNE",
-                       "FTT_DIRECT_LAUNCH", "FTT_ABFT_GEMM_SPLIT", "FTT_ABFT_GEMM_GROUPS", "FTT_ABFT_GEMM_PERSISTENT"))
+                       "FTT_DIRECT_LAUNCH", "FTT_ABFT_GEMM_SPLIT", "FTT_ABFT_GEMM_GROUPS", "FTT_ABFT_GEMM_PERSISTENT",
+                       "FTT_ABFT_GEMM_SLACK_STATS"))
 """() -> the environment settings a call's launch plan depends on (`_tma_ok`, `_one_launch`, `_pick_config`,
-`_persistent_ok`, `DirectLauncher`), raw."""
+`_persistent_ok`, `_slack_stats`, `DirectLauncher`), raw."""
 
 
 class _PreparedCall:

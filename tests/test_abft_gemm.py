@@ -664,12 +664,16 @@ def _counted(monkeypatch, name):
 @pytest.mark.parametrize("dtype", DTYPES16, ids=str)
 @pytest.mark.parametrize("kn", [False, True], ids=["linear", "conv1d"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-def test_persistent_form_is_exact_and_verifies_like_float64(dtype, kn, with_bias, monkeypatch):
-    """The persistent form (a pass over x, a persistent TMA GEMM adding row sums, the verify launch; forced
-    with ``FTT_ABFT_GEMM_PERSISTENT=1``: on a GPU only wide calls take it): y within the GEMM bound of
-    float64, no events on clean inputs, and the verification quantities are float64's: C1 = x·w1 + b1, and
-    D1 far below the threshold."""
+@pytest.mark.parametrize("slack", [True, False], ids=["slack-stats", "stats-launch"])
+def test_persistent_form_is_exact_and_verifies_like_float64(dtype, kn, with_bias, slack, monkeypatch):
+    """The persistent form (the pass over x in the GEMM's idle programs or a launch before it, a persistent
+    TMA GEMM adding row sums, the verify launch; forced with ``FTT_ABFT_GEMM_PERSISTENT=1``: on a GPU only
+    wide calls take it): y within the GEMM bound of float64, no events on clean inputs, and the verification
+    quantities are float64's: C1 = x·w1 + b1, and D1 far below the threshold (x's statistics are right)."""
     monkeypatch.setenv("FTT_ABFT_GEMM_PERSISTENT", "1")
+    monkeypatch.setenv("FTT_ABFT_GEMM_SLACK_STATS", "1" if slack else "0")
+    if not G.interpreting():
+        monkeypatch.setenv("FTT_ABFT_GEMM_CONFIG", ",".join(map(str, G.PERSISTENT_CONFIG_INTERPRET)))
     stats, gemm = _counted(monkeypatch, "_STATS_LAUNCH"), _counted(monkeypatch, "_PERSISTENT_LAUNCH")
     m, n, k = 72, 80, 96  # row blocks, column tiles and K blocks of 32 that do not all divide evenly
     x = _rand((m, k), dtype, 81)
@@ -677,7 +681,8 @@ def test_persistent_form_is_exact_and_verifies_like_float64(dtype, kn, with_bias
     b = _rand((n,), dtype, 83) if with_bias else None
     ref = _ref64(x, w, b, kn)
     y, st = _run(x, w, b, kn=kn)
-    assert stats and gemm, "the persistent form did not run"
+    assert gemm, "the persistent form did not run"
+    assert bool(stats) != slack  # 9 tiles on 4 programs (more on a GPU): 3 row blocks in the idle programs
     assert st == ZERO
     assert float((y.double().cpu() - ref).abs().max()) <= _gemm_rel_tol(dtype, k) * float(ref.abs().max())
     res = G.gemm_residuals(x, w, b, weight_is_kn=kn)
@@ -686,6 +691,37 @@ def test_persistent_form_is_exact_and_verifies_like_float64(dtype, kn, with_bias
     assert torch.allclose(res["c1"].double().cpu(), c1, rtol=1e-5, atol=1e-4)
     assert float((res["d1"].abs() / res["thr"]).max()) < 0.5  # thr with e_max = 1: D1 is fp32 rounding
     assert dict(FaultStats(res["counters"])) == ZERO
+
+
+@pytest.mark.parametrize("dtype", DTYPES16, ids=str)
+def test_persistent_form_statistics_equal_the_tile_forms(dtype, monkeypatch):
+    """x's checksums and row statistics, whichever code takes them (the persistent GEMM's idle programs, the
+    pass launched before it, the tile kernel's K-loop share), give the same C1 and threshold per row: rows of
+    different scales, a row with one outlier (its max), a negative row (its min), M, N and K not multiples of
+    the blocks, 3 row blocks for the 2 idle programs of 6 tiles on 4 (one takes two; more on a GPU)."""
+    m, n, k = 90, 56, 104
+    x = _rand((m, k), dtype, 61) * torch.linspace(0.01, 4.0, m, device=DEV)[:, None].to(dtype)
+    x[3, 17] = 200.0
+    x[5] = -x[5].abs() - 1.0
+    w = _rand((n, k), dtype, 62, k**-0.5)
+    b = _rand((n,), dtype, 63)
+    out, launched = {}, {}
+    for form, env in (("slack", {"FTT_ABFT_GEMM_PERSISTENT": "1", "FTT_ABFT_GEMM_SLACK_STATS": "1"}),
+                      ("pass", {"FTT_ABFT_GEMM_PERSISTENT": "1", "FTT_ABFT_GEMM_SLACK_STATS": "0"}),
+                      ("tiles", {"FTT_ABFT_GEMM_PERSISTENT": "0"})):
+        with monkeypatch.context() as mp:
+            for key, val in env.items():
+                mp.setenv(key, val)
+            mp.setenv("FTT_ABFT_GEMM_CONFIG", ",".join(map(str, G.PERSISTENT_CONFIG_INTERPRET)))
+            stats = _counted(mp, "_STATS_LAUNCH")
+            out[form] = G.gemm_residuals(x, w, b)
+            launched[form] = bool(stats)
+    assert launched == {"slack": False, "pass": True, "tiles": False}
+    c1 = x.double().cpu() @ w.double().cpu().sum(0) + b.double().cpu().sum()
+    for form, res in out.items():
+        assert dict(FaultStats(res["counters"])) == ZERO, form
+        assert torch.allclose(res["c1"].double().cpu(), c1, rtol=1e-5, atol=1e-3), form
+        assert torch.allclose(res["thr"], out["tiles"]["thr"], rtol=1e-4, atol=0), form
 
 
 def test_persistent_form_counts_and_repairs_like_the_two_launch_form(monkeypatch):
