@@ -988,10 +988,24 @@ except ImportError:  # pragma: no cover - older triton: no persistent form
     _triton_allocation = None
 
 
+_SCRATCH: dict[tuple, torch.Tensor] = {}  # (device, stream, bytes) → the eager launches' scratch buffer
+
+
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Triton's global-scratch allocator, from torch's caching allocator (a captured call's scratch comes
-    from its graph's pool): on the interpreter's CPU, or the current CUDA device."""
-    return torch.empty(size, dtype=torch.int8, device="cpu" if _INTERP else "cuda")
+    """Triton's global-scratch allocator (the persistent kernel's TMA descriptors), from torch's caching
+    allocator: on the interpreter's CPU, or the current CUDA device. Eager launches reuse one buffer per
+    (device, stream, size), since launches on one stream run one after the other (a fresh buffer per
+    launch is host time on every call); a captured launch gets its own, from its graph's pool (such memory
+    must not be kept past the graph)."""
+    if _INTERP:
+        return torch.empty(size, dtype=torch.int8, device="cpu")
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    key = (torch.cuda.current_device(), stream, size)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = _SCRATCH[key] = torch.empty(size, dtype=torch.int8, device="cuda")
+    return buf
 
 
 def _ensure_scratch_allocator() -> None:
@@ -1005,7 +1019,10 @@ def _persistent_ok(m: int, n: int, k: int, x2d: torch.Tensor, weight: torch.Tens
     """Whether a checked call takes the persistent form (`_persistent_kernel`, see PERSISTENT_CONFIG): fp16/bf16
     operands in a TMA layout on a Hopper-or-newer GPU, N ≥ PERSISTENT_MIN_N and M·N·K ≥ PERSISTENT_MIN_MNK, and
     for an eager call M·N·K ≥ TMA_MIN_MNK (smaller ones are host-bound: the form's three launches made a 4k
-    prefill of Qwen2-0.5B 1-1.5 ms slower in wall time on an H200's host, against 1.3 ms less GPU time).
+    prefill of Qwen2-0.5B 1-1.5 ms slower in wall time on an H200's host, against 1.3 ms less GPU time,
+    session 31; with the pass in the GEMM's idle programs, two launches, a 4096 × 4864 × 896 call still took
+    14-19 µs more host time than the tile form's, for 30-35 µs less GPU time, and the prefill's wall time
+    did not improve, session 32).
     ``FTT_ABFT_GEMM_PERSISTENT``: ``0`` never, ``1`` whenever the operands allow (the interpreter too: the
     tests), unset or ``auto`` as above (never in the interpreter)."""
     mode = env_get("FTT_ABFT_GEMM_PERSISTENT", "auto")
@@ -1021,7 +1038,7 @@ def _persistent_ok(m: int, n: int, k: int, x2d: torch.Tensor, weight: torch.Tens
             if n < PERSISTENT_MIN_N or m * n * k < PERSISTENT_MIN_MNK:
                 return False
             if _host_bound(m, n, k) and not torch.cuda.is_current_stream_capturing():
-                return False  # an eager call this small is host-bound: one launch of the tile kernel, not three
+                return False  # an eager call this small is host-bound: the tile form, whose launches cost less
     return _tma_layout(x2d, weight, y)
 
 
