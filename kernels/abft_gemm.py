@@ -1709,7 +1709,8 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         # in the graphs' warm-up lands in their pool and makes the capture fail ("tensor(s) in the
         # cudagraph pool not tracked as outputs")
         _group_sums(wc, weight, bias, weight_is_kn)
-    if not grouped and x2d.dtype != torch.float32 and (persist or n >= PERSISTENT_MIN_N):
+    if not grouped and x2d.dtype != torch.float32 and (
+            persist or (n >= PERSISTENT_MIN_N and dev.type == "cuda" and _hopper(dev))):
         _stats_operand(wc, x2d.dtype)  # likewise (an eager call may not take the form its captured twin takes)
     t = _cdiv(n, cfg[1])
     one = grouped or (not persist and _one_launch(m, n, k, cfg[0], dev))

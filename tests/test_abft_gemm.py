@@ -722,6 +722,13 @@ def test_persistent_form_statistics_equal_the_tile_forms(dtype, monkeypatch):
         assert dict(FaultStats(res["counters"])) == ZERO, form
         assert torch.allclose(res["c1"].double().cpu(), c1, rtol=1e-5, atol=1e-3), form
         assert torch.allclose(res["thr"], out["tiles"]["thr"], rtol=1e-4, atol=0), form
+    monkeypatch.setenv("FTT_ABFT_GEMM_PERSISTENT", "1")
+    monkeypatch.setenv("FTT_ABFT_GEMM_CONFIG", ",".join(map(str, G.PERSISTENT_CONFIG_INTERPRET)))
+    for bad in (float("nan"), float("inf")):  # a non-finite x, seen by the idle programs' pass: counted once
+        x_bad = x.clone()
+        x_bad[70, 100] = bad  # the last row block, the ragged K block
+        _, st = _run(x_bad, w, b)
+        assert st == dict(ZERO, nonfinite_input=1), bad
 
 
 def test_persistent_form_counts_and_repairs_like_the_two_launch_form(monkeypatch):
