@@ -836,7 +836,11 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
     ((2, 8, 8, 512, 512, 64), dict(bias=True, scale=1.0)),  # T5-style bias
     ((2, 14, 2, 1, 544, 64), dict(causal=True, pad=True)),  # decode on a static cache, left padding
     ((2, 8, 8, 256, 256, 64), dict(pad=True)),  # encoder (BERT-like) with padding
-], ids=["causal1k", "full1k", "gqa2k_d128", "decode4k", "window", "t5bias", "decode_pad", "encoder_pad"])
+    # mask rows of 250 / 1000 bytes: not 16-byte aligned, so the mask tile is a plain load (`_bool_mask_tile`)
+    ((2, 8, 8, 250, 250, 64), dict(pad=True)),
+    ((2, 14, 2, 1, 1000, 64), dict(causal=True, pad=True)),
+], ids=["causal1k", "full1k", "gqa2k_d128", "decode4k", "window", "t5bias", "decode_pad", "encoder_pad",
+        "encoder_pad_unaligned", "decode_pad_unaligned"])
 def test_gpu_matches_fp32_attention(shape, kw, dtype):
     B, Hq, Hkv, M, N, D = shape
     kw = dict(kw)
