@@ -73,12 +73,13 @@ Design (one or two launches, no host synchronisation):
    epilogue, with no cross-program step (0.5-1.2 µs of checks per call instead of 1.6-1.9, H200,
    session 27).
 
-3. The persistent form (wide calls, `_persistent_ok`; ``FTT_ABFT_GEMM_PERSISTENT``): ``_stats_kernel`` passes
-   over x once for ``x·w1``, ``x·w2`` and x's statistics (one statistics slot instead of the tiles'
-   shares), ``_persistent_kernel`` runs the GEMM as one program per SM over TMA descriptors made in the
-   kernel with nothing but the row sums in its epilogue, and ``_verify_kernel`` verifies as above. In
-   Triton 3.6 any checksum work inside that kernel's K loop cost 5-50 % (session 31), where the plain
-   persistent GEMM runs at 0.89-1.01× cuBLAS; the extra read of x is what limits the form to wide N.
+3. The persistent form (wide calls, `_persistent_ok`; ``FTT_ABFT_GEMM_PERSISTENT``): one pass over x for
+   ``x·w1``, ``x·w2`` and x's statistics (one statistics slot instead of the tiles' shares),
+   ``_persistent_kernel`` runs the GEMM as one program per SM over TMA descriptors made in the kernel
+   with nothing but the row sums in its epilogue, and ``_verify_kernel`` verifies as above. The pass runs
+   in the GEMM's programs that the last wave of tiles leaves idle where they have room (`_slack_stats`,
+   `_stats_block`), else as a launch before it (``_stats_kernel``). In Triton 3.6 any checksum work
+   inside the K loop cost 5-50 % (session 31), where the plain persistent GEMM runs at 0.89-1.01× cuBLAS.
 
 Block sizes: the ``CONFIGS_*`` lists below are the only place; ``_pick_config`` times the
 candidates (GPU time, `tl_common.gpu_time`) once per (dtype, layout, flags, M bucket, N, K) on CUDA
@@ -1443,13 +1444,13 @@ def _slack_stats(m: int, n: int, cfg, sms: int) -> bool:
 
 
 def _persistent_call(cfg, L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, verify_output: bool, *,
-                     stats: tuple | None, flag: torch.Tensor, ws: torch.Tensor, call_id: int) -> tuple:
-    """The persistent form's GEMM (`_persistent_kernel`) as ``(grid, args, kwargs)``: one program per SM (per
-    tile if fewer, unless ``stats``, `_stats_operand`'s (W16, Winv): then the pass over x too, `_slack_stats`)."""
+                     sms: int, stats: tuple | None, flag: torch.Tensor, ws: torch.Tensor, call_id: int) -> tuple:
+    """The persistent form's GEMM (`_persistent_kernel`) as ``(grid, args, kwargs)``: one program per SM of the
+    ``sms`` (per tile if fewer, unless ``stats``, `_stats_operand`'s (W16, Winv): then the pass over x too,
+    `_slack_stats`)."""
     bm, bn, bk, warps, stages = cfg[:5]
     m, k = L.x.shape
     n = L.y.shape[1]
-    sms = INTERPRET_SMS if _INTERP else sm_count(L.x.device)
     if stats is None:
         sms = min(_cdiv(m, bm) * _cdiv(n, bn), sms)
     w16, winv = stats if stats is not None else (L.x, P)
@@ -1724,8 +1725,8 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, csigma, detect, cor
         launches = [] if slack else [
             (3, (_cdiv(m, STATS_ROWS),), (x2d, wc.w12, P, flag, slots, m, k, t, x2d.stride(0), call_id),
              dict(R=STATS_ROWS, CK=STATS_COLS, num_warps=4))]
-        launches.append((4, *_persistent_call(cfg, L, bias, P, verify_output, flag=flag, ws=slots, call_id=call_id,
-                                              stats=_stats_operand(wc, x2d.dtype) if slack else None)))
+        launches.append((4, *_persistent_call(cfg, L, bias, P, verify_output, sms=sms, flag=flag, ws=slots,
+                                              call_id=call_id, stats=_stats_operand(wc, x2d.dtype) if slack else None)))
     elif grouped:
         P, call_id = _grouped_buffer(m, n, k, cfg, dev), None
         launches = [(2, *_grouped_call(cfg, L, bias=bias, groups=_group_sums(wc, weight, bias, weight_is_kn), P=P,

@@ -404,7 +404,7 @@ def _bias_mask(s, offs_m, offs_n, b, h, M, N, window, edge,
     """
     nf = tl.full([], 0, tl.int32)
     inb = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    add = s  # bias + additive mask: NaN or +inf in either makes this so
+    add = None  # bias + additive mask (where CHECK_NF tests them): NaN or +inf in either makes this so
     if HAS_BIAS:
         bt = tl.load(Bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
                      mask=inb, other=0.0).to(tl.float32)
