@@ -1,0 +1,333 @@
+#!/usr/bin/env python
+"""What EFTA's checks cost at the least: a plain flash-attention kernel with one check added at a time.
+
+A study for issue 3's target (detect+correct ≤ 1.10× our checks-off kernel), not the library's kernel.
+`floor` below is a minimal Triton flash-attention forward (fp16/bf16, BLOCK_N keys per step, base-2
+exponent in one FFMA, ``ex2.approx.ftz``: the form of `kernels.efta`'s checks-off loop) to which
+``LEVEL`` adds SPEC §3's checks, each in the cheapest form this file could write. They only detect:
+no location, no repair branch, no counters, a single fp16/bf16 slice for every checksum operand (the
+library's hi/lo slices keep its thresholds at fp32 level), and the checksum tables are built by
+PyTorch outside the timing. So each level is a lower bound for a kernel that carries those checks.
+
+* ``floor0`` — no checks (compare with ``ours_off``, the library's checks-off kernel);
+* ``floor1`` — step 1, GEMM I's tensor checksum: ``Sc1 = Q·Kc1ᵀ`` (one (BLOCK_M, 16) dot per key
+  block), the group sums ``Σ_l S[i, l·16 + r]`` (one add per score, in-thread), each group's worst
+  margin kept (one FFMA and one max per group), tested once after the loop;
+* ``floor2`` — ``floor1`` + step 4 as the library writes it: ``Π_l max(P, P_min)`` against
+  ``2^(Σ_l max(y, y_min))`` per group (per score two max, an add and a multiply; per group one
+  ``lg2``);
+* ``floor2u`` — ``floor1`` + step 4 as seed 000's unified verification: the exponent sum taken from
+  the checksum, ``Σ_l y = c·Sc1 − L·m·log2 e`` (per score one max and a multiply). Tested one-sided
+  (``log2 Π ≥ Σ y − tol``) because clamped groups exceed the identity: not a complete check;
+* ``floor3`` / ``floor3u`` — ``floor2`` / ``floor2u`` + GEMM II's checksum: ``Oc1 += P·Vc1`` (one
+  (BLOCK_M, 16) dot per key block, rescaled with O), ``Σ_r Oc1 = Σ_d O`` tested after the loop, and
+  the row sum's range test ``1 ≤ l ≤ keys`` (SPEC §3 case 3).
+
+Every variant (and ``ours_off``, ``efta_correct``: the library's kernel, ``sdpa_flash``) is timed in
+``--rounds`` interleaved rounds (`_timing.interleaved`); ratios are medians of the same round's ratios
+to ``floor0`` and to ``ours_off``. Outputs are compared with ``sdpa_flash`` and the floor variants
+report how many rows their checks flagged on these clean inputs (must be 0). Needs a CUDA GPU
+(``--dry-run`` runs two tiny shapes through Triton's interpreter on the CPU:
+``TRITON_INTERPRET=1 python scripts/bench_efta_floor.py --dry-run``).
+
+    python scripts/bench_efta_floor.py --out /tmp/floor
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import sys
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from _timing import interleaved  # noqa: E402
+
+LOG2E = 1.4426950408889634
+Y_MIN = -14.0  # step 4: exponents (base 2) below it count as Y_MIN: a product of 8 clamped P stays normal
+VARIANTS = ("sdpa_flash", "ours_off", "efta_correct", "floor0", "floor1", "floor2", "floor2u", "floor3", "floor3u")
+LEVELS = {"floor0": (0, False), "floor1": (1, False), "floor2": (2, False), "floor2u": (2, True),
+          "floor3": (3, False), "floor3u": (3, True)}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): the library's checks-off prefill configs and its checked one
+# (Triton 3.6 / sm_90a: with 8 warps ptxas serialises the wgmma of every checked floor variant, warning
+# C7515, so those lose the tuning; with 4 warps it does not)
+CONFIGS = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]
+
+
+@triton.jit
+def _exp2(y, INTERP: tl.constexpr):
+    if INTERP:
+        return tl.exp2(y)
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [y], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _log2_prod(pc, INTERP: tl.constexpr):
+    """log2 of the product of pc (BM, G, 16) over axis 1: one fp32 product chain and one lg2 per group."""
+    if INTERP:  # the interpreter runs custom reductions element by element
+        return tl.sum(tl.log2(pc), axis=1)
+    prod = tl.reduce(pc, 1, _mul)
+    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [prod], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _mul(a, b):
+    return a * b
+
+
+@triton.jit
+def _floor_kernel(Q, K, V, KC, KA, VC, O, Flags, S_CTX, qk2, tol1, tol3, vcmax,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                  LEVEL: tl.constexpr, UNIFIED: tl.constexpr, INTERP: tl.constexpr):
+    """One program: BLOCK_M query rows of one (batch, head). Q, K, V, O (B·H, S, D) contiguous; KC
+    (B·H·S/BLOCK_N, 16, D) Kc1 per key block, KA (B·H·S/BLOCK_N,) fp32 max |Kc1|, VC (B·H·S/BLOCK_N, 16,
+    BLOCK_N) Vc1 per key block; Flags (B·H·S,) int32: 1 where a check of the row failed. qk2 = scale·log2 e."""
+    G: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_j = tl.arange(0, BLOCK_N)
+    r16 = tl.arange(0, 16)
+    base = bh.to(tl.int64) * S_CTX * BLOCK_D
+    q = tl.load(Q + base + offs_m[:, None] * BLOCK_D + offs_d[None, :])
+    m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    worst1 = tl.full((BLOCK_M, 16), -float("inf"), tl.float32)
+    worst4 = tl.full((BLOCK_M, 16), -float("inf"), tl.float32)
+    oc1 = tl.zeros((BLOCK_M, 16), tl.float32)
+    qn1 = tl.sum(tl.abs(q.to(tl.float32)), axis=1) * tol1  # step-1 threshold per unit of max |Kc1|
+    hi = tl.minimum((start_m + 1) * BLOCK_M, S_CTX) if CAUSAL else S_CTX
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + offs_j
+        k = tl.load(K + base + offs_n[:, None] * BLOCK_D + offs_d[None, :])
+        v = tl.load(V + base + offs_n[:, None] * BLOCK_D + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k))  # unscaled scores (BLOCK_M, BLOCK_N) fp32
+        blk = bh * (S_CTX // BLOCK_N) + start_n // BLOCK_N
+        if LEVEL >= 1:  # step 1: Sc1 = Q·Kc1ᵀ against the group sums, worst margin per group
+            # K-major operand tables (an N-major (·, 16) operand, 32-byte rows, gave wrong sums on the
+            # H100 in the library's kernel)
+            kc = tl.load(KC + blk.to(tl.int64) * (BLOCK_D * 16) + offs_d[:, None] + r16[None, :] * BLOCK_D)
+            sc1 = tl.dot(q, kc)
+            kabs = tl.load(KA + blk)
+            d1 = sc1 - tl.sum(tl.reshape(s, (BLOCK_M, G, 16)), axis=1)
+            worst1 = tl.maximum(worst1, tl.fma(-qn1[:, None], kabs, tl.abs(d1)))
+        if CAUSAL:
+            if start_n + BLOCK_N > start_m * BLOCK_M:  # the diagonal block
+                s = tl.where(offs_m[:, None] >= offs_n[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk2)  # base-2 units
+        y = tl.fma(s, qk2, -m_new[:, None])
+        p = _exp2(y, INTERP)
+        if LEVEL >= 2:  # step 4: product identity per group
+            pc = tl.reshape(tl.maximum(p, 6.103515625e-05), (BLOCK_M, G, 16))  # 2^Y_MIN
+            lp = _log2_prod(pc, INTERP)
+            if UNIFIED:  # Σ_l y from the checksum (one-sided: clamped groups lie above it), off the
+                xs = sc1 * qk2 - G * m_new[:, None]  # causal diagonal (masked keys break the identity)
+                # allowance: the fp16/bf16 rounding of Kc1 that step 1 allows for, in these units
+                e4 = (xs - lp) - 1e-4 * tl.abs(xs) - (qn1 * qk2)[:, None] * kabs
+                if CAUSAL:
+                    e4 = tl.where(start_n + BLOCK_N > start_m * BLOCK_M, -float("inf"), e4)
+            else:
+                xs = tl.sum(tl.reshape(tl.maximum(y, -14.0), (BLOCK_M, G, 16)), axis=1)  # Y_MIN
+                e4 = tl.abs(lp - xs) - 1e-4 * tl.abs(xs)
+            worst4 = tl.maximum(worst4, e4)
+        alpha = _exp2(m_i - m_new, INTERP)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pd = p.to(v.dtype)
+        acc = tl.dot(pd, v, acc * alpha[:, None])
+        if LEVEL >= 3:  # GEMM II: Oc1 += P·Vc1, rescaled like O
+            vc = tl.load(VC + blk.to(tl.int64) * (BLOCK_N * 16) + offs_j[:, None] + r16[None, :] * BLOCK_N)
+            oc1 = tl.dot(pd, vc, oc1 * alpha[:, None])
+        m_i = m_new
+    flag = tl.zeros((BLOCK_M,), tl.int32)
+    if LEVEL >= 1:
+        flag = flag | (tl.max(worst1, axis=1) > 0).to(tl.int32)
+    if LEVEL >= 2:
+        flag = flag | (tl.max(worst4, axis=1) > 1e-3 * 3 * G).to(tl.int32)
+    if LEVEL >= 3:  # Σ_r Oc1 = Σ_d O, and 1 ≤ l ≤ number of keys
+        dO = tl.abs(tl.sum(oc1, axis=1) - tl.sum(acc, axis=1))
+        flag = flag | (dO > tol3 * vcmax * l_i).to(tl.int32)
+        flag = flag | ((l_i < 1.0 - 1e-3) | (l_i > hi * 1.001)).to(tl.int32)
+    tl.store(O + base + offs_m[:, None] * BLOCK_D + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty))
+    tl.store(Flags + bh * S_CTX + offs_m, flag)
+
+
+def tables(k: torch.Tensor, v: torch.Tensor, block_n: int):
+    """Checksum operands (PyTorch, outside the timing), K-major: KC (B·H·S/block_n, 16, D) Kc1 of each key
+    block in k's dtype, KA (B·H·S/block_n,) fp32 max |Kc1| per block, VC (B·H·S/block_n, 16, block_n)
+    Vc1[n, r] = Σ_l V[n, l·16 + r] of each key block, and max |Vc1|."""
+    BH, S, D = k.shape
+    G = block_n // 16
+    kc = k.float().view(BH, S // block_n, G, 16, D).sum(2)  # (BH, nblk, 16, D)
+    ka = kc.abs().amax(dim=(2, 3)).reshape(-1).contiguous()
+    kc = kc.reshape(-1, 16, D).to(k.dtype).contiguous()
+    vc = v.float().view(BH, S, D // 16, 16).sum(2)  # (BH, S, 16)
+    vcmax = vc.abs().max().item()
+    vc = vc.view(BH, S // block_n, block_n, 16).transpose(2, 3).reshape(-1, 16, block_n)
+    return kc, ka, vc.to(v.dtype).contiguous(), vcmax
+
+
+def floor_attention(q, k, v, scale, causal, level, unified, cfg, tabs, flags):
+    """q, k, v (B·H, S, D) contiguous, S a multiple of the block sizes; returns (B·H, S, D)."""
+    BM, BN, warps, stages = cfg
+    BH, S, D = q.shape
+    kc, ka, vc, vcmax = tabs[BN]
+    o = torch.empty_like(q)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    # thresholds of single-slice checksum operands: Kc1 / Vc1 rounded to the input dtype
+    u = 2.0 ** -8 if q.dtype == torch.bfloat16 else 2.0 ** -11
+    _floor_kernel[(S // BM, BH)](q, k, v, kc, ka, vc, o, flags, S, scale * LOG2E, 4 * u, 64 * u, vcmax,
+                                 BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=level, UNIFIED=unified,
+                                 INTERP=interp, num_warps=warps, num_stages=stages)
+    return o
+
+
+def run_shape(B, H, S, D, causal, dtype, args, timer, device):
+    import torch.nn.functional as F
+    from ft_transformers.kernels import efta as K
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ft_transformers.counters import new_counters
+    from ft_transformers.injection import FaultPlan
+
+    g = torch.Generator(device=device).manual_seed(S * 31 + D)
+    q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype, generator=g) for _ in range(3))
+    scale = 1.0 / math.sqrt(D)
+    q3, k3, v3 = (t.reshape(B * H, S, D) for t in (q, k, v))
+    tabs = {bn: tables(k3, v3, bn) for bn in sorted({c[1] for c in CONFIGS})}
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, scale=scale)
+    plan = FaultPlan(None)
+    fns, rows = {}, {}
+    for name in VARIANTS:
+        row = dict(dtype=str(dtype).replace("torch.", ""), B=B, H=H, S=S, D=D, causal=causal, variant=name,
+                   config="", ms=float("nan"), max_abs_err=float("nan"), flagged_rows=0, flagged_k_fault=-1,
+                   flagged_v_fault=-1, error="")
+        try:
+            if name == "sdpa_flash":
+                def fn():
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            elif name in ("ours_off", "efta_correct"):
+                counters = new_counters(device)
+                on = name == "efta_correct"
+
+                def fn(on=on, counters=counters):
+                    return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None, attn_mask=None,
+                                                 window=None, detect=on, correct=on, plan=plan, counters=counters)
+            else:
+                level, unified = LEVELS[name]
+                flags = torch.zeros(B * H * S, dtype=torch.int32, device=device)
+                # the fastest of CONFIGS for this variant (each timed once; a config that does not compile
+                # or fit is skipped)
+                best = None
+                for cfg in CONFIGS if timer is not None else CONFIGS[:1]:
+                    if S % cfg[0] or S % cfg[1]:
+                        continue
+                    try:
+                        f = partial(floor_attention, q3, k3, v3, scale, causal, level, unified, cfg, tabs, flags)
+                        t = timer(f) if timer is not None and args.tune else 0.0
+                    except Exception as exc:  # noqa: BLE001 - out of resources: try the next config
+                        row["error"] = f"{cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                        continue
+                    if best is None or t < best[0]:
+                        best = (t, cfg)
+                    if not args.tune:
+                        break
+                if best is None:
+                    rows[name] = row
+                    continue
+                row["config"], row["error"] = ",".join(map(str, best[1])), ""
+                fn = partial(floor_attention, q3, k3, v3, scale, causal, level, unified, best[1], tabs, flags)
+                row["_flags"] = flags
+            out = fn().reshape(B, H, S, D)
+            row["max_abs_err"] = (out.float() - ref).abs().max().item()
+            if name in LEVELS and LEVELS[name][0] >= 1:
+                # the checks are live: one key (value) changed after the tables were built stands for a
+                # fault in GEMM I (GEMM II); count the rows flagged
+                flags.zero_()
+                fn_bad = partial(floor_attention, q3, k3.clone().index_add_(1, torch.tensor([5], device=device),
+                                 torch.full((B * H, 1, D), 4.0, dtype=dtype, device=device)), v3, scale, causal,
+                                 level, unified, best[1], tabs, flags)
+                fn_bad()
+                row["flagged_k_fault"] = int((flags != 0).sum().item())
+                flags.zero_()
+                fn_bad = partial(floor_attention, q3, k3, v3.clone().index_add_(1, torch.tensor([5], device=device),
+                                 torch.full((B * H, 1, D), 4.0, dtype=dtype, device=device)), scale, causal,
+                                 level, unified, best[1], tabs, flags)
+                fn_bad()
+                row["flagged_v_fault"] = int((flags != 0).sum().item())
+                flags.zero_()
+            fns[name] = fn
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        rows[name] = row
+    if timer is None:  # dry run: outputs and flags only
+        times = {n: [float("nan")] for n in fns}
+    else:
+        times = interleaved(fns, args.rounds, timer)
+    for name, row in rows.items():
+        if name in times:
+            row["ms"] = statistics.median(times[name])
+        for col, basis in (("x_vs_floor0", "floor0"), ("x_vs_ours_off", "ours_off")):
+            row[col] = (statistics.median(t / tb for t, tb in zip(times[name], times[basis], strict=True))
+                        if name in times and basis in times and timer is not None else float("nan"))
+        if "_flags" in row:
+            row["flagged_rows"] = int((row.pop("_flags") != 0).sum().item())
+    return list(rows.values())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_floor")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtypes", default="float16")
+    ap.add_argument("--hd", default="16x64,32x128", help="(heads)x(head dim) settings, comma-separated")
+    ap.add_argument("--no-tune", dest="tune", action="store_false", help="first config of CONFIGS only")
+    ap.add_argument("--dry-run", action="store_true", help="two tiny shapes, outputs and flags only (CPU ok)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.dry_run:
+        device, timer = ("cuda" if torch.cuda.is_available() else "cpu"), None
+        shapes = [(1, 2, 256, 64, False), (1, 2, 256, 32, True)]
+        global CONFIGS
+        CONFIGS = [(64, 64, 4, 1)]
+    else:
+        from triton.testing import do_bench
+        device, timer = "cuda", partial(do_bench, warmup=25, rep=100)
+        hds = [tuple(map(int, x.split("x"))) for x in args.hd.split(",")]
+        shapes = [(16384 // S, H, S, D, c) for H, D in hds for S in (1024, 4096) for c in (False, True)]
+        shapes += [(1, H, 16384, D, False) for H, D in hds]
+    rows = []
+    for dt in args.dtypes.split(","):
+        for B, H, S, D, causal in shapes:
+            got = run_shape(B, H, S, D, causal, getattr(torch, dt), args, timer, device)
+            rows += got
+            for r in got:
+                print(f"{r['dtype']} B={B} H={H} S={S} D={D} causal={causal!s:5} {r['variant']:12s} "
+                      f"{r['ms']:8.3f} ms  x_floor0 {r['x_vs_floor0']:.3f}  x_ours_off {r['x_vs_ours_off']:.3f}  "
+                      f"err {r['max_abs_err']:.2e}  flagged {r['flagged_rows']} (K fault {r['flagged_k_fault']}, "
+                      f"V fault {r['flagged_v_fault']})  {r['config']} {r['error']}",
+                      flush=True)
+    path = os.path.join(args.out, "bench_efta_floor.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print("wrote", path)
+    if not args.dry_run:
+        print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
