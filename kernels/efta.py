@@ -245,14 +245,46 @@ def _k_checksums(k, L: tl.constexpr):
 
 
 @triton.jit
-def _v_checksums(v, LVP: tl.constexpr, INTERP: tl.constexpr):
-    """GEMM II checksums of a value block v (BLOCK_N, LVP·16), over the head dim:
-    Vc1[n, r] = Σ_l V[n, l·16+r] and Vc2[n, r] = Σ_l (l+1)·V[n, l·16+r] (BLOCK_N, 16) fp32, and
-    vtile[r] = max_n Σ_l |V[n, l·16+r]| (16,), NaN-propagating (a non-finite V shows up there)."""
-    wv = (tl.arange(0, LVP) + 1).to(tl.float32)
-    vg = tl.reshape(v.to(tl.float32), (v.shape[0], LVP, 16))
-    vtile = _nanmax(tl.sum(tl.abs(vg), axis=1), 0, INTERP)
-    return tl.sum(vg, axis=1), tl.sum(vg * wv[None, :, None], axis=1), vtile
+def _k_checksums_by_group(Kb, skn, skd, n0, N, D, offs_d, L: tl.constexpr, EVEN_D: tl.constexpr):
+    """`_k_checksums` of the key block starting at row n0, loaded one group of 16 keys at a time: every
+    (16, BLOCK_D) load has the same layout, so the sums over the L groups stay in each thread (the
+    whole-tile reshape reduced across threads: 609 shuffles per program at D = 128)."""
+    r16 = tl.arange(0, 16)
+    kc1 = tl.zeros((16, offs_d.shape[0]), tl.float32)
+    kabs_rd = tl.zeros((16, offs_d.shape[0]), tl.float32)
+    for l in tl.static_range(L):
+        ok = (n0 + l * 16 + r16)[:, None] < N
+        if not EVEN_D:
+            ok = ok & (offs_d < D)[None, :]
+        kl = tl.load(Kb + (n0 + l * 16 + r16)[:, None] * skn + offs_d[None, :] * skd, mask=ok, other=0.0)
+        kl = kl.to(tl.float32)
+        kc1 += kl
+        kabs_rd += tl.abs(kl)
+    knf = tl.max(tl.max((~(kabs_rd <= 3.4028234663852886e38)).to(tl.int32), axis=1), axis=0)
+    return kc1, tl.max(kabs_rd, axis=1), knf
+
+
+@triton.jit
+def _v_checksums_by_group(Vb, svn, svd, offs_n, N, D, LVP: tl.constexpr, EVEN_D: tl.constexpr,
+                          INTERP: tl.constexpr):
+    """GEMM II checksums of the value block at rows offs_n, over the head dim, loaded one group of 16
+    dims at a time (the sums stay in each thread): Vc1[n, r] = Σ_l V[n, l·16+r] and
+    Vc2[n, r] = Σ_l (l+1)·V[n, l·16+r] (BLOCK_N, 16) fp32, and vtile[r] = max_n Σ_l |V[n, l·16+r]| (16,),
+    NaN-propagating (a non-finite V shows up there)."""
+    r16 = tl.arange(0, 16)
+    v1 = tl.zeros((offs_n.shape[0], 16), tl.float32)
+    v2 = tl.zeros((offs_n.shape[0], 16), tl.float32)
+    vabs = tl.zeros((offs_n.shape[0], 16), tl.float32)
+    for l in tl.static_range(LVP):
+        ok = offs_n[:, None] < N
+        if not EVEN_D:
+            ok = ok & (l * 16 + r16 < D)[None, :]
+        vl = tl.load(Vb + offs_n[:, None] * svn + (l * 16 + r16)[None, :] * svd, mask=ok, other=0.0)
+        vl = vl.to(tl.float32)
+        v1 += vl
+        v2 += vl * (l + 1.0)  # exact: an fp16/bf16 value times an integer ≤ 8
+        vabs += tl.abs(vl)
+    return v1, v2, _nanmax(vabs, 0, INTERP)
 
 
 @triton.jit
@@ -771,12 +803,13 @@ def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, skb, skh, skn, skd, svb, svh, 
     offs_n = j * BLOCK_N + offs_j
     offs_d = tl.arange(0, BLOCK_D)
     r16 = tl.arange(0, 16)
-    kv_ok = offs_n[:, None] < N
-    if not EVEN_D:
-        kv_ok = kv_ok & (offs_d < D)[None, :]
-    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
-    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_ok, other=0.0)
+    Kb = K + b * skb + hk * skh
+    Vb = V + b * svb + hk * svh
     if PASA:
+        kv_ok = offs_n[:, None] < N
+        if not EVEN_D:
+            kv_ok = kv_ok & (offs_d < D)[None, :]
+        k = tl.load(Kb + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
         last = N - j * BLOCK_N < BLOCK_N
         dg = tl.where(last, diag_last, diag)
         of = tl.where(last, off_last, off)
@@ -784,19 +817,21 @@ def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, skb, skh, skn, skd, svb, svh, 
         ks = ((dg - of) * k32 + of * tl.sum(k32, axis=0)[None, :]) * scale
         k = tl.where(offs_n[:, None] < N, ks, 0.0).to(tl.float16)
         tl.store(KS + ((b * Hkv + hk) * tl.num_programs(0) * BLOCK_N + offs_n[:, None]) * BLOCK_D + offs_d[None, :], k)
-    kc1, kabs, knf = _k_checksums(k, L)
-    k0, k1, k2, kic = _split(kc1, tl.max(kabs, axis=0), k.dtype, PARTS, SCALE_CS)
+        kc1, kabs, knf = _k_checksums(k, L)
+    else:
+        kc1, kabs, knf = _k_checksums_by_group(Kb, skn, skd, j * BLOCK_N, N, D, offs_d, L, EVEN_D)
+    v1, v2, vtile = _v_checksums_by_group(Vb, svn, svd, offs_n, N, D, LVP, EVEN_D, INTERP)
+    k0, k1, k2, kic = _split(kc1, tl.max(kabs, axis=0), K.dtype.element_ty, PARTS, SCALE_CS)
     kp = KC + cb * (PARTS * 16 * BLOCK_D) + r16[:, None] * BLOCK_D + offs_d[None, :]
     tl.store(kp, k0)
     if PARTS >= 2:
         tl.store(kp + 16 * BLOCK_D, k1)
     if PARTS == 3:
         tl.store(kp + 32 * BLOCK_D, k2)
-    v1, v2, vtile = _v_checksums(v, LVP, INTERP)
     vcmax = tl.max(vtile, axis=0)  # ≥ max |Vc1|; ·LVP ≥ max |Vc2|
     vp = VC + cb * (2 * PARTS * 16 * BLOCK_N) + offs_j[:, None] + r16[None, :] * BLOCK_N  # stored as (16, BLOCK_N)
-    a0, a1, a2, aic = _split(v1, vcmax, v.dtype, PARTS, SCALE_CS)
-    c0, c1, c2, cic = _split(v2, vcmax * LVP, v.dtype, PARTS, SCALE_CS)
+    a0, a1, a2, aic = _split(v1, vcmax, V.dtype.element_ty, PARTS, SCALE_CS)
+    c0, c1, c2, cic = _split(v2, vcmax * LVP, V.dtype.element_ty, PARTS, SCALE_CS)
     tl.store(vp, a0)
     tl.store(vp + PARTS * 16 * BLOCK_N, c0)
     if PARTS >= 2:
