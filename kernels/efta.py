@@ -1467,11 +1467,14 @@ def _launcher(which: int) -> DirectLauncher:
 # D > 64: BLOCK_N = 64 only. (128, 64, 8, 4): the checked kernel at D = 128 (H200, session 25: 4.55 ms
 # against 4.91 with 3 stages at 4 × 32 heads × 4k; at D = 64, (64, 64, 4, 3) stays the fastest)
 CONFIGS_PREFILL = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)]
-# M ≤ 16 (decode, q_len 1). (16, 64, 2, 3): checked calls only (`_prune`). Their programs walk a long
-# key range with little to overlap: at batch 16 × 32 heads × 4k keys (D = 128, no split) two warps took
-# 1,313 µs against four warps' 1,423 (H200, session 33; 317 against 383 µs at 16 heads, D = 64), though
-# ptxas spills 224 B there (Triton 3.6); the autotuner keeps whichever is faster.
-CONFIGS_DECODE = [(16, 64, 4, 3), (16, 128, 4, 3), (16, 64, 2, 3)]
+# M ≤ 16 (decode, q_len 1). Two warps and two stages: checked calls only (`_prune`). Their programs
+# walk a long key range with little to overlap: at batch 16 × 32 heads × 4k keys (D = 128, no split)
+# two warps took 1,313 µs against four warps' 1,423 (H200, session 33; 317 against 383 µs at 16 heads,
+# D = 64), though ptxas spills there (Triton 3.6). With three stages a bf16 program at D = 128 takes
+# 152 KB of shared memory (its checksum operands have three slices), so one program per SM; two
+# stages take 86 KB (fp16: 111 and 62 KB). The autotuner keeps whichever is faster; in session 33's
+# decode runs it picked (16, 64, 2, 2) at every shape it reached.
+CONFIGS_DECODE = [(16, 64, 4, 3), (16, 128, 4, 3), (16, 64, 2, 3), (16, 64, 2, 2), (16, 64, 4, 2)]
 CONFIG_INJECT = (64, INJECT_BLOCK_N, 4, 2)  # fixed config while injecting (BLOCK_N = reference's)
 CONFIG_INTERPRET = (32, INJECT_BLOCK_N, 4, 1)  # TRITON_INTERPRET=1: small and fixed (the interpreter is slow)
 
@@ -1484,7 +1487,8 @@ def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     m_key, d = args["M_KEY"], args["BLOCK_D"]
     if m_key <= 16:
-        keep = [c for c in configs if c.kwargs["BLOCK_M"] == 16 and (c.num_warps >= 4 or args["DETECT"])]
+        keep = [c for c in configs if c.kwargs["BLOCK_M"] == 16
+                and (args["DETECT"] or (c.num_warps >= 4 and c.num_stages >= 3))]  # see CONFIGS_DECODE
     else:
         keep = [c for c in configs if c.kwargs["BLOCK_M"] > 16 and c.kwargs["BLOCK_M"] <= max(64, m_key)]
         if d > 64:  # register pressure: the checked kernel holds S, O and checksum state

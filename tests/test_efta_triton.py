@@ -147,8 +147,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def test_autotuner_candidates_per_call_kind():
-    """The configs the autotuner times (`_prune`): decode (M ≤ 16) only BLOCK_M = 16, the two-warp
-    decode config only with the checks on, the checked kernel only key blocks of CS_BLOCK_N, and
+    """The configs the autotuner times (`_prune`): decode (M ≤ 16) only BLOCK_M = 16, the two-warp and
+    two-stage decode configs only with the checks on, the checked kernel only key blocks of CS_BLOCK_N, and
     prefill at D > 64 only BLOCK_N = 64."""
     configs = [K._cfg(c) for c in K.CONFIGS_PREFILL + K.CONFIGS_DECODE]
 
@@ -157,7 +157,7 @@ def test_autotuner_candidates_per_call_kind():
         return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in K._prune(configs, args)}
 
     assert picked() == {(16, 64, 4, 3), (16, 128, 4, 3)}
-    assert picked(DETECT=True) == {(16, 64, 4, 3), (16, 64, 2, 3)}
+    assert picked(DETECT=True) == {(16, 64, 4, 3), (16, 64, 2, 3), (16, 64, 2, 2), (16, 64, 4, 2)}
     assert picked(M_KEY=4096, DETECT=True) == {c for c in K.CONFIGS_PREFILL if c[1] == K.CS_BLOCK_N}
     assert picked(M_KEY=4096, BLOCK_D=128) == {c for c in K.CONFIGS_PREFILL if c[1] == 64}
 
