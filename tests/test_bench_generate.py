@@ -134,3 +134,42 @@ def test_failed_measurement_keeps_its_message(tmp_path, monkeypatch):
     assert rows["full"]["error"] == "RuntimeError: Detected 3 tensor(s) in the pool"
     table = (out / "bench_generate.md").read_text()
     assert "| RuntimeError |" in table and "second line" not in table
+
+
+def _write_run(path: Path, model: str, rows: list[tuple[str, float]]) -> Path:
+    """A bench_generate.csv of one prefill workload of ``model`` with ``(variant, ms)`` rows."""
+    wl = bg.Workload("prefill", 1, 16)
+    res = [bg.Result(model, "fp32", wl, v, ms=ms, ms_std=0.1, peak_mib=100.0 + ms) for v, ms in rows]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    bg.write_csv(path, res)
+    return path
+
+
+def test_merge_joins_runs_and_keeps_each_runs_ratios(tmp_path):
+    """``--merge``: the rows of every file, each ratio to the baseline of its own run, one table
+    row per model; the same workload in two runs is refused (its ratios would mix runs)."""
+    a = _write_run(tmp_path / "a" / "bench_generate.csv", "gpt2", [("sdpa", 2.0), ("full", 3.0)])
+    b = _write_run(tmp_path / "b" / "bench_generate.csv", "qwen2-0.5b", [("sdpa", 4.0), ("full", 5.0)])
+    out = tmp_path / "m"
+    assert bg.main(["--merge", str(a), str(b), "--out", str(out)]) == 0
+    rows = {(r["model"], r["variant"]): r for r in csv.DictReader((out / "bench_generate.csv").open())}
+    assert set(rows) == {("gpt2", "sdpa"), ("gpt2", "full"), ("qwen2-0.5b", "sdpa"), ("qwen2-0.5b", "full")}
+    assert float(rows[("gpt2", "full")]["time_ratio"]) == pytest.approx(1.5)
+    assert float(rows[("qwen2-0.5b", "full")]["time_ratio"]) == pytest.approx(1.25)
+    assert float(rows[("qwen2-0.5b", "full")]["mem_ratio"]) == pytest.approx(105.0 / 104.0, abs=1e-4)
+    table = (out / "bench_generate.md").read_text()
+    assert "| gpt2 | fp32 | prefill 16 | 2.000 ms | 3.000 ms | 1.50× |" in table
+    assert "| qwen2-0.5b | fp32 | prefill 16 | 4.000 ms | 5.000 ms | 1.25× |" in table
+    again = _write_run(tmp_path / "c" / "bench_generate.csv", "gpt2", [("sdpa", 1.0), ("full", 1.0)])
+    with pytest.raises(SystemExit, match="gpt2 fp32 prefill 16 is in both"):
+        bg.main(["--merge", str(a), str(again), "--out", str(tmp_path / "m2")])
+    with pytest.raises(SystemExit, match="other than the inputs"):
+        bg.main(["--merge", str(a), str(b), "--out", str(a.parent)])
+    with pytest.raises(SystemExit, match="no file"):
+        bg.main(["--merge", str(tmp_path / "none.csv"), "--out", str(tmp_path / "m3")])
+
+
+def test_smollm2_gguf_that_is_not_a_gguf_file_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a .gguf file"):
+        bg.load_model("smollm2", bg.torch.float32, bg.torch.device("cpu"), tiny=True, max_positions=64,
+                      smollm2_gguf=str(tmp_path / "missing.gguf"))

@@ -12,6 +12,8 @@
 #                      -> .lbcarry1/ (GGUF part 1)   .lbcarry2/ (GGUF part 2, the data, the gguf wheel)
 #   device call 1:     carry [".lbcarry1"]   bash scripts/longbench/gpu_run.sh stage
 #   device call 2:     carry [".lbcarry2"]   bash scripts/longbench/gpu_run.sh run
+#                      (or `read SITE GGUF < <(bash scripts/longbench/gpu_run.sh model)`: the joined
+#                      GGUF's path for another script, e.g. bench_generate.py --smollm2-gguf "$GGUF")
 #                      (at once: the machine keeps part 1 only while warm, 30 s after a call)
 #
 # `run [DATA_DIR]` (default .lbcarry2/data) also takes MODEL=<.gguf | HF folder | pack folder> to skip
@@ -97,17 +99,33 @@ assemble_model() {
     echo "$dst"
 }
 
+install_gguf() {
+    # the gguf wheel carried in .lbcarry2 (the GPU image has no gguf), into $site; echoes the PYTHONPATH entry
+    local site=/tmp/ftt_lb_site
+    if compgen -G "$REPO/.lbcarry2/wheels/*.whl" > /dev/null && ! $PY -c 'import gguf' 2>/dev/null; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+            "$REPO"/.lbcarry2/wheels/*.whl >&2 || die "wheel install failed"
+    fi
+    echo "$site"
+}
+
+setup_model() {
+    # for other scripts (bench_generate.py --smollm2-gguf): join the GGUF, install gguf, print
+    # "PYTHONPATH_ENTRY GGUF_PATH"
+    local site model
+    site="$(install_gguf)" || exit 2
+    model="$(assemble_model)" || exit 2
+    echo "$site $model"
+}
+
 run_all() {
     local data="${1:-$REPO/.lbcarry2/data}"
     [ -d "$data" ] || die "no data folder $data"
     data="$(cd "$data" && pwd)"
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-    local site=/tmp/ftt_lb_site
-    if compgen -G "$REPO/.lbcarry2/wheels/*.whl" > /dev/null && ! $PY -c 'import gguf' 2>/dev/null; then
-        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-            "$REPO"/.lbcarry2/wheels/*.whl || die "wheel install failed"
-    fi
+    local site
+    site="$(install_gguf)" || exit 2
     export PYTHONPATH="$site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
     # the package maps kernels/ and patches/ into ft_transformers (pyproject): PYTHONPATH=$REPO alone
     # does not find ft_transformers.patches, so install the checkout (editable, no dependencies)
@@ -236,5 +254,6 @@ case "$cmd" in
     prepare) prepare "$@" ;;
     stage) stage ;;
     run) run_all "$@" ;;
+    model) setup_model ;;
     *) awk 'NR > 1 && !/^#/ {exit} NR > 1' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
