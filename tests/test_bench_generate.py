@@ -173,3 +173,31 @@ def test_smollm2_gguf_that_is_not_a_gguf_file_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a .gguf file"):
         bg.load_model("smollm2", bg.torch.float32, bg.torch.device("cpu"), tiny=True, max_positions=64,
                       smollm2_gguf=str(tmp_path / "missing.gguf"))
+
+
+def test_compiled_decode_rows_say_so_and_old_files_read_as_eager(tmp_path):
+    """A decode workload timed through compiled steps is labelled so in the CSV, table and merge;
+    a CSV written before the ``compile`` column existed reads as eager."""
+    wl = bg.Workload("decode", 1, 512, 128, "reduce-overhead")
+    assert wl.label == "decode b1 (512+128, compiled reduce-overhead)"
+    res = [bg.Result("gpt2", "fp16", wl, v, ms=ms, ms_std=0.0, peak_mib=10.0) for v, ms in
+           (("sdpa", 2.0), ("full", 2.2))]
+    new = tmp_path / "new" / "bench_generate.csv"
+    new.parent.mkdir()
+    bg.write_csv(new, res)
+    back = bg.read_csv(new)
+    assert [r.workload for r in back] == [wl, wl]
+    old = tmp_path / "old" / "bench_generate.csv"
+    old.parent.mkdir()
+    rows = list(csv.DictReader(new.open()))
+    with old.open("w", newline="") as f:  # the same rows without the column, eager decode
+        w = csv.DictWriter(f, [k for k in bg.CSV_FIELDS if k != "compile"], extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    assert [r.workload.label for r in bg.read_csv(old)] == ["decode b1 (512+128)"] * 2
+    out = tmp_path / "m"
+    bg.merge([new, old], out)  # the same model and batch, eager and compiled: two rows, not a clash
+    table = (out / "bench_generate.md").read_text()
+    assert "| gpt2 | fp16 | decode b1 (512+128, compiled reduce-overhead) | 2.000 ms/tok | 2.200 ms/tok | 1.10× |" \
+        in table
+    assert "| gpt2 | fp16 | decode b1 (512+128) | 2.000 ms/tok |" in table
