@@ -235,13 +235,20 @@ def _parts_dot(a, p0, p1, p2, PARTS: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
+def _kabs_nonfinite(kabs_rd):
+    """From Σ_l |K[l·16+r, d]| (16, BLOCK_D): kabs[r] = its max over d (16,), and 1 if the key block
+    holds a non-finite value (a sum that is not ≤ FLT_MAX), else 0."""
+    knf = tl.max(tl.max((~(kabs_rd <= 3.4028234663852886e38)).to(tl.int32), axis=1), axis=0)
+    return tl.max(kabs_rd, axis=1), knf
+
+
+@triton.jit
 def _k_checksums(k, L: tl.constexpr):
     """GEMM I checksums of a key block k (L·16, BLOCK_D): Kc1 = Σ_l K[l·16+r] (16, BLOCK_D) fp32,
     kabs[r] = max_d Σ_l |K[l·16+r, d]| (16,), and 1 if the block holds a non-finite value, else 0."""
     kg = tl.reshape(k.to(tl.float32), (L, 16, k.shape[1]))
-    kabs_rd = tl.sum(tl.abs(kg), axis=0)
-    knf = tl.max(tl.max((~(kabs_rd <= 3.4028234663852886e38)).to(tl.int32), axis=1), axis=0)
-    return tl.sum(kg, axis=0), tl.max(kabs_rd, axis=1), knf
+    kabs, knf = _kabs_nonfinite(tl.sum(tl.abs(kg), axis=0))
+    return tl.sum(kg, axis=0), kabs, knf
 
 
 @triton.jit
@@ -260,8 +267,8 @@ def _k_checksums_by_group(Kb, skn, skd, n0, N, D, offs_d, L: tl.constexpr, EVEN_
         kl = kl.to(tl.float32)
         kc1 += kl
         kabs_rd += tl.abs(kl)
-    knf = tl.max(tl.max((~(kabs_rd <= 3.4028234663852886e38)).to(tl.int32), axis=1), axis=0)
-    return kc1, tl.max(kabs_rd, axis=1), knf
+    kabs, knf = _kabs_nonfinite(kabs_rd)
+    return kc1, kabs, knf
 
 
 @triton.jit

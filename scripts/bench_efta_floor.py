@@ -51,6 +51,7 @@ from _timing import interleaved  # noqa: E402
 
 # the library's ex2.approx.ftz / lg2.approx.ftz (tl.exp2 / tl.log2 in the interpreter)
 from ft_transformers.kernels.efta import _exp, _lg2, _mul  # noqa: E402
+from ft_transformers.kernels.tl_common import runs_interpreted  # noqa: E402
 
 LOG2E = 1.4426950408889634
 # step 4: exponents (base 2) below Y_MIN count as Y_MIN, P below 2^Y_MIN as 2^Y_MIN: a product of 8 stays normal
@@ -172,7 +173,7 @@ def floor_attention(q, k, v, scale, causal, level, unified, cfg, tabs, flags):
     BH, S, D = q.shape
     kc, ka, vc, vcmax = tabs[BN]
     o = torch.empty_like(q)
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = runs_interpreted(_floor_kernel)
     # thresholds of single-slice checksum operands: Kc1 / Vc1 rounded to the input dtype
     u = 2.0 ** -8 if q.dtype == torch.bfloat16 else 2.0 ** -11
     _floor_kernel[(S // BM, BH)](q, k, v, kc, ka, vc, o, flags, S, scale * LOG2E, 4 * u, 64 * u, vcmax,

@@ -261,6 +261,13 @@ class Workload:
         mode = "" if self.compile == "off" else f", compiled {self.compile}"
         return f"decode b{self.batch} ({self.prompt}+{self.new_tokens}{mode})"
 
+    @property
+    def short_label(self) -> str:
+        """The plot's x-axis label: "prefill 4096", "decode b16", "decode b1 compiled"."""
+        if self.kind == "prefill":
+            return f"prefill {self.prompt}"
+        return f"decode b{self.batch}" + ("" if self.compile == "off" else " compiled")
+
 
 @dataclass
 class Result:
@@ -504,11 +511,10 @@ def markdown(results: list[Result], variants: list[str], header: str) -> str:
     return "\n".join(lines)
 
 
-def _plot_label(row: dict) -> str:
-    """A CSV row's workload on the plot's x axis ("prefill 4096", "decode b16", "decode b1 compiled")."""
-    if row["kind"] == "prefill":
-        return f"prefill {row['prompt']}"
-    return f"decode b{row['batch']}" + ("" if (row.get("compile") or "off") == "off" else " compiled")
+def _row_workload(row: dict) -> Workload:
+    """The `Workload` of a `write_csv` row (files written before the ``compile`` column: eager decode)."""
+    return Workload(row["kind"], int(row["batch"]), int(row["prompt"]), int(row["new_tokens"]),
+                    row.get("compile") or "off")
 
 
 def plot(csv_path: Path, png_path: Path) -> bool:
@@ -531,12 +537,12 @@ def plot(csv_path: Path, png_path: Path) -> bool:
     fig, axes = plt.subplots(len(models), 1, figsize=(10, 2.8 * len(models)), squeeze=False)
     for ax, m in zip(axes[:, 0], models):
         sub = [r for r in rows if r["model"] + " " + r["dtype"] == m]
-        labels = list(dict.fromkeys(_plot_label(r) for r in sub))
+        labels = list(dict.fromkeys(_row_workload(r).short_label for r in sub))
         width = 0.8 / max(len(variants), 1)
         for i, v in enumerate(variants):
             ys = []
             for lab in labels:
-                hit = [r for r in sub if r["variant"] == v and _plot_label(r) == lab]
+                hit = [r for r in sub if r["variant"] == v and _row_workload(r).short_label == lab]
                 ys.append(float(hit[0]["time_ratio"]) if hit and hit[0]["time_ratio"] not in ("", "nan") else 0.0)
             ax.bar([j + i * width for j in range(len(labels))], ys, width, label=v)
         ax.axhline(1.0, color="k", lw=0.8)
@@ -560,9 +566,7 @@ def read_csv(path: Path) -> list[Result]:
             missing = [k for k in CSV_FIELDS if k not in row and k != "compile"]
             if missing:
                 raise ValueError(f"{path}: not a bench_generate.csv (no column {missing[0]!r})")
-            wl = Workload(row["kind"], int(row["batch"]), int(row["prompt"]), int(row["new_tokens"]),
-                          row.get("compile") or "off")  # files written before the column: eager
-            out.append(Result(row["model"], row["dtype"], wl, row["variant"], ms=float(row["ms"]),
+            out.append(Result(row["model"], row["dtype"], _row_workload(row), row["variant"], ms=float(row["ms"]),
                               ms_std=float(row["ms_std"]), peak_mib=float(row["peak_mib"]),
                               events=int(row["events"]), nonfinite=int(row["nonfinite"]), error=row["error"]))
     return out
@@ -584,7 +588,8 @@ def merge(paths: list[Path], out: Path) -> list[Result]:
             seen[k] = p
         results += rows
         md = p.with_suffix(".md")
-        head = md.read_text().split("```")[1].strip() if md.exists() and md.read_text().count("```") >= 2 else ""
+        text = md.read_text() if md.exists() else ""
+        head = text.split("```")[1].strip() if text.count("```") >= 2 else ""
         headers.append(f"{p}: {head or '(no header)'}")
     variants = [v for v in ALL_VARIANTS if any(r.variant == v for r in results)]
     out.mkdir(parents=True, exist_ok=True)
