@@ -16,8 +16,8 @@ from .checked_linear import checked_linear
 from .config import FTConfig, UncorrectableFaultError
 from .efta import efta_attention
 from .events import FaultEvent, FTReport
-from .injection import FaultSpec, inject_faults
-from .protect import disable_fault_tolerance, enable_fault_tolerance, fault_report
+from .injection import FaultSpec
+from .protect import disable_fault_tolerance, enable_fault_tolerance, fault_report, inject_faults
 from .vabft import vabft_threshold
 
 __version__ = "0.1.0"

@@ -16,6 +16,7 @@ against 0.30 ms on an H200 host, session 29):
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -43,6 +44,8 @@ class Static(NamedTuple):
 
 STATIC: dict[int, Static] = {}  # context key -> settings
 GROUPS: dict[int, Any] = {}  # group key -> `siblings._SiblingGroup`
+# id(module) -> module, for the compiled path's custom op to find the weight-checksum cache owner.
+CACHE_OWNERS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
 
 
 @torch.compiler.assume_constant_result

@@ -50,9 +50,9 @@ import torch
 
 from .config import FTConfig
 from .events import FaultEvent, FTReport
-from .injection import FaultSpec, derive_seed, inject_faults
-from .protect import _state, enable_fault_tolerance, fault_report
-from .sites import KINDS, SITES
+from .injection import FaultSpec, derive_seed
+from .protect import _state, enable_fault_tolerance, fault_report, inject_faults
+from .kernels.contract import KINDS, SITES
 
 # --------------------------------------------------------------------------------------------
 # Vocabulary

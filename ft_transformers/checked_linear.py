@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from .counters import FaultStats, add_count, new_counters
 from .injection import FaultPlan, FaultSpec
-from .sites import LINEAR_SITES
+from .kernels.contract import LINEAR_SITES
 from .vabft import checksum_residuals, default_emax, weight_checksums
 
 __all__ = ["RECOMPUTE_ROWS", "checked_linear"]

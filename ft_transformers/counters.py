@@ -11,12 +11,10 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from .sites import COUNTER_SHAPE, KIND_INDEX, KINDS, SITE_INDEX, SITES
+from .kernels.contract import COUNTER_SHAPE, KIND_INDEX, KINDS, SITE_INDEX, SITES, new_counters
 
+__all__ = ["FaultStats", "add_count", "new_counters"]
 
-def new_counters(device: torch.device | str) -> torch.Tensor:
-    """A zeroed (sites, kinds) int32 counter block on ``device``."""
-    return torch.zeros(COUNTER_SHAPE, dtype=torch.int32, device=device)
 
 
 def add_count(counters: torch.Tensor, site: str, kind: str, value: torch.Tensor | int) -> None:

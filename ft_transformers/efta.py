@@ -17,7 +17,7 @@ import torch
 from .counters import FaultStats, new_counters
 from .efta_reference import broadcast_to_scores, efta_reference
 from .injection import FaultPlan, FaultSpec
-from .sites import ATTENTION_SITES
+from .kernels.contract import ATTENTION_SITES
 
 __all__ = ["efta_attention"]
 

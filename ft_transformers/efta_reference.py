@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from . import pasa as _pasa
 from .counters import add_count
-from .exp_check import EXP_MAX_GROUP, EXP_ULPS, EXP_XMIN, LOG2E, P_MIN
+from .kernels.contract import EXP_MAX_GROUP, EXP_ULPS, EXP_XMIN, LOG2E, P_MIN
 from .injection import FaultPlan, SiteFaults
 
 __all__ = ["efta_reference", "broadcast_to_scores", "PASA_PRECISIONS"]

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .config import UncorrectableFaultError
-from .sites import COUNTER_SHAPE, KIND_INDEX, KINDS, SITES
+from .kernels.contract import COUNTER_SHAPE, KIND_INDEX, KINDS, SITES
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Fault injection: `FaultSpec`, bit flips, and where flips land in a kernel call.
 
-A `FaultSpec` names a site (see `ft_transformers.sites.SITES`) and either a fixed ``bit`` flipped
+A `FaultSpec` names a site (see `ft_transformers.kernels.contract.SITES`) and either a fixed ``bit`` flipped
 at ``count`` random positions, or a bit error rate ``ber`` (each element of the site flips one
 random bit with that probability). Kernel-level functions take it as ``inject=``;
-`inject_faults` applies it to the protected modules of a model.
+`ft_transformers.protect.inject_faults` applies it to the protected modules of a model.
 
 Inside a kernel call every site has a *logical shape* (the whole tensor the site would be if it
 were materialised), e.g. ``attn.scores`` is ``(B, Hq, M, N)``. `SiteFaults` draws the flip
@@ -13,14 +13,13 @@ block a blocked implementation is working on.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .sites import SITE_INDEX, SITES
+from .kernels.contract import SITE_INDEX, SITES, derive_seed
 
 _INT_VIEW = {
     torch.float32: torch.int32,
@@ -76,12 +75,6 @@ class FaultSpec:
     @property
     def is_attention(self) -> bool:
         return self.site.startswith("attn.")
-
-
-def derive_seed(*parts: object) -> int:
-    """A stable 63-bit seed from any printable parts (independent of PYTHONHASHSEED)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def storage_bits(dtype: torch.dtype) -> int:
@@ -238,62 +231,3 @@ class FaultPlan:
         for spec in self.specs:
             if spec.site not in allowed:
                 raise ValueError(f"{where} has no fault site {spec.site!r}; its sites are {', '.join(allowed)}")
-
-
-
-class FaultLog:
-    """What `inject_faults` did: one record per targeted module call.
-
-    ``records`` is a list of ``(module name, call index, FaultPlan)``; `injected` the number of
-    bits flipped so far (reading it may synchronise in BER mode on the reference path).
-    """
-
-    def __init__(self, log: list, start: int = 0) -> None:
-        self._log = log
-        self._start = start
-
-    @property
-    def records(self) -> list:
-        return self._log[self._start:]
-
-    @property
-    def injected(self) -> int:
-        return sum(plan.injected for _, _, plan in self.records)
-
-    @property
-    def calls(self) -> int:
-        return len(self.records)
-
-
-@contextlib.contextmanager
-def inject_faults(model: torch.nn.Module, spec: FaultSpec | Sequence[FaultSpec]) -> Iterator[FaultLog]:
-    """Inject faults into a protected model's computation while the context is open.
-
-    The model must have gone through `enable_fault_tolerance` (with ``FTConfig(detect=False,
-    correct=False)`` for an unprotected run). ``FaultSpec.calls`` counts each targeted module's
-    forward calls from the moment the context opens. Yields a `FaultLog`.
-    """
-    from .attention import ATTN_IMPLEMENTATION
-    from .protect import _state
-
-    state = _state(model)
-    specs = [spec] if isinstance(spec, FaultSpec) else list(spec)
-    for s in specs:
-        if not isinstance(s, FaultSpec):
-            raise TypeError(f"inject_faults takes FaultSpec(s), got {type(s).__name__}")
-        if s.is_attention and model.config._attn_implementation != ATTN_IMPLEMENTATION:
-            raise ValueError(f"cannot inject at {s.site}: attention is not running through EFTA "
-                             "(enable_fault_tolerance with FTConfig(attention=True))")
-        targets = [c for c in state.contexts if c._matches(s)]
-        if not targets:
-            raise ValueError(f"FaultSpec(site={s.site!r}, layers={s.layers}) matches no protected module "
-                             "(wrong layer index or module name, or linear protection is off)")
-    for c in state.contexts:
-        c.calls = 0
-    start = len(state.injection_log)
-    state.active_faults.extend(specs)
-    try:
-        yield FaultLog(state.injection_log, start)
-    finally:
-        for s in specs:
-            state.active_faults.remove(s)

@@ -20,14 +20,16 @@ traced code reads of the protection is laid out so that the compiled model's gua
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from ._states import CACHE_OWNERS as _CACHE_OWNERS
 from ._states import KEYS as _KEYS
 from ._states import STATES as _STATES
 from ._states import STATIC, Static, faults_may_hit, forget, spec_matches, static_of, step_block
@@ -40,8 +42,6 @@ from .siblings import install_siblings, sibling_output
 
 _STATE_ATTR = "_ftt_state"
 _NO_FAULTS = FaultPlan(None)  # the plan of every call while no faults are active (never mutated)
-# id(module) -> module, for the compiled path's custom op to find the weight-checksum cache owner.
-_CACHE_OWNERS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
 
 
 class _ModuleContext:
@@ -350,3 +350,58 @@ def fault_report(model: torch.nn.Module) -> FTReport:
 def _protected_modules(model: torch.nn.Module) -> Sequence[str]:
     """Qualified names of the modules protection manages (attention and checked GEMMs)."""
     return [ctx.slot.name for ctx in _state(model).contexts]
+
+
+class FaultLog:
+    """What `inject_faults` did: one record per targeted module call.
+
+    ``records`` is a list of ``(module name, call index, FaultPlan)``; `injected` the number of
+    bits flipped so far (reading it may synchronise in BER mode on the reference path).
+    """
+
+    def __init__(self, log: list, start: int = 0) -> None:
+        self._log = log
+        self._start = start
+
+    @property
+    def records(self) -> list:
+        return self._log[self._start:]
+
+    @property
+    def injected(self) -> int:
+        return sum(plan.injected for _, _, plan in self.records)
+
+    @property
+    def calls(self) -> int:
+        return len(self.records)
+
+
+@contextlib.contextmanager
+def inject_faults(model: torch.nn.Module, spec: FaultSpec | Sequence[FaultSpec]) -> Iterator[FaultLog]:
+    """Inject faults into a protected model's computation while the context is open.
+
+    The model must have gone through `enable_fault_tolerance` (with ``FTConfig(detect=False,
+    correct=False)`` for an unprotected run). ``FaultSpec.calls`` counts each targeted module's
+    forward calls from the moment the context opens. Yields a `FaultLog`.
+    """
+    state = _state(model)
+    specs = [spec] if isinstance(spec, FaultSpec) else list(spec)
+    for s in specs:
+        if not isinstance(s, FaultSpec):
+            raise TypeError(f"inject_faults takes FaultSpec(s), got {type(s).__name__}")
+        if s.is_attention and model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(f"cannot inject at {s.site}: attention is not running through EFTA "
+                             "(enable_fault_tolerance with FTConfig(attention=True))")
+        targets = [c for c in state.contexts if c._matches(s)]
+        if not targets:
+            raise ValueError(f"FaultSpec(site={s.site!r}, layers={s.layers}) matches no protected module "
+                             "(wrong layer index or module name, or linear protection is off)")
+    for c in state.contexts:
+        c.calls = 0
+    start = len(state.injection_log)
+    state.active_faults.extend(specs)
+    try:
+        yield FaultLog(state.injection_log, start)
+    finally:
+        for s in specs:
+            state.active_faults.remove(s)

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from ._states import CACHE_OWNERS as _CACHE_OWNERS
 from ._states import GROUPS, KEYS, STATES, STATIC, static_of, step_block
 from .checked_linear import _TRITON_FAILED, _autocast_dtype, _checked_linear_forward
 from .events import EventRecorder
@@ -159,7 +160,6 @@ def _checked_linear_siblings_op(
     Returns:
         y (..., ΣN_i) in x's dtype.
     """
-    from .protect import _CACHE_OWNERS  # noqa: PLC0415 (protect imports this module)
 
     counters = [step_counters[s] for s in slots]
     y = _siblings_forward(x, weights, biases, counters, [_CACHE_OWNERS.get(o) for o in owners], emax, csigma,

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..sites import KIND_INDEX, SITE_INDEX
+from .contract import KIND_INDEX, SITE_INDEX
 from ..vabft import row_stats
 from .tl_common import cdiv
 from .tl_common import dot as _mma

@@ -108,9 +108,9 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
     raise ImportError("ft_transformers.kernels.abft_gemm needs triton") from exc
 
 from ..checked_linear import _FAST_PATH_ATTR, _autocast_dtype
-from ..counters import new_counters
+from .contract import new_counters
 from ..injection import FaultPlan
-from ..sites import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
+from .contract import COUNTER_SHAPE, KIND_INDEX, SITE_INDEX
 from ..vabft import WeightChecksums, default_emax, weight_checksums
 from .abft_decode import GROUP_COLS, GROUP_CONSTS, group_checksums, grouped_gemm_kernel, k_blocks, round_and_inject
 from .launch import DirectLauncher, record_launches, replay_launches
@@ -1097,7 +1097,7 @@ def _inj_table(plan: FaultPlan | None, m: int, n: int, dtype: torch.dtype, devic
         rows, cols = pos[:, 0].to(torch.int64), pos[:, 1].to(torch.int64)
         bits = torch.full_like(rows, int(sf.spec.bit))
     else:
-        from ..injection import derive_seed  # noqa: PLC0415
+        from .contract import derive_seed  # noqa: PLC0415
 
         g = torch.Generator().manual_seed(derive_seed(sf.seed, 0))
         flip = torch.rand((m, n), generator=g) < float(sf.spec.ber)

@@ -117,9 +117,9 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only where triton is missing
     raise ImportError("ft_transformers.kernels.efta needs triton") from exc
 
-from ..exp_check import EXP_MAX_GROUP, EXP_ULPS, EXP_XMIN, LOG2E, P_MIN
+from .contract import EXP_MAX_GROUP, EXP_ULPS, EXP_XMIN, LOG2E, P_MIN
 from ..injection import FaultPlan
-from ..sites import ATTENTION_SITES, COUNTER_SHAPE
+from .contract import ATTENTION_SITES, COUNTER_SHAPE
 from .launch import DirectLauncher, record_launches, replay_launches
 from .tl_common import call_flag, env_get, env_reader, gpu_time, on_tensor_device, runs_interpreted, sm_count
 from .tl_common import cdiv as _cdiv

@@ -1,6 +1,6 @@
 """BERT: bidirectional self-attention with padding masks; encoder-only."""
 
-from . import FamilyAdapter
+from .adapter import FamilyAdapter
 
 ADAPTER = FamilyAdapter(
     family="BERT",

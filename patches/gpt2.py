@@ -1,6 +1,6 @@
 """GPT-2: fused ``c_attn`` projection and ``Conv1D`` layers (weight stored (K, N))."""
 
-from . import FamilyAdapter
+from .adapter import FamilyAdapter
 
 ADAPTER = FamilyAdapter(
     family="GPT-2",

@@ -1,6 +1,6 @@
 """Llama (and SmolLM2, which loads as Llama): grouped-query attention, RoPE applied before attention."""
 
-from . import FamilyAdapter
+from .adapter import FamilyAdapter
 
 ADAPTER = FamilyAdapter(
     family="Llama",

@@ -1,6 +1,6 @@
 """Qwen2: grouped-query attention and (optional) sliding-window layers."""
 
-from . import FamilyAdapter
+from .adapter import FamilyAdapter
 
 ADAPTER = FamilyAdapter(
     family="Qwen2",

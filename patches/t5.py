@@ -1,6 +1,6 @@
 """T5: additive relative ``position_bias`` with ``scaling=1.0``; encoder, decoder, cross-attention."""
 
-from . import FamilyAdapter
+from .adapter import FamilyAdapter
 
 ADAPTER = FamilyAdapter(
     family="T5",

@@ -25,7 +25,7 @@ import torch
 
 import ft_transformers as ftt
 from ft_transformers.embedded import SMOLLM2, load_causal_lm
-from ft_transformers.sites import SITES
+from ft_transformers.kernels.contract import SITES
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

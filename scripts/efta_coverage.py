@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from ft_transformers.efta import efta_attention
 from ft_transformers.injection import FaultPlan, FaultSpec
-from ft_transformers.sites import ATTENTION_SITES
+from ft_transformers.kernels.contract import ATTENTION_SITES
 from ft_transformers.vabft import sample_matrix
 
 CLASSES = {"sign": (31, 31), "exponent": (23, 30), "mantissa": (0, 22)}

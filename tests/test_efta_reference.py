@@ -20,7 +20,7 @@ from ft_transformers.counters import FaultStats, new_counters
 from ft_transformers.efta import _efta_forward, efta_attention
 from ft_transformers.efta_reference import efta_reference
 from ft_transformers.injection import FaultPlan, FaultSpec
-from ft_transformers.sites import ATTENTION_SITES, COUNTER_SHAPE
+from ft_transformers.kernels.contract import ATTENTION_SITES, COUNTER_SHAPE
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -461,7 +461,7 @@ def test_exp_group_check_covers_bits_that_reach_pv():
     tolerance). A flip that keeps a P below P_min is not seen (it moves P by < P_min), a flip that
     lifts it far above P_min is. A NaN P is caught too."""
     from ft_transformers.efta_reference import _exp_group_test
-    from ft_transformers.exp_check import P_MIN
+    from ft_transformers.kernels.contract import P_MIN
 
     gen = torch.Generator().manual_seed(0)
     rows = 4000

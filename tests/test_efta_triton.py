@@ -30,7 +30,7 @@ from ft_transformers.kernels import efta as K  # noqa: E402
 
 from ft_transformers.counters import FaultStats, new_counters  # noqa: E402
 from ft_transformers.injection import FaultPlan, FaultSpec  # noqa: E402
-from ft_transformers.sites import ATTENTION_SITES  # noqa: E402
+from ft_transformers.kernels.contract import ATTENTION_SITES  # noqa: E402
 
 try:
     from ft_transformers.efta_reference import efta_reference
