@@ -20,7 +20,8 @@ The key can only be finer than Triton's (it may separate calls Triton would shar
 never the reverse), so a direct launch always runs the kernel Triton itself would have run. Any
 other argument kind (e.g. a TMA tensor descriptor) makes that call go through Triton every time.
 
-``FTT_DIRECT_LAUNCH=0`` sends every call through Triton (diagnosis, benchmarks of the difference). A
+``Options.direct_launch`` off (``FTT_DIRECT_LAUNCH=0``) sends every call through Triton (diagnosis,
+benchmarks of the difference). A
 Triton whose compiled-kernel launcher does not take these arguments (a TypeError) gets a warning
 and every later call through its own path.
 Under the interpreter (``TRITON_INTERPRET=1``) every call goes through Triton.
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .tl_common import env_get
+from .options import options
 
 __all__ = ["BoundLaunch", "DirectLauncher", "record_launches", "replay_launches"]
 
@@ -153,8 +154,8 @@ class DirectLauncher:
 
     def _active(self, grid: Sequence[int] | Callable) -> bool:
         """Whether this call may launch directly (not interpreted, not given up, a fixed grid, not
-        switched off by ``FTT_DIRECT_LAUNCH=0``)."""
-        return self.enabled and not callable(grid) and env_get("FTT_DIRECT_LAUNCH", "1") != "0"
+        switched off by `Options.direct_launch`)."""
+        return self.enabled and not callable(grid) and options().direct_launch
 
     def __call__(self, grid: Sequence[int] | Callable, args: tuple, kwargs: dict[str, Any]) -> None:
         keyed = self._key(args, kwargs) if self._active(grid) else None
