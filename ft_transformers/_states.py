@@ -2,7 +2,7 @@
 
 ``torch.compile`` guards everything a traced forward reads, on every call of the compiled model. Two
 things made a protected model's guard evaluation take ~4× the unprotected one's per decode step (1.24
-against 0.30 ms on an H200 host, session 29):
+against 0.30 ms on an H200 host):
 
 * an object reached along two paths costs a Python identity guard per path (the model's state through
   every module's context: ``a._ftt.state is b._ftt.state``, ~660 such guards for a 24-layer Qwen2), so

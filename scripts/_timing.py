@@ -1,7 +1,7 @@
 """Interleaved timing for the benchmark scripts (``bench_linear.py``, ``bench_attention.py``).
 
 The H100's speed drifts during a run: single timings of the same call at 8192³ spread over
-0.82–0.96× cuBLAS in one device call (docs/vabft.md, session 21). Timing every variant once per
+0.82–0.96× cuBLAS in one device call (docs/vabft.md). Timing every variant once per
 round, in an order rotated by one each round, and taking medians of the same round's ratios lets a
 drift hit every variant of a ratio alike."""
 

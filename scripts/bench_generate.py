@@ -18,8 +18,8 @@ Variants, measured side by side on the same model object in one run:
 * ``full``      — attention and every Linear / Conv1D checked (``FTConfig()``)
 * ``full_off``  — (optional) everything wrapped, checks off (``FTConfig(detect=False, correct=False)``):
   the cost of the wrappers alone
-* ``full_per_layer`` — (optional) ``full`` with one checked launch per Linear layer (``FTT_SIBLINGS=0``:
-  Q/K/V and gate/up not in one launch, `ft_transformers.siblings`)
+* ``full_per_layer`` — (optional) ``full`` with one checked launch per Linear layer
+  (``override(siblings=False)``: Q/K/V and gate/up not in one launch, `ft_transformers.siblings`)
 
 Workloads: prefill of S tokens at batch 1 (``--prefill``, default 1k 4k 16k; one forward building the
 KV cache, ``logits_to_keep=1``), and decode of ``--new-tokens`` tokens (default 128) at batch 1 and 16
@@ -66,12 +66,12 @@ runs in the warmup, per variant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import csv
 import gc
 import math
 import os
-import platform
 import re
 import sys
 import time
@@ -80,9 +80,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from ft_transformers.kernels.options import override
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import ft_transformers as ftt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import environment, fixed_length  # noqa: E402
 
 MODELS = ("gpt2", "qwen2-0.5b", "qwen2-1.5b", "smollm2")
 VARIANTS = ("sdpa", "efta_off", "attn_only", "full")
@@ -152,14 +156,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, *, tiny: boo
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
         model.eval()
-    gc_ = model.generation_config
-    gc_.eos_token_id = None  # always generate the full length
-    gc_.pad_token_id = 0
-    gc_.do_sample = False
-    for attr in ("temperature", "top_p", "top_k"):
-        if hasattr(gc_, attr):
-            setattr(gc_, attr, None)
-    return model
+    return fixed_length(model)  # every variant generates the full length
 
 
 def set_variant(model, variant: str, compiled: bool = False) -> None:
@@ -173,15 +170,9 @@ def set_variant(model, variant: str, compiled: bool = False) -> None:
         model.set_attn_implementation("sdpa")
     cfg = variant_config(variant)
     if cfg is not None:
-        old = os.environ.get("FTT_SIBLINGS")
-        os.environ["FTT_SIBLINGS"] = "0" if variant == "full_per_layer" else (old or "1")
-        try:
+        # the sibling groups are formed when protection is enabled, so the switch matters only here
+        with override(siblings=False) if variant == "full_per_layer" else contextlib.nullcontext():
             ftt.enable_fault_tolerance(model, cfg)
-        finally:
-            if old is None:
-                del os.environ["FTT_SIBLINGS"]
-            else:
-                os.environ["FTT_SIBLINGS"] = old
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -416,25 +407,6 @@ def run_interleaved(models: dict, wl: Workload, device: torch.device, timer: Tim
 
 
 # -- reporting ---------------------------------------------------------------------------------
-
-def versions(device: torch.device) -> str:
-    import transformers
-
-    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}",
-             f"transformers {transformers.__version__}", f"ft_transformers {ftt.__version__}"]
-    try:
-        import triton
-
-        parts.append(f"triton {triton.__version__}")
-    except ImportError:
-        parts.append("triton -")
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        parts.append(f"CUDA {torch.version.cuda}")
-        return f"device: {name}\n" + ", ".join(parts)
-    return f"device: CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)\n" \
-        + ", ".join(parts)
-
 
 def ratios(results: list[Result]) -> dict[int, tuple[float, float]]:
     """id(result) -> (time ratio, memory ratio) to the baseline of the same model/dtype/workload."""
@@ -799,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [Workload("prefill", 1, s) for s in args.prefill]
     workloads += [Workload("decode", b, args.decode_prompt, args.new_tokens, args.compile) for b in args.decode_batch]
     max_pos = max([w.prompt + w.new_tokens for w in workloads] + [1])
-    header = versions(dev)
+    header = environment(dev)
     header += f"\ncompile (decode): {args.compile}"
     if args.compile != "off":
         header += f", backend {args.compile_backend}"

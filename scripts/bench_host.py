@@ -12,7 +12,7 @@ by side in one run, on one CUDA device (fp16, Qwen2-0.5B's widths and heads by d
   checks off) and ``efta`` (detect + correct), for prefill and decode shapes.
 
 Each protected variant is timed twice: ``direct`` (compiled kernels launched through
-`ft_transformers.kernels.launch.DirectLauncher`, the default) and ``triton`` (``FTT_DIRECT_LAUNCH=0``:
+`ft_transformers.kernels.launch.DirectLauncher`, the default) and ``triton`` (``override(direct_launch=False)``:
 every launch through Triton's own ``JITFunction.run``). The variants of one shape alternate within
 every round (``--rounds``, ``--calls`` calls each), and the table gives the median of the rounds:
 ``host`` is the time the Python call takes to return, ``wall`` the same with a synchronise after the
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import platform
 import statistics
 import sys
 import time
@@ -42,6 +41,10 @@ if "--device" in sys.argv and "cpu" in sys.argv[sys.argv.index("--device") + 1:]
 
 import torch
 import torch.nn.functional as F
+from ft_transformers.kernels.options import override
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import environment  # noqa: E402
 
 GEMMS = ["1x4864x896", "1x896x4864", "16x896x4864", "1024x4864x896", "1024x896x4864"]  # M x N x K
 ATTENTION = ["1x14x2x1024x1024", "1x14x2x1x1024", "16x14x2x1x1024", "1x14x2x4096x4096"]  # B x Hq x Hkv x M x N
@@ -69,35 +72,18 @@ def _time_calls(fn, calls: int, device: torch.device) -> tuple[float, float]:
 
 def _measure(variants: dict, rounds: int, calls: int, device: torch.device) -> dict[str, tuple[float, float]]:
     """Median (host, wall) µs per call of each variant; the variants alternate within every round.
-    A variant name ending in ``/triton`` runs with ``FTT_DIRECT_LAUNCH=0``."""
+    A variant name ending in ``/triton`` runs with ``override(direct_launch=False)``."""
     for name, fn in variants.items():  # warm-up: compile, tune, prepare
-        with _direct(not name.endswith("/triton")):
+        with override(direct_launch=not name.endswith("/triton")):
             for _ in range(3):
                 fn()
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
-            with _direct(not name.endswith("/triton")):
+            with override(direct_launch=not name.endswith("/triton")):
                 samples[name].append(_time_calls(fn, calls, device))
     return {name: (statistics.median(h for h, _ in s), statistics.median(w for _, w in s))
             for name, s in samples.items()}
-
-
-class _direct:
-    """``FTT_DIRECT_LAUNCH`` set for a block (restored after)."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-
-    def __enter__(self):
-        self.old = os.environ.get("FTT_DIRECT_LAUNCH")
-        os.environ["FTT_DIRECT_LAUNCH"] = "1" if self.on else "0"
-
-    def __exit__(self, *exc):
-        if self.old is None:
-            del os.environ["FTT_DIRECT_LAUNCH"]
-        else:
-            os.environ["FTT_DIRECT_LAUNCH"] = self.old
 
 
 def gemm_variants(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -105,7 +91,7 @@ def gemm_variants(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
 
     from ft_transformers.checked_linear import _checked_linear_forward
     from ft_transformers.counters import new_counters
-    from ft_transformers.vabft import WeightChecksums
+    from ft_transformers.vabft import WeightChecksums, gemm_emax
 
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, k, device=device, generator=g).to(dtype)
@@ -115,7 +101,7 @@ def gemm_variants(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
     cnt = new_counters(device)
     out = {"cublas": lambda: F.linear(x, w, b)}
     for mode in ("direct", "triton"):
-        out[f"checked/{mode}"] = lambda: abft_gemm.checked_gemm(x, w, b, wc=wc, counters=cnt)
+        out[f"checked/{mode}"] = lambda: abft_gemm.checked_gemm(x, w, b, wc=wc, emax_table=gemm_emax, counters=cnt)
         out[f"module/{mode}"] = lambda: _checked_linear_forward(
             x, w, b, weight_is_kn=False, emax=None, csigma=2.5, detect=True, correct=True, plan=None,
             counters=cnt, cache_owner=layer)
@@ -145,18 +131,6 @@ def attention_variants(bsz: int, hq: int, hkv: int, m: int, n: int, dtype: torch
         out[f"efta_off/{mode}"] = efta(False)
         out[f"efta/{mode}"] = efta(True)
     return out
-
-
-def versions(device: torch.device) -> str:
-    import transformers
-    import triton
-
-    import ft_transformers
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})"
-    return (f"device: {name}\npython {platform.python_version()}, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, ft_transformers {ft_transformers.__version__}, "
-            f"triton {triton.__version__}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -189,7 +163,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["kind"])
         wr.writeheader()
         wr.writerows(rows)
-    lines = ["```", versions(device), f"rounds {args.rounds} x calls {args.calls}, {args.dtype}", "```", "",
+    lines = ["```", environment(device), f"rounds {args.rounds} x calls {args.calls}, {args.dtype}", "```", "",
              "| kind | shape | variant | host µs / call | wall µs / call | host / cuBLAS or SDPA |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['kind']} | {r['shape']} | {r['variant']} | {r['host_us']:.1f} | {r['wall_us']:.1f} | "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fault-injection campaigns: N trials with protection off and on, classified, stored in JSONL.
 
-Same as the ``ftt-campaign`` console entry point (``ft_transformers.campaign:main``).
+Same as the ``ftt-campaign`` console entry point (``ft_transformers.campaign.cli:main``).
 
     python scripts/campaign.py run --out out/smoke.jsonl --model tiny-llama --trials 20
     python scripts/campaign.py run --out out/c.jsonl --sites attn.scores linear.output \\
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from ft_transformers.campaign import main
+from ft_transformers.campaign.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,10 +22,11 @@ import textwrap
 import time
 
 import torch
+from ft_transformers.kernels.contract import SITES
 
 import ft_transformers as ftt
+from ft_transformers.campaign import encode_prompt
 from ft_transformers.embedded import SMOLLM2, load_causal_lm
-from ft_transformers.kernels.contract import SITES
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -85,14 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_causal_lm(args.model, dtype=dtype, attn_implementation="efta", device=args.device)
     print(f"  loaded in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    messages = [{"role": "user", "content": args.prompt}]
-    if getattr(tok, "chat_template", None):
-        enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                      return_dict=True)
-        input_ids = enc["input_ids"]
-    else:
-        input_ids = tok(args.prompt, return_tensors="pt")["input_ids"]
-    input_ids = input_ids.to(args.device)
+    input_ids = encode_prompt(tok, args.prompt, chat_template=True).to(args.device)
 
     specs = [ftt.FaultSpec(site=s, bit=args.bit, count=args.count, ber=args.ber, layers=args.layers,
                            calls=args.calls, seed=args.seed + i) for i, s in enumerate(args.sites)]

@@ -39,17 +39,20 @@ import csv
 import json
 import math
 import os
-import platform
+import sys
 import time
 import zlib
 
 import torch
+from ft_transformers.kernels.contract import ATTENTION_SITES
 from tqdm import tqdm
 
 from ft_transformers.efta import efta_attention
 from ft_transformers.injection import FaultPlan, FaultSpec
-from ft_transformers.kernels.contract import ATTENTION_SITES
-from ft_transformers.vabft import sample_matrix
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import device_label, versions  # noqa: E402
+from calibrate_emax import sample_matrix  # noqa: E402
 
 CLASSES = {"sign": (31, 31), "exponent": (23, 30), "mantissa": (0, 22)}
 DISTS = ("N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)")
@@ -195,8 +198,7 @@ def main() -> None:
         ap.error("--device cuda but no CUDA device is available")
     causal = not args.no_causal
     t0 = time.time()
-    result: dict = {"args": vars(args), "versions": {"python": platform.python_version(), "torch": torch.__version__},
-                    "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor()}
+    result: dict = {"args": vars(args), "versions": versions(), "device": device_label(args.device)}
     print(f"device {result['device']}, dtype {args.dtype}, backend {args.backend}, shape B,Hq,Hkv,M,N,D = "
           f"{args.shape}, causal={causal}", flush=True)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import fixed_length, load_model  # noqa: E402
 from bench_generate import model_config  # noqa: E402
 from longbench.compare_runs import describe_device, events_per_device  # noqa: E402
 from longbench.pred import layer_devices  # noqa: E402
@@ -91,17 +92,9 @@ def generate(model, ids: torch.Tensor, new_tokens: int, specs: list[ftt.FaultSpe
 
 
 def load(path: Path, dtype: torch.dtype, *, device: str | None = None, device_map: str | None = None):
-    from transformers import AutoModelForCausalLM
-
-    extra = {"device_map": device_map} if device_map else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **extra)
-    if device is not None:
-        model = model.to(device)
-    gc = model.generation_config
-    gc.eos_token_id, gc.pad_token_id = None, 0
-    for attr in ("temperature", "top_p", "top_k"):
-        setattr(gc, attr, None)
-    return ftt.enable_fault_tolerance(model.eval(), ftt.FTConfig())
+    """The saved model, protected (``FTConfig()``), generating exactly the requested length."""
+    model = load_model(str(path), dtype=dtype, device=device, device_map=device_map)
+    return ftt.enable_fault_tolerance(fixed_length(model), ftt.FTConfig())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ft_transformers.campaign as C
+from ft_transformers.campaign.trials import _comparable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -302,7 +303,7 @@ def test_replay_reproduces_a_stored_trial(tiny, reference):
     tid = next(r["trial_id"] for r in recs if r["unprotected"]["class"] != "masked")
     model, tok = tiny
     stored, fresh = C.replay_trial(path, tid, model=model, tokenizer=tok)
-    assert C._comparable(stored) == C._comparable(fresh)
+    assert _comparable(stored) == _comparable(fresh)
     assert C.trial_from_record(stored).fault_spec() == C.trial_from_record(fresh).fault_spec()
 
 

@@ -48,6 +48,8 @@ if __package__ in (None, ""):  # run as a file: make `longbench` importable
 
     __package__ = "longbench"  # noqa: A001
 
+import _common  # noqa: E402  (scripts/ is on sys.path: run as a file, or as `longbench.pred`)
+
 from .data import load_rows, row_keys, split_name  # noqa: E402
 from .pack import is_pack, pack_tag, unpack  # noqa: E402
 from .protocol import (  # noqa: E402
@@ -294,18 +296,13 @@ def gpu_group(rank: int, world: int, n_gpus: int) -> list[int]:
 def load_model(name: str, *, dtype, attn_implementation: str, device: str | None,
                device_map: str | None = None, max_memory: dict | None = None):
     """``(model, tokenizer)`` in eval mode (``device_map``/``max_memory`` go to from_pretrained)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path, kwargs, _ = model_source(name)
     tok = AutoTokenizer.from_pretrained(path, **kwargs)
-    extra = {"device_map": device_map} if device_map else {}
-    if device_map and max_memory:
-        extra["max_memory"] = max_memory
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                 **kwargs, **extra)
-    if not device_map and device is not None:
-        model = model.to(device)
-    return model.eval(), tok
+    model = _common.load_model(path, dtype=dtype, attn_implementation=attn_implementation, device=device,
+                               device_map=device_map, max_memory=max_memory, **kwargs)
+    return model, tok
 
 
 def apply_mode(model, mode: str, ft_scope: str = "all"):
@@ -484,16 +481,6 @@ def run_task(predictor: Predictor, task: str, rows: list[dict], run_dir: str | o
 # Main
 # --------------------------------------------------------------------------------------------
 
-def _versions() -> dict:
-    out = {}
-    for mod in ("torch", "transformers", "ft_transformers"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # pragma: no cover
-            pass
-    return out
-
-
 def check_run_config(path: Path, config: dict, overwrite: bool) -> None:
     if not path.exists() or overwrite:
         return
@@ -551,7 +538,7 @@ def main(argv=None) -> Path:
         "attn_implementation": getattr(model.config, "_attn_implementation", attn),
         "device": str(model.device), "device_map": args.device_map, "layer_devices": layer_devices(model),
         "world_size": dist.world,
-        "longbench_e": args.longbench_e, "limit": args.limit, "versions": _versions(),
+        "longbench_e": args.longbench_e, "limit": args.limit, "versions": _common.versions(),
     }
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,334 @@
+"""Campaign reports: summary tables (markdown, JSON), per-bit tables, plots and per-step × layer
+event exports. matplotlib is imported only when a plot is drawn.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..events import FaultEvent, FTReport
+from ..kernels.contract import KINDS, SITES
+from .config import ARMS, CLASS_LABELS, CLASSES
+from .store import load_campaign
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of a rate k/n."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def summarize(trials: Sequence[dict], by: Sequence[str] = ("site", "bit_class")) -> list[dict]:
+    """Rows per group × protection arm: counts of each class, SDC rate (+ 95 % CI), scores."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for t in trials:
+        groups[tuple(t[k] for k in by)].append(t)
+
+    def order(key):
+        out = []
+        for k, v in zip(by, key, strict=True):
+            if k == "site":
+                out.append(SITES.index(v) if v in SITES else 99)
+            elif k == "bit_class":
+                out.append({"sign": 0, "exponent": 1, "mantissa": 2}.get(v, 3))
+                out.append(str(v))
+            else:
+                out.append(-1 if v is None else v)
+        return out
+
+    rows = []
+    for key in sorted(groups, key=order):
+        ts = groups[key]
+        for arm in ARMS:
+            counts = dict.fromkeys(CLASSES, 0)
+            for t in ts:
+                counts[t[arm]["class"]] += 1
+            n = len(ts)
+            ans = [t[arm]["answer_correct"] for t in ts if t[arm].get("answer_correct") is not None]
+            lo, hi = wilson(counts["sdc"], n)
+            rows.append({**dict(zip(by, key, strict=True)), "arm": arm, "n": n, **counts,
+                         "sdc_rate": counts["sdc"] / n if n else 0.0, "sdc_ci": (lo, hi),
+                         "failure_rate": (counts["sdc"] + counts["crash"]) / n if n else 0.0,
+                         "exact_match": sum(t[arm]["exact_match"] for t in ts) / n if n else 0.0,
+                         "token_agreement": sum(t[arm]["token_agreement"] for t in ts) / n if n else 0.0,
+                         "task_accuracy": (sum(ans) / len(ans)) if ans else None,
+                         "injected": sum(t[arm]["injected"] for t in ts),
+                         "detected_elsewhere": sum(t[arm].get("detected_elsewhere", 0) for t in ts)})
+    return rows
+
+
+def false_positives(cleans: Sequence[dict], trials: Sequence[dict] = ()) -> dict:
+    """Detections in fault-free work: the clean protected runs, and (in trials) detections in
+    modules or steps the fault did not hit."""
+    calls = sum(len(c["protected"]["tokens"]) for c in cleans)
+    return {"clean_runs": len(cleans), "clean_model_calls": calls,
+            "clean_detections": sum(c["false_positives"] for c in cleans),
+            "clean_outputs_agree": all(c["arms_agree"] for c in cleans),
+            "trial_detections_elsewhere": sum(t["protected"].get("detected_elsewhere", 0) for t in trials)}
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def summary_markdown(trials: Sequence[dict], cleans: Sequence[dict] = (),
+                     by: Sequence[str] = ("site", "bit_class")) -> str:
+    """Markdown tables: outcome counts per group × protection, and the false-positive line."""
+    rows = summarize(trials, by)
+    head = [*by, "protection", "n", *(CLASS_LABELS[c] for c in CLASSES), "SDC rate [95 % CI]",
+            "exact match", "token agr.", "task acc."]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lo, hi = r["sdc_ci"]
+        acc = "–" if r["task_accuracy"] is None else _pct(r["task_accuracy"])
+        lines.append("| " + " | ".join([
+            *(str(r[k]) for k in by), "off" if r["arm"] == "unprotected" else "on", str(r["n"]),
+            *(str(r[c]) for c in CLASSES), f"{_pct(r['sdc_rate'])} [{100 * lo:.1f}, {100 * hi:.1f}]",
+            _pct(r["exact_match"]), _pct(r["token_agreement"]), acc]) + " |")
+    out = "\n".join(lines)
+    if cleans:
+        fp = false_positives(cleans, trials)
+        out += (f"\n\nFalse positives: {fp['clean_detections']} detection(s) in {fp['clean_runs']} clean "
+                f"protected generation(s) ({fp['clean_model_calls']} model calls); "
+                f"{fp['trial_detections_elsewhere']} detection(s) in protected trials outside the "
+                f"faulted module/step. Clean outputs identical with protection off and on: "
+                f"{'yes' if fp['clean_outputs_agree'] else 'NO'}.")
+        acc = [c["unprotected"].get("answer_correct") for c in cleans]
+        acc = [a for a in acc if a is not None]
+        if acc:
+            out += f" Clean task accuracy (answer in the output): {sum(acc)}/{len(acc)}."
+    return out
+
+
+def per_bit_markdown(trials: Sequence[dict]) -> str:
+    """Compact table, one row per site × bit: outcome counts with protection off and on."""
+    bit_trials = [t for t in trials if t.get("bit") is not None]
+    rows = summarize(bit_trials, ("site", "bit"))
+    classes = {(t["site"], t["bit"]): t["bit_class"] for t in bit_trials}
+    by: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        by[(r["site"], r["bit"])][r["arm"]] = r
+    head = ["site", "bit", "class", "n", "off: SDC", "off: crash", "on: SDC", "on: crash", "on: uncorr.",
+            "on: det.&corr.", "on: masked"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (site, bit), arms in by.items():
+        off, on = arms["unprotected"], arms["protected"]
+        cls = classes[(site, bit)]
+        lines.append("| " + " | ".join(str(x) for x in (
+            site, bit, cls, off["n"], off["sdc"], off["crash"], on["sdc"], on["crash"],
+            on["detected_uncorrectable"], on["detected_corrected"], on["masked"])) + " |")
+    return "\n".join(lines)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_sdc_per_bit(trials: Sequence[dict], path: str | os.PathLike, title: str | None = None) -> None:
+    """Bar chart per site: SDC rate per flipped bit, protection off vs on.
+
+    Solid bars are SDC, hatched bars stacked on them crash / non-finite (the other silent-ish
+    failure); the x labels carry the number of trials per bit (95 % CIs are in the tables).
+    """
+    plt = _plt()
+    bit_trials = [t for t in trials if t.get("bit") is not None]
+    sites = [s for s in SITES if any(t["site"] == s for t in bit_trials)]
+    if not sites:
+        raise ValueError("no bit-mode trials to plot")
+    fig, axes = plt.subplots(len(sites), 1, figsize=(11, 2.7 * len(sites)), squeeze=False)
+    for ax, site in zip(axes[:, 0], sites, strict=True):
+        ts = [t for t in bit_trials if t["site"] == site]
+        bits = sorted({t["bit"] for t in ts})
+        x = list(range(len(bits)))
+        ns = [sum(t["bit"] == b for t in ts) for b in bits]
+        for j, (arm, color) in enumerate((("unprotected", "tab:red"), ("protected", "tab:blue"))):
+            sdc, crash = [], []
+            for b, n in zip(bits, ns, strict=True):
+                tb = [t for t in ts if t["bit"] == b]
+                sdc.append(sum(t[arm]["class"] == "sdc" for t in tb) / n)
+                crash.append(sum(t[arm]["class"] == "crash" for t in tb) / n)
+            xs = [xi + (j - 0.5) * 0.4 for xi in x]
+            onoff = "off" if arm == "unprotected" else "on"
+            ax.bar(xs, sdc, width=0.4, color=color, alpha=0.85, label=f"SDC, protection {onoff}")
+            if any(crash):
+                ax.bar(xs, crash, width=0.4, bottom=sdc, color="white", edgecolor=color, hatch="////",
+                       label=f"crash / non-finite, protection {onoff}")
+        ax.set_xticks(x, [f"{b}\nn={n}" for b, n in zip(bits, ns, strict=True)], fontsize=7)
+        ax.set_xlim(-0.7, len(bits) - 0.3)
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("rate")
+        ax.set_title(site, fontsize=10, loc="left")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    axes[-1, 0].set_xlabel("flipped bit (0 = mantissa LSB; fp32: 23-30 exponent, 31 sign)")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+_CLASS_COLORS = {"masked": "#9e9e9e", "sdc": "#d62728", "detected_corrected": "#2ca02c",
+                 "detected_uncorrectable": "#ff7f0e", "crash": "#6a3d9a"}
+
+
+def plot_outcomes(trials: Sequence[dict], path: str | os.PathLike, by: Sequence[str] = ("site", "bit_class"),
+                  title: str | None = None) -> None:
+    """Stacked bars: outcome shares per group, protection off and on side by side."""
+    plt = _plt()
+    rows = summarize(trials, by)
+    labels = []
+    fig, ax = plt.subplots(figsize=(max(7, 0.55 * len(rows) + 3.5), 4.2))
+    bottoms = [0.0] * len(rows)
+    for c in CLASSES:
+        vals = [r[c] / r["n"] if r["n"] else 0 for r in rows]
+        ax.bar(range(len(rows)), vals, bottom=bottoms, color=_CLASS_COLORS[c], label=CLASS_LABELS[c],
+               width=0.8)
+        bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+    for r in rows:
+        labels.append("\n".join(str(r[k]) for k in by) + f"\n{'off' if r['arm'] == 'unprotected' else 'on'}")
+    ax.set_xticks(range(len(rows)), labels, fontsize=6.5)
+    ax.set_ylabel("share of trials")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def trial_report(trial: dict, arm: str = "protected") -> FTReport:
+    """The library's `FTReport` rebuilt from a stored trial (``.by_step()``, ``.to_json()``, ...)."""
+    events = [FaultEvent(*r) for r in trial[arm]["events"]]
+    steps = len(trial[arm]["tokens"] or []) if trial[arm].get("tokens") is not None else 0
+    return FTReport(events, None, steps=steps)
+
+
+def events_by_step_layer(trials: Sequence[dict],
+                         arm: str = "protected") -> dict[tuple[int, int], dict[str, int]]:
+    """``{(step, layer): {kind: count}}`` summed over the given trials (one trial: that trial)."""
+    acc: dict[tuple[int, int], dict[str, int]] = defaultdict(lambda: dict.fromkeys(KINDS, 0))
+    for t in trials:
+        for step, layer, _module, _site, kind, count in t[arm]["events"]:
+            acc[(int(step), int(layer))][kind] += int(count)
+    return dict(sorted(acc.items()))
+
+
+def write_events(grouped: dict[tuple[int, int], dict[str, int]], json_path: str | os.PathLike | None = None,
+                 csv_path: str | os.PathLike | None = None, meta: dict | None = None) -> None:
+    """Export `events_by_step_layer` as JSON (``{"meta", "totals", "rows"}``) and/or CSV."""
+    rows = [{"step": s, "layer": l, **counts} for (s, l), counts in grouped.items()]
+    if json_path is not None:
+        tot = dict.fromkeys(KINDS, 0)
+        for r in rows:
+            for k in KINDS:
+                tot[k] += r[k]
+        Path(json_path).write_text(json.dumps({"meta": meta or {}, "totals": tot, "rows": rows}, indent=1))
+    if csv_path is not None:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "layer", *KINDS])
+            for r in rows:
+                w.writerow([r["step"], r["layer"], *(r[k] for k in KINDS)])
+
+
+def plot_events(grouped: dict[tuple[int, int], dict[str, int]], path: str | os.PathLike,
+                kinds: Sequence[str] = ("detected", "corrected", "recomputed"), n_layers: int | None = None,
+                n_steps: int | None = None, title: str | None = None) -> None:
+    """Heatmaps of event counts over generation steps (x) × layers (y), one panel per kind.
+    Layer -1 (modules outside the blocks, e.g. lm_head) is drawn as the top row."""
+    import numpy as np
+
+    plt = _plt()
+    steps = [s for s, _ in grouped] or [0]
+    layers = [l for _, l in grouped] or [0]
+    ns = max(n_steps or 0, max(steps) + 1)
+    lo = min(-1, min(layers))
+    nl = max(n_layers or 0, max(layers) + 1)
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 0.16 * (nl - lo) + 2.0), squeeze=False)
+    for ax, kind in zip(axes[0], kinds, strict=True):
+        grid = np.zeros((nl - lo, ns))
+        for (s, l), c in grouped.items():
+            grid[l - lo, s] += c[kind]
+        masked = np.ma.masked_equal(grid, 0)
+        im = ax.imshow(masked, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest",
+                       extent=(-0.5, ns - 0.5, lo - 0.5, nl - 0.5), vmin=0, vmax=max(1.0, float(grid.max())))
+        ax.set_facecolor("#f4f4f4")
+        ax.set_xlabel("generation step (0 = prefill)")
+        ax.set_ylabel("layer (-1 = outside the blocks)")
+        ax.set_title(f"{kind}: {int(grid.sum())}", fontsize=10)
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(path: str | os.PathLike, out_dir: str | os.PathLike, prefix: str = "campaign",
+                 trial: str | None = None, img_dir: str | os.PathLike | None = None) -> dict[str, Path]:
+    """Summary (markdown + JSON), per-bit table, plots and per-step × layer events of a campaign file.
+
+    Tables and event exports go to ``out_dir``, PNGs to ``img_dir`` (default ``out_dir``); with
+    ``trial`` the events (JSON, CSV, heatmap) are those of that trial only.
+    """
+    header, cleans, trials = load_campaign(path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    img = Path(img_dir) if img_dir is not None else out
+    img.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Path] = {}
+    if not trials:
+        raise ValueError(f"{path} holds no trials yet")
+    cfg = (header or {}).get("config", {})
+    md = [f"# Campaign {prefix}", "",
+          f"model `{cfg.get('model')}`, {len(trials)} trials, seed {cfg.get('seed')}, "
+          f"max_new_tokens {cfg.get('max_new_tokens')}, sites {', '.join(cfg.get('sites', []))}", "",
+          "## Per site × bit class", "", summary_markdown(trials, cleans, ("site", "bit_class")), ""]
+    if any(t.get("bit") is not None for t in trials):
+        md += ["## Per site × bit", "", per_bit_markdown(trials), ""]
+    files["summary_md"] = out / f"{prefix}_summary.md"
+    files["summary_md"].write_text("\n".join(md))
+    files["summary_json"] = out / f"{prefix}_summary.json"
+    files["summary_json"].write_text(json.dumps({
+        "header": header, "by_site_bit_class": summarize(trials, ("site", "bit_class")),
+        "by_site_bit": summarize([t for t in trials if t.get("bit") is not None], ("site", "bit")),
+        "false_positives": false_positives(cleans, trials)}, indent=1))
+    if any(t.get("bit") is not None for t in trials):
+        files["sdc_per_bit"] = img / f"{prefix}_sdc_per_bit.png"
+        plot_sdc_per_bit(trials, files["sdc_per_bit"],
+                         title=f"SDC rate per flipped bit ({len(trials)} trials)")
+    files["outcomes"] = img / f"{prefix}_outcomes.png"
+    plot_outcomes(trials, files["outcomes"], title="outcome of each trial, protection off / on")
+    sel = trials if trial is None else [t for t in trials if t["trial_id"] == trial]
+    if not sel:
+        raise ValueError(f"no trial {trial!r} in {path}")
+    grouped = events_by_step_layer(sel)
+    tag = "events" if trial is None else f"events_{trial}"
+    files["events_json"] = out / f"{prefix}_{tag}.json"
+    files["events_csv"] = out / f"{prefix}_{tag}.csv"
+    write_events(grouped, files["events_json"], files["events_csv"],
+                 meta={"campaign": str(path), "trials": len(sel), "arm": "protected", "trial": trial})
+    n_layers = 1 + max((t["layer"] for t in trials), default=0)
+    files["events_png"] = img / f"{prefix}_{tag}.png"
+    plot_events(grouped, files["events_png"], n_layers=n_layers, n_steps=cfg.get("max_new_tokens"),
+                title=("protected-arm events over steps × layers, "
+                       + (f"trial {trial}" if trial else f"all {len(sel)} trials")))
+    return files
