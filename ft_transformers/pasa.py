@@ -1,4 +1,4 @@
-"""PASA (seed 002): pseudo-average shifting attention, the math of its Algorithm 1.
+"""PASA (online pseudo-average shifting attention): the math of the paper's Algorithm 1.
 
 The pieces, each a small function used by the reference path (`efta_reference(pasa=True)`) and
 by the study script; the Triton kernel implements the same formulas (``docs/pasa.md``):
@@ -12,7 +12,7 @@ by the study script; the Triton kernel implements the same formulas (``docs/pasa
 
 PASA shifts each key block by β times its mean, ``K' = (I − (β/n)·J)·K``; the shifting matrix
 is stored in the low-precision input format, so its entries ``1 − β/n`` and ``−β/n`` round.
-The *optimal accuracy condition* (seed 002, eq. 16 and Appendix A–C) picks β so that the
+The *optimal accuracy condition* (the PASA paper, eq. 16 and Appendix A–C) picks β so that the
 invariance the correction relies on, ``β/(1−β)``, equals what the rounded matrix really
 implements, ``f(β) = b·n / (a·(a − b·n)) + (1 − a)/a`` with ``b = fl(β/n)`` and
 ``a = fl(1 − β/n) + b``. It is solved by the fixed-point iteration ``β ← f(β) / (1 + f(β))``
@@ -53,9 +53,9 @@ def optimal_beta(block_n: int, dtype: torch.dtype = torch.float16, beta0: float 
     """The β that satisfies PASA's optimal accuracy condition for key blocks of ``block_n``.
 
     Args:
-        block_n: keys per block (n in the seed's formulas, s2 in Algorithm 1).
+        block_n: keys per block (n in the paper's formulas, s2 in Algorithm 1).
         dtype: format the shifting matrix is stored in (the input format: fp16 or bf16).
-        beta0: initial guess; the seed uses 1 − 2^-4, 1 − 2^-5, 1 − 2^-6.
+        beta0: initial guess; the paper uses 1 − 2^-4, 1 − 2^-5, 1 − 2^-6.
     Returns:
         β as a Python float (e.g. 0.984497 for fp16, block 128, β0 = 1 − 2^-6).
     """
@@ -79,7 +79,7 @@ def invariance(beta: float) -> float:
     """γ = β/(1 − β): the factor that recovers a block's mean score from its shifted mean.
 
     With ``S' = S·(I − (β/n)·J)`` (the shifted scores of one key block of n keys),
-    ``rowmean(S') = (1 − β)·rowmean(S)`` and therefore ``S = S' + γ·rowmean(S')`` (seed 002,
+    ``rowmean(S') = (1 − β)·rowmean(S)`` and therefore ``S = S' + γ·rowmean(S')`` (PASA paper,
     eqs. 13–14; exact in exact arithmetic, and at the optimal β also for the fp16-rounded matrix).
     """
     _check_beta(beta)
@@ -91,7 +91,7 @@ def recovery_factor(n: int, beta: float, dtype: torch.dtype = torch.float16) -> 
 
     The rounded matrix is ``M = a·I − b·J`` (b = fl(β/n), a = fl(1 − β/n) + b), so the shifted
     scores are ``S' = a·S − b·n·rowmean(S)`` and ``S ≈ S' + f·rowmean(S')`` with
-    ``f = b·n/(a·(a − b·n)) + (1 − a)/a`` (seed 002, eqs. 20 and 24; the residual
+    ``f = b·n/(a·(a − b·n)) + (1 − a)/a`` (PASA paper, eqs. 20 and 24; the residual
     ``(1 − a)/a·(S' − rowmean(S'))`` is the part no per-row constant can carry). At the optimal β of
     `optimal_beta` for this n, f equals `invariance` β/(1 − β) (that is the optimal accuracy
     condition). A short last key block (fewer keys than the block size the β was chosen for) has
@@ -122,7 +122,7 @@ def shift_coefficients(n: int, beta: float, dtype: torch.dtype = torch.float16) 
     Args:
         n: keys in the block (the size of M).
         beta: shift factor in (0, 1).
-        dtype: storage format of M (the seed stores it in the input format, fp16).
+        dtype: storage format of M (the paper stores it in the input format, fp16).
     Returns:
         ``(diag, off)`` = ``(fl(1 − β/n), −fl(β/n))`` as Python floats (exact values of the
         rounded entries), so ``M = (diag − off)·I + off·J``.
@@ -136,7 +136,7 @@ def shift_coefficients(n: int, beta: float, dtype: torch.dtype = torch.float16) 
 
 
 def shifting_matrix(n: int, beta: float, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """The seed's shifting matrix ``M = I − (β/n)·J`` (n × n) stored in ``dtype`` (eq. 10 without 1/α)."""
+    """The paper's shifting matrix ``M = I − (β/n)·J`` (n × n) stored in ``dtype`` (eq. 10 without 1/α)."""
     diag, off = shift_coefficients(n, beta, dtype)
     m = torch.full((n, n), off, dtype=torch.float64)
     m.fill_diagonal_(diag)
@@ -150,7 +150,7 @@ def shift_keys(k: torch.Tensor, beta: float, scale: float, block_n: int) -> torc
     (w = block_n, or fewer for the last block; its mean is over its real keys only). The product
     ``M_j·K_j = diag·K_n + off·(Σ_n' K_n' − K_n)`` is formed in float64 from the fp16 entries and
     rounded once to fp16, the way a tensor-core GEMM with fp32 accumulation and an fp16 epilogue
-    produces it (seed 002, Algorithm 1 line 6; the 1/√d of eq. 10 is folded into the same
+    produces it (PASA paper, Algorithm 1 line 6; the 1/√d of eq. 10 is folded into the same
     epilogue instead of into M, so that M's entries are exactly what `optimal_beta` assumes).
 
     Args:

@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from float64_attention import ref_attention
+from ft_transformers.kernels.contract import ATTENTION_SITES, COUNTER_SHAPE
 from nonfinite_cases import NONFINITE_CASES, nonfinite_case
 
 from ft_transformers.counters import FaultStats, new_counters
 from ft_transformers.efta import _efta_forward, efta_attention
 from ft_transformers.efta_reference import efta_reference
 from ft_transformers.injection import FaultPlan, FaultSpec
-from ft_transformers.kernels.contract import ATTENTION_SITES, COUNTER_SHAPE
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -460,8 +460,9 @@ def test_exp_group_check_covers_bits_that_reach_pv():
     16 in groups that also hold masked or underflowed keys (each counts as x = −20 and widens the
     tolerance). A flip that keeps a P below P_min is not seen (it moves P by < P_min), a flip that
     lifts it far above P_min is. A NaN P is caught too."""
-    from ft_transformers.efta_reference import _exp_group_test
     from ft_transformers.kernels.contract import P_MIN
+
+    from ft_transformers.efta_reference.softmax import exp_group_test
 
     gen = torch.Generator().manual_seed(0)
     rows = 4000
@@ -476,13 +477,13 @@ def test_exp_group_check_covers_bits_that_reach_pv():
         if masked:
             P[::2, 20:24] = 0.0
         x32 = x.float()
-        assert not _exp_group_test(x32, P, 16).any()
+        assert not exp_group_test(x32, P, 16).any()
         # one key per row with x ≥ −19 (col 0 always qualifies): random among those
         col = torch.where(x32 >= -19.0, torch.rand(rows, 64, generator=gen), -1.0).argmax(1)
         for bit in range(low, 32):
             Pi = P.clone().view(torch.int32)
             Pi[ar, col] ^= (1 << bit) if bit < 31 else -(1 << 31)
-            bad = _exp_group_test(x32, Pi.view(torch.float32), 16)
+            bad = exp_group_test(x32, Pi.view(torch.float32), 16)
             assert int(bad.sum()) == rows and bool(bad[ar, col % 16].all()), (spread, masked, bit)
         if spread == 50.0 and not masked:  # keys far below the clamp: x ≤ −25
             tiny = torch.where(x32 <= -25.0, torch.rand(rows, 64, generator=gen), -1.0).argmax(1)
@@ -491,8 +492,8 @@ def test_exp_group_check_covers_bits_that_reach_pv():
                 Pi = P.clone().view(torch.int32)
                 Pi[ar, tiny] ^= 1 << bit
                 assert bool((Pi.view(torch.float32)[ar, tiny] < P_MIN).all()) != seen
-                bad = _exp_group_test(x32, Pi.view(torch.float32), 16)
+                bad = exp_group_test(x32, Pi.view(torch.float32), 16)
                 assert int(bad.sum()) == (rows if seen else 0), (bit, int(bad.sum()))
         Pn = P.clone()
         Pn[0, 3] = float("nan")
-        assert bool(_exp_group_test(x32, Pn, 16)[0, 3])
+        assert bool(exp_group_test(x32, Pn, 16)[0, 3])

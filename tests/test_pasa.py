@@ -1,6 +1,7 @@
-"""PASA (seed 002) in the reference path: shift math, FP16-accumulation emulation, accuracy
-against float64 attention, PASA + EFTA detection/correction, and a tiny Qwen2 whose keys carry a
-large bias. Every reference here is computed with torch directly in float64.
+"""PASA (online pseudo-average shifting attention) in the reference path: shift math,
+FP16-accumulation emulation, accuracy against float64 attention, PASA + EFTA detection/correction,
+and a tiny Qwen2 whose keys carry a large bias. Every reference here is computed with torch
+directly in float64.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def test_shifting_matrix_and_recovery_factor():
     m = shifting_matrix(128, optimal_beta(128), torch.float16)
     assert m.dtype == torch.float16 and m.shape == (128, 128)
     assert float(m[0, 0]) == pytest.approx(1 - 0.984497 / 128, abs=2.0**-11)
-    # at the optimal β the rounded matrix implements exactly β/(1-β) (seed Table 3)
+    # at the optimal β the rounded matrix implements exactly β/(1-β) (PASA paper, Table 3)
     for n in (64, 128):
         b = optimal_beta(n)
         assert recovery_factor(n, b) == pytest.approx(invariance(b), rel=1e-9)
@@ -170,11 +171,11 @@ def test_fp16_matmul_rounds_and_overflows_like_fp16_accumulation():
 def test_pasa_accurate_where_fp16_scores_overflow(case):
     gen = torch.Generator().manual_seed(3)
     shape = (1, 2, 96, 128)
-    if case == "normal":  # normal inputs with a large mean (the seed's hybrid case without spikes)
+    if case == "normal":  # normal inputs with a large mean (the PASA paper's hybrid case without spikes)
         q, k, v = normal(shape, 30.0, 1.0, gen), normal((1, 2, 200, 128), 30.0, 1.0, gen), \
             normal((1, 2, 200, 128), 30.0, 1.0, gen)
         tol = 2e-3
-    else:  # seed 002 Table 4, case 1: uniform, x0 = 30, Am = 0.5
+    else:  # PASA paper, Table 4, case 1: uniform, x0 = 30, Am = 0.5
         q, k, v = uniform(shape, 30.0, 0.5, gen), uniform((1, 2, 200, 128), 30.0, 0.5, gen), \
             uniform((1, 2, 200, 128), 30.0, 0.5, gen)
         tol = 1e-3
@@ -190,14 +191,14 @@ def test_pasa_accurate_where_fp16_scores_overflow(case):
     out32 = efta_reference(q, k, v, scale=1 / math.sqrt(128), detect=False, correct=False, pasa=True,
                            out_dtype=torch.float32, **ref_kwargs())
     assert out32.dtype == torch.float32 and rmse(out32, ref) < tol
-    # the seed's full low-precision allocation: also finite, less accurate
+    # PASA's full low-precision allocation: also finite, less accurate
     out16 = efta_reference(q, k, v, scale=1 / math.sqrt(128), detect=False, correct=False, pasa=True,
                            pasa_precision="fp16", out_dtype=torch.float32, **ref_kwargs())
     assert torch.isfinite(out16).all() and rmse(out16, ref) < 5e-2
 
 
 def test_pasa_beats_fp16_scores_at_nonzero_mean():
-    # seed 002 Fig. 9a point x0 = 20, Am = 0.5: no overflow, PASA has the smaller error
+    # PASA paper, Fig. 9a point x0 = 20, Am = 0.5: no overflow, PASA has the smaller error
     gen = torch.Generator().manual_seed(4)
     q, k, v = (uniform((1, 2, 128, 128), 20.0, 0.5, gen) for _ in range(3))
     ref = ref64(q, k, v)
@@ -205,7 +206,7 @@ def test_pasa_beats_fp16_scores_at_nonzero_mean():
     e_pasa = rmse(efta_reference(q, k, v, pasa=True, **kw), ref)
     e_part = rmse(partial_fp16(q, k, v), ref)
     assert math.isfinite(e_part) and e_pasa < e_part / 5
-    # the seed's literal pseudo-average (mean of the fp16 scores) is finite but γ-amplified
+    # the PASA paper's literal pseudo-average (mean of the fp16 scores) is finite but γ-amplified
     e_scores = rmse(efta_reference(q, k, v, pasa=True, pasa_mean="scores", **kw), ref)
     assert e_pasa < e_scores < 1e-2
 
@@ -334,7 +335,7 @@ def _biased_qwen2():
         for layer in model.model.layers:
             att = layer.self_attn
             D = att.head_dim
-            # the slowly rotating RoPE dims keep a bias aligned across positions (seed 002: Qwen2's
+            # the slowly rotating RoPE dims keep a bias aligned across positions (the PASA paper: Qwen2's
             # keys reach |k| ≈ 400); 100 on 16 of 32 dims puts q·kᵀ near 160000
             slow = list(range(D // 4, D // 2)) + list(range(3 * D // 4, D))
             for proj in (att.q_proj, att.k_proj):
