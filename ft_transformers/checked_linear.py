@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from .counters import FaultStats, add_count, new_counters
 from .injection import FaultPlan, FaultSpec
 from .kernels.contract import LINEAR_SITES
-from .vabft import checksum_residuals, default_emax, weight_checksums
+from .kernels.gemm_checksums import autocast_dtype as _autocast_dtype
+from .vabft import checksum_residuals, default_emax, gemm_emax, weight_checksums
 
 __all__ = ["RECOMPUTE_ROWS", "checked_linear"]
 
@@ -61,12 +62,12 @@ _CPU_SHORTCUTS = True
 
 @functools.cache
 def _triton_forward():
-    """``checked_linear_triton_forward`` of ``ft_transformers.kernels.abft_gemm``, or None."""
+    """``linear_forward`` of ``ft_transformers.kernels.abft_gemm``, or None (no triton)."""
     try:
         from .kernels import abft_gemm as _kmod  # noqa: PLC0415 (optional, imported on demand)
     except ImportError:
         return None
-    return getattr(_kmod, "checked_linear_triton_forward", None)
+    return getattr(_kmod, "linear_forward", None)
 
 
 def _resolve_backend(backend: str, device: torch.device):
@@ -78,7 +79,7 @@ def _resolve_backend(backend: str, device: torch.device):
     if backend == "triton":
         if fwd is None:
             raise NotImplementedError(
-                "backend='triton' needs ft_transformers.kernels.abft_gemm.checked_linear_triton_forward, "
+                "backend='triton' needs ft_transformers.kernels.abft_gemm.linear_forward, "
                 "which is not available (not implemented yet, or triton is not installed); "
                 "use backend='reference'"
             )
@@ -129,18 +130,10 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y.view(*x.shape[:-1], n)
 
 
-# The attribute of a protected module holding its last call signature's prepared launches (the Triton
-# backend's `_ModuleFastPath`); it is tried before anything else and dropped with the protection.
+# The attribute of a protected module (the ``cache_owner``) holding its last call signature's prepared
+# launches: the `FastPath` the Triton backend returned for it. This module writes it, tries it before
+# anything else, and `ft_transformers.protect` drops it with the protection.
 _FAST_PATH_ATTR = "_ftt_fast_path"
-
-
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    try:
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
-    except (TypeError, RuntimeError):  # pragma: no cover - older torch / unknown device
-        pass
-    return None
 
 
 def _checked_linear_forward(
@@ -179,7 +172,7 @@ def _checked_linear_forward(
     """
     if detect and not plan and backend == "auto" and cache_owner is not None:
         fast = getattr(cache_owner, "__dict__", {}).get(_FAST_PATH_ATTR)
-        if fast is not None:  # the module's last call signature, prepared (kernels.abft_gemm._ModuleFastPath)
+        if fast is not None:  # the module's last call signature, prepared (kernels.abft_gemm.FastPath)
             y = fast(x, weight, bias, counters, (weight_is_kn, emax, csigma, correct))
             if y is not None:
                 return y
@@ -199,12 +192,12 @@ def _checked_linear_forward(
     if fwd is not None and backend == "auto" and (cast or x.dtype) in _TRITON_FAILED:
         fwd = None
     if fwd is not None:
-        kw = dict(weight_is_kn=weight_is_kn, emax=emax, csigma=csigma, detect=detect, correct=correct, plan=plan,
-                  counters=counters, cache_owner=cache_owner)
+        args = (fwd, x, weight, bias, k, n, weight_is_kn, emax, csigma, detect, correct, plan, counters, cache_owner,
+                cast)
         if backend == "triton":
-            return fwd(x, weight, bias, **kw)
+            return _triton(*args)
         try:
-            return fwd(x, weight, bias, **kw)
+            return _triton(*args)
         except Exception as exc:  # noqa: BLE001 - e.g. a Triton compile failure on an untested GPU
             _TRITON_FAILED.add(cast or x.dtype)
             warnings.warn(f"the Triton checked GEMM failed for {cast or x.dtype} ({type(exc).__name__}: {exc}); "
@@ -217,6 +210,25 @@ def _checked_linear_forward(
     with torch.autocast(dev_type, enabled=False):
         return _forward(x.to(cast), weight, bias, k, n, weight_is_kn, emax, csigma, detect, correct, plan,
                         counters, cache_owner, cast)
+
+
+def _triton(fwd, x, weight, bias, k, n, weight_is_kn, emax, csigma, detect, correct, plan, counters, cache_owner,
+            cast) -> torch.Tensor:
+    """The Triton backend ``fwd`` (`kernels.abft_gemm.linear_forward`) on validated operands: the weight
+    checksums from the owner's cache, e_max from the tables (`vabft.gemm_emax`); the `FastPath` it returns
+    is kept on the owner."""
+    wc = None
+    if detect and x.numel() > 0 and n > 0 and k > 0:
+        wc = weight_checksums(weight, bias, weight_is_kn=weight_is_kn, cache_owner=cache_owner, cast=cast)
+    settings = (weight_is_kn, emax, csigma, correct) if cache_owner is not None else None
+    y, fast = fwd(x, weight, bias, weight_is_kn=weight_is_kn, wc=wc, emax=emax, emax_table=gemm_emax, csigma=csigma,
+                  detect=detect, correct=correct, plan=plan, counters=counters, cast=cast, settings=settings)
+    if fast is not None:
+        try:
+            object.__setattr__(cache_owner, _FAST_PATH_ATTR, fast)
+        except (AttributeError, TypeError):  # an owner without __dict__
+            pass
+    return y
 
 
 def _forward(x, weight, bias, k, n, weight_is_kn, emax, csigma, detect, correct, plan, counters, cache_owner,

@@ -16,13 +16,13 @@ own checked GEMM otherwise. ``torch.compile`` traces through this (the group is 
 ``SIBLINGS_MAX_ROWS`` rows — prefill —, fp32, CPU, autocast, grad, active fault injection, non-finite
 weights) run each sibling as before.
 
-``FTT_SIBLINGS=0`` (read by `enable_fault_tolerance`) leaves the parents alone: one launch per layer.
+``Options.siblings`` off (``FTT_SIBLINGS=0``, read by `enable_fault_tolerance`) leaves the parents alone: one
+launch per layer.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -33,7 +33,8 @@ from ._states import CACHE_OWNERS as _CACHE_OWNERS
 from ._states import GROUPS, KEYS, STATES, STATIC, static_of, step_block
 from .checked_linear import _TRITON_FAILED, _autocast_dtype, _checked_linear_forward
 from .events import EventRecorder
-from .vabft import weight_checksums
+from .kernels.options import options
+from .vabft import gemm_emax, weight_checksums
 
 __all__: list[str] = []
 
@@ -131,7 +132,7 @@ def _siblings_forward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: 
     wcs = [weight_checksums(w, b, cache_owner=o) for w, b, o in zip(weights, bs, owners)]
     if G.siblings_supported(x2d, weights, bs) and all(wc.finite for wc in wcs) and x.dtype not in _TRITON_FAILED:
         try:
-            y = G._checked_gemm_siblings(x2d, weights, bs, wcs, counters, emax, csigma, correct)
+            y = G.siblings_forward(x2d, weights, bs, wcs, counters, emax, gemm_emax, csigma, correct)
             return y.view(*x.shape[:-1], y.shape[1])
         except Exception as exc:  # noqa: BLE001 - e.g. a Triton compile failure on an untested GPU
             _TRITON_FAILED.add(x.dtype)
@@ -230,7 +231,7 @@ def install_siblings(model: torch.nn.Module, adapter, install_forward) -> list[t
     layers (same settings, same in_features) the sibling forward; returns the parents patched.
     ``install_forward(module, fn, swap)`` installs it (`protect._install_forward`)."""
     G = _kernels()
-    if not adapter.siblings or os.environ.get("FTT_SIBLINGS") == "0" or G is None:
+    if not adapter.siblings or not options().siblings or G is None:
         return []
     by_class = {cls: (arg, names) for cls, arg, names in adapter.siblings}
     patched = []

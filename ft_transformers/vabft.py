@@ -11,7 +11,8 @@ noise when nothing went wrong. `vabft_threshold` bounds that noise per output ro
 with the row statistics of A (row m of x) and of B (row k of B = column k of W): mean μ and the
 distribution-free Bhatia–Davis variance bound ``σ² ≤ (max − μ)(μ − min)``. ``e_max`` is the unit
 error of the verification (what the two computation paths may differ by, relative to the values
-summed); `default_emax` holds the calibrated table, `calibrate_emax` measures it (seed 003 §3.6).
+summed); `default_emax` holds the calibrated table, which ``scripts/calibrate_emax.py`` measures
+(seed 003 §3.6).
 
 The weight side is computed once per weight version (`WeightChecksums`, `weight_checksums`);
 everything per call costs O(M·K + M·N), next to the GEMM's O(M·N·K).
@@ -19,31 +20,28 @@ everything per call costs O(M·K + M·N), next to the GEMM's O(M·N·K).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import re
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .kernels.gemm_checksums import WeightChecksums, row_stats
+
 __all__ = [
-    "DISTRIBUTIONS",
     "WeightChecksums",
-    "calibrate_emax",
-    "checksum_residuals",
-    "clean_residuals",
     "builtin_emax",
+    "checksum_residuals",
     "default_emax",
     "device_name",
     "device_slug",
+    "gemm_emax",
     "load_emax_table",
     "row_stats",
-    "sample_matrix",
-    "threshold_slack",
     "vabft_threshold",
     "weight_checksums",
 ]
@@ -58,9 +56,9 @@ _MODES = ("output", "accumulator")
 # CPU fp32 ≈ 4e-7 (constant in K), H100 fp32 5e-9·sqrt(N) + 1.2e-7, H100 bf16 8e-3 / fp16 1e-3.
 #
 # Two measurements per entry (u = unit roundoff of the output format: 2^-24, 2^-11, 2^-8):
-#  (P) seed 003 §3.6 protocol, `calibrate_emax`: |N(1,1)| operands, max |D1| / |C1| over all rows;
-#      the seed sets e_max = max + 20 %.
-#  (S) the slack of the threshold itself, `threshold_slack`: max |D1| / T(e_max = 1) over clean
+#  (P) seed 003 §3.6 protocol (``scripts/calibrate_emax.py``, `protocol_emax`): |N(1,1)| operands,
+#      max |D1| / |C1| over all rows; the seed sets e_max = max + 20 %.
+#  (S) the slack of the threshold itself (the same script's `threshold_slack`): max |D1| / T(e_max = 1) over clean
 #      GEMMs with operands (and a bias every other trial) from N(1e-6,1), N(1,1), U(-1,1),
 #      TN(0,1) and |N(1,1)| — the smallest e_max with zero false positives on that data.
 # Shapes (M, K, N): (64, 64, 256), (64, 256|1024, 256|1024), (64, 4096|8192, 1024), (8|16, 8192,
@@ -265,24 +263,27 @@ def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "outp
     return emax
 
 
+
+_GEMM_EMAX: dict[tuple, float] = {}  # (dtype, device, mode, K) → e_max; never dropped (the tables are package data)
+
+
+def gemm_emax(dtype: torch.dtype, device: torch.device, mode: str, k: int) -> float:
+    """`default_emax` of a checked GEMM on ``device``, memoised per (dtype, device, mode, K): the table
+    lookup reads the device's name and table on every call. Not memoised for fp32 output-side entries,
+    which follow the current matmul precision. This is the ``emax_table`` the Triton kernels take
+    (`ft_transformers.kernels.abft_gemm`)."""
+    if mode == "output" and dtype == torch.float32:
+        return default_emax(dtype, device.type, mode, k=k)
+    key = (dtype, device, mode, k)
+    e = _GEMM_EMAX.get(key)
+    if e is None:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            e = _GEMM_EMAX[key] = default_emax(dtype, device.type, mode, k=k)
+    return e
+
 # ---------------------------------------------------------------------------------------------
 # Statistics and thresholds
 # ---------------------------------------------------------------------------------------------
-
-
-def row_stats(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and Bhatia–Davis variance bound ``(max − μ)(μ − min)`` of ``t`` along ``dim`` (fp32).
-
-    Args:
-        t: floating tensor; reduced in fp32.
-    Returns:
-        ``(mean, var_bound)``, each of ``t``'s shape without ``dim``; the bound is clamped at 0
-        (the fp32 mean of equal values may fall an ulp outside [min, max]).
-    """
-    t32 = t.float()
-    mean = t32.mean(dim)
-    mn, mx = torch.aminmax(t32, dim=dim)
-    return mean, ((mx - mean) * (mean - mn)).clamp_min(0.0)
 
 
 def _threshold(mu_a: torch.Tensor, var_a: torch.Tensor, n: int, sum_abs_mu_b: torch.Tensor,
@@ -329,101 +330,8 @@ def vabft_threshold(a: torch.Tensor, b: torch.Tensor, *, emax: float, csigma: fl
 
 
 # ---------------------------------------------------------------------------------------------
-# Weight-side checksums (cached per weight version)
+# Weight-side checksums, cached per weight version on the owner (the math: `kernels.gemm_checksums`)
 # ---------------------------------------------------------------------------------------------
-
-_CHUNK_ELEMS = 1 << 24  # at most 16M fp32 temporaries (64 MiB) while building the cache
-
-
-@dataclass(frozen=True)
-class WeightChecksums:
-    """Everything V-ABFT needs from one weight (and bias), computed once in fp32.
-
-    With W the logical (N, K) weight (``nn.Linear`` layout) and b the (N,) bias:
-
-    Attributes:
-        w12: (K, 2) fp32, columns ``w1 = Σ_n W[n,:]`` and ``w2 = Σ_n (n+1)·W[n,:]``.
-        b12: (2,) fp32, ``b1 = Σ_n b_n`` and ``b2 = Σ_n (n+1)·b_n`` (zeros without bias).
-        colw: (N,) fp32, the checksum weights ``n+1``.
-        sum_abs_mu: ``Σ_k |μ_Bk|`` (μ_Bk = mean_n W[n,k]).
-        sum_var: ``Σ_k σ²_Bk`` (Bhatia–Davis bounds over n).
-        sum_mu2: ``Σ_k μ_Bk²``.
-        bias_mu: mean of b (0 without bias).
-        bias_sd: sqrt of b's Bhatia–Davis variance bound (0 without bias).
-        finite: whether W and b are all finite.
-        n, k: the output and input features.
-        launches: the checked GEMM's prepared launches for this weight version, by call
-            signature (`ft_transformers.kernels.abft_gemm`; they go with the checksums).
-        groups: the decode kernel's per-64-column checksums and constants, built by the weight's first
-            checked fp16/bf16 GEMM call (`ft_transformers.kernels.abft_decode.group_checksums`).
-
-    The scalars are host numbers: building the checksums reads them once (one synchronisation
-    per weight version), so that each call's threshold costs a handful of (M,)-sized ops.
-    """
-
-    w12: torch.Tensor
-    b12: torch.Tensor
-    colw: torch.Tensor
-    sum_abs_mu: float
-    sum_var: float
-    sum_mu2: float
-    bias_mu: float
-    bias_sd: float
-    finite: bool
-    n: int
-    k: int
-    launches: dict = field(default_factory=dict, repr=False, compare=False)
-    groups: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @classmethod
-    def compute(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                weight_is_kn: bool = False) -> WeightChecksums:
-        """Build from ``weight`` ((N, K), or (K, N) with ``weight_is_kn``) and ``bias`` (N,)."""
-        w = weight.detach()
-        w_kn = w if weight_is_kn else w.t()  # (K, N): row k of B
-        k, n = w_kn.shape
-        dev = w.device
-        colw = torch.arange(1, n + 1, device=dev, dtype=torch.float32)
-        w12 = torch.empty((k, 2), device=dev, dtype=torch.float32)
-        acc = torch.zeros(6, device=dev, dtype=torch.float32)  # Σ|μ|, Σσ², Σμ², μ_b, σ_b, #non-finite
-        step = max(1, _CHUNK_ELEMS // max(n, 1))
-        for k0 in range(0, k, step):
-            blk = w_kn[k0:k0 + step].float()  # (kc, N)
-            w12[k0:k0 + step, 0] = blk.sum(1)
-            w12[k0:k0 + step, 1] = (blk * colw).sum(1)
-            mu, var = row_stats(blk, dim=1)
-            acc[0] += mu.abs().sum()
-            acc[1] += var.sum()
-            acc[2] += mu.square().sum()
-            acc[5] += (~torch.isfinite(blk)).sum()
-        if bias is not None:
-            b32 = bias.detach().float()
-            b12 = torch.stack([b32.sum(), (b32 * colw).sum()])
-            bmu, bvar = row_stats(b32, dim=0)
-            acc[3] += bmu
-            acc[4] += bvar.sqrt()
-            acc[5] += (~torch.isfinite(b32)).sum()
-        else:
-            b12 = torch.zeros(2, device=dev, dtype=torch.float32)
-        s_abs, s_var, s_mu2, bmu_f, bsd_f, nonfinite = acc.tolist()  # the one host read
-        return cls(w12=w12, b12=b12, colw=colw, sum_abs_mu=s_abs, sum_var=s_var, sum_mu2=s_mu2,
-                   bias_mu=bmu_f, bias_sd=bsd_f, finite=nonfinite == 0, n=n, k=k)
-
-    def thresholds(self, mu_a: torch.Tensor, var_a: torch.Tensor, emax: float, csigma: float) -> torch.Tensor:
-        """(M,) fp32 thresholds for rows with statistics ``mu_a``, ``var_a`` (M,), bias included.
-
-        SPEC §5's ``T_m`` plus the bias's share of the output rounding,
-        ``e_max·(N·|μ_b| + cσ·sqrt(N)·σ_b)`` (the bias as a (K+1)-th row of B met by a constant 1
-        in A; zero without bias). Same arithmetic as `vabft_threshold`, with the weight side folded
-        into host constants.
-        """
-        n = float(self.n)
-        t = torch.sqrt(mu_a.square().mul_(n * self.sum_var).add_(var_a, alpha=n * n * self.sum_mu2))
-        t.mul_(emax * csigma)
-        t.add_(mu_a.abs().mul_(emax * n * self.sum_abs_mu))
-        t.add_(var_a.sqrt().mul_(emax * csigma * math.sqrt(n * self.sum_var)))
-        return t.add_(emax * (n * abs(self.bias_mu) + csigma * math.sqrt(n) * self.bias_sd))
-
 
 _CACHE_ATTR = "_ftt_vabft_checksums"
 
@@ -510,132 +418,3 @@ def checksum_residuals(x32: torch.Tensor, y32: torch.Tensor, wc: WeightChecksums
     s2 = (y32 * (wc.colw * scale2)).sum(-1)
     c1 = c[:, 0]
     return s1 - c1, s2 - c[:, 1] * scale2, c1
-
-
-# ---------------------------------------------------------------------------------------------
-# Calibration (seed 003 §3.6)
-# ---------------------------------------------------------------------------------------------
-
-
-_CAL_SHAPES = ((64, 1024, 256), (64, 4096, 1024), (64, 8192, 1024))
-DISTRIBUTIONS = ("N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)", "|N(1,1)|")
-
-
-def sample_matrix(dist: str, shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:
-    """An fp32 sample of one of seed 004 §5.1's distributions (`DISTRIBUTIONS`), on the generator's device.
-
-    ``"N(1e-6,1)"``, ``"N(1,1)"``, ``"U(-1,1)"``, ``"TN(0,1)"`` (N(0,1) truncated to [-1, 1]) and
-    ``"|N(1,1)|"`` (seed 003 §3.6's positive calibration matrices).
-    """
-    g = generator
-    dev = g.device
-    if dist == "N(1e-6,1)":
-        return torch.randn(shape, generator=g, device=dev) + 1e-6
-    if dist == "N(1,1)":
-        return torch.randn(shape, generator=g, device=dev) + 1.0
-    if dist == "U(-1,1)":
-        return torch.rand(shape, generator=g, device=dev) * 2 - 1
-    if dist == "TN(0,1)":
-        return torch.nn.init.trunc_normal_(torch.empty(shape, device=dev), 0.0, 1.0, -1.0, 1.0, generator=g)
-    if dist == "|N(1,1)|":
-        return (torch.randn(shape, generator=g, device=dev) + 1.0).abs()
-    raise ValueError(f"unknown distribution {dist!r}; choose one of {DISTRIBUTIONS}")
-
-
-def _use_kernel(dev: torch.device) -> bool:
-    """Whether accumulator-side residuals come from the fused Triton kernel on ``dev``."""
-    if dev.type == "cuda":
-        return True
-    try:
-        from .kernels import abft_gemm  # noqa: PLC0415
-    except ImportError:
-        return False
-    return dev.type == "cpu" and abft_gemm.interpreting()
-
-
-def clean_residuals(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, mode: str = "output",
-                    csigma: float = 2.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(D1, C1, T1)`` (each (M,), fp32) of one clean checked GEMM ``y = a·wᵀ + b``.
-
-    ``T1`` is the threshold with ``e_max = 1`` (so ``|D1| / T1`` is the smallest e_max that passes).
-    ``mode="output"``: the PyTorch path (``F.linear`` in a's dtype, verified on the rounded output).
-    ``mode="accumulator"``: the fused kernel's own quantities on CUDA (or CPU under the Triton
-    interpreter); elsewhere emulated by verifying ``F.linear`` of the fp32-upcast operands (an fp32
-    accumulator of the same products, rounded nowhere).
-
-    Args:
-        a: (M, K); w: (N, K); b: (N,) or None; one dtype among fp16/bf16/fp32, one device.
-    """
-    import torch.nn.functional as F  # noqa: PLC0415
-
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-    if mode == "accumulator" and _use_kernel(a.device):
-        from .kernels.abft_gemm import gemm_residuals  # noqa: PLC0415
-
-        r = gemm_residuals(a, w, b, mode="accumulator", emax=1.0, csigma=csigma)
-        return r["d1"], r["c1"], r["thr"]
-    if mode == "accumulator":
-        y = F.linear(a.float(), w.float(), None if b is None else b.float())
-    else:
-        y = F.linear(a, w, b)
-    wc = WeightChecksums.compute(w, b)
-    x32 = a.float()
-    mu, var = row_stats(x32)
-    d1, _, c1 = checksum_residuals(x32, y.float(), wc)
-    return d1, c1, wc.thresholds(mu, var, 1.0, csigma)
-
-
-def calibrate_emax(dtype: torch.dtype, device: torch.device | str = "cpu",
-                   shapes: Sequence[tuple[int, int, int]] = _CAL_SHAPES,
-                   trials: int = 100, seed: int = 0, margin: float = 1.2, mode: str = "output") -> dict:
-    """Measure ``e_max`` with seed 003's protocol: ``max |D1| / |C1|`` over clean GEMMs.
-
-    Each trial draws A = |N(1,1)| (M×K) and W = |N(1,1)| (N×K) (positive, so the checksum has no
-    cancellation), computes the checked GEMM in ``dtype`` on ``device`` and its residuals exactly as
-    the verification does (`clean_residuals`, ``mode`` "output" or "accumulator"); every row is one
-    sample. Returns ``{"max": observed max, "emax": max·margin, "per_shape": {(M, K, N): max},
-    "samples": rows}``.
-    """
-    dev = torch.device(device)
-    g = torch.Generator(device=dev).manual_seed(seed)
-    per_shape: dict[tuple[int, int, int], float] = {}
-    samples = 0
-    for (m, k, n) in shapes:
-        worst = torch.zeros((), device=dev)
-        for _ in range(trials):
-            a = sample_matrix("|N(1,1)|", (m, k), g).to(dev, dtype)
-            w = sample_matrix("|N(1,1)|", (n, k), g).to(dev, dtype)
-            d1, c1, _ = clean_residuals(a, w, mode=mode)
-            worst = torch.maximum(worst, (d1.abs() / c1.abs()).max())
-            samples += m
-        per_shape[(m, k, n)] = float(worst)
-    mx = max(per_shape.values())
-    return {"max": mx, "emax": mx * margin, "per_shape": per_shape, "samples": samples}
-
-
-def threshold_slack(dtype: torch.dtype, device: torch.device | str = "cpu",
-                    shapes: Sequence[tuple[int, int, int]] = _CAL_SHAPES, trials: int = 20,
-                    distributions: Sequence[str] = DISTRIBUTIONS, csigma: float = 2.5, seed: int = 0,
-                    mode: str = "output") -> dict:
-    """The smallest ``e_max`` without a false positive: ``max |D1| / T(e_max = 1)`` over clean GEMMs.
-
-    For each distribution, ``trials`` GEMMs per shape (M, K, N) with x, W (and, every other
-    trial, a bias) drawn from it, verified exactly as the checked linear layer (``mode="output"``)
-    or the fused kernel (``mode="accumulator"``) does. Returns ``{dist: max ratio}``; a table entry
-    ``e_max`` has slack ``e_max / ratio`` over that data.
-    """
-    dev = torch.device(device)
-    g = torch.Generator(device=dev).manual_seed(seed)
-    out: dict[str, float] = {}
-    for dist in distributions:
-        worst = torch.zeros((), device=dev)
-        for (m, k, n) in shapes:
-            for t in range(trials):
-                a = sample_matrix(dist, (m, k), g).to(dev, dtype)
-                w = sample_matrix(dist, (n, k), g).to(dev, dtype)
-                b = sample_matrix(dist, (n,), g).to(dev, dtype) if t % 2 else None
-                d1, _, t1 = clean_residuals(a, w, b, mode=mode, csigma=csigma)
-                worst = torch.maximum(worst, (d1.abs() / t1).max())
-        out[dist] = float(worst)
-    return out

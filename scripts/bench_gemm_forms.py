@@ -1,13 +1,13 @@
 """Forms of a Triton GEMM on the GPU, and what each piece of a checked GEMM's extra work costs in them.
 
-A study for issue 4 (``docs/vabft.md``, session 31), not the library's kernel: the plain GEMM
+A study for issue 4 (``docs/vabft.md``), not the library's kernel: the plain GEMM
 ``y = x·Wᵀ + b`` (fp16, W stored (N, K)) in several forms, then the persistent TMA form with one
 piece of the V-ABFT checks added at a time, each timed as a CUDA-graph replay against cuBLAS
 (``F.linear``) in interleaved rounds (`_timing.interleaved`: every variant once per round, the
 order rotated), median µs and the ratio to cuBLAS of the same run. Variants (names in the CSV):
 
 * ``tiles``      — one program per output tile, pointer loads, grouped order (the form of
-  `kernels.abft_gemm` without TMA);
+  `kernels.abft_gemm.tile` without TMA);
 * ``persistent`` — one program per SM looping over the tiles, pointer loads;
 * ``tma``        — persistent, operands through TMA descriptors made in the kernel
   (``tl.make_tensor_descriptor``), y stored through one; ``tma_flat`` the same with the tile and K
@@ -22,7 +22,8 @@ order rotated), median µs and the ratio to cuBLAS of the same run. Variants (na
 * ``tma_regstats`` — ``tma_rowsums`` plus x's row max / min taken from the loaded x tile in
   registers (Triton 3.6 gave wrong y with the flattened loop: reported as ``wrong``);
 * ``stats_pass`` — a separate kernel reading x once for ``x·w1``, ``x·w2``, max / min / sum per row
-  (the library's `kernels.abft_gemm._stats_kernel`, which the checked GEMM's persistent form runs since),
+  (the library's `kernels.abft_gemm.persistent._stats_kernel`, which the checked GEMM's persistent form runs
+  where its idle programs have no room for the pass),
   and ``tma_rowsums+stats`` both launches.
 
 Every output is compared with ``F.linear``'s (``max_err``); a variant off by more than 0.05 is marked
@@ -54,7 +55,9 @@ except ImportError:  # pragma: no cover - the script needs a GPU with triton
     sys.exit("bench_gemm_forms.py needs triton")
 
 # the library's pass over x and grouped tile order
-from ft_transformers.kernels.abft_gemm import STATS_COLS, STATS_ROWS, _grouped_tile, _stats_kernel  # noqa: E402
+from ft_transformers.kernels.abft_gemm.common import _grouped_tile  # noqa: E402
+from ft_transformers.kernels.abft_gemm.configs import STATS_COLS, STATS_ROWS  # noqa: E402
+from ft_transformers.kernels.abft_gemm.persistent import _stats_kernel  # noqa: E402
 
 # Qwen2-0.5B's prefill GEMMs at 4,096 tokens (q/o, k/v, gate/up, down) and the issue's squares
 SHAPES = [(4096, 896, 896), (4096, 128, 896), (4096, 4864, 896), (4096, 896, 4864), (2048, 2048, 2048),

@@ -11,23 +11,23 @@ weight copies past the H100's 50 MB L2 (as a model's layer stack streams its wei
   so this column is a measurement device only,
 * ``two``       — the GEMM launch and the verification launch,
 * ``one``       — one launch, rows checked: the last program to finish a row block verifies it
-  (``FTT_ABFT_GEMM_ONE_LAUNCH=1``, ``FTT_ABFT_GEMM_GROUPS=0``; before session 27 the default for one row
-  block),
-* ``decode``    — the decode kernel (`kernels/abft_decode.py`, the default for M ≤ 16): each tile verifies its
-  64-column groups in its epilogue.
-* ``plain_nosplit``, ``one_nosplit``, ``decode_nosplit`` — without split-K (``FTT_ABFT_GEMM_SPLIT=1``; by
-  default a call of few tiles runs each tile as several programs over parts of K, `_split_k`).
+  (``Options.gemm_one_launch`` on, ``Options.gemm_groups`` off; the default for one row block of more
+  than one row),
+* ``decode``    — the decode kernel (`kernels/abft_gemm/decode.py`, the default for M = 1): each tile verifies
+  its 64-column groups in its epilogue.
+* ``plain_nosplit``, ``one_nosplit``, ``decode_nosplit`` — without split-K (``Options.gemm_split = 1``; by
+  default a call of few tiles runs each tile as several programs over parts of K, `forms.split_k`).
 
 Every column counts its events in its own counters (``events_by_column``; clean inputs, so any
 event is a false positive, whose recompute would dominate that column's time).
 ``gemm_only − plain`` is what the tiles' share of the checks costs. For a kernel whose one-launch
-form also carries that share (before the decode checksum programs, `cb662d0`), ``one − gemm_only``
+form also carries that share (a kernel without the decode checksum programs), ``one − gemm_only``
 is the one-launch tail (the count, the last tile's loads, the threshold); with the checksum
 programs (M ≤ 16) ``one`` runs without the share, and ``one − plain`` is the whole checks' cost;
 ``decode − plain`` is the decode kernel's.
 
-``--modules`` takes further copies of the kernel module inside ``ft_transformers.kernels`` (e.g. a
-variant saved as ``kernels/_abft_gemm_x.py``), each with its own columns (``name:mode+mode``, default
+``--modules`` takes further copies of the kernel package inside ``ft_transformers.kernels`` (e.g. a
+variant saved as ``kernels/_abft_gemm_x/``), each with its own columns (``name:mode+mode``, default
 ``--modes``), named ``name:mode``, so that variants are compared in the same rounds.
 
     python scripts/bench_gemm_parts.py --out /tmp/parts
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import interleaved  # noqa: E402
-from bench_linear import _cycled, _graphed, _with_env, weight_copies  # noqa: E402
+from bench_linear import _cycled, _graphed, _with_options, weight_copies  # noqa: E402
 
 # Qwen2-0.5B's decode GEMMs (q/o 896², k/v 128×896, MLP 4864×896 and 896×4864, lm_head) and SmolLM2's MLP
 SHAPES = [(1, 896, 896), (1, 128, 896), (1, 4864, 896), (1, 896, 4864), (16, 4864, 896), (1, 1536, 576),
@@ -62,32 +62,34 @@ def _no_launch(grid, args, kwargs) -> None:
 
 
 def _call(mod, mode: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, cnt: torch.Tensor, owner):
-    """One call of ``mod``'s checked GEMM in ``mode``."""
+    """One call of ``mod``'s checked GEMM in ``mode`` (as the checked linear's Triton backend runs it)."""
+    from ft_transformers.checked_linear import _triton
+
     nosplit = mode.endswith("_nosplit")
     mode = mode.removesuffix("_nosplit")
+    k, n = w.shape[1], w.shape[0]
 
     def run():
-        return mod.checked_linear_triton_forward(
-            x, w, b, weight_is_kn=False, emax=None, csigma=2.5, detect=mode != "plain", correct=True, plan=None,
-            counters=cnt, cache_owner=owner)
+        checks = mode != "plain"
+        return _triton(mod.linear_forward, x, w, b, k, n, False, None, 2.5, checks, True, None, cnt, owner, None)
     if nosplit:
-        run = _with_env(run, "FTT_ABFT_GEMM_SPLIT", "1")
+        run = _with_options(run, gemm_split=1)
     if mode in ("two", "gemm_only"):
-        run = _with_env(run, "FTT_ABFT_GEMM_ONE_LAUNCH", "0")
+        run = _with_options(run, gemm_one_launch=False)
     if mode == "one":  # also for several row blocks, which take two launches under graphs by default
-        run = _with_env(run, "FTT_ABFT_GEMM_ONE_LAUNCH", "1")
-    if mode in ("two", "gemm_only", "one"):  # the row-checked forms (M ≤ 16 takes the decode kernel otherwise)
-        run = _with_env(run, "FTT_ABFT_GEMM_GROUPS", "0")
+        run = _with_options(run, gemm_one_launch=True)
+    if mode in ("two", "gemm_only", "one"):  # the row-checked forms (M = 1 takes the decode kernel otherwise)
+        run = _with_options(run, gemm_groups=False)
     if mode == "gemm_only":
         inner = run
 
         def run():
-            saved = mod._VERIFY_LAUNCH
-            mod._VERIFY_LAUNCH = _no_launch  # looked up through mod._launcher(1) at each call
+            saved = mod.calls._VERIFY_LAUNCH
+            mod.calls._VERIFY_LAUNCH = _no_launch  # looked up through calls._launcher(1) at each call
             try:
                 return inner()
             finally:
-                mod._VERIFY_LAUNCH = saved
+                mod.calls._VERIFY_LAUNCH = saved
     return run
 
 
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", type=Path, default=Path("gemm_parts"))
     ap.add_argument("--dtypes", default="float16")
     ap.add_argument("--modules", default="abft_gemm",
-                    help="comma-separated modules of ft_transformers.kernels, each optionally name:mode+mode; "
+                    help="comma-separated kernel packages of ft_transformers.kernels, each optionally name:mode+mode; "
                          "the first is the baseline (its columns unprefixed)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated columns of {MODES}")
     ap.add_argument("--shapes", default=None, help="MxNxK,... (default: Qwen2-0.5B's and SmolLM2's decode GEMMs)")

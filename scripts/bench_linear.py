@@ -105,18 +105,13 @@ def _cycled(make, n_weights: int, calls: int):
     return run
 
 
-def _with_env(fn, name: str, value: str):
-    """``fn`` run with the environment variable ``name`` set to ``value`` for its call."""
+def _with_options(fn, **changes):
+    """``fn`` run with the switches ``changes`` (`Options` fields) for its call."""
+    from ft_transformers.kernels.options import override
+
     def run():
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
+        with override(**changes):
             return fn()
-        finally:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
     return run
 
 
@@ -130,13 +125,14 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
     ``graph``: also time cuBLAS, fused and plain as CUDA-graph replays (``*_graph``: GPU time without
     the host's launch work). ``pointer``: also time the fused kernel with pointer loads instead of
     TMA descriptors (``fused_ptr``). ``two_launch``: also time the fused call with its verification
-    in a second launch (``fused_two``, ``FTT_ABFT_GEMM_ONE_LAUNCH=0``; differs from ``fused`` only
+    in a second launch (``fused_two``, ``Options.gemm_one_launch`` off; differs from ``fused`` only
     where the call has one row block, M ≤ BLOCK_M). ``graph_calls``: calls per graph, cycling over
     `weight_copies` copies of ``w`` (each with its own cached checksums); ``*_graph`` times per call."""
     import triton.testing
     from ft_transformers.kernels import abft_gemm
 
     import ft_transformers as ftt
+    from ft_transformers.checked_linear import _triton
     from ft_transformers.counters import new_counters
     from ft_transformers.vabft import weight_checksums
 
@@ -150,9 +146,11 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
         if name == "cublas":
             return lambda: F.linear(x, ws[j], b)
         checks = name != "triton_plain"
-        return lambda: abft_gemm.checked_linear_triton_forward(
-            x, ws[j], b, weight_is_kn=False, emax=None, csigma=2.5, detect=checks, correct=checks, plan=None,
-            counters=cnt, cache_owner=owners[j])
+        k, n = ws[j].shape[1], ws[j].shape[0]
+        # the checked linear's Triton backend as a protected layer's full path runs it (checksum cache, e_max,
+        # the kernel, its fast path kept on the owner), without the library's validation
+        return lambda: _triton(abft_gemm.linear_forward, x, ws[j], b, k, n, False, None, 2.5, checks, checks, None,
+                               cnt, owners[j], None)
 
     fused, plain, cublas = make("fused"), make("triton_plain"), make("cublas")
 
@@ -166,17 +164,17 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
         err = float((y.double() - ref).abs().max() / ref.abs().max())
         fns = {"cublas": cublas, "fused": fused, "triton_plain": plain}
         if pointer:
-            fns["fused_ptr"] = _with_env(fused, "FTT_ABFT_GEMM_TMA", "0")
-            fns["plain_ptr"] = _with_env(plain, "FTT_ABFT_GEMM_TMA", "0")
+            fns["fused_ptr"] = _with_options(fused, gemm_tma=False)
+            fns["plain_ptr"] = _with_options(plain, gemm_tma=False)
         if two_launch:
-            fns["fused_two"] = _with_env(fused, "FTT_ABFT_GEMM_ONE_LAUNCH", "0")
+            fns["fused_two"] = _with_options(fused, gemm_one_launch=False)
         if with_torch_checked:
             fns["torch_checked"] = torch_checked
         if graph:
             for name in ("cublas", "fused", "triton_plain") + (("fused_two",) if two_launch else ()):
                 if graph_calls > 1:
                     one = _cycled(lambda j, name=name: make(name, j), n_w, graph_calls)
-                    fn = _with_env(one, "FTT_ABFT_GEMM_ONE_LAUNCH", "0") if name == "fused_two" else one
+                    fn = _with_options(one, gemm_one_launch=False) if name == "fused_two" else one
                 else:
                     fn = fns[name]
                 fns[f"{name}_graph"] = _graphed(fn)

@@ -7,7 +7,7 @@ its weights), times per group call:
 
 * ``cublas``     — one ``F.linear`` per layer (the unprotected model),
 * ``cublas_cat`` — one ``F.linear`` of the concatenated weight (a fused-projection model; reference),
-* ``checked``    — one checked call per layer (`abft_gemm.checked_gemm`, as ``FTT_SIBLINGS=0`` runs),
+* ``checked``    — one checked call per layer (`abft_gemm.checked_gemm`, as ``Options.siblings`` off runs),
 * ``siblings``   — `abft_gemm.checked_gemm_siblings` (one launch, what protection runs by default).
 
 Every variant is timed once per round, the order rotated each round (``_timing.interleaved``); the
@@ -51,7 +51,7 @@ def bench_group(k: int, widths: tuple[int, ...], bias: bool, m: int, dtype: torc
     from ft_transformers.kernels import abft_gemm as G
 
     from ft_transformers.counters import FaultStats, new_counters
-    from ft_transformers.vabft import WeightChecksums
+    from ft_transformers.vabft import WeightChecksums, gemm_emax
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -75,8 +75,9 @@ def bench_group(k: int, widths: tuple[int, ...], bias: bool, m: int, dtype: torc
             if variant == "cublas_cat":
                 return lambda: F.linear(x, wcat, bcat)
             if variant == "checked":
-                return lambda: [G.checked_gemm(x, w, b, wc=wc, counters=c) for w, b, wc, c in zip(ws, bs, wcs, cnt)]
-            return lambda: G.checked_gemm_siblings(x, ws, bs, wcs, cnt)
+                return lambda: [G.checked_gemm(x, w, b, wc=wc, counters=c, emax_table=gemm_emax)
+                                for w, b, wc, c in zip(ws, bs, wcs, cnt)]
+            return lambda: G.checked_gemm_siblings(x, ws, bs, wcs, cnt, emax_table=gemm_emax)
         return _graphed(_cycled(per_copy, copies, calls))
 
     with torch.no_grad():

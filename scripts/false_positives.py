@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -25,7 +26,9 @@ import torch
 from tqdm import tqdm
 
 import ft_transformers as ftt
-from ft_transformers.vabft import sample_matrix
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from calibrate_emax import sample_matrix  # noqa: E402
 
 DISTS = ("N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)")  # seed 004 §5.1
 

@@ -28,12 +28,17 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ft_transformers.vabft import default_emax, device_name, sample_matrix
+from ft_transformers.vabft import default_emax, device_name
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from calibrate_emax import sample_matrix  # noqa: E402
 
 DISTS = ["N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)"]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}

@@ -12,9 +12,11 @@ file re-runs itself in a fresh process. ``gpu``-marked tests use real shapes on 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,11 +31,25 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from ft_transformers.kernels import abft_gemm as G  # noqa: E402
+from ft_transformers.kernels.abft_gemm import (  # noqa: E402
+    api,
+    calls,
+    configs,
+    decode,
+    forms,
+    prepared,
+    tile,
+    tuning,
+)
+from ft_transformers.kernels.options import Options, override  # noqa: E402
 
 import ft_transformers as ftt  # noqa: E402
 from ft_transformers.counters import FaultStats, new_counters  # noqa: E402
 from ft_transformers.injection import FaultPlan, FaultSpec  # noqa: E402
-from ft_transformers.vabft import WeightChecksums, sample_matrix  # noqa: E402
+from ft_transformers.vabft import WeightChecksums, gemm_emax  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from calibrate_emax import sample_matrix  # noqa: E402
 
 _cl = importlib.import_module("ft_transformers.checked_linear")
 _vabft = importlib.import_module("ft_transformers.vabft")
@@ -43,6 +59,21 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPES16 = DTYPES[1:]  # the decode kernel's (fp32 decode calls take the row-checked form)
 DISTS = ["N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)"]
 ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+# the kernel's entry with the library's e_max tables, as the checked linear passes them
+checked_gemm = functools.partial(G.checked_gemm, emax_table=gemm_emax)
+
+
+@pytest.fixture
+def setopt():
+    """``setopt(**fields)``: `Options` fields changed (`override`) until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(override(**changes))
+
+
+def _config(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
 
 
 def _gemm_rel_tol(dtype, k):
@@ -73,7 +104,7 @@ def _ref64(x, w, b=None, kn=False):
 def _run(x, w, b=None, *, kn=False, plan=None, correct=True, detect=True, mode="accumulator", emax=None):
     cnt = new_counters(x.device)
     with torch.no_grad():
-        y = G.checked_gemm(x, w, b, weight_is_kn=kn, plan=plan, counters=cnt, correct=correct, detect=detect,
+        y = checked_gemm(x, w, b, weight_is_kn=kn, plan=plan, counters=cnt, correct=correct, detect=detect,
                            mode=mode, emax=emax)
     return y, dict(FaultStats(cnt))
 
@@ -88,7 +119,7 @@ ZERO = {"detected": 0, "corrected": 0, "recomputed": 0, "uncorrectable": 0, "non
 @pytest.mark.parametrize("kn", [False, True], ids=["linear", "conv1d"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("mkn", [(37, 80, 50), (9, 1100, 20), (37, 80, 56)], ids=["ragged", "longk", "tma"])
-def test_matches_float64_matmul(dtype, kn, with_bias, mkn, monkeypatch):
+def test_matches_float64_matmul(dtype, kn, with_bias, mkn, monkeypatch, setopt):
     # ragged: every tile edge is masked (pointer loads: rows of 50 elements are not 16-byte aligned),
     # and the two N tiles share the K blocks' checksums; longk: one N tile takes the checksums of
     # all 35 K blocks, the last one partial; tma: ragged edges again, but every row stride is
@@ -97,10 +128,10 @@ def test_matches_float64_matmul(dtype, kn, with_bias, mkn, monkeypatch):
     x = _rand((m, k), dtype, 1)
     w = _rand((k, n) if kn else (n, k), dtype, 2, scale=k**-0.5)
     b = _rand((n,), dtype, 3) if with_bias else None
-    # FTT_ABFT_GEMM_TMA=1: descriptors wherever the layout allows (on the GPU, small eager calls
-    # otherwise take pointer loads, see `_tma_ok`), so that the GPU run covers the descriptor path too
-    monkeypatch.setenv("FTT_ABFT_GEMM_TMA", "1")
-    tma = G._tma_ok(m, n, k, x, w, torch.empty((m, n), dtype=dtype, device=DEV))
+    # gemm_tma on: descriptors wherever the layout allows (on the GPU, small eager calls otherwise take
+    # pointer loads, see `forms.tma_ok`), so that the GPU run covers the descriptor path too
+    setopt(gemm_tma=True)
+    tma = forms.tma_ok(m, n, k, x, w, torch.empty((m, n), dtype=dtype, device=DEV))
     if n == 50:
         assert not tma  # y's rows (100 or 200 bytes) are not 16-byte aligned
     elif n == 56:
@@ -115,8 +146,8 @@ def test_matches_float64_matmul(dtype, kn, with_bias, mkn, monkeypatch):
     assert st == ZERO
     # detect=False is the plain GEMM: same values (loaded through pointers where the checked call took the
     # decode kernel: descriptor loads can sum differently, under the interpreter's matmul of a transposed view)
-    if G._grouped(m, n, dtype, None, m):
-        monkeypatch.setenv("FTT_ABFT_GEMM_TMA", "0")
+    if forms.grouped(m, n, dtype, None, m):
+        setopt(gemm_tma=False)
     y0, st0 = _run(x, w, b, kn=kn, detect=False)
     assert torch.equal(y0, y) and st0 == ZERO
 
@@ -230,18 +261,18 @@ def _no_second_launch(grid, args, kwargs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("config,m", [(None, 13), (None, 50), ("64,32,32,4,1", 150)],
                          ids=["block16-one", "block16-four", "block64-three"])
-def test_one_launch_verifies_like_reference(dtype, config, m, monkeypatch):
+def test_one_launch_verifies_like_reference(dtype, config, m, monkeypatch, setopt):
     """The GEMM verifies itself (the last tile of each row block verifies that block), no second
     launch: single flips located and repaired, rows with several flips recomputed, non-finite
     inputs counted once for the call and every other row block's counts dropped; all counted
     exactly like the reference path. One and several row blocks (interpreter config: 16 rows). The
-    row-checked form (``FTT_ABFT_GEMM_GROUPS=0``: a call of M ≤ 16 takes the decode kernel otherwise,
+    row-checked form (``Options.gemm_groups`` off: a call of M = 1 takes the decode kernel otherwise,
     tested below)."""
-    monkeypatch.setenv("FTT_ABFT_GEMM_GROUPS", "0")
+    setopt(gemm_groups=False)
     if config is not None:
-        monkeypatch.setenv("FTT_ABFT_GEMM_CONFIG", config)
-    verify_launch = G._VERIFY_LAUNCH
-    monkeypatch.setattr(G, "_VERIFY_LAUNCH", _no_second_launch)
+        setopt(gemm_config=_config(config))
+    verify_launch = calls._VERIFY_LAUNCH
+    monkeypatch.setattr(calls, "_VERIFY_LAUNCH", _no_second_launch)
     k, n = 32, 24
     bit = HIGH_BIT[dtype][-1]
     x = _rand((m, k), dtype, 61, 2.0)
@@ -261,9 +292,8 @@ def test_one_launch_verifies_like_reference(dtype, config, m, monkeypatch):
         else:
             # a small 1→0 flip among many may hide below the reference's output-side threshold:
             # against the two-launch path (its own tests compare it with the reference), bit for bit
-            with monkeypatch.context() as mp:
-                mp.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", "0")
-                mp.setattr(G, "_VERIFY_LAUNCH", verify_launch)
+            with monkeypatch.context() as mp, override(gemm_one_launch=False):
+                mp.setattr(calls, "_VERIFY_LAUNCH", verify_launch)
                 with torch.no_grad():
                     y_2, st_2 = ftt.checked_linear(x, w, b, inject=spec, backend="triton")
             assert st_t == dict(st_2), (st_t, dict(st_2))
@@ -289,26 +319,26 @@ def test_one_launch_verifies_like_reference(dtype, config, m, monkeypatch):
     y2, st2 = _run(x, w, b)  # and the next call is checked again (the cells were reset)
     assert st2 == ZERO
     torch.testing.assert_close(y2.double().cpu(), ref, rtol=0, atol=tol)
-    assert int(G._cells(x.device)[0].abs().sum().item()) == 0  # every one-launch cell back to 0
-    assert float(G._cells(x.device)[2].abs().sum().item()) == 0.0  # and a decode call's row-sum cells
+    assert int(calls._cells(x.device)[0].abs().sum().item()) == 0  # every one-launch cell back to 0
+    assert float(calls._cells(x.device)[2].abs().sum().item()) == 0.0  # and a decode call's row-sum cells
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("m", [1, 16])
 @pytest.mark.parametrize("split", ["auto", "1"])
-def test_decode_checksum_programs_verify_like_reference(dtype, m, split, monkeypatch):
+def test_decode_checksum_programs_verify_like_reference(dtype, m, split, monkeypatch, setopt):
     """A decode call (one launch, one row block, M ≤ CSUM_ROWS) takes its checksums from extra
     programs, one per K chunk (here 1 or 3 chunks of K = 600), and its row sums from the tiles'
     atomics: clean calls count nothing and match float64; flips at high bits are located, repaired
     and counted exactly as the reference path counts them; the cells are back to 0 after each call.
     ``auto``: each of the 2 tiles runs as 2 split-K programs of 10 K blocks (the interpreter counts 4
-    SMs, `_split_k`), whose last one sums the partials (on a GPU, as the tuned config and the SM count
-    decide: the last call did not split on the H100 in session 31); ``1``: no split. (The row-checked form,
-    ``FTT_ABFT_GEMM_GROUPS=0``; by default such a call takes the decode kernel.)"""
-    monkeypatch.setenv("FTT_ABFT_GEMM_GROUPS", "0")
+    SMs, `forms.split_k`), whose last one sums the partials (on a GPU, as the tuned config and the SM count
+    decide: on the H100 the last call may not split); ``1``: no split. (The row-checked form,
+    ``Options.gemm_groups`` off; by default a call of M = 1 takes the decode kernel.)"""
+    setopt(gemm_groups=False)
     grids = []
-    real = G._GEMM_LAUNCH
-    at = {a: G._gemm_kernel.arg_names.index(a) for a in ("N", "n_csum", "n_split", "kb_per")}
+    real = calls._GEMM_LAUNCH
+    at = {a: tile._gemm_kernel.arg_names.index(a) for a in ("N", "n_csum", "n_split", "kb_per")}
 
     def spy(grid, args, kwargs):
         t = -(-args[at["N"]] // kwargs["BLOCK_N"])  # the GEMM's tiles
@@ -317,9 +347,9 @@ def test_decode_checksum_programs_verify_like_reference(dtype, m, split, monkeyp
         return real(grid, args, kwargs)
 
     if split != "auto":
-        monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT", split)
-    monkeypatch.setattr(G, "_GEMM_LAUNCH", spy)
-    monkeypatch.setattr(G, "_VERIFY_LAUNCH", _no_second_launch)
+        setopt(gemm_split=int(split))
+    monkeypatch.setattr(calls, "_GEMM_LAUNCH", spy)
+    monkeypatch.setattr(calls, "_VERIFY_LAUNCH", _no_second_launch)
     k, n = 600, 40
     x = _rand((m, k), dtype, 71, 2.0)
     w = _rand((n, k), dtype, 72, k**-0.5)
@@ -346,14 +376,14 @@ def test_decode_checksum_programs_verify_like_reference(dtype, m, split, monkeyp
         assert dict(st_t) == dict(st_r) and st_t["detected"] >= 1, (count, dict(st_t), dict(st_r))
         assert float((y_t.double().cpu() - ref).abs().max()) <= tol, count
         # the injecting call took the checksum programs too, split-K as asked (on a GPU its fixed config
-        # may split where the clean call's tuned one did not: on the H100 in session 31 it did)
+        # may split where the clean call's tuned one did not, as it does on the H100)
         assert grids[-1][1], grids[-1]
         if split == "1" or G.interpreting():
             assert grids[-1][3] == splits[0], grids[-1]
         else:
             assert grids[-1][3] == (grids[-1][4] > 1), grids[-1]
-        assert float(G._cells(x.device)[2].abs().sum().item()) == 0.0
-        assert int(G._cells(x.device)[0].abs().sum().item()) == 0  # the split counts too
+        assert float(calls._cells(x.device)[2].abs().sum().item()) == 0.0
+        assert int(calls._cells(x.device)[0].abs().sum().item()) == 0  # the split counts too
 
 
 @pytest.mark.parametrize("dtype,m,k,n,seed,bit,count,flip_seed", [
@@ -376,7 +406,7 @@ def test_repair_must_explain_the_accumulator_difference(dtype, m, k, n, seed, bi
     may end up further from float64 than its injected flip put it."""
     name = {"cpu": "cpu.json", "h100": "nvidia_h100_80gb_hbm3.json"}[table]
     entries = json.loads((Path(_vabft.__file__).with_name("emax_tables") / name).read_text())["emax"]  # shipped
-    monkeypatch.setattr(G, "_emax", lambda dt, device, mode, k: float(entries[mode][str(dt)[6:]]))
+    monkeypatch.setattr(_cl, "gemm_emax", lambda dt, device, mode, k: float(entries[mode][str(dt)[6:]]))
     if seed is None:
         x, w, b = _rand((m, k), dtype, 81, 2.0), _rand((n, k), dtype, 82, k**-0.5), _rand((n,), dtype, 83)
     else:
@@ -404,7 +434,7 @@ def test_repair_must_explain_the_accumulator_difference(dtype, m, k, n, seed, bi
         assert bool((err <= flip_err + tol).all()), (err - flip_err).max()
 
 
-def test_one_launch_recompute_capacity_like_two_launches(monkeypatch):
+def test_one_launch_recompute_capacity_like_two_launches(monkeypatch, setopt):
     """More faulty rows than recompute slots: the verifying program recomputes the first ``capacity``
     rows and counts the rest uncorrectable, as the two-launch path (checked against the reference
     above) does."""
@@ -414,10 +444,10 @@ def test_one_launch_recompute_capacity_like_two_launches(monkeypatch):
     spec = FaultSpec(site="linear.output", bit=30, count=4 * m, seed=9)
 
     def run(one):
-        monkeypatch.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", "1" if one else "0")
+        setopt(gemm_one_launch=one)
         cnt = new_counters(x.device)
         with torch.no_grad():
-            y = G.checked_gemm(x, w, None, plan=FaultPlan(spec), counters=cnt, capacity=3)
+            y = checked_gemm(x, w, None, plan=FaultPlan(spec), counters=cnt, capacity=3)
         return y, dict(FaultStats(cnt))
 
     y1, st1 = run(True)
@@ -461,19 +491,19 @@ def test_ber_mode_matches_reference_positions():
 def _spy_launches(monkeypatch) -> list:
     """Record ``(launcher, SPLIT, n_split)`` of every GEMM-side launch (0: `_gemm_kernel`, 2: the decode kernel);
     calls of up to 16 rows take the decode kernel (by default only M = 1 does: `GROUPED_MAX_ROWS`)."""
-    monkeypatch.setattr(G, "GROUPED_MAX_ROWS", G.CSUM_ROWS)
+    monkeypatch.setattr(forms, "GROUPED_MAX_ROWS", forms.CSUM_ROWS)
     seen = []
     for which, attr in ((0, "_GEMM_LAUNCH"), (2, "_GROUPED_LAUNCH")):
-        real = getattr(G, attr)
-        kernel = G._gemm_kernel if which == 0 else G.grouped_gemm_kernel
+        real = getattr(calls, attr)
+        kernel = tile._gemm_kernel if which == 0 else decode.grouped_gemm_kernel
         at = kernel.arg_names.index("n_split")
 
         def spy(grid, args, kwargs, which=which, real=real, at=at):
             seen.append((which, kwargs["SPLIT"], args[at]))
             return real(grid, args, kwargs)
 
-        monkeypatch.setattr(G, attr, spy)
-    monkeypatch.setattr(G, "_VERIFY_LAUNCH", _no_second_launch)
+        monkeypatch.setattr(calls, attr, spy)
+    monkeypatch.setattr(calls, "_VERIFY_LAUNCH", _no_second_launch)
     return seen
 
 
@@ -483,11 +513,11 @@ def _spy_launches(monkeypatch) -> list:
     (16, 40, 600, True, False, 4),  # one tile: 4 splits of 5 K blocks (19 of 32)
     (5, 130, 70, False, True, 1),  # K not a multiple of BLOCK_K, 3 groups
 ], ids=["ragged-n", "split-k", "ragged-k"])
-def test_decode_kernel_matches_float64_and_plain(dtype, m, n, k, kn, with_bias, splits, monkeypatch):
+def test_decode_kernel_matches_float64_and_plain(dtype, m, n, k, kn, with_bias, splits, monkeypatch, setopt):
     """A checked call of M ≤ 16 runs the decode kernel alone (no other launch): clean calls count
     nothing (also verifying the rounded outputs, ``mode="output"``), match float64, and equal the
     plain GEMM of the same blocks bit for bit."""
-    monkeypatch.delenv("FTT_ABFT_GEMM_SPLIT", raising=False)
+    setopt(gemm_split=None)
     seen = _spy_launches(monkeypatch)
     x = _rand((m, k), dtype, 91, 2.0)
     w = _rand((k, n) if kn else (n, k), dtype, 92, k**-0.5)
@@ -506,7 +536,7 @@ def test_decode_kernel_matches_float64_and_plain(dtype, m, n, k, kn, with_bias, 
     tol = _gemm_rel_tol(dtype, k) * float(ref.abs().max())
     assert float((y.double().cpu() - ref).abs().max()) <= tol
     if G.interpreting():  # the same blocks and splits (on a GPU each form is tuned on its own)
-        monkeypatch.setenv("FTT_ABFT_GEMM_TMA", "0")  # and pointer loads, as the decode kernel's
+        setopt(gemm_tma=False)  # and pointer loads, as the decode kernel's
         y0, st0 = _run(x, w, b, kn=kn, detect=False)
         assert torch.equal(y0, y) and st0 == ZERO
 
@@ -518,14 +548,14 @@ _GROUP_BIT = {torch.float16: 13, torch.bfloat16: 13}
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=str)
 @pytest.mark.parametrize("split", ["auto", "1"])
-def test_decode_kernel_counts_per_group(dtype, split, monkeypatch):
+def test_decode_kernel_counts_per_group(dtype, split, monkeypatch, setopt):
     """Flips in a decode call are counted per (row, 64-column group): a group row with one flip is
     located and repaired (``corrected``), one with several is recomputed (``recomputed``); with
     ``correct=False`` every such group row is ``detected`` and ``uncorrectable`` and y keeps the
     flips. Expected counts come from the injected positions alone; repaired outputs match float64.
     With N ≤ 64 (one group per row) the counts equal the reference path's."""
     if split != "auto":
-        monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT", split)
+        setopt(gemm_split=int(split))
     seen = _spy_launches(monkeypatch)
     m, k, n = 6, 160, 200
     x = _rand((m, k), dtype, 95, 2.0)
@@ -580,7 +610,7 @@ def test_decode_kernel_group_constants_against_float64():
     sum, ``b1_g`` its bias sum, and the thresholds its constants give (the kernel's formula, in float64
     here) equal `vabft.vabft_threshold` of the group's columns alone (plus the bias share of
     `WeightChecksums.thresholds`), including the ragged last group (200 = 3·64 + 8 columns)."""
-    from ft_transformers.kernels.abft_decode import group_checksums
+    from ft_transformers.kernels.gemm_checksums import group_checksums
 
     m, k, n = 7, 90, 200
     x = _rand((m, k), torch.float32, 1, 3.0, "N(1,1)").cpu()
@@ -592,7 +622,7 @@ def test_decode_kernel_group_constants_against_float64():
     assert w1g.shape == (4, k) and consts.shape == (4, 8)
     mu, var = _vabft.row_stats(x)
     c, mu64, var64 = consts.double(), mu.double()[:, None], var.double()[:, None]
-    # `abft_decode._epilogue`'s T from the constants (b1, det, v2, v3, v4, bias_det, bias_sd, n_g)
+    # `decode._epilogue`'s T from the constants (b1, det, v2, v3, v4, bias_det, bias_sd, n_g)
     got = 1e-6 * (c[:, 1] * mu64.abs() + 2.5 * torch.sqrt(mu64 * mu64 * c[:, 2] + var64 * c[:, 3])
                   + 2.5 * c[:, 4] * var64.sqrt() + c[:, 5] + 2.5 * c[:, 6])
     for g in range(4):
@@ -611,69 +641,68 @@ def test_decode_kernel_group_constants_against_float64():
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="stand-in timings and the interpreter's 4 SMs (split-K counts)")
-def test_tuner_times_the_decode_kernel(monkeypatch):
+def test_tuner_times_the_decode_kernel(monkeypatch, setopt):
     """The decode kernel's candidates are timed in its own launches (CONFIGS_GROUPED, each with
     split-K where it applies and without), on its clean path against an infinite threshold: the
     scratch counters see nothing."""
-    monkeypatch.setattr(G, "_INTERP", False)
-    for var in ("FTT_ABFT_GEMM_CONFIG", "FTT_ABFT_GEMM_TUNE", "FTT_ABFT_GEMM_SPLIT"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(forms, "INTERP", False)
+    setopt(gemm_config=None, gemm_tune=True, gemm_split=None)
     monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(G, "CONFIGS_GROUPED", [(16, 64, 64, 4, 1), (16, 64, 128, 4, 1)])
-    monkeypatch.setattr(G, "TUNE_STREAM_COPIES", 1)
+    monkeypatch.setattr(tuning, "CONFIGS_GROUPED", [(16, 64, 64, 4, 1), (16, 64, 128, 4, 1)])
+    monkeypatch.setattr(tuning, "TUNE_STREAM_COPIES", 1)
     seen = []
-    real = G._GROUPED_LAUNCH
-    at = {a: G.grouped_gemm_kernel.arg_names.index(a) for a in ("n_split", "Cnt")}
+    real = calls._GROUPED_LAUNCH
+    at = {a: decode.grouped_gemm_kernel.arg_names.index(a) for a in ("n_split", "Cnt")}
 
     def spy(grid, args, kwargs):
         seen.append((kwargs["BLOCK_K"], kwargs["SPLIT"], args[at["n_split"]], args[at["Cnt"]]))
         return real(grid, args, kwargs)
 
-    monkeypatch.setattr(G, "_GROUPED_LAUNCH", spy)
-    monkeypatch.setattr(G, "_GEMM_LAUNCH", _no_second_launch)
+    monkeypatch.setattr(calls, "_GROUPED_LAUNCH", spy)
+    monkeypatch.setattr(calls, "_GEMM_LAUNCH", _no_second_launch)
     times = {(64, True): 2.0, (64, False): 1.5, (128, True): 1.0, (128, False): 3.0}  # (BLOCK_K, split): "ms"
-    monkeypatch.setattr(G, "gpu_time", lambda run: (run(), times[seen[-1][:2]])[1])
-    monkeypatch.setattr(G, "_TUNE_CACHE", {})
+    monkeypatch.setattr(tuning, "gpu_time", lambda run: (run(), times[seen[-1][:2]])[1])
+    monkeypatch.setattr(tuning, "_TUNE_CACHE", {})
     x = _rand((3, 640), torch.float16, 5)
     w = _rand((128, 640), torch.float16, 6, 640**-0.5)
-    launch = G._Launch(x=x, w=w, b=None, y=torch.empty(3, 128, dtype=x.dtype), swn=w.stride(0), swk=w.stride(1))
-    cfg = G._pick_config(launch, bias=None, detect=True, verify_output=False, dot_f32=True, grouped=True)
+    launch = calls._Launch(x=x, w=w, b=None, y=torch.empty(3, 128, dtype=x.dtype), swn=w.stride(0), swk=w.stride(1))
+    cfg = tuning.pick_config(launch, bias=None, detect=True, verify_output=False, dot_f32=True, decode=True)
     # 2 tiles of 64 on the interpreter's 4 SMs: 2 splits (of 5 K blocks of 64, or 3 and 2 of 128), or none
     assert [e[:3] for e in seen] == [(64, True, 2), (64, False, 1), (128, True, 2), (128, False, 1)], seen
     assert cfg == (16, 64, 128, 4, 1)
     for *_, cnt in seen:
         assert dict(FaultStats(cnt)) == ZERO
-    assert int(G._cells(x.device)[0].abs().sum().item()) == 0  # the split counts back to 0
+    assert int(calls._cells(x.device)[0].abs().sum().item()) == 0  # the split counts back to 0
 
 
 # --------------------------------------------------------------------------- the persistent form
 
 
 def _counted(monkeypatch, name):
-    """Wrap launcher ``name`` of the module; returns the list its calls are appended to."""
-    calls, real = [], getattr(G, name)
+    """Wrap launcher ``name`` of `calls`; returns the list its calls are appended to."""
+    grids, real = [], getattr(calls, name)
 
     def spy(grid, args, kwargs):
-        calls.append(grid)
+        grids.append(grid)
         return real(grid, args, kwargs)
-    monkeypatch.setattr(G, name, spy)
-    return calls
+    monkeypatch.setattr(calls, name, spy)
+    return grids
 
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=str)
 @pytest.mark.parametrize("kn", [False, True], ids=["linear", "conv1d"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("slack", [True, False], ids=["slack-stats", "stats-launch"])
-def test_persistent_form_is_exact_and_verifies_like_float64(dtype, kn, with_bias, slack, monkeypatch):
+def test_persistent_form_is_exact_and_verifies_like_float64(dtype, kn, with_bias, slack, monkeypatch, setopt):
     """The persistent form (the pass over x in the GEMM's idle programs or a launch before it, a persistent
-    TMA GEMM adding row sums, the verify launch; forced with ``FTT_ABFT_GEMM_PERSISTENT=1``: on a GPU only
+    TMA GEMM adding row sums, the verify launch; forced with ``Options.gemm_persistent``: on a GPU only
     wide calls take it): y within the GEMM bound of float64, no events on clean inputs, and the verification
     quantities are float64's: C1 = x·w1 + b1, and D1 far below the threshold (x's statistics are right)."""
-    monkeypatch.setenv("FTT_ABFT_GEMM_PERSISTENT", "1")
-    monkeypatch.setenv("FTT_ABFT_GEMM_SLACK_STATS", "1" if slack else "0")
+    setopt(gemm_persistent=True)
+    setopt(gemm_slack_stats=slack)
     if not G.interpreting():
-        monkeypatch.setenv("FTT_ABFT_GEMM_CONFIG", ",".join(map(str, G.PERSISTENT_CONFIG_INTERPRET)))
+        setopt(gemm_config=configs.PERSISTENT_CONFIG_INTERPRET)
     stats, gemm = _counted(monkeypatch, "_STATS_LAUNCH"), _counted(monkeypatch, "_PERSISTENT_LAUNCH")
     m, n, k = 72, 80, 96  # row blocks, column tiles and K blocks of 32 that do not all divide evenly
     x = _rand((m, k), dtype, 81)
@@ -694,7 +723,7 @@ def test_persistent_form_is_exact_and_verifies_like_float64(dtype, kn, with_bias
 
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=str)
-def test_persistent_form_statistics_equal_the_tile_forms(dtype, monkeypatch):
+def test_persistent_form_statistics_equal_the_tile_forms(dtype, monkeypatch, setopt):
     """x's checksums and row statistics, whichever code takes them (the persistent GEMM's idle programs, the
     pass launched before it, the tile kernel's K-loop share), give the same C1 and threshold per row: rows of
     different scales, a row with one outlier (its max), a negative row (its min), M, N and K not multiples of
@@ -706,13 +735,10 @@ def test_persistent_form_statistics_equal_the_tile_forms(dtype, monkeypatch):
     w = _rand((n, k), dtype, 62, k**-0.5)
     b = _rand((n,), dtype, 63)
     out, launched = {}, {}
-    for form, env in (("slack", {"FTT_ABFT_GEMM_PERSISTENT": "1", "FTT_ABFT_GEMM_SLACK_STATS": "1"}),
-                      ("pass", {"FTT_ABFT_GEMM_PERSISTENT": "1", "FTT_ABFT_GEMM_SLACK_STATS": "0"}),
-                      ("tiles", {"FTT_ABFT_GEMM_PERSISTENT": "0"})):
-        with monkeypatch.context() as mp:
-            for key, val in env.items():
-                mp.setenv(key, val)
-            mp.setenv("FTT_ABFT_GEMM_CONFIG", ",".join(map(str, G.PERSISTENT_CONFIG_INTERPRET)))
+    for form, opts in (("slack", dict(gemm_persistent=True, gemm_slack_stats=True)),
+                       ("pass", dict(gemm_persistent=True, gemm_slack_stats=False)),
+                       ("tiles", dict(gemm_persistent=False))):
+        with monkeypatch.context() as mp, override(gemm_config=configs.PERSISTENT_CONFIG_INTERPRET, **opts):
             stats = _counted(mp, "_STATS_LAUNCH")
             out[form] = G.gemm_residuals(x, w, b)
             launched[form] = bool(stats)
@@ -722,8 +748,8 @@ def test_persistent_form_statistics_equal_the_tile_forms(dtype, monkeypatch):
         assert dict(FaultStats(res["counters"])) == ZERO, form
         assert torch.allclose(res["c1"].double().cpu(), c1, rtol=1e-5, atol=1e-3), form
         assert torch.allclose(res["thr"], out["tiles"]["thr"], rtol=1e-4, atol=0), form
-    monkeypatch.setenv("FTT_ABFT_GEMM_PERSISTENT", "1")
-    monkeypatch.setenv("FTT_ABFT_GEMM_CONFIG", ",".join(map(str, G.PERSISTENT_CONFIG_INTERPRET)))
+    setopt(gemm_persistent=True)
+    setopt(gemm_config=configs.PERSISTENT_CONFIG_INTERPRET)
     for bad in (float("nan"), float("inf")):  # a non-finite x, seen by the idle programs' pass: counted once
         x_bad = x.clone()
         x_bad[70, 100] = bad  # the last row block, the ragged K block
@@ -731,7 +757,7 @@ def test_persistent_form_statistics_equal_the_tile_forms(dtype, monkeypatch):
         assert st == dict(ZERO, nonfinite_input=1), bad
 
 
-def test_persistent_form_counts_and_repairs_like_the_two_launch_form(monkeypatch):
+def test_persistent_form_counts_and_repairs_like_the_two_launch_form(monkeypatch, setopt):
     """Checksums of another weight (row 5 of W changed): every row's D1 is x·Δ, which locates column 5
     and whose repair cannot explain it, so the first 16 rows are recomputed and the rest counted
     uncorrectable: the persistent form and the two-launch tile form (same verify launch) give the same
@@ -744,25 +770,23 @@ def test_persistent_form_counts_and_repairs_like_the_two_launch_form(monkeypatch
     w_bad[5] += 1.0
     wc_bad = WeightChecksums.compute(w_bad, b)
     out = {}
-    for form, env in (("persistent", {"FTT_ABFT_GEMM_PERSISTENT": "1"}),
-                      ("two", {"FTT_ABFT_GEMM_PERSISTENT": "0", "FTT_ABFT_GEMM_ONE_LAUNCH": "0"})):
-        with monkeypatch.context() as mp:
-            for key, val in env.items():
-                mp.setenv(key, val)
+    for form, opts in (("persistent", dict(gemm_persistent=True)),
+                       ("two", dict(gemm_persistent=False, gemm_one_launch=False))):
+        with override(**opts):
             cnt = new_counters(DEV)
             with torch.no_grad():
-                y = G.checked_gemm(x, w, b, wc=wc_bad, counters=cnt)
+                y = checked_gemm(x, w, b, wc=wc_bad, counters=cnt)
             out[form] = (y, dict(FaultStats(cnt)))
     assert out["persistent"][1] == out["two"][1] == dict(ZERO, detected=m, recomputed=16, uncorrectable=m - 16)
     assert torch.equal(out["persistent"][0], out["two"][0])
-    monkeypatch.setenv("FTT_ABFT_GEMM_PERSISTENT", "1")
-    # a repeated signature replays the recorded launches (`_PreparedCall`) with the new call's tensors
+    setopt(gemm_persistent=True)
+    # a repeated signature replays the recorded launches (`PreparedCall`) with the new call's tensors
     gemm = _counted(monkeypatch, "_PERSISTENT_LAUNCH")
     recorded = []
     cnt = new_counters(DEV)  # (a layer's counters: part of the call's signature)
     for i in range(2):
         with torch.no_grad():
-            y = G.checked_gemm(x, w, b, wc=wc_bad, counters=cnt)
+            y = checked_gemm(x, w, b, wc=wc_bad, counters=cnt)
         assert torch.equal(y, out["two"][0])
         assert dict(FaultStats(cnt)) == {key: (i + 1) * v for key, v in out["two"][1].items()}
         recorded.append(dict(wc_bad.launches))
@@ -773,25 +797,25 @@ def test_persistent_form_counts_and_repairs_like_the_two_launch_form(monkeypatch
     assert st == dict(ZERO, nonfinite_input=1)
 
 
-def test_persistent_form_is_only_taken_where_it_pays(monkeypatch):
+def test_persistent_form_is_only_taken_where_it_pays(monkeypatch, setopt):
     """``auto`` never takes it in the interpreter, nor for fp32, narrow N or unaligned rows; ``0`` never."""
     x = torch.zeros((64, 64), dtype=torch.float16, device=DEV)
     w = torch.zeros((64, 64), dtype=torch.float16, device=DEV)
     y = torch.zeros((64, 64), dtype=torch.float16, device=DEV)
-    monkeypatch.setenv("FTT_ABFT_GEMM_PERSISTENT", "1")
-    assert G._persistent_ok(64, 64, 64, x, w, y)
-    assert not G._persistent_ok(64, 64, 64, x.float(), w.float(), y.float())
+    setopt(gemm_persistent=True)
+    assert forms.persistent_ok(64, 64, 64, x, w, y)
+    assert not forms.persistent_ok(64, 64, 64, x.float(), w.float(), y.float())
     x60 = torch.zeros((64, 60), dtype=torch.float16, device=DEV)  # rows of 120 bytes: no TMA
-    assert not G._persistent_ok(64, 64, 60, x60, w[:, :60], y)
-    monkeypatch.setenv("FTT_ABFT_GEMM_PERSISTENT", "0")
-    assert not G._persistent_ok(64, 64, 64, x, w, y)
-    monkeypatch.delenv("FTT_ABFT_GEMM_PERSISTENT")
+    assert not forms.persistent_ok(64, 64, 60, x60, w[:, :60], y)
+    setopt(gemm_persistent=False)
+    assert not forms.persistent_ok(64, 64, 64, x, w, y)
+    setopt(gemm_persistent=None)
     if G.interpreting():
-        assert not G._persistent_ok(64, 64, 64, x, w, y)
+        assert not forms.persistent_ok(64, 64, 64, x, w, y)
     else:
-        assert not G._persistent_ok(4096, 896, 4864, x, w, y)  # narrow N
-        assert not G._persistent_ok(2048, 2048, 2048, x, w, y)  # too few multiply-adds
-        assert not G._persistent_ok(4096, 4864, 896, x, w, y)  # eager and host-bound
+        assert not forms.persistent_ok(4096, 896, 4864, x, w, y)  # narrow N
+        assert not forms.persistent_ok(2048, 2048, 2048, x, w, y)  # too few multiply-adds
+        assert not forms.persistent_ok(4096, 4864, 896, x, w, y)  # eager and host-bound
 
 
 # --------------------------------------------------------------------------- inputs
@@ -813,15 +837,15 @@ def test_nonfinite_inputs_count_once_and_skip_checks(where):
 
 
 @pytest.mark.parametrize("m", [5, 40], ids=["one-block", "three-blocks"])
-def test_one_launch_resets_its_flag_for_a_frozen_call_id(m, monkeypatch):
+def test_one_launch_resets_its_flag_for_a_frozen_call_id(m, monkeypatch, setopt):
     """Captured into a CUDA graph, every replay of a call has the same call id (1) and a one-launch
     call gets no memset of its non-finite flag (`call_flag`'s self_reset): the launch's last program
     must set the cell back to 0, else a NaN in one replay would switch the checks off in every later
     one. Stand-in for the replays: `call_flag` returning the same cell and id 1 for every call, with
     a flip injected after a call whose x held a NaN; both calls counted like the reference."""
-    monkeypatch.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", "1")
-    monkeypatch.setenv("FTT_ABFT_GEMM_GROUPS", "0")  # (the decode kernel has no flag)
-    monkeypatch.setattr(G, "_VERIFY_LAUNCH", _no_second_launch)
+    setopt(gemm_one_launch=True)
+    setopt(gemm_groups=False)  # (the decode kernel has no flag)
+    monkeypatch.setattr(calls, "_VERIFY_LAUNCH", _no_second_launch)
     cell = torch.zeros(1, dtype=torch.int32, device=DEV)
     asked = []
 
@@ -829,7 +853,8 @@ def test_one_launch_resets_its_flag_for_a_frozen_call_id(m, monkeypatch):
         asked.append(self_reset)
         return cell, 1
 
-    monkeypatch.setattr(G, "call_flag", frozen)
+    monkeypatch.setattr(api, "call_flag", frozen)
+    monkeypatch.setattr(prepared, "call_flag", frozen)
     k, n = 32, 24
     x = _rand((m, k), torch.float32, 71)
     w = _rand((n, k), torch.float32, 72, k**-0.5)
@@ -851,25 +876,25 @@ def test_one_launch_resets_its_flag_for_a_frozen_call_id(m, monkeypatch):
 
 @pytest.mark.parametrize("m,form", [(5, "decode"), (5, "decode-nosplit"), (5, "one"), (40, "two")],
                          ids=["decode-kernel", "decode-kernel-nosplit", "one-launch", "two-launches"])
-def test_prepared_calls_match_first_calls(m, form, monkeypatch):
-    """A repeated call signature takes the prepared launches (`_PreparedCall`): new x, y, stats buffer
+def test_prepared_calls_match_first_calls(m, form, monkeypatch, setopt):
+    """A repeated call signature takes the prepared launches (`PreparedCall`): new x, y, stats buffer
     (none for the decode kernel without split-K) and call id each time. Results equal float64 and a
     fresh first call's; a NaN in a later call's x is counted once, as on the first call; another
     weight version, alignment or setting prepares anew."""
-    monkeypatch.setenv("FTT_ABFT_GEMM_TMA", "0")  # TMA calls are not prepared (descriptors hold pointers)
-    monkeypatch.setenv("FTT_ABFT_GEMM_ONE_LAUNCH", "0" if form == "two" else "1")
-    monkeypatch.setenv("FTT_ABFT_GEMM_GROUPS", "0" if form == "one" else "1")
-    monkeypatch.setattr(G, "GROUPED_MAX_ROWS", G.CSUM_ROWS)  # the decode kernel at M = 5 too
+    setopt(gemm_tma=False)  # TMA calls are not prepared (descriptors hold pointers)
+    setopt(gemm_one_launch=form != "two")
+    setopt(gemm_groups=form != "one")
+    monkeypatch.setattr(forms, "GROUPED_MAX_ROWS", forms.CSUM_ROWS)  # the decode kernel at M = 5 too
     if form == "decode-nosplit":
-        monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT", "1")
+        setopt(gemm_split=1)
     k = 96  # three K blocks of the interpreter config
     lin = torch.nn.Linear(k, 24).to(DEV, torch.float16)
     cnt = new_counters(DEV)
 
-    def call(x):
+    def call(x):  # the checked linear's Triton backend (its checksum cache on the module)
         with torch.no_grad():
-            y = G.checked_linear_triton_forward(x, lin.weight, lin.bias, weight_is_kn=False, emax=None, csigma=2.5,
-                                                detect=True, correct=True, plan=None, counters=cnt, cache_owner=lin)
+            y = _cl._triton(G.linear_forward, x, lin.weight, lin.bias, k, 24, False, None, 2.5, True, True, None, cnt,
+                            lin, None)
         return y
 
     xs = [_rand((m, k), torch.float16, 80 + i) for i in range(3)]
@@ -900,8 +925,8 @@ def test_prepared_calls_match_first_calls(m, form, monkeypatch):
     assert ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item() < _gemm_rel_tol(torch.float16, k)
 
 
-def test_module_fast_path_like_full_path(monkeypatch):
-    """A protected model's Linear/Conv1D calls take the module's fast path (`_ModuleFastPath`) from the
+def test_module_fast_path_like_full_path(monkeypatch, setopt):
+    """A protected model's Linear/Conv1D calls take the module's fast path (`FastPath`) from the
     second call of a signature on: same outputs as the first (full-path) call and as the unprotected
     model; a call with active faults, an in-place weight update, or a grad-mode change take the full
     path again; copies and disabled models carry no fast path."""
@@ -909,17 +934,17 @@ def test_module_fast_path_like_full_path(monkeypatch):
 
     from tiny_models import make_model  # noqa: PLC0415
 
-    monkeypatch.setenv("FTT_ABFT_GEMM_TMA", "0")
-    monkeypatch.setattr(_cl, "_resolve_backend", lambda backend, device: G.checked_linear_triton_forward)
+    setopt(gemm_tma=False)
+    monkeypatch.setattr(_cl, "_resolve_backend", lambda backend, device: G.linear_forward)
     hits = []
-    real_call = G._ModuleFastPath.__call__
+    real_call = prepared.FastPath.__call__
 
     def counting_call(self, *args):
         y = real_call(self, *args)
         hits.append(y is not None)
         return y
 
-    monkeypatch.setattr(G._ModuleFastPath, "__call__", counting_call)
+    monkeypatch.setattr(prepared.FastPath, "__call__", counting_call)
     model = make_model("gpt2").to(DEV)
     ids = torch.randint(3, 500, (1, 8), device=DEV)
     with torch.no_grad():
@@ -966,19 +991,19 @@ def test_bad_inputs_raise_clear_errors():
     w = _rand((5, 8), torch.float32, 1)
     cnt = new_counters(DEV)
     with pytest.raises(G.AbftGemmUnsupported, match="float16, bfloat16"):
-        G.checked_gemm(x.double(), w.double(), None, counters=cnt)
+        checked_gemm(x.double(), w.double(), None, counters=cnt)
     with pytest.raises(TypeError, match="share one dtype"):
-        G.checked_gemm(x.half(), w, None, counters=cnt)
+        checked_gemm(x.half(), w, None, counters=cnt)
     with pytest.raises(ValueError, match="in_features"):
-        G.checked_gemm(x[:, :7], w, None, counters=cnt)
+        checked_gemm(x[:, :7], w, None, counters=cnt)
     with pytest.raises(ValueError, match="bias must have shape"):
-        G.checked_gemm(x, w, torch.zeros(4, device=DEV), counters=cnt)
+        checked_gemm(x, w, torch.zeros(4, device=DEV), counters=cnt)
     with pytest.raises(ValueError, match="counters"):
-        G.checked_gemm(x, w, None, counters=torch.zeros(3, dtype=torch.int32, device=DEV))
+        checked_gemm(x, w, None, counters=torch.zeros(3, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="mode"):
-        G.checked_gemm(x, w, None, counters=cnt, mode="fused")
+        checked_gemm(x, w, None, counters=cnt, mode="fused")
     with pytest.raises(ValueError, match="2-D"):
-        G.checked_gemm(x[None], w, None, counters=cnt)
+        checked_gemm(x[None], w, None, counters=cnt)
     # the public entry point validates before dispatching to the kernel
     with pytest.raises(ValueError, match="in_features"):
         ftt.checked_linear(torch.randn(3, 7, device=DEV), w, backend="triton")
@@ -999,94 +1024,90 @@ def test_autocast_and_cached_weight_checksums():
     x = _rand((5, 48), torch.float32, 3)
     cnt = new_counters(DEV)
     with torch.no_grad():
-        y = G.checked_linear_triton_forward(x, lin.weight, lin.bias, weight_is_kn=False, emax=None, csigma=2.5,
-                                            detect=True, correct=True, plan=None, counters=cnt, cache_owner=lin)
+        y = _cl._triton(G.linear_forward, x, lin.weight, lin.bias, 48, 24, False, None, 2.5, True, True, None, cnt,
+                        lin, None)
         wc = lin._ftt_vabft_checksums[None][-1]
         assert isinstance(wc, WeightChecksums)
         torch.testing.assert_close(y, lin(x), rtol=1e-5, atol=1e-5)
         lin.weight.mul_(2.0)  # in-place update: the cache must refresh
-        y2 = G.checked_linear_triton_forward(x, lin.weight, lin.bias, weight_is_kn=False, emax=None, csigma=2.5,
-                                             detect=True, correct=True, plan=None, counters=cnt, cache_owner=lin)
+        y2 = _cl._triton(G.linear_forward, x, lin.weight, lin.bias, 48, 24, False, None, 2.5, True, True, None, cnt,
+                         lin, None)
         torch.testing.assert_close(y2, lin(x), rtol=1e-5, atol=1e-5)
     assert int(cnt.sum()) == 0
 
 
 # --------------------------------------------------------------------------- GPU, real shapes
 
-def test_tuner_times_nothing_while_capturing(monkeypatch):
+def test_tuner_times_nothing_while_capturing(monkeypatch, setopt):
     """A call captured into a CUDA graph before any eager call of its shape cannot time candidates
     (timing synchronises): it takes the first candidate and leaves the cache empty, so that the next
     eager call still tunes."""
-    monkeypatch.setattr(G, "_INTERP", False)
-    monkeypatch.delenv("FTT_ABFT_GEMM_CONFIG", raising=False)
-    monkeypatch.delenv("FTT_ABFT_GEMM_TUNE", raising=False)
+    monkeypatch.setattr(forms, "INTERP", False)
+    setopt(gemm_config=None, gemm_tune=True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
 
     def no_timing(*args, **kwargs):
         raise AssertionError("a candidate was timed during a capture")
 
-    monkeypatch.setattr(G, "gpu_time", no_timing)
+    monkeypatch.setattr(tuning, "gpu_time", no_timing)
     x, w = torch.randn(200, 96), torch.randn(80, 96)
-    launch = G._Launch(x=x, w=w, b=None, y=torch.empty(200, 80), swn=w.stride(0), swk=w.stride(1))
-    before = dict(G._TUNE_CACHE)
+    launch = calls._Launch(x=x, w=w, b=None, y=torch.empty(200, 80), swn=w.stride(0), swk=w.stride(1))
+    before = dict(tuning._TUNE_CACHE)
     for dtype in (torch.float32, torch.float16):
         launch.x, launch.w, launch.y = x.to(dtype), w.to(dtype), launch.y.to(dtype)
-        cfg = G._pick_config(launch, bias=None, detect=True, verify_output=False, dot_f32=dtype == torch.float32)
-        assert len(G._candidates(dtype, 200, 80)) > 1 and cfg == G._candidates(dtype, 200, 80)[0]
-    assert G._TUNE_CACHE == before
+        cfg = tuning.pick_config(launch, bias=None, detect=True, verify_output=False, dot_f32=dtype == torch.float32)
+        assert len(tuning._candidates(dtype, 200, 80)) > 1 and cfg == tuning._candidates(dtype, 200, 80)[0]
+    assert tuning._TUNE_CACHE == before
 
 
 def test_narrow_outputs_also_time_narrow_tiles():
     """Many rows and few output columns (a k_proj/v_proj prefill): the tuner also times tiles narrow enough
     to give such a call more programs; wide outputs keep the large-tile list."""
-    narrow = G._candidates(torch.float16, 4096, 128)
-    wide = G._candidates(torch.float16, 4096, 4864)
-    assert wide == G.CONFIGS_LARGE
-    assert set(G.CONFIGS_LARGE) < set(narrow)
+    narrow = tuning._candidates(torch.float16, 4096, 128)
+    wide = tuning._candidates(torch.float16, 4096, 4864)
+    assert wide == configs.CONFIGS_LARGE
+    assert set(configs.CONFIGS_LARGE) < set(narrow)
     assert min(c[0] * c[1] for c in narrow) * 4 <= min(c[0] * c[1] for c in wide)
 
 
-def test_split_k_plans_cover_k_without_empty_splits(monkeypatch):
-    """`_split_k`: every split gets at least one K block and together they cover K exactly, forced or
+def test_split_k_plans_cover_k_without_empty_splits(monkeypatch, setopt):
+    """`forms.split_k`: every split gets at least one K block and together they cover K exactly, forced or
     not; a forced split never goes past SPLIT_MAX_TILES tiles (their counts live in the one-launch
     cells); a bad forced value is refused."""
     dev = torch.device(DEV)
-    for forced in (None, "1", "3", "64"):
-        if forced is None:
-            monkeypatch.delenv("FTT_ABFT_GEMM_SPLIT", raising=False)
-        else:
-            monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT", forced)
+    for forced in (None, 1, 3, 64):
+        setopt(gemm_split=forced)
         for n in (16, 40, 896, 4864):
             for k in (32, 100, 896, 4864):
-                n_split, per = G._split_k(n, k, 32, 64, dev)
+                n_split, per = forms.split_k(n, k, 32, 64, dev)
                 nkb = -(-k // 64)
                 assert n_split >= 1 and per >= 1 and (n_split - 1) * per < nkb <= n_split * per, (n, k, n_split, per)
-                if forced == "1":
+                if forced == 1:
                     assert n_split == 1
-        wide = 32 * (G.SPLIT_MAX_TILES + 1)
-        assert G._split_k(wide, 4096, 32, 64, dev)[0] == 1
-    monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT", "0")
+        wide = 32 * (forms.SPLIT_MAX_TILES + 1)
+        assert forms.split_k(wide, 4096, 32, 64, dev)[0] == 1
+    with pytest.raises(ValueError, match="gemm_split"), override(gemm_split=0):
+        pass
     with pytest.raises(ValueError, match="FTT_ABFT_GEMM_SPLIT"):
-        G._split_k(896, 896, 32, 64, dev)
+        Options.from_env({"FTT_ABFT_GEMM_SPLIT": "0"})
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="stand-in timings and the interpreter's 4 SMs (split-K counts)")
-def test_tuner_times_decode_calls_in_the_form_they_run(monkeypatch):
+def test_tuner_times_decode_calls_in_the_form_they_run(monkeypatch, setopt):
     """The tuner times a decode call's candidates as the call runs them: one launch with checksum
     programs, each config with split-K (where it applies) and without (verifying into scratch
     counters against an infinite threshold); the plain GEMM's candidates without checks. Each timed
     launch here runs once under the interpreter: the one-launch cells must be back to 0 after it,
     and the pick is the fastest candidate, a 6-tuple ending in False when it is the unsplit form."""
-    monkeypatch.setattr(G, "_INTERP", False)
-    for var in ("FTT_ABFT_GEMM_CONFIG", "FTT_ABFT_GEMM_TUNE", "FTT_ABFT_GEMM_SPLIT"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(forms, "INTERP", False)
+    setopt(gemm_config=None, gemm_tune=True, gemm_split=None)
     monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(G, "CONFIGS_SMALL", [(16, 32, 64, 4, 1), (16, 16, 128, 4, 1)])  # small for the interpreter
-    monkeypatch.setattr(G, "TUNE_STREAM_COPIES", 2)  # (8 on a GPU)
+    monkeypatch.setattr(tuning, "CONFIGS_SMALL", [(16, 32, 64, 4, 1), (16, 16, 128, 4, 1)])  # small for the interpreter
+    monkeypatch.setattr(tuning, "TUNE_STREAM_COPIES", 2)  # (8 on a GPU)
     seen, weights = [], []
-    real = G._GEMM_LAUNCH
-    at = {a: G._gemm_kernel.arg_names.index(a) for a in ("n_split", "Cnt", "W")}
+    real = calls._GEMM_LAUNCH
+    at = {a: tile._gemm_kernel.arg_names.index(a) for a in ("n_split", "Cnt", "W")}
 
     def spy(grid, args, kwargs):
         weights.append(args[at["W"]])
@@ -1103,23 +1124,23 @@ def test_tuner_times_decode_calls_in_the_form_they_run(monkeypatch):
         run()
         return times[seen[-1][0], seen[-1][3]]
 
-    monkeypatch.setattr(G, "_GEMM_LAUNCH", spy)
-    monkeypatch.setattr(G, "gpu_time", one_run)
-    monkeypatch.setattr(G, "_TUNE_CACHE", {})
+    monkeypatch.setattr(calls, "_GEMM_LAUNCH", spy)
+    monkeypatch.setattr(tuning, "gpu_time", one_run)
+    monkeypatch.setattr(tuning, "_TUNE_CACHE", {})
     x = _rand((2, 640), torch.float16, 5)
     w = _rand((48, 640), torch.float16, 6, 640**-0.5)
-    launch = G._Launch(x=x, w=w, b=None, y=torch.empty(2, 48, dtype=x.dtype), swn=w.stride(0), swk=w.stride(1))
+    launch = calls._Launch(x=x, w=w, b=None, y=torch.empty(2, 48, dtype=x.dtype), swn=w.stride(0), swk=w.stride(1))
     for detect in (True, False):
         seen.clear()
-        cfg = G._pick_config(launch, bias=None, detect=detect, verify_output=False, dot_f32=True)
+        cfg = tuning.pick_config(launch, bias=None, detect=detect, verify_output=False, dot_f32=True)
         assert cfg == (16, 32, 64, 4, 1, False)
-        assert G._split_plan(2, 48, 640, cfg, 1, detect, x.device) == (1, 1)
+        assert forms.split_plan(2, 48, 640, cfg, 1, detect, x.device) == (1, 1)
         # 48 / 32 = 2 tiles: 4 SMs / 2 = 2 splits of 5 K blocks of 64, or none; 3 tiles of 16: no split
         assert [e[:5] for e in seen] == [(32, detect, detect, True, 2), (32, detect, detect, False, 1),
                                          (16, detect, detect, False, 1)], seen
         if detect:
             assert all(int(e[5].abs().sum()) == 0 for e in seen)  # clean: nothing counted
-        assert int(G._cells(x.device)[0].abs().sum().item()) == 0
+        assert int(calls._cells(x.device)[0].abs().sum().item()) == 0
         # timed over the weight and a copy of it (a decode call streams its weight from memory)
         assert len(weights) == 2 * len(seen) and all(weights[i] is w for i in range(0, len(weights), 2))
         copy = weights[1]
@@ -1140,8 +1161,8 @@ def test_gpu_graph_replays_count_nonfinite_per_replay():
     cnt = new_counters("cuda")
 
     def call():
-        return G.checked_linear_triton_forward(x, lin.weight, lin.bias, weight_is_kn=False, emax=None, csigma=2.5,
-                                               detect=True, correct=True, plan=None, counters=cnt, cache_owner=lin)
+        return _cl._triton(G.linear_forward, x, lin.weight, lin.bias, k, n, False, None, 2.5, True, True, None, cnt,
+                           lin, None)
 
     with torch.no_grad():
         graph, y = captured(call, warmups=3)  # the warm-up tunes and prepares the call
@@ -1214,27 +1235,27 @@ def test_gpu_real_shapes_clean_and_flips(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_direct_launch_respecialises(monkeypatch):
+def test_gpu_direct_launch_respecialises(monkeypatch, setopt):
     """Repeated calls go through `DirectLauncher` (no Triton binding), and a call whose pointers or
     ints specialise differently (a 2-byte-offset view, an odd row count, M = 1) gets its own kernel:
-    every result equals float64 and the same call launched through Triton (``FTT_DIRECT_LAUNCH=0``)."""
+    every result equals float64 and the same call launched through Triton (``Options.direct_launch`` off)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     w = (torch.randn(768, 512, device="cuda", generator=g) / 23).half()
     b = torch.randn(768, device="cuda", generator=g).half()
     base = torch.randn(64 * 512 + 1, device="cuda", generator=g).half()
     cases = [base[: 64 * 512].view(64, 512), base[1:].view(64, 512), base[: 37 * 512].view(37, 512),
              base[: 512].view(1, 512), base[: 64 * 512].view(64, 512)]
-    before = G._GEMM_LAUNCH.direct_launches
+    before = calls._GEMM_LAUNCH.direct_launches
     for x in cases * 2:
         y, st = _run(x, w, b)
         ref = _ref64(x, w, b)
         err = ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
         assert err < _gemm_rel_tol(torch.float16, 512) and st == ZERO, (x.shape, x.data_ptr() % 16, err, st)
-        monkeypatch.setenv("FTT_DIRECT_LAUNCH", "0")
+        setopt(direct_launch=False)
         y_jit, st_jit = _run(x, w, b)
-        monkeypatch.delenv("FTT_DIRECT_LAUNCH")
+        setopt(direct_launch=True)
         assert torch.equal(y, y_jit) and st_jit == ZERO
-    assert G._GEMM_LAUNCH.direct_launches - before >= len(cases)
+    assert calls._GEMM_LAUNCH.direct_launches - before >= len(cases)
 
 
 def test_bench_gemm_parts_columns(monkeypatch):
@@ -1250,22 +1271,22 @@ def test_bench_gemm_parts_columns(monkeypatch):
     monkeypatch.setattr(sys, "path", [str(path.parent), *sys.path])
     spec.loader.exec_module(parts)
     verifies = []
-    real = G._VERIFY_LAUNCH
+    real = calls._VERIFY_LAUNCH
 
     def spy(grid, args, kwargs):
         verifies.append(grid)
         return real(grid, args, kwargs)
 
-    monkeypatch.setattr(G, "_VERIFY_LAUNCH", spy)
+    monkeypatch.setattr(calls, "_VERIFY_LAUNCH", spy)
     splits = []
-    real_gemm = G._GEMM_LAUNCH
+    real_gemm = calls._GEMM_LAUNCH
 
     def gemm_spy(grid, args, kwargs):
         splits.append(kwargs["SPLIT"])
         return real_gemm(grid, args, kwargs)
 
-    monkeypatch.setattr(G, "_GEMM_LAUNCH", gemm_spy)
-    real_decode = G._GROUPED_LAUNCH
+    monkeypatch.setattr(calls, "_GEMM_LAUNCH", gemm_spy)
+    real_decode = calls._GROUPED_LAUNCH
     decode_launches = []
 
     def decode_spy(grid, args, kwargs):
@@ -1273,7 +1294,7 @@ def test_bench_gemm_parts_columns(monkeypatch):
         decode_launches.append(grid)
         return real_decode(grid, args, kwargs)
 
-    monkeypatch.setattr(G, "_GROUPED_LAUNCH", decode_spy)
+    monkeypatch.setattr(calls, "_GROUPED_LAUNCH", decode_spy)
     timed = []
 
     def timer(fn):

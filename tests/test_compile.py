@@ -214,10 +214,10 @@ def test_compiled_guards_grow_with_depth_about_as_unprotected():
     # host time is part of each token's. What a protected layer's traced forward reads must not add
     # guards per layer beyond a few: its settings are one constant behind the context's key, its model's
     # state a global (`ft_transformers._states`). Reached through every module's context instead, they
-    # cost ~260 more guard lines and ~27 Python identity guards per block than unprotected (now ~50 and
-    # ~1; session 29: 12,192 guard lines and 662 identity guards for a protected 24-block Qwen2 against
-    # 5,796 and 35 unprotected; Dynamo's cache lookups took 1.24 against 0.30 ms per step on an H200
-    # host, two lookups against one).
+    # would cost ~260 more guard lines and ~27 Python identity guards per block than unprotected (against
+    # ~50 and ~1 this way; a protected 24-block Qwen2 had 12,192 guard lines and 662 identity guards
+    # against 5,796 and 35 unprotected, and Dynamo's cache lookups took 1.24 against 0.30 ms per step on
+    # an H200 host, two lookups against one).
     lines = {(p, n): _guards(p, n) for p in (False, True) for n in (2, 4)}
     plain_lines = lines[(False, 4)][0] - lines[(False, 2)][0]
     prot_lines = lines[(True, 4)][0] - lines[(True, 2)][0]

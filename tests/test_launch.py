@@ -11,11 +11,10 @@ own launch.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from ft_transformers.kernels import launch as L
+from ft_transformers.kernels.options import override
 
 
 class _Compiled:
@@ -54,9 +53,9 @@ class _FakeJit:
 def fake(monkeypatch):
     monkeypatch.setattr(L, "_cuda_device", lambda: 0)
     monkeypatch.setattr(L, "_cuda_stream", lambda dev: 1234)
-    monkeypatch.delenv("FTT_DIRECT_LAUNCH", raising=False)
     fn = _FakeJit()
-    return fn, L.DirectLauncher(fn)
+    with override(direct_launch=True):
+        yield fn, L.DirectLauncher(fn)
 
 
 def _buf(n=64, dtype=torch.float16, offset=0):
@@ -125,11 +124,10 @@ def test_unkeyable_arguments_and_switch_go_through_triton(fake, monkeypatch):
     launch((1,), (_buf(), _buf(), 16, 1.0), dict(FLAG=False))  # a constexpr left to its default
     launch((1,), (_buf(), _buf(), 16, 1.0), dict(FLAG=False))
     assert len(fn.calls) == 4 and launch.direct_launches == 0
-    monkeypatch.setenv("FTT_DIRECT_LAUNCH", "0")
-    for _ in range(2):
-        launch((1,), (_buf(), _buf(), 16, 1.0), kw)
+    with override(direct_launch=False):
+        for _ in range(2):
+            launch((1,), (_buf(), _buf(), 16, 1.0), kw)
     assert len(fn.calls) == 6 and launch.direct_launches == 0
-    monkeypatch.delenv("FTT_DIRECT_LAUNCH")
     launch(lambda meta: (1,), (_buf(), _buf(), 16, 1.0), kw)  # a callable grid
     assert len(fn.calls) == 7
 
@@ -176,8 +174,8 @@ def test_bind_launches_the_compiled_kernel_without_a_key(fake, monkeypatch):
     assert fn.compiled[0].runs == [(2, 1, 1, 1234, "fn0", ("meta", 0), None, None, None, *other, True, 32)]
     assert launch.direct_launches == 1 and len(fn.calls) == 1
     assert launch.bind((2,), (_buf(offset=1), _buf(), 48, 0.5), kw) is None  # another specialisation
-    monkeypatch.setenv("FTT_DIRECT_LAUNCH", "0")
-    assert launch.bind((2,), args, kw) is None
+    with override(direct_launch=False):
+        assert launch.bind((2,), args, kw) is None
 
 
 def test_a_launcher_that_refuses_our_arguments_falls_back_to_triton(fake):
@@ -200,21 +198,3 @@ def test_a_launcher_that_refuses_our_arguments_falls_back_to_triton(fake):
     launch((1,), args, kw)
     assert len(fn.calls) == 4 and launch.direct_launches == 0
 
-
-def test_environment_reads_follow_os_environ(monkeypatch):
-    """`env_get` / `env_reader` read os.environ's own dict: a change made through os.environ (as
-    monkeypatch does) shows at the next read, and a reader's tuple differs exactly when a value does."""
-    from ft_transformers.kernels.tl_common import env_get, env_reader
-
-    monkeypatch.delenv("FTT_TEST_SETTING", raising=False)
-    reader = env_reader(("FTT_TEST_SETTING", "FTT_TEST_OTHER"))
-    unset = reader()
-    assert env_get("FTT_TEST_SETTING") is None and env_get("FTT_TEST_SETTING", "d") == "d"
-    monkeypatch.setenv("FTT_TEST_SETTING", "1")
-    assert env_get("FTT_TEST_SETTING") == "1" == os.environ.get("FTT_TEST_SETTING")
-    one = reader()
-    assert one != unset and reader() == one
-    monkeypatch.setenv("FTT_TEST_SETTING", "2")
-    assert env_get("FTT_TEST_SETTING", "d") == "2" and reader() not in (one, unset)
-    monkeypatch.delenv("FTT_TEST_SETTING")
-    assert env_get("FTT_TEST_SETTING") is None and reader() == unset

@@ -2,7 +2,7 @@
 
 Oracles: float64 ``torch.matmul`` of each weight for the values; the same weights' own checked calls
 (`checked_gemm`, the decode kernel) for bit equality and for the counts; a model protected with
-``FTT_SIBLINGS=0`` (one checked call per layer) for the generated tokens and the events.
+``Options.siblings`` off (one checked call per layer) for the generated tokens and the events.
 
 Without CUDA the kernel runs under the Triton interpreter (``TRITON_INTERPRET=1``), and the model
 tests switch the sibling path on for CPU (``siblings._ON_CPU``); ``gpu``-marked tests use the real
@@ -11,6 +11,8 @@ Qwen2-0.5B widths.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import os
 
@@ -24,11 +26,14 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from ft_transformers.kernels import abft_gemm as G  # noqa: E402
+from ft_transformers.kernels.abft_gemm import calls, forms  # noqa: E402
+from ft_transformers.kernels.gemm_checksums import GROUP_COLS  # noqa: E402
+from ft_transformers.kernels.options import override  # noqa: E402
 from tiny_models import VOCAB, make_model  # noqa: E402
 
 import ft_transformers as ftt  # noqa: E402
 from ft_transformers.counters import FaultStats, new_counters  # noqa: E402
-from ft_transformers.vabft import WeightChecksums  # noqa: E402
+from ft_transformers.vabft import WeightChecksums, gemm_emax  # noqa: E402
 
 S = importlib.import_module("ft_transformers.siblings")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,6 +43,17 @@ ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 ZERO = {"detected": 0, "corrected": 0, "recomputed": 0, "uncorrectable": 0, "nonfinite_input": 0}
 
 _interpreter_available, test_interpreted_in_subprocess = interpreted_tests(__file__, SUBPROCESS, timeout=900)
+
+# the kernel's entries with the library's e_max tables, as the library passes them
+checked_gemm = functools.partial(G.checked_gemm, emax_table=gemm_emax)
+checked_gemm_siblings = functools.partial(G.checked_gemm_siblings, emax_table=gemm_emax)
+
+
+@pytest.fixture
+def setopt():
+    """``setopt(**fields)``: `Options` fields changed (`override`) until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(override(**changes))
 
 
 def _operands(m, ns, k, dtype, bias, seed=0):
@@ -57,7 +73,7 @@ def _siblings(x, ws, bs, **kw):
     wcs = [WeightChecksums.compute(w, b) for w, b in zip(ws, bs)]
     cnt = [new_counters(x.device) for _ in ws]
     with torch.no_grad():
-        y = G.checked_gemm_siblings(x, ws, bs, wcs, cnt, **kw)
+        y = checked_gemm_siblings(x, ws, bs, wcs, cnt, **kw)
     return y, [dict(FaultStats(c)) for c in cnt], wcs
 
 
@@ -67,17 +83,17 @@ def _siblings(x, ws, bs, **kw):
     (3, (64, 72), 70, False, "1"),  # two weights, the last ragged (64 + 8 rows), K not a block multiple
     (16, (192, 64, 40), 160, True, "2"),  # 16 rows, split-K in 2, ragged last
 ], ids=["qkv", "ragged", "split-k"])
-def test_siblings_match_float64_and_their_own_calls(dtype, m, ns, k, bias, split, monkeypatch):
+def test_siblings_match_float64_and_their_own_calls(dtype, m, ns, k, bias, split, monkeypatch, setopt):
     """One launch for 2-3 weights: y matches float64, nothing is counted on clean inputs, and every
     weight's columns equal its own decode-kernel call bit for bit (same blocks and splits)."""
-    monkeypatch.setenv("FTT_ABFT_GEMM_SPLIT", split)
-    monkeypatch.setattr(G, "GROUPED_MAX_ROWS", 16)  # the single calls take the decode kernel too
+    setopt(gemm_split=int(split))
+    monkeypatch.setattr(forms, "GROUPED_MAX_ROWS", 16)  # the single calls take the decode kernel too
     x, ws, bs = _operands(m, ns, k, dtype, bias)
     assert G.siblings_supported(x, ws, bs)
     _siblings(x, ws, bs)  # on a GPU the first call of a shape also times the configs
     launches = []
-    real = G._GROUPED_LAUNCH
-    monkeypatch.setattr(G, "_GROUPED_LAUNCH", lambda *a: (launches.append(a), real(*a))[1])
+    real = calls._GROUPED_LAUNCH
+    monkeypatch.setattr(calls, "_GROUPED_LAUNCH", lambda *a: (launches.append(a), real(*a))[1])
     y, stats, _ = _siblings(x, ws, bs)  # (fresh checksums: no prepared launch)
     assert len(launches) == 1 and stats == [ZERO] * len(ns)
     assert y.shape == (m, sum(ns)) and y.dtype == dtype
@@ -89,7 +105,7 @@ def test_siblings_match_float64_and_their_own_calls(dtype, m, ns, k, bias, split
         for w, b in zip(ws, bs):
             cnt = new_counters(x.device)
             with torch.no_grad():
-                y1 = G.checked_gemm(x, w, b, counters=cnt)
+                y1 = checked_gemm(x, w, b, counters=cnt)
             assert torch.equal(y[:, col:col + w.shape[0]], y1)
             col += w.shape[0]
     # a second call takes the prepared launch: the same result
@@ -106,11 +122,11 @@ def test_siblings_count_each_weights_events_in_its_counters(correct):
     m, ns, k = 3, (128, 128, 64), 96
     x, ws, bs = _operands(m, ns, k, torch.float16, True, seed=1)
     wcs = [WeightChecksums.compute(w, b) for w, b in zip(ws, bs)]
-    w1g, consts = G._group_sums(wcs[1], ws[1], bs[1], False)
+    w1g, consts = calls._group_sums(wcs[1], ws[1], bs[1], False)
     consts[1, 0] += 100.0  # group 1 of weight 1: y's columns 192-255
     cnt = [new_counters(x.device) for _ in ns]
     with torch.no_grad():
-        y = G.checked_gemm_siblings(x, ws, bs, wcs, cnt, correct=correct)
+        y = checked_gemm_siblings(x, ws, bs, wcs, cnt, correct=correct)
     stats = [dict(FaultStats(c)) for c in cnt]
     bad = dict(ZERO, detected=m, recomputed=m) if correct else dict(ZERO, detected=m, uncorrectable=m)
     assert stats == [ZERO, bad, ZERO]
@@ -143,7 +159,7 @@ def test_siblings_supported_refuses_what_the_kernel_cannot_take():
     assert G.siblings_supported(x, [ws[0], w72], [None, None])  # ragged last: fine
     assert not G.siblings_supported(x, [ws[0], w72.t().contiguous().t()[:, :32]], [None, None])
     with pytest.raises(G.AbftGemmUnsupported):
-        G.checked_gemm_siblings(x, ws[:1], bs[:1], [WeightChecksums.compute(ws[0], bs[0])], [new_counters(DEV)])
+        checked_gemm_siblings(x, ws[:1], bs[:1], [WeightChecksums.compute(ws[0], bs[0])], [new_counters(DEV)])
 
 
 # -- in a model ------------------------------------------------------------------------------------
@@ -153,9 +169,9 @@ def _prompt(batch=1, length=6, seed=0):
 
 
 def _protected(family, monkeypatch, fuse=True, dtype=torch.float16):
-    monkeypatch.setenv("FTT_SIBLINGS", "1" if fuse else "0")
     monkeypatch.setattr(S, "_ON_CPU", True)
-    return ftt.enable_fault_tolerance(make_model(family, attn="efta", dtype=dtype).to(DEV), ftt.FTConfig())
+    with override(siblings=fuse):  # read when protection is enabled
+        return ftt.enable_fault_tolerance(make_model(family, attn="efta", dtype=dtype).to(DEV), ftt.FTConfig())
 
 
 def _spy(monkeypatch):
@@ -204,7 +220,7 @@ def test_model_sibling_events_stay_with_their_layer(monkeypatch):
     ftt.fault_report(model).reset()
     k_proj = model.model.layers[1].self_attn.k_proj
     wc = k_proj._ftt_vabft_checksums[None][-1]
-    wc.groups[G.GROUP_COLS][1][0, 0] += 100.0
+    wc.groups[GROUP_COLS][1][0, 0] += 100.0
     _generate(model, ids, tokens=1)
     mods = {(e.module, e.kind, e.count) for e in ftt.fault_report(model).events}
     assert mods == {("model.layers.1.self_attn.k_proj", "detected", 6),
@@ -214,14 +230,14 @@ def test_model_sibling_events_stay_with_their_layer(monkeypatch):
 def test_model_sibling_uncorrectable_raises_naming_the_layer(monkeypatch):
     """With ``on_uncorrectable="raise"`` and correction off, a failing check in v_proj's columns of the
     fused launch raises, naming v_proj."""
-    monkeypatch.setenv("FTT_SIBLINGS", "1")
     monkeypatch.setattr(S, "_ON_CPU", True)
-    model = ftt.enable_fault_tolerance(make_model("qwen2", attn="efta", dtype=torch.float16).to(DEV),
-                                       ftt.FTConfig(correct=False, on_uncorrectable="raise"))
+    with override(siblings=True):
+        model = ftt.enable_fault_tolerance(make_model("qwen2", attn="efta", dtype=torch.float16).to(DEV),
+                                           ftt.FTConfig(correct=False, on_uncorrectable="raise"))
     ids = _prompt(seed=6)
     _generate(model, ids, tokens=1)  # builds the checksums
     v_proj = model.model.layers[0].self_attn.v_proj
-    v_proj._ftt_vabft_checksums[None][-1].groups[G.GROUP_COLS][1][0, 0] += 100.0
+    v_proj._ftt_vabft_checksums[None][-1].groups[GROUP_COLS][1][0, 0] += 100.0
     with pytest.raises(ftt.UncorrectableFaultError, match=r"model\.layers\.0\.self_attn\.v_proj"):
         _generate(model, ids, tokens=1)
 
@@ -294,12 +310,12 @@ def test_gpu_siblings_qwen2_widths(dtype, m, ns, bias):
     with torch.no_grad():
         for _ in range(200):
             xi = torch.randn((m, k), generator=g, device=DEV).to(dtype)
-            G.checked_gemm_siblings(xi, ws, bs, wcs, cnt)
+            checked_gemm_siblings(xi, ws, bs, wcs, cnt)
     assert [dict(FaultStats(c)) for c in cnt] == [ZERO] * len(ns)
-    G._group_sums(wcs[-1], ws[-1], bs[-1], False)[1][0, 0] += 1e4  # the last weight's first group
+    calls._group_sums(wcs[-1], ws[-1], bs[-1], False)[1][0, 0] += 1e4  # the last weight's first group
     cnt = [new_counters(DEV) for _ in ns]
     with torch.no_grad():
-        y3 = G.checked_gemm_siblings(x, ws, bs, wcs, cnt)
+        y3 = checked_gemm_siblings(x, ws, bs, wcs, cnt)
     got = [dict(FaultStats(c)) for c in cnt]
     assert got[:-1] == [ZERO] * (len(ns) - 1) and got[-1]["detected"] == m
     assert got[-1]["recomputed"] + got[-1]["corrected"] == m

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from ft_transformers.vabft import (
     WeightChecksums,
-    calibrate_emax,
     checksum_residuals,
     default_emax,
     row_stats,
     vabft_threshold,
     weight_checksums,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from calibrate_emax import protocol_emax  # noqa: E402
 
 
 def _threshold_f64(a: torch.Tensor, b: torch.Tensor, emax: float, csigma: float) -> torch.Tensor:
@@ -216,7 +220,7 @@ def test_default_emax_table():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_calibration_protocol_stays_below_the_table(dtype):
-    res = calibrate_emax(dtype, "cpu", shapes=((32, 256, 128), (16, 1024, 256)), trials=4)
+    res = protocol_emax(dtype, "cpu", shapes=((32, 256, 128), (16, 1024, 256)), trials=4)
     assert res["samples"] == 4 * (32 + 16)
     assert 0 < res["max"] < default_emax(dtype, "cpu")
     assert res["emax"] == pytest.approx(1.2 * res["max"])

@@ -1,9 +1,9 @@
 """The checked GEMM of a batch-1 decode call: V-ABFT per 64-column tile, inside the tile.
 
-The general kernel (`abft_gemm._gemm_kernel`) verifies whole output rows: ``Σ_n y[m, n]`` against
+The row-checked kernel (`tile._gemm_kernel`) verifies whole output rows: ``Σ_n y[m, n]`` against
 ``x[m]·w1`` with ``w1 = Σ_n W[n, :]``, which needs every tile's row sums in one place (atomics into
 cells, a last program that counts and verifies: 1.6-2.2 µs per decode call over the plain GEMM on an
-H200, ``docs/vabft.md``, session 26). Here each program computes one group of ``G = 64`` output
+H200, ``docs/vabft.md``). Here each program computes one group of ``G = 64`` output
 columns (``GROUP_COLS``; the tile) and the group is its own checked GEMM (SPEC §5 with ``N``
 replaced by the group's width ``n_g``, 64 or less for the last):
 
@@ -15,7 +15,7 @@ replaced by the group's width ``n_g``, 64 or less for the last):
 
 Every K block passes through the tile, so it computes ``x·w1_g`` and x's statistics beside its dot
 and verifies its columns in its epilogue, before the store: no other program, no cell, no atomic
-on a clean call. With split-K (`abft_gemm._split_k`) the last split of a tile first sums the
+on a clean call. With split-K (`forms.split_k`) the last split of a tile first sums the
 splits' fp32 partials (tile, checksum, statistics) in split order.
 
 A failing row (rare) is recomputed in fp32 by the tile (the same dot over all of K). The reference
@@ -33,139 +33,18 @@ the counts are the reference path's; a row with faults in several tiles counts o
 of it) or W/b switch the call's checks off and count one ``nonfinite_input`` (tile 0), as on the
 reference path.
 
-`abft_gemm` sends a checked call here when M ≤ ``GROUPED_MAX_ROWS`` (1: batch-1 decode, where it was
+`forms.choose_form` sends a checked call here when M ≤ ``GROUPED_MAX_ROWS`` (1: batch-1 decode, where it was
 measured faster) and the call has at most ``GROUPED_MAX_TILES`` tiles; the kernel itself takes up to
 16 rows (ROWS = next_pow2(M) rows of statistics; the tests run it so).
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from .contract import KIND_INDEX, SITE_INDEX
-from ..vabft import row_stats
-from .tl_common import cdiv
-from .tl_common import dot as _mma
-
-__all__ = ["GROUP_COLS", "GROUP_CONSTS", "group_checksums", "grouped_gemm_kernel", "k_blocks", "round_and_inject"]
-
-GROUP_COLS = 64  # output columns per checksum group
-GROUP_CONSTS = 8  # fp32 per group: b1, det, v2, v3, v4, bias_det, bias_sd, n_g (`group_checksums`)
-_CHUNK_ELEMS = 1 << 24  # fp32 temporaries while building the group checksums
-
-_SITE_ROW = tl.constexpr(SITE_INDEX["linear.output"])
-_DET, _COR, _REC, _UNC, _NONF = (tl.constexpr(KIND_INDEX[k]) for k in
-                                 ("detected", "corrected", "recomputed", "uncorrectable", "nonfinite_input"))
-
-
-@torch.no_grad()
-def group_checksums(weight: torch.Tensor, bias: torch.Tensor | None, weight_is_kn: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-group checksums and threshold constants of a weight, in fp32.
-
-    Args:
-        weight: (N, K), or (K, N) with ``weight_is_kn``.
-        bias: (N,) or None.
-    Returns:
-        ``w1g`` (⌈N/64⌉, K): ``Σ_{n∈g} W[n, :]``; ``consts`` (⌈N/64⌉, 8): per group ``b1_g = Σ b_n``,
-        ``n_g·Σ_k|μ_gk|``, ``n_g·Σ_k σ²_gk``, ``n_g²·Σ_k μ_gk²``, ``sqrt(n_g·Σ_k σ²_gk)``,
-        ``n_g·|μ_b|``, ``sqrt(n_g)·σ_b`` and ``n_g`` (μ_gk, σ²_gk: mean and Bhatia–Davis variance of
-        column k of the group's rows; μ_b, σ_b: the group's bias, as `WeightChecksums`), so that
-        ``T = e·(det·|μ| + c·sqrt(μ²·v2 + σ²·v3) + c·v4·σ + bias_det + c·bias_sd)`` (SPEC §5).
-    """
-    w = weight.detach()
-    w_nk = w.t() if weight_is_kn else w
-    n, k = w_nk.shape
-    g = GROUP_COLS
-    ng, full = cdiv(n, g), n // g
-    dev = w.device
-
-    def groups(t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """(first group, (groups, rows, ...)) views of t's rows: the full groups, then the ragged last one."""
-        parts = [(0, t[:full * g].unflatten(0, (full, g)))] if full else []
-        return parts + ([(full, t[full * g:].unsqueeze(0))] if n > full * g else [])
-
-    n_g = torch.full((ng,), float(g), device=dev)
-    n_g[-1] = n - g * (ng - 1)
-    w1g = torch.empty((ng, k), dtype=torch.float32, device=dev)
-    sums = torch.zeros((ng, 3), dtype=torch.float32, device=dev)  # Σ|μ|, Σσ², Σμ²
-    step = max(1, _CHUNK_ELEMS // n)
-    for k0 in range(0, k, step):
-        blk = w_nk[:, k0:k0 + step].float().contiguous()  # (N, kc); one layout: a (K, N) weight sums alike
-        for g0, part in groups(blk):  # (groups, rows, kc)
-            rows = slice(g0, g0 + part.shape[0])
-            w1g[rows, k0:k0 + blk.shape[1]] = part.sum(1)
-            mu, var = row_stats(part, dim=1)  # per group and k: over the group's rows
-            sums[rows, 0] += mu.abs().sum(1)
-            sums[rows, 1] += var.sum(1)
-            sums[rows, 2] += mu.square().sum(1)
-    consts = torch.zeros((ng, GROUP_CONSTS), dtype=torch.float32, device=dev)
-    if bias is not None:
-        for g0, part in groups(bias.detach().float()):  # (groups, rows)
-            rows = slice(g0, g0 + part.shape[0])
-            bmu, bvar = row_stats(part, dim=1)
-            consts[rows, 0] = part.sum(1)
-            consts[rows, 5] = n_g[rows] * bmu.abs()
-            consts[rows, 6] = n_g[rows].sqrt() * bvar.sqrt()
-    consts[:, 1] = n_g * sums[:, 0]
-    consts[:, 2] = n_g * sums[:, 1]
-    consts[:, 3] = n_g * n_g * sums[:, 2]
-    consts[:, 4] = (n_g * sums[:, 1]).sqrt()
-    consts[:, 7] = n_g
-    return w1g, consts
-
-
-@triton.jit
-def round_and_inject(acc, dtype: tl.constexpr, Inj, pid_m, num_pid_m, offs_m, offs_n, n_ok, INJ: tl.constexpr,
-                     VERIFY_OUTPUT: tl.constexpr):
-    """A tile's fp32 sum ``acc`` (BLOCK_M, BLOCK_N), bias included, rounded to ``dtype`` with the flips
-    of `_inject_output` (INJ); returns it and the fp32 values the checks sum (``v``: the rounded
-    outputs with VERIFY_OUTPUT, else the accumulators, flipped where a flip landed; 0 past N)."""
-    yv = acc.to(dtype)
-    if INJ:
-        yv, hit = _inject_output(yv, Inj, pid_m, num_pid_m, offs_m, offs_n)
-    if VERIFY_OUTPUT:
-        v = yv.to(tl.float32)
-    elif INJ:
-        v = tl.where(hit, yv.to(tl.float32), acc)
-    else:
-        v = acc
-    return yv, tl.where(n_ok[None, :], v, 0.0)
-
-
-@triton.jit
-def k_blocks(split, kb_per, K, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-    """The K blocks ``[kb0, kb1)`` of a program: split ``split`` of ``kb_per`` blocks each with SPLIT, else all."""
-    if SPLIT:
-        kb0 = split * kb_per
-        kb1 = tl.minimum(kb0 + kb_per, tl.cdiv(K, BLOCK_K))
-    else:
-        kb0 = 0
-        kb1 = tl.cdiv(K, BLOCK_K)
-    return kb0, kb1
-
-
-@triton.jit
-def _inject_output(yv, Inj, pid_m, num_pid_m, offs_m, offs_n):
-    """Flips of site ``linear.output`` on the rounded tile ``yv`` (BLOCK_M, BLOCK_N): the (row, col,
-    bit) triples of row block ``pid_m`` (``Inj``: CSR over the row blocks, then the triples).
-    Returns the flipped tile and the (BLOCK_M, BLOCK_N) mask of flipped elements."""
-    p0 = tl.load(Inj + pid_m)
-    p1 = tl.load(Inj + pid_m + 1)
-    xm = tl.zeros(yv.shape, tl.int32)
-    for p in range(p0, p1):
-        r = tl.load(Inj + num_pid_m + 1 + 3 * p)
-        c = tl.load(Inj + num_pid_m + 2 + 3 * p)
-        bit = tl.load(Inj + num_pid_m + 3 + 3 * p)
-        xm = xm ^ tl.where((offs_m[:, None] == r) & (offs_n[None, :] == c), 1 << bit, 0)
-    hit = xm != 0
-    if yv.dtype == tl.float32:
-        yf = (yv.to(tl.int32, bitcast=True) ^ xm).to(tl.float32, bitcast=True)
-    else:
-        yf = (yv.to(tl.int16, bitcast=True) ^ xm.to(tl.int16)).to(yv.dtype, bitcast=True)
-    return tl.where(hit, yf, yv), hit
+from ..tl_common import dot as _mma
+from .common import _COR, _DET, _NONF, _REC, _SITE_ROW, _UNC, k_blocks, round_and_inject
 
 
 @triton.jit
@@ -295,7 +174,7 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
     W (N, K) through strides ``swn``, ``swk`` (a (K, N) weight has them swapped); ``W1g`` (⌈N/G⌉, K)
     and ``Gc`` (⌈N/G⌉, 8) from `group_checksums`; ``Cnt`` the (6, 5) int32 counters.
 
-    Sibling weights (SEGS = 2 or 3, `abft_gemm.checked_gemm_siblings`): y = x · [W; W_b; W_c]ᵀ + [b; b_b; b_c]
+    Sibling weights (SEGS = 2 or 3, `api.checked_gemm_siblings`): y = x · [W; W_b; W_c]ᵀ + [b; b_b; b_c]
     in one launch, the weights left where they are. Tiles ``[0, t_b)`` are W's, ``[t_b, t_c)`` W_b's
     (``[t_b, T)`` with SEGS = 2), the rest W_c's; every weight but the last has a multiple of G rows, so
     a tile, its checksum group and its counters (``Cnt_b``, ``Cnt_c``: each weight's own) belong to

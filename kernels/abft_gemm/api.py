@@ -1,0 +1,413 @@
+"""The checked GEMM's entry points: `checked_gemm` (2-D operands), `checked_gemm_siblings` (layers that read
+one input, in one launch), `linear_forward` (the checked linear's Triton backend) and `gemm_residuals`
+(calibration, studies).
+
+A call takes its form from `forms.choose_form`, its config from `tuning.pick_config`, builds its launches
+(`calls`) and records them as a `prepared.PreparedCall` that later calls of the same signature replay.
+The e_max tables belong to the caller: it passes ``emax`` and ``emax_table``, a function ``(dtype, device,
+mode, K) → e_max`` (``ft_transformers.vabft.gemm_emax``) asked only where a call needs a value it was not
+given (the verification's own when ``emax`` is None, and the output side's for re-verifying a repair).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..contract import COUNTER_SHAPE, new_counters
+from ..gemm_checksums import GROUP_COLS, WeightChecksums
+from ..options import options
+from ..tl_common import call_flag, on_tensor_device
+from ..tl_common import cdiv as _cdiv
+from . import calls as C
+from .common import SITE
+from .forms import (
+    GROUPED_MAX_TILES,
+    INTERP,
+    PERSISTENT,
+    PERSISTENT_MIN_N,
+    TILE,
+    choose_form,
+    forced_config,
+    groupable,
+    hopper,
+)
+from .prepared import FastPath, PreparedCall, keep, module_key
+from .tuning import pick_config
+
+RECOMPUTE_ROWS = 16  # = checked_linear.RECOMPUTE_ROWS (kept equal by a test)
+MODES = ("accumulator", "output")
+SIBLINGS_MAX = 3  # weights per sibling launch (the decode kernel's SEGS)
+SIBLINGS_MAX_ROWS = 16  # rows per sibling launch (the decode kernel's BLOCK_M)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+EmaxTable = Callable[[torch.dtype, torch.device, str, int], float]
+
+
+class AbftGemmUnsupported(ValueError):
+    """The Triton kernel cannot run this call (wrong device, dtype or layout)."""
+
+
+def _emax_of(emax_table: EmaxTable | None, dtype: torch.dtype, device: torch.device, mode: str, k: int) -> float:
+    if emax_table is None:
+        raise ValueError(f"this call needs the {mode}-side e_max of {dtype} at K = {k}: pass emax_table "
+                         "(e.g. ft_transformers.vabft.gemm_emax)")
+    return emax_table(dtype, device, mode, k)
+
+
+def _reverify_scale(dtype: torch.dtype, device: torch.device, k: int, emax: float, correct: bool,
+                    verify_output: bool, emax_table: EmaxTable | None) -> float:
+    """The threshold factor a repaired row is re-verified with: it is re-verified as stored (rounded), so
+    with the output-side unit error (1 without correction or in output mode)."""
+    if not correct or verify_output:
+        return 1.0
+    return max(1.0, _emax_of(emax_table, dtype, device, "output", k) / float(emax))
+
+
+def _check_device(t: torch.Tensor) -> None:
+    dev = t.device
+    if dev.type == "cuda":
+        return
+    if dev.type == "cpu" and INTERP:
+        return
+    hint = ""
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        hint = (" (TRITON_INTERPRET=1 is set, but triton was imported before it was: set it before anything "
+                "imports triton)")
+    raise AbftGemmUnsupported("the Triton checked GEMM needs CUDA tensors (or CPU tensors with "
+                              f"TRITON_INTERPRET=1), got {dev}{hint}; use backend='reference'")
+
+
+def _check_mode_counters(mode: str, detect: bool, counters: torch.Tensor | None, dev: torch.device) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if detect and (counters is None or tuple(counters.shape) != COUNTER_SHAPE or counters.dtype != torch.int32
+                   or counters.device != dev):
+        raise ValueError(f"counters must be an int32 {COUNTER_SHAPE} tensor on {dev}")
+
+
+@on_tensor_device
+def checked_gemm(
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    weight_is_kn: bool = False,
+    wc=None,
+    emax: float | None = None,
+    emax_table: EmaxTable | None = None,
+    csigma: float = 2.5,
+    detect: bool = True,
+    correct: bool = True,
+    plan=None,
+    counters: torch.Tensor | None = None,
+    mode: str = "accumulator",
+    debug: torch.Tensor | None = None,
+    capacity: int = RECOMPUTE_ROWS,
+) -> torch.Tensor:
+    """The checked GEMM on 2-D operands; events are added into ``counters``.
+
+    Args:
+        x2d: (M, K) fp16/bf16/fp32, CUDA (or CPU under ``TRITON_INTERPRET=1``), any strides.
+        weight: (N, K) (``nn.Linear``) or, with ``weight_is_kn``, (K, N) (GPT-2 ``Conv1D``); x's dtype.
+        bias: (N,) or None.
+        wc: the weight's `WeightChecksums` (of exactly ``weight``/``bias``); None builds them.
+        emax: threshold unit error; None asks ``emax_table(dtype, device, mode, K)``.
+        emax_table: the caller's e_max table (module docstring), needed unless ``emax`` is given and
+            nothing is repaired.
+        detect / correct: verify / repair (``correct=False`` counts ``detected`` + ``uncorrectable``).
+        plan: faults at ``linear.output`` (logical shape (M, N), y's dtype), a fault plan as
+            `ft_transformers.kernels.contract` describes it, or None.
+        counters: (6, 5) int32 counter block on x's device (required when ``detect``).
+        mode: ``"accumulator"`` (verify the fp32 accumulators, default) or ``"output"`` (verify the
+            rounded output, like the PyTorch path; for studies and calibration).
+        debug: optional (M, 4) fp32 tensor receiving per row ``D1``, ``C1``, ``T_m``.
+        capacity: rows recomputed per call at most.
+    Returns:
+        y (M, N) in x's dtype.
+    """
+    for name, t in (("x", x2d), ("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise AbftGemmUnsupported(f"{name} has dtype {t.dtype}; the checked GEMM supports float16, bfloat16 "
+                                      "and float32")
+    if x2d.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"x must be 2-D (M, K) and weight 2-D, got {tuple(x2d.shape)} and {tuple(weight.shape)}")
+    k_w, n = weight.shape if weight_is_kn else weight.shape[::-1]
+    k = x2d.shape[1]
+    if k != k_w:
+        raise ValueError(f"x has K = {k} columns but weight {tuple(weight.shape)} has in_features = {k_w}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    if weight.dtype != x2d.dtype or (bias is not None and bias.dtype != x2d.dtype):
+        raise TypeError("x, weight and bias must share one dtype")
+    _check_device(x2d)
+    dev = x2d.device
+    if weight.device != dev or (bias is not None and bias.device != dev):
+        raise ValueError("x, weight and bias must be on one device")
+    _check_mode_counters(mode, detect, counters, dev)
+    return _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma, detect, correct, plan,
+                         counters, mode, debug, capacity)
+
+
+def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma, detect, correct, plan, counters,
+                  mode, debug, capacity, kept: list | None = None) -> torch.Tensor:
+    """`checked_gemm` on validated arguments (the module path validates once, in `checked_linear`).
+    ``kept``: a list the call's `PreparedCall` is appended to (when it has one)."""
+    n = weight.shape[1] if weight_is_kn else weight.shape[0]
+    m, k = x2d.shape
+    dev = x2d.device
+    correct = bool(correct and detect)
+    prep_key = None
+    if detect and wc is not None and not plan and debug is None and m and n and k:
+        prep_key = (m, *x2d.stride(), x2d.data_ptr() % 16 == 0, weight.data_ptr(), *weight.stride(),
+                    bias.data_ptr() if bias is not None else None, counters.data_ptr(), *counters.stride(),
+                    emax, csigma, correct, mode, capacity, options(),
+                    dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        prepared = wc.launches.get(prep_key)
+        if prepared is not None:
+            if kept is not None:
+                kept.append(prepared)
+            return prepared(x2d, counters)
+    y = torch.empty((m, n), dtype=x2d.dtype, device=dev)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:  # nothing to multiply (or to verify): the bias, plus any injected flips
+        y.copy_(bias.expand(m, n) if bias is not None else torch.zeros((), dtype=y.dtype, device=dev))
+        sf = plan.for_site(SITE, (m, n), y.dtype, dev) if plan else None
+        return sf.apply(y, dim=-1, start=0) if sf is not None else y
+    swn, swk = (weight.stride(1), weight.stride(0)) if weight_is_kn else (weight.stride(0), weight.stride(1))
+    dot_f32 = x2d.dtype == torch.float32 or INTERP
+    verify_output = mode == "output"
+
+    def tune(tma: bool, decode: bool) -> tuple:
+        L = C._Launch(x2d, weight, bias, y, swn, swk, weight_is_kn, tma)
+        return pick_config(L, bias=bias, detect=detect, verify_output=verify_output, dot_f32=dot_f32, decode=decode)
+
+    inject = functools.partial(C._inj_table, plan, m, n, y.dtype, dev) if plan else None
+    form = choose_form(x2d, weight, y, detect=detect, debug=debug, capacity=capacity, inject=inject, tune=tune)
+    L = C._Launch(x2d, weight, bias, y, swn, swk, weight_is_kn, form.tma)
+    cfg, inj, one = form.cfg, form.inj, form.one
+    sem, slots, _ = C._cells(dev)
+    if not detect:  # no flag: the plain GEMM never reads it
+        C._launch_gemm(cfg, L, bias=bias, w12=y, P=C._call_buffer(m, n, k, cfg, False, False, dev, y), inj=inj,
+                       flag=slots, ws=slots, call_id=0, detect=False, verify_output=False, dot_f32=dot_f32)
+        return y
+    if wc is None:
+        wc = WeightChecksums.compute(weight, bias, weight_is_kn=weight_is_kn)
+    if emax is None:
+        emax = _emax_of(emax_table, y.dtype, dev, mode, k)
+    reverify = _reverify_scale(y.dtype, dev, k, emax, correct, verify_output, emax_table)
+    ver = C._Verify(wc.b12, counters, debug, bool(wc.finite), int(capacity),
+                    C._threshold_consts(wc, float(emax), float(csigma)), reverify, correct)
+    persist, decode = form.kind == PERSISTENT, form.kind not in (TILE, PERSISTENT)
+    if not decode and groupable(n, x2d.dtype):
+        # the weight's group checksums, built now if this call does not use them: a decode step compiled
+        # with CUDA graphs (after an eager prefill) must find them made, since a tensor first allocated
+        # in the graphs' warm-up lands in their pool and makes the capture fail ("tensor(s) in the
+        # cudagraph pool not tracked as outputs")
+        C._group_sums(wc, weight, bias, weight_is_kn)
+    if not decode and x2d.dtype != torch.float32 and (
+            persist or (n >= PERSISTENT_MIN_N and dev.type == "cuda" and hopper(dev))):
+        C._stats_operand(wc, x2d.dtype)  # likewise (an eager call may not take the form its captured twin takes)
+    t = _cdiv(n, cfg[1])
+    # statistics slots that can hold a share (`_verify_rows`): the pass's one, or the tiles' up to the K blocks
+    ts = 1 if persist else min(t, _cdiv(k, cfg[2]))
+    if persist:
+        flag, call_id = call_flag(dev, self_reset=False)
+        P = C._call_buffer(m, n, k, cfg, False, True, dev, y)
+        launches = [] if form.slack else [(3, *C._stats_call(L, wc.w12, P, flag, slots, t, call_id))]
+        launches.append((4, *C._persistent_call(cfg, L, bias, P, verify_output, sms=form.sms, flag=flag, ws=slots,
+                                                call_id=call_id,
+                                                stats=C._stats_operand(wc, x2d.dtype) if form.slack else None)))
+    elif decode:
+        P, call_id = C._grouped_buffer(m, n, k, cfg, dev), None
+        launches = [(2, *C._grouped_call(cfg, L, bias=bias, groups=C._group_sums(wc, weight, bias, weight_is_kn),
+                                         P=P, inj=inj, ver=ver, emax=emax, csigma=csigma,
+                                         verify_output=verify_output, dot_f32=dot_f32))]
+    else:
+        flag, call_id = call_flag(dev, self_reset=one)  # one launch: its last program resets the flag
+        P = C._call_buffer(m, n, k, cfg, one, True, dev, y)
+        launches = [(0, *C._gemm_call(cfg, L, bias=bias, w12=wc.w12, P=P, inj=inj, flag=flag,
+                                      ws=sem if one else slots, call_id=call_id, detect=True,
+                                      verify_output=verify_output, dot_f32=dot_f32, verify=ver if one else None))]
+    if not one:
+        launches.append((1, *C._verify_call(L, bias, P, flag, slots, t, ts, call_id, ver, verify_output, dot_f32)))
+    if persist:
+        C._ensure_scratch_allocator()
+    for which, grid, args, kwargs in launches:
+        C._launcher(which)(grid, args, kwargs)
+    # (host TMA descriptors are made per call: such a call cannot be replayed; the persistent form makes its own)
+    if prep_key is not None and (decode or persist or not L.tma):
+        prepared = PreparedCall.record(launches, x2d, y, P, counters, call_id)
+        keep(wc.launches, prep_key, prepared)
+        if kept is not None:
+            kept.append(prepared)
+    return y
+
+
+SIBLINGS_MAX = 3  # weights per sibling launch (the decode kernel's SEGS)
+SIBLINGS_MAX_ROWS = 16  # rows per sibling launch (the decode kernel's BLOCK_M)
+
+
+def siblings_supported(x2d: torch.Tensor, weights: Sequence[torch.Tensor],
+                       biases: Sequence[torch.Tensor | None]) -> bool:
+    """Whether `checked_gemm_siblings` takes these operands (host metadata only): 2 to SIBLINGS_MAX
+    ``nn.Linear`` weights (N_i, K), contiguous, of x's fp16/bf16 dtype and device, all with a bias or
+    none, every N_i but the last a multiple of GROUP_COLS, M ≤ SIBLINGS_MAX_ROWS, and a decode-kernel
+    config (a forced ``Options.gemm_config``, if any) that fits."""
+    m, k = x2d.shape
+    if not 2 <= len(weights) <= SIBLINGS_MAX or not 0 < m <= SIBLINGS_MAX_ROWS or k == 0:
+        return False
+    if x2d.dtype not in (torch.float16, torch.bfloat16) or len({b is None for b in biases}) != 1:
+        return False
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        if w.dim() != 2 or w.shape[1] != k or not w.is_contiguous() or w.dtype != x2d.dtype or w.device != x2d.device:
+            return False
+        if i < len(weights) - 1 and w.shape[0] % GROUP_COLS or w.shape[0] == 0:
+            return False
+        if b is not None and (b.shape != (w.shape[0],) or b.dtype != x2d.dtype or b.device != x2d.device):
+            return False
+    if _cdiv(sum(w.shape[0] for w in weights), GROUP_COLS) > GROUPED_MAX_TILES:
+        return False
+    forced = forced_config()
+    return forced is None or (forced[0] >= 16 and forced[1] == GROUP_COLS)
+
+
+def checked_gemm_siblings(x2d: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+                          wcs: Sequence[WeightChecksums], counters: Sequence[torch.Tensor], *,
+                          emax: float | None = None, emax_table: EmaxTable | None = None, csigma: float = 2.5,
+                          correct: bool = True) -> torch.Tensor:
+    """Checked GEMMs of sibling layers that read the same input, in one launch of the decode kernel.
+
+    ``y = x · [W_0; W_1; …]ᵀ + [b_0; b_1; …]``: each weight keeps its own storage, checksum groups
+    (`gemm_checksums.group_checksums`, cached in its `WeightChecksums`) and counters, so the events of
+    ``y[:, the columns of W_i]`` are W_i's, counted as its own `checked_gemm` call would count them
+    (per row and 64-column group, accumulator-side verification). One launch instead of one per
+    weight: Q, K and V projections, or a gated MLP's gate and up projections.
+
+    Args:
+        x2d: (M, K), fp16/bf16 (`siblings_supported` says which operands are taken).
+        weights: 2 or 3 tensors (N_i, K), contiguous, x's dtype and device.
+        biases: (N_i,) each, or all None.
+        wcs: each weight's `WeightChecksums` (of exactly that weight and bias), all finite.
+        counters: each weight's (6, 5) int32 counter block.
+        emax / emax_table / csigma / correct: as `checked_gemm`'s.
+    Returns:
+        y (M, ΣN_i) in x's dtype; ``y[:, :N_0]`` is layer 0's output, and so on.
+    """
+    if not siblings_supported(x2d, weights, biases):
+        raise AbftGemmUnsupported("checked_gemm_siblings: operands not supported (see siblings_supported)")
+    if not all(wc.finite for wc in wcs):
+        raise AbftGemmUnsupported("checked_gemm_siblings needs finite weights and biases")
+    return siblings_forward(x2d, weights, biases, wcs, counters, emax, emax_table, csigma, correct)
+
+
+def siblings_forward(x2d: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+                     wcs: Sequence[WeightChecksums], counters: Sequence[torch.Tensor], emax: float | None,
+                     emax_table: EmaxTable | None, csigma: float, correct: bool) -> torch.Tensor:
+    """`checked_gemm_siblings` on operands it takes (the module path checks them once, in
+    `ft_transformers.siblings._siblings_forward`)."""
+    m, k = x2d.shape
+    dev, dtype = x2d.device, x2d.dtype
+    correct = bool(correct)
+    key = ("siblings", m, *x2d.stride(), x2d.data_ptr() % 16 == 0,
+           tuple((w.data_ptr(), id(wc)) for w, wc in zip(weights, wcs)),
+           tuple(c.data_ptr() for c in counters), counters[0].stride(), emax, csigma, correct, options(),
+           dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    cache = wcs[0].launches
+    prepared = cache.get(key)
+    if prepared is not None:
+        return prepared(x2d, counters[0])
+    n = sum(w.shape[0] for w in weights)
+    y = torch.empty((m, n), dtype=dtype, device=dev)
+    w0 = weights[0]
+    L = C._Launch(x2d, w0, biases[0], y, w0.stride(0), w0.stride(1))
+    groups = [C._group_sums(wc, w, b, False) for w, b, wc in zip(weights, biases, wcs)]
+    sibs = tuple(zip(weights[1:], biases[1:], groups[1:], counters[1:]))
+    cfg = pick_config(L, bias=biases[0], detect=True, verify_output=False, dot_f32=INTERP, decode=True,
+                      siblings=sibs)
+    if emax is None:
+        emax = _emax_of(emax_table, dtype, dev, "accumulator", k)
+    reverify = _reverify_scale(dtype, dev, k, emax, correct, False, emax_table)
+    ver = C._Verify(wcs[0].b12, counters[0], None, True, RECOMPUTE_ROWS, (), reverify, correct)
+    P = C._grouped_buffer(m, n, k, cfg, dev)
+    launches = [(2, *C._grouped_call(cfg, L, bias=biases[0], groups=groups[0], P=P, inj=None, ver=ver, emax=emax,
+                                     csigma=csigma, verify_output=False, dot_f32=INTERP, siblings=sibs))]
+    C._launcher(2)(*launches[0][1:])
+    keep(cache, key, PreparedCall.record(launches, x2d, y, P, counters[0], None))
+    return y
+
+
+def gemm_residuals(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   weight_is_kn: bool = False, mode: str = "accumulator", emax: float = 1.0,
+                   csigma: float = 2.5, plan=None) -> dict[str, torch.Tensor]:
+    """Run the kernel without repair and return its verification quantities (calibration, studies).
+
+    Returns ``{"y": (M, N), "d1": (M,), "c1": (M,), "thr": (M,), "counters": (6, 5)}``: ``d1`` the
+    checksum difference, ``c1`` the expected row sum ``x·w1 + b1``, ``thr`` the threshold with the
+    given ``emax`` (1.0 gives ``T_m / e_max``), all fp32 as the kernel computed them.
+    """
+    dbg = torch.zeros((x2d.shape[0], 4), dtype=torch.float32, device=x2d.device)
+    cnt = new_counters(x2d.device)
+    y = checked_gemm(x2d, weight, bias, weight_is_kn=weight_is_kn, emax=emax, csigma=csigma, detect=True,
+                     correct=False, plan=plan, counters=cnt, mode=mode, debug=dbg)
+    return {"y": y, "d1": dbg[:, 0], "c1": dbg[:, 1], "thr": dbg[:, 2], "counters": cnt}
+
+
+@on_tensor_device
+def linear_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    weight_is_kn: bool,
+    wc: WeightChecksums | None,
+    emax: float | None,
+    emax_table: EmaxTable | None,
+    csigma: float,
+    detect: bool,
+    correct: bool,
+    plan,
+    counters: torch.Tensor | None,
+    cast: torch.dtype | None = None,
+    mode: str = "accumulator",
+    settings: tuple | None = None,
+) -> tuple[torch.Tensor, FastPath | None]:
+    """`ft_transformers.checked_linear`'s Triton backend: x (..., K) → y (..., N), events into ``counters``.
+
+    Same arguments as the reference forward (`checked_linear._checked_linear_forward`), which has
+    validated shapes, dtypes and devices (they are not checked again here), with the weight checksums
+    ``wc`` resolved by the caller (of the cast weight under autocast; None when nothing is verified) and
+    ``cast`` the autocast dtype (the operands are cast like autocast would, and the kernel runs on the
+    cast tensors).
+
+    Returns ``(y, fast)``: ``fast`` a `FastPath` for the caller to keep when it passed ``settings`` (the
+    hashable settings it will pass to the fast path) and the call has a prepared form, else None.
+    """
+    _check_device(x)
+    if cast is not None:
+        x = x.to(cast)
+        weight = weight.to(cast)
+        bias = bias.to(cast) if bias is not None else None
+    k = weight.shape[0] if weight_is_kn else weight.shape[1]
+    n = weight.shape[1] if weight_is_kn else weight.shape[0]
+    lead = tuple(x.shape[:-1])
+    x2d = x.reshape(-1, k)
+    detect = detect and wc is not None
+    if detect and counters is None:
+        counters = new_counters(x.device)
+    _check_mode_counters(mode, detect, counters, x.device)
+    kept: list = []
+    y = _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma, detect, correct, plan, counters,
+                      mode, None, RECOMPUTE_ROWS, kept)
+    fast = None
+    if settings is not None and kept and cast is None and mode == "accumulator":
+        fast = FastPath(module_key(x, weight, bias, counters, settings), kept[0], k, n)
+    return y.reshape(*lead, n), fast

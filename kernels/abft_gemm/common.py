@@ -1,0 +1,94 @@
+"""Device helpers that the checked GEMM's kernels share: the counter slots, injection of flips at
+``linear.output``, a program's K blocks under split-K, the store of checksum partials and statistics,
+and the grouped tile order."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..contract import KIND_INDEX, SITE_INDEX
+
+SITE = "linear.output"
+
+_SITE_ROW = tl.constexpr(SITE_INDEX[SITE])
+_DET, _COR, _REC, _UNC, _NONF = (tl.constexpr(KIND_INDEX[k]) for k in
+                                 ("detected", "corrected", "recomputed", "uncorrectable", "nonfinite_input"))
+
+
+@triton.jit
+def round_and_inject(acc, dtype: tl.constexpr, Inj, pid_m, num_pid_m, offs_m, offs_n, n_ok, INJ: tl.constexpr,
+                     VERIFY_OUTPUT: tl.constexpr):
+    """A tile's fp32 sum ``acc`` (BLOCK_M, BLOCK_N), bias included, rounded to ``dtype`` with the flips
+    of `_inject_output` (INJ); returns it and the fp32 values the checks sum (``v``: the rounded
+    outputs with VERIFY_OUTPUT, else the accumulators, flipped where a flip landed; 0 past N)."""
+    yv = acc.to(dtype)
+    if INJ:
+        yv, hit = _inject_output(yv, Inj, pid_m, num_pid_m, offs_m, offs_n)
+    if VERIFY_OUTPUT:
+        v = yv.to(tl.float32)
+    elif INJ:
+        v = tl.where(hit, yv.to(tl.float32), acc)
+    else:
+        v = acc
+    return yv, tl.where(n_ok[None, :], v, 0.0)
+
+
+@triton.jit
+def k_blocks(split, kb_per, K, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """The K blocks ``[kb0, kb1)`` of a program: split ``split`` of ``kb_per`` blocks each with SPLIT, else all."""
+    if SPLIT:
+        kb0 = split * kb_per
+        kb1 = tl.minimum(kb0 + kb_per, tl.cdiv(K, BLOCK_K))
+    else:
+        kb0 = 0
+        kb1 = tl.cdiv(K, BLOCK_K)
+    return kb0, kb1
+
+
+@triton.jit
+def _inject_output(yv, Inj, pid_m, num_pid_m, offs_m, offs_n):
+    """Flips of site ``linear.output`` on the rounded tile ``yv`` (BLOCK_M, BLOCK_N): the (row, col,
+    bit) triples of row block ``pid_m`` (``Inj``: CSR over the row blocks, then the triples).
+    Returns the flipped tile and the (BLOCK_M, BLOCK_N) mask of flipped elements."""
+    p0 = tl.load(Inj + pid_m)
+    p1 = tl.load(Inj + pid_m + 1)
+    xm = tl.zeros(yv.shape, tl.int32)
+    for p in range(p0, p1):
+        r = tl.load(Inj + num_pid_m + 1 + 3 * p)
+        c = tl.load(Inj + num_pid_m + 2 + 3 * p)
+        bit = tl.load(Inj + num_pid_m + 3 + 3 * p)
+        xm = xm ^ tl.where((offs_m[:, None] == r) & (offs_n[None, :] == c), 1 << bit, 0)
+    hit = xm != 0
+    if yv.dtype == tl.float32:
+        yf = (yv.to(tl.int32, bitcast=True) ^ xm).to(tl.float32, bitcast=True)
+    else:
+        yf = (yv.to(tl.int16, bitcast=True) ^ xm.to(tl.int16)).to(yv.dtype, bitcast=True)
+    return tl.where(hit, yf, yv), hit
+
+
+
+@triton.jit
+def _store_stats(srow, m_ok, c1, c2, mx, mn, sm, Flag, call_id):
+    """Store rows' checksum partials and x statistics at ``srow`` (8 fp32 per row); raise the call's
+    non-finite flag if one of the rows' x is (NaN makes the sum NaN, max/min may ignore it; ±inf
+    shows in max/min)."""
+    nf = ~(tl.abs(sm) < float("inf")) | (mx == float("inf")) | (mn == -float("inf"))
+    if tl.max((nf & m_ok).to(tl.int32), axis=0) > 0:
+        tl.atomic_max(Flag, call_id)
+    tl.store(srow + 0, c1, mask=m_ok)
+    tl.store(srow + 1, c2, mask=m_ok)
+    tl.store(srow + 2, mx, mask=m_ok)
+    tl.store(srow + 3, mn, mask=m_ok)
+    tl.store(srow + 4, sm, mask=m_ok)
+
+
+
+@triton.jit
+def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP: tl.constexpr):
+    """(pid_m, pid_n) of output tile ``tile`` in grouped order: GROUP row blocks walk the column tiles
+    together, so a W tile is read from L2 by the GROUP programs that need it."""
+    in_group = GROUP * num_pid_n
+    first_m = (tile // in_group) * GROUP
+    gsize = tl.minimum(num_pid_m - first_m, GROUP)
+    return first_m + ((tile % in_group) % gsize), (tile % in_group) // gsize

@@ -1,0 +1,195 @@
+"""What the checked GEMM's kernels and its PyTorch reference path share: the weight-side checksums of
+V-ABFT (`WeightChecksums`, and the decode kernel's per-column-group ones, `group_checksums`), the row
+statistics both sides take (`row_stats`), and the dtype autocast runs a GEMM in (`autocast_dtype`).
+
+Pure PyTorch (no Triton): the reference path imports it where Triton is not installed. The e_max
+tables stay with the library (`ft_transformers.vabft`); callers pass e_max in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["GROUP_COLS", "GROUP_CONSTS", "WeightChecksums", "autocast_dtype", "group_checksums", "row_stats"]
+
+_CHUNK_ELEMS = 1 << 24  # at most 16M fp32 temporaries (64 MiB) while building a weight's checksums
+GROUP_COLS = 64  # output columns per checksum group of the decode kernel
+GROUP_CONSTS = 8  # fp32 per group: b1, det, v2, v3, v4, bias_det, bias_sd, n_g (`group_checksums`)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs a GEMM in on ``device_type`` right now, or None outside autocast (the
+    checksums are of the operands as cast)."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (TypeError, RuntimeError):  # pragma: no cover - older torch / unknown device
+        pass
+    return None
+
+
+def row_stats(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and Bhatia–Davis variance bound ``(max − μ)(μ − min)`` of ``t`` along ``dim`` (fp32).
+
+    Args:
+        t: floating tensor; reduced in fp32.
+    Returns:
+        ``(mean, var_bound)``, each of ``t``'s shape without ``dim``; the bound is clamped at 0
+        (the fp32 mean of equal values may fall an ulp outside [min, max]).
+    """
+    t32 = t.float()
+    mean = t32.mean(dim)
+    mn, mx = torch.aminmax(t32, dim=dim)
+    return mean, ((mx - mean) * (mean - mn)).clamp_min(0.0)
+
+
+@dataclass(frozen=True)
+class WeightChecksums:
+    """Everything V-ABFT needs from one weight (and bias), computed once in fp32.
+
+    With W the logical (N, K) weight (``nn.Linear`` layout) and b the (N,) bias:
+
+    Attributes:
+        w12: (K, 2) fp32, columns ``w1 = Σ_n W[n,:]`` and ``w2 = Σ_n (n+1)·W[n,:]``.
+        b12: (2,) fp32, ``b1 = Σ_n b_n`` and ``b2 = Σ_n (n+1)·b_n`` (zeros without bias).
+        colw: (N,) fp32, the checksum weights ``n+1``.
+        sum_abs_mu: ``Σ_k |μ_Bk|`` (μ_Bk = mean_n W[n,k]).
+        sum_var: ``Σ_k σ²_Bk`` (Bhatia–Davis bounds over n).
+        sum_mu2: ``Σ_k μ_Bk²``.
+        bias_mu: mean of b (0 without bias).
+        bias_sd: sqrt of b's Bhatia–Davis variance bound (0 without bias).
+        finite: whether W and b are all finite.
+        n, k: the output and input features.
+        launches: the checked GEMM's prepared calls for this weight version, by call signature
+            (`ft_transformers.kernels.abft_gemm.prepared`; they go with the checksums).
+        groups: operands the kernels derive from the weight, built by its first checked fp16/bf16 GEMM
+            call and kept with the checksums: the decode kernel's per-64-column checksums
+            (`group_checksums`, key GROUP_COLS) and the persistent form's checksum operand (key
+            ``("stats", dtype)``).
+
+    The scalars are host numbers: building the checksums reads them once (one synchronisation
+    per weight version), so that each call's threshold costs a handful of (M,)-sized ops.
+    """
+
+    w12: torch.Tensor
+    b12: torch.Tensor
+    colw: torch.Tensor
+    sum_abs_mu: float
+    sum_var: float
+    sum_mu2: float
+    bias_mu: float
+    bias_sd: float
+    finite: bool
+    n: int
+    k: int
+    launches: dict = field(default_factory=dict, repr=False, compare=False)
+    groups: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def compute(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                weight_is_kn: bool = False) -> WeightChecksums:
+        """Build from ``weight`` ((N, K), or (K, N) with ``weight_is_kn``) and ``bias`` (N,)."""
+        w = weight.detach()
+        w_kn = w if weight_is_kn else w.t()  # (K, N): row k of B
+        k, n = w_kn.shape
+        dev = w.device
+        colw = torch.arange(1, n + 1, device=dev, dtype=torch.float32)
+        w12 = torch.empty((k, 2), device=dev, dtype=torch.float32)
+        acc = torch.zeros(6, device=dev, dtype=torch.float32)  # Σ|μ|, Σσ², Σμ², μ_b, σ_b, #non-finite
+        step = max(1, _CHUNK_ELEMS // max(n, 1))
+        for k0 in range(0, k, step):
+            blk = w_kn[k0:k0 + step].float()  # (kc, N)
+            w12[k0:k0 + step, 0] = blk.sum(1)
+            w12[k0:k0 + step, 1] = (blk * colw).sum(1)
+            mu, var = row_stats(blk, dim=1)
+            acc[0] += mu.abs().sum()
+            acc[1] += var.sum()
+            acc[2] += mu.square().sum()
+            acc[5] += (~torch.isfinite(blk)).sum()
+        if bias is not None:
+            b32 = bias.detach().float()
+            b12 = torch.stack([b32.sum(), (b32 * colw).sum()])
+            bmu, bvar = row_stats(b32, dim=0)
+            acc[3] += bmu
+            acc[4] += bvar.sqrt()
+            acc[5] += (~torch.isfinite(b32)).sum()
+        else:
+            b12 = torch.zeros(2, device=dev, dtype=torch.float32)
+        s_abs, s_var, s_mu2, bmu_f, bsd_f, nonfinite = acc.tolist()  # the one host read
+        return cls(w12=w12, b12=b12, colw=colw, sum_abs_mu=s_abs, sum_var=s_var, sum_mu2=s_mu2,
+                   bias_mu=bmu_f, bias_sd=bsd_f, finite=nonfinite == 0, n=n, k=k)
+
+    def thresholds(self, mu_a: torch.Tensor, var_a: torch.Tensor, emax: float, csigma: float) -> torch.Tensor:
+        """(M,) fp32 thresholds for rows with statistics ``mu_a``, ``var_a`` (M,), bias included.
+
+        SPEC §5's ``T_m`` plus the bias's share of the output rounding,
+        ``e_max·(N·|μ_b| + cσ·sqrt(N)·σ_b)`` (the bias as a (K+1)-th row of B met by a constant 1
+        in A; zero without bias). Same arithmetic as `vabft_threshold`, with the weight side folded
+        into host constants.
+        """
+        n = float(self.n)
+        t = torch.sqrt(mu_a.square().mul_(n * self.sum_var).add_(var_a, alpha=n * n * self.sum_mu2))
+        t.mul_(emax * csigma)
+        t.add_(mu_a.abs().mul_(emax * n * self.sum_abs_mu))
+        t.add_(var_a.sqrt().mul_(emax * csigma * math.sqrt(n * self.sum_var)))
+        return t.add_(emax * (n * abs(self.bias_mu) + csigma * math.sqrt(n) * self.bias_sd))
+
+
+@torch.no_grad()
+def group_checksums(weight: torch.Tensor, bias: torch.Tensor | None, weight_is_kn: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-group checksums and threshold constants of a weight, in fp32.
+
+    Args:
+        weight: (N, K), or (K, N) with ``weight_is_kn``.
+        bias: (N,) or None.
+    Returns:
+        ``w1g`` (⌈N/64⌉, K): ``Σ_{n∈g} W[n, :]``; ``consts`` (⌈N/64⌉, 8): per group ``b1_g = Σ b_n``,
+        ``n_g·Σ_k|μ_gk|``, ``n_g·Σ_k σ²_gk``, ``n_g²·Σ_k μ_gk²``, ``sqrt(n_g·Σ_k σ²_gk)``,
+        ``n_g·|μ_b|``, ``sqrt(n_g)·σ_b`` and ``n_g`` (μ_gk, σ²_gk: mean and Bhatia–Davis variance of
+        column k of the group's rows; μ_b, σ_b: the group's bias, as `WeightChecksums`), so that
+        ``T = e·(det·|μ| + c·sqrt(μ²·v2 + σ²·v3) + c·v4·σ + bias_det + c·bias_sd)`` (SPEC §5).
+    """
+    w = weight.detach()
+    w_nk = w.t() if weight_is_kn else w
+    n, k = w_nk.shape
+    g = GROUP_COLS
+    ng, full = -(-n // g), n // g
+    dev = w.device
+
+    def groups(t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(first group, (groups, rows, ...)) views of t's rows: the full groups, then the ragged last one."""
+        parts = [(0, t[:full * g].unflatten(0, (full, g)))] if full else []
+        return parts + ([(full, t[full * g:].unsqueeze(0))] if n > full * g else [])
+
+    n_g = torch.full((ng,), float(g), device=dev)
+    n_g[-1] = n - g * (ng - 1)
+    w1g = torch.empty((ng, k), dtype=torch.float32, device=dev)
+    sums = torch.zeros((ng, 3), dtype=torch.float32, device=dev)  # Σ|μ|, Σσ², Σμ²
+    step = max(1, _CHUNK_ELEMS // n)
+    for k0 in range(0, k, step):
+        blk = w_nk[:, k0:k0 + step].float().contiguous()  # (N, kc); one layout: a (K, N) weight sums alike
+        for g0, part in groups(blk):  # (groups, rows, kc)
+            rows = slice(g0, g0 + part.shape[0])
+            w1g[rows, k0:k0 + blk.shape[1]] = part.sum(1)
+            mu, var = row_stats(part, dim=1)  # per group and k: over the group's rows
+            sums[rows, 0] += mu.abs().sum(1)
+            sums[rows, 1] += var.sum(1)
+            sums[rows, 2] += mu.square().sum(1)
+    consts = torch.zeros((ng, GROUP_CONSTS), dtype=torch.float32, device=dev)
+    if bias is not None:
+        for g0, part in groups(bias.detach().float()):  # (groups, rows)
+            rows = slice(g0, g0 + part.shape[0])
+            bmu, bvar = row_stats(part, dim=1)
+            consts[rows, 0] = part.sum(1)
+            consts[rows, 5] = n_g[rows] * bmu.abs()
+            consts[rows, 6] = n_g[rows].sqrt() * bvar.sqrt()
+    consts[:, 1] = n_g * sums[:, 0]
+    consts[:, 2] = n_g * sums[:, 1]
+    consts[:, 3] = n_g * n_g * sums[:, 2]
+    consts[:, 4] = (n_g * sums[:, 1]).sqrt()
+    consts[:, 7] = n_g
+    return w1g, consts
