@@ -12,7 +12,7 @@ with the row statistics of A (row m of x) and of B (row k of B = column k of W):
 distribution-free Bhatia–Davis variance bound ``σ² ≤ (max − μ)(μ − min)``. ``e_max`` is the unit
 error of the verification (what the two computation paths may differ by, relative to the values
 summed); `default_emax` holds the calibrated table, which ``scripts/calibrate_emax.py`` measures
-(seed 003 §3.6).
+(the V-ABFT paper §3.6).
 
 The weight side is computed once per weight version (`WeightChecksums`, `weight_checksums`);
 everything per call costs O(M·K + M·N), next to the GEMM's O(M·N·K).
@@ -52,11 +52,12 @@ _MODES = ("output", "accumulator")
 # ---------------------------------------------------------------------------------------------
 # e_max table (verification in fp32 of the values the GEMM produced; see `checksum_residuals`).
 #
-# Seed values: seed 004 §3 (Ascend 910B) bf16 8e-3, fp32 2.2e-6, fp16 1e-3; seed 003 Tables 1/2/7:
+# The papers' values: the V-ABFT specification §3 (Ascend 910B) bf16 8e-3, fp32 2.2e-6, fp16 1e-3;
+# the V-ABFT paper Tables 1/2/7:
 # CPU fp32 ≈ 4e-7 (constant in K), H100 fp32 5e-9·sqrt(N) + 1.2e-7, H100 bf16 8e-3 / fp16 1e-3.
 #
 # Two measurements per entry (u = unit roundoff of the output format: 2^-24, 2^-11, 2^-8):
-#  (P) seed 003 §3.6 protocol (``scripts/calibrate_emax.py``, `protocol_emax`): |N(1,1)| operands,
+#  (P) the V-ABFT paper §3.6 protocol (``scripts/calibrate_emax.py``, `protocol_emax`): |N(1,1)| operands,
 #      max |D1| / |C1| over all rows; the seed sets e_max = max + 20 %.
 #  (S) the slack of the threshold itself (the same script's `threshold_slack`): max |D1| / T(e_max = 1) over clean
 #      GEMMs with operands (and a bias every other trial) from N(1e-6,1), N(1,1), U(-1,1),
@@ -67,26 +68,26 @@ _MODES = ("output", "accumulator")
 #
 # fp32: the difference is the GEMM's own fp32 accumulation error.
 #   CPU:  (P) 24,000 rows: max 3.44e-7 = 5.8u (at K = 64; 4.4u for K = 256..8192: flat in K),
-#         max + 20 % = 4.1e-7 (= seed 003's CPU 4e-7). (S) 20 trials x 9 shapes x 5 dists:
+#         max + 20 % = 4.1e-7 (= the V-ABFT paper's CPU 4e-7). (S) 20 trials x 9 shapes x 5 dists:
 #         max 2.7e-7 = 4.5u (N(1,1), (64, 1024, 1024)). Chosen 1e-6 = 16.8u: 2.9x the largest
 #         observed value (the observed max still creeps up with more samples: 4.4u at 4k rows,
 #         5.8u at 24k), room for other CPUs' blocking.
 #   H100: (P) 249,600 rows: max 2.6e-7 = 4.4u. (S) max 5.9e-7 = 9.8u (zero-mean TN(0,1) / U(-1,1)
-#         at (256, 8192, 4096); ≤ 3.6u at the smaller shapes), matching seed 003's fit at K = 8192
+#         at (256, 8192, 4096); ≤ 3.6u at the smaller shapes), matching the V-ABFT paper's fit at K = 8192
 #         (5.7e-7) with no margin. Chosen 2e-6 = 33.5u: 3.4x.
 #   Measured to K = 8192; `default_emax(..., k=K)` scales the fp32 entries by sqrt(K / 8192) above.
 # fp16 / bf16: the GEMM accumulates in fp32 and rounds once to the output format; we re-sum that
 #   output in fp32, so the difference is the output rounding (≤ u·Σ_n|y_n|). It averages out over
 #   N, so (P) gives only ~0.05–0.1u at N ≥ 256 — but up to 0.48u at N = K = 16 on the H100, and
 #   zero-mean data leaves less slack than the protocol suggests, so "max + 20 %" of (P) is no safe
-#   floor. We keep the seeds' 2u (1e-3 / 8e-3), which also reproduces seed 004's detection table:
+#   floor. We keep the papers' 2u (1e-3 / 8e-3), which also reproduces the V-ABFT specification's detection table:
 #   bf16  CPU (P) 0.087u (S) 0.216u; H100 (P) 0.476u (S) 0.218u  -> 8e-3 = 2.05u (≥ 4.3x (P), 9.4x (S))
 #   fp16  CPU (P) 0.086u (S) 0.192u; H100 (P) 0.458u (S) 0.226u  -> 1e-3 = 2.05u (≥ 4.5x (P), 9.1x (S))
 # TF32 / reduced-precision fp32 matmul (torch.set_float32_matmul_precision("high"/"medium"), or
 #   the backends' fp32_precision = "tf32"/"bf16"): the GEMM's inputs lose mantissa bits, so fp32
 #   takes the fp16 (TF32: 10 mantissa bits) or bf16 entry. The checksums themselves never use
 #   matmuls (see `checksum_residuals`), so these settings don't touch the verification side.
-# mode="accumulator": verification inside a fused kernel before the output is rounded (seed 003
+# mode="accumulator": verification inside a fused kernel before the output is rounded (the V-ABFT paper
 #   "online ABFT"): the device's fp32 entry for every dtype — to be re-calibrated against the
 #   fused kernel's own accumulation order.
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Calibrate V-ABFT's unit error e_max on this device and write the table `default_emax` loads.
 
-Protocol (seed 003 §3.6): positive |N(1,1)| operands (no cancellation in the checksum), many clean
+Protocol (the V-ABFT paper §3.6): positive |N(1,1)| operands (no cancellation in the checksum), many clean
 GEMMs at representative sizes, e_max = observed max of |D1| / |C1| + 20 %. Measured for fp32, fp16
 and bf16 and for both verification modes:
 
@@ -12,7 +12,7 @@ Next to the protocol's value (P, `protocol_emax`) the script measures the thresh
 max |D1| / T(e_max = 1) over the four seed distributions (+ |N(1,1)|) with and without bias, which
 is the smallest e_max with zero false positives on that data. The shipped value is
 ``max(1.2·P, 2·S, builtin)`` with the built-in value of `ft_transformers.vabft.builtin_emax` as a
-floor: 2u for fp16/bf16 output verification (the seeds' value: the rounding of a row sum averages
+floor: 2u for fp16/bf16 output verification (the papers' value: the rounding of a row sum averages
 out over N, so P alone leaves too little room for zero-mean data), earlier longer measurements for
 fp32 (CPU 1e-6, which also serves CPUs with other BLAS blockings; H100 2e-6), 2e-5 for the fused
 kernel on CUDA. A short calibration can raise these, never lower them.
@@ -62,10 +62,11 @@ DISTRIBUTIONS = ("N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)", "|N(1,1)|")
 
 
 def sample_matrix(dist: str, shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:
-    """An fp32 sample of one of seed 004 §5.1's distributions (`DISTRIBUTIONS`), on the generator's device.
+    """An fp32 sample of a distribution of the V-ABFT specification §5.1 (`DISTRIBUTIONS`), on the
+    generator's device.
 
     ``"N(1e-6,1)"``, ``"N(1,1)"``, ``"U(-1,1)"``, ``"TN(0,1)"`` (N(0,1) truncated to [-1, 1]) and
-    ``"|N(1,1)|"`` (seed 003 §3.6's positive calibration matrices).
+    ``"|N(1,1)|"`` (the V-ABFT paper §3.6's positive calibration matrices).
     """
     g = generator
     dev = g.device
@@ -127,7 +128,7 @@ def clean_residuals(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = N
 def protocol_emax(dtype: torch.dtype, device: torch.device | str = "cpu",
                    shapes: Sequence[tuple[int, int, int]] = _CAL_SHAPES,
                    trials: int = 100, seed: int = 0, margin: float = 1.2, mode: str = "output") -> dict:
-    """Measure ``e_max`` with seed 003's protocol: ``max |D1| / |C1|`` over clean GEMMs.
+    """Measure ``e_max`` with the V-ABFT paper's protocol: ``max |D1| / |C1|`` over clean GEMMs.
 
     Each trial draws A = |N(1,1)| (M×K) and W = |N(1,1)| (N×K) (positive, so the checksum has no
     cancellation), computes the checked GEMM in ``dtype`` on ``device`` and its residuals exactly as
@@ -181,7 +182,7 @@ def threshold_slack(dtype: torch.dtype, device: torch.device | str = "cpu",
 
 def choose(mode: str, dtype: str, p: float, s: float, device_type: str, margin: float, slack_margin: float) -> float:
     """The shipped e_max from the protocol max P and the slack S (see the module docstring): never
-    below the built-in value (`builtin_emax`: the seeds' 2u for fp16/bf16 output, earlier
+    below the built-in value (`builtin_emax`: the papers' 2u for fp16/bf16 output, earlier
     measurements with more trials for fp32), so a short calibration can only raise it. In
     accumulator mode the floor is the fp32 entry for every dtype (the fp16/bf16 built-ins are the
     cautious fallback for devices never calibrated, not a floor for those that are)."""

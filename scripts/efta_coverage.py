@@ -3,7 +3,7 @@
 Three parts, each optional:
 
 1. **False positives** (``--clean-calls``): clean ``efta_attention`` calls on fresh inputs drawn in
-   turn from the four distributions of seed 004 §5.1 (N(1e-6,1), N(1,1), U(-1,1), truncated
+   turn from the four distributions of the V-ABFT specification §5.1 (N(1e-6,1), N(1,1), U(-1,1), truncated
    N(0,1)); counts the calls that raised any event (must be 0).
 2. **Real activations** (``--model``): a protected model run (``minilm`` = the embedded
    all-MiniLM-L6-v2 over a few sentences, ``smollm2`` = the embedded SmolLM2 generating, a local

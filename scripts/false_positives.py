@@ -2,7 +2,7 @@
 """Count false alarms: protected calls on clean data must report zero detections.
 
 Part 1 — kernel level: `efta_attention` and `checked_linear` on four input distributions
-(seed 004 §5.1: N(1e-6,1), N(1,1), U(-1,1), truncated N(0,1)), several shapes and dtypes.
+(the V-ABFT specification §5.1: N(1e-6,1), N(1,1), U(-1,1), truncated N(0,1)), several shapes and dtypes.
 Part 2 — real models: every attention and Linear call of SmolLM2-135M-Instruct generating
 answers to a few prompts, and all-MiniLM-L6-v2 embedding sentences.
 Part 3 (``--configs``) — architecture configs with random weights (``qwen2-0.5b-config``,
@@ -30,7 +30,7 @@ import ft_transformers as ftt
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from calibrate_emax import sample_matrix  # noqa: E402
 
-DISTS = ("N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)")  # seed 004 §5.1
+DISTS = ("N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)")  # the V-ABFT specification §5.1
 
 
 def kernel_level(calls: int, seed: int) -> dict:

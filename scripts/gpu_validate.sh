@@ -13,7 +13,7 @@
 #   quickgraph the same timed under CUDA graphs (kernel time without host launch overhead)
 #   coverage   EFTA coverage campaign: 1,000 flips per site x bit class, 100,000 clean calls over four
 #              distributions, a protected MiniLM run (carry .gpucarry/minilm, see efta_coverage.py)
-#   linear     V-ABFT: calibration, GPU tests, bench_linear, the seed 004 study (docs/vabft.md)
+#   linear     V-ABFT: calibration, GPU tests, bench_linear, the V-ABFT specification study (docs/vabft.md)
 #   gemm       the checked GEMM's GPU tests and bench_linear with CUDA-graph and pointer-load columns
 #   parts      a decode GEMM call in parts (plain, GEMM launch alone, two launches, one launch), fp16
 #   profile    torch.profiler tables of Qwen2-0.5B's compiled decode (attention-only and full protection)

@@ -1,22 +1,22 @@
-"""Seed 002's random benchmark (Appendix D/E): FP32 flash attention vs FP16-score attention vs PASA.
+"""The PASA paper's random benchmark (Appendix D/E): FP32 flash attention vs FP16-score attention vs PASA.
 
-Inputs (seed 002, eqs. 17–18; q, k and v drawn independently from the same law, in fp32, then
+Inputs (the PASA paper, eqs. 17–18; q, k and v drawn independently from the same law, in fp32, then
 rounded to fp16, the attention input format of every arm):
 
 * uniform: ``U(x0 − Am, x0 + Am)``;
 * hybrid normal-Bernoulli: ``N(x0, 1) + N(0, Am²)·Bernoulli(p = 0.001)``.
 
 Sweeps: uniform Am = 0.5 with x0 = 0…30 and x0 = 20 with Am = 0.5…20; hybrid Am = 10 with
-x0 = 0…30 and x0 = 20 with Am = 10…100 (they include the six cases of the seed's Table 4).
+x0 = 0…30 and x0 = 20 with Am = 10…100 (they include the six cases of the paper's Table 4).
 
 Arms (all take the same fp16 inputs):
 
 * ``fp32``: flash attention with fp32 scores and fp32 softmax (the EFTA reference, checks off).
 * ``partial``: "partially low-precision" attention: unscaled FP16 scores ``fl16(q·kᵀ)`` from an
   FP16 GEMM with FP16 accumulation (`ft_transformers.pasa.fp16_matmul`), then scaling and softmax
-  and P·V in fp32 (seed 002 Figure 2).
+  and P·V in fp32 (the PASA paper Figure 2).
 * ``pasa``: PASA, FP16 scores, softmax state in fp32 (`efta_reference(pasa=True)`, checks off).
-* ``pasa_fp16``: PASA with every softmax step in fp16 as well (seed 002 Figure 3).
+* ``pasa_fp16``: PASA with every softmax step in fp16 as well (the PASA paper Figure 3).
 * ``pasa_seedmean``: PASA with the block pseudo-average taken from the fp16 scores, as Algorithm
   1 line 13 has it (``pasa_mean="scores"``), softmax state in fp32.
 * ``pasa_efta``: PASA with the EFTA checks on (its detections are reported: every one is a false
@@ -80,7 +80,7 @@ TABLE4 = [("uniform", 30, 0.5, "100%"), ("uniform", 20, 15, "0.12%"), ("uniform"
 
 def make_inputs(dist: str, x0: float, am: float, shape: tuple[int, int, int, int], seed: int,
                 p: float = 0.001) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v (B, H, S, D) float16 from seed 002's uniform (eq. 17) or hybrid (eq. 18) law."""
+    """q, k, v (B, H, S, D) float16 from the PASA paper's uniform (eq. 17) or hybrid (eq. 18) law."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(3):
@@ -180,7 +180,7 @@ def plot(rows: list[dict], img_dir: Path, shape_note: str) -> list[Path]:
             ax.set_title(f"{title}, {fixed} = {SWEEPS[sweep][3]:g}", fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
         axes[0].legend(fontsize=7, loc="upper left")
-        fig.suptitle(f"seed 002 random benchmark, {shape_note}", fontsize=10)
+        fig.suptitle(f"the PASA paper random benchmark, {shape_note}", fontsize=10)
         fig.tight_layout()
         path = img_dir / f"pasa_{dist}.png"
         fig.savefig(path, dpi=110)
@@ -200,7 +200,7 @@ def markdown(rows: list[dict]) -> str:
             cells.append("NaN" if not math.isfinite(y) else f"{y:.2e}")
         lines.append(f"| {r['sweep']} | {r['x0']:g} | {r['Am']:g} | " + " | ".join(cells)
                      + f" | {r['pasa_efta_detected']} |")
-    lines += ["", "Table 4 of seed 002 (partially low-precision FA, NaN percentage of the output):", "",
+    lines += ["", "Table 4 of the PASA paper (partially low-precision FA, NaN percentage of the output):", "",
               "| # | distribution | x0 | Am | seed | partial (here) | PASA (here) | PASA+EFTA (here) |",
               "|---|---|---|---|---|---|---|---|"]
     for i, (dist, x0, am, seed_pct) in enumerate(TABLE4, 1):
@@ -251,7 +251,7 @@ def coverage(trials: int = 25, seed: int = 11) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="1,16,1280,128", help="B,H,S,D (default: the seed's 1,16,1280,128)")
+    ap.add_argument("--shape", default="1,16,1280,128", help="B,H,S,D (default: the paper's 1,16,1280,128)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="three points per sweep")
     ap.add_argument("--sweeps", default=",".join(SWEEPS), help="comma-separated subset of " + ",".join(SWEEPS))

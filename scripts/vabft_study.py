@@ -1,14 +1,14 @@
-"""Reproduce seed 004 §5 (V-ABFT false-positive and detection tables) next to the seed's numbers.
+"""Reproduce the V-ABFT specification §5 (false-positive and detection tables) next to its numbers.
 
 For each dtype (fp32, fp16, bf16) and input distribution (N(1e-6,1), N(1,1), U(-1,1), truncated
 N(0,1); fp16 data scaled by 1e-2 as in the seed), ``--trials`` clean GEMMs C = A·B of shape
 (M, K, N) = (128, 1024, 256) are drawn (batched: many matrices per torch call) and verified:
 
 * ``output``      — V-ABFT on the rounded output (the PyTorch checked linear; seed e_max 8e-3 / 2.2e-6 /
-  1e-3 for bf16 / fp32 / fp16, c_σ = 2.5, as in seed 004 §5);
+  1e-3 for bf16 / fp32 / fp16, c_σ = 2.5, as in the V-ABFT specification §5);
 * ``accumulator`` — V-ABFT on the fp32 accumulator before rounding (the fused kernel's verification;
   emulated by the fp32 GEMM of the same operands, e_max from this package's table for the device);
-* ``A-ABFT``      — the baseline of seed 004 §4 (bf16 only: E_sum-C + E_ele-round + E_check1 +
+* ``A-ABFT``      — the baseline of the V-ABFT specification §4 (bf16 only: E_sum-C + E_ele-round + E_check1 +
   E_check2, verified in fp32).
 
 False positives: a trial is a false positive if any of its rows fails its check. Detection: every
@@ -17,7 +17,7 @@ row of every trial receives one flip of the given bit at a random element whose 
 an element is not eligible ("-" when under 1 % of rows are). The flip is applied to the rounded
 value (site ``linear.output``): D1 changes by ``flipped − v`` (v the value the check summed).
 Also bf16 at (4096, 4096, 4096) (``--big-trials``). Writes ``<out>.csv``, ``<out>.md`` (tables with
-the seed's values side by side) and a plot of detection rate against bit.
+the specification's values side by side) and a plot of detection rate against bit.
 
     python scripts/vabft_study.py --device cuda --trials 100000 --big-trials 20 --out docs/img/vabft_study_h100
     python scripts/vabft_study.py --device cpu --trials 400 --big-trials 0 --out docs/img/vabft_study_cpu
@@ -47,10 +47,10 @@ ITY = {"bfloat16": torch.int16, "float32": torch.int32, "float16": torch.int16}
 SEED_EMAX = {"bfloat16": 8e-3, "float32": 2.2e-6, "float16": 1e-3}
 SCALE = {"bfloat16": 1.0, "float32": 1.0, "float16": 1e-2}
 CSIGMA = 2.5
-EPS_HIGH, EPS_LOW = 2.0**-23, 2.0**-8  # A-ABFT (seed 004 §4)
+EPS_HIGH, EPS_LOW = 2.0**-23, 2.0**-8  # A-ABFT (the V-ABFT specification §4)
 
-_ = None  # the seed's "-" (flip cannot be injected) or "*" (meaningless: FP rate too high)
-# seed 004 §5: per bit, values for [N(1e-6,1), N(1,1), U(-1,1), TN(0,1)] in %
+_ = None  # the specification's "-" (flip cannot be injected) or "*" (meaningless: FP rate too high)
+# the V-ABFT specification §5: per bit, values for [N(1e-6,1), N(1,1), U(-1,1), TN(0,1)] in %
 SEED_FP = {("output", "bfloat16"): [0, 0, 0, 0], ("output", "float32"): [0, 0, 0, 0],
            ("output", "float16"): [0, 0, 0, 0], ("A-ABFT", "bfloat16"): [0, 84.825, 0, 0]}
 SEED_DET = {
@@ -102,7 +102,7 @@ def vabft_thr(a32: torch.Tensor, b32: torch.Tensor, emax: float) -> torch.Tensor
 
 
 def aabft_thr(a32: torch.Tensor, b32: torch.Tensor, maxc: torch.Tensor) -> torch.Tensor:
-    """(bt, M) A-ABFT error bound of seed 004 §4 given the row max |C| (bt, M)."""
+    """(bt, M) A-ABFT error bound of the V-ABFT specification §4 given the row max |C| (bt, M)."""
     k, n = b32.shape[-2], b32.shape[-1]
     s8 = math.sqrt(n * (n + 1) * (2 * n + 1) / 6 / 8)
     maxb_row = b32.abs().amax(-1)  # (bt, K)
@@ -249,7 +249,7 @@ def write(args, tally: Tally, emax_used: dict, shape: tuple, dev: torch.device) 
         return f"{ours} ({fmt(r['seed_pct'])})" if r["seed_pct"] is not None or tag == "main" else ours
 
     name = device_name(dev.type)
-    md = [f"Device: {name}; torch {torch.__version__}. Main shape (M, K, N) = {shape}. Cells: ours (seed 004). "
+    md = [f"Device: {name}; torch {torch.__version__}. Main shape (M, K, N) = {shape}. Cells: ours (specification). "
           "Samples: false positives per trial; detection per row (one flip per row).", ""]
     md.append("e_max: output-side = seed's (bf16 8e-3, fp32 2.2e-6, fp16 1e-3); accumulator-side = "
               + ", ".join(f"{dt} {v:.3g}" for (tag, dt), v in emax_used.items() if tag == "main") + ".")
@@ -297,7 +297,7 @@ def write(args, tally: Tally, emax_used: dict, shape: tuple, dev: torch.device) 
             ax.plot(xs, ys, style, label=f"{algo} (ours)", ms=4)
         sd = SEED_DET[("output", dt, "0->1")]
         ax.plot(list(sd), [v[DISTS.index(dist)] if v[DISTS.index(dist)] is not None else float("nan")
-                           for v in sd.values()], "k:", label="V-ABFT output (seed 004)")
+                           for v in sd.values()], "k:", label="V-ABFT output (the V-ABFT specification)")
         ax.set_title(f"{dist}, bf16 {shape}", fontsize=9)
         ax.set_xlabel("flipped bit (0→1)")
         ax.grid(alpha=0.3)

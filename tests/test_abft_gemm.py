@@ -212,7 +212,7 @@ def test_single_exponent_flips_detected_corrected_like_reference(dtype):
                 clean = F.linear(x, w, b)
                 r, c = FaultPlan(spec).for_site("linear.output", (bsz * seq, n), dtype, DEV).positions[0].tolist()
                 if (clean.reshape(-1, n)[r, c].view(_ITY[dtype]) >> bit) & 1:
-                    continue  # a 1→0 flip (shrinks the value); seed 004 measures 0→1
+                    continue  # a 1→0 flip (shrinks the value); the V-ABFT specification measures 0→1
                 y_t, st_t = ftt.checked_linear(x, w, b, inject=spec, backend="triton")
                 y_r, st_r = ftt.checked_linear(x, w, b, inject=spec, backend="reference")
             st_t, st_r = dict(st_t), dict(st_r)
@@ -1204,7 +1204,7 @@ def test_gpu_real_shapes_clean_and_flips(dtype):
             tol = _gemm_rel_tol(dtype, k)
             assert err < tol, (dist, m, k, n, err, tol)
     assert total == ZERO, f"false positives over {calls} calls: {total}"
-    # single 0→1 flips of high exponent bits (what seed 004 measures). The fused kernel verifies in its
+    # single 0→1 flips of high exponent bits (what the V-ABFT specification measures). The fused kernel verifies in its
     # fp32 accumulators, the reference (cuBLAS) its rounded output: every flip the reference finds, the
     # kernel finds too, and repairs; a small value scaled up may stay below the output-side threshold only
     x = torch.randn(4, 256, 1024, device="cuda", generator=g).to(dtype)

@@ -138,7 +138,7 @@ _FP_SHAPES = [((64, 1024, 256), 8), ((64, 256, 1024), 8), ((16, 1024, 1024), 8),
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_zero_false_positives_four_distributions(dtype):
-    """Clean calls over the four distributions of seed 004 §5.1 at realistic shapes: no detection."""
+    """Clean calls over the four distributions of the V-ABFT specification §5.1 at realistic shapes: no detection."""
     g = torch.Generator().manual_seed({torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}[dtype])
     calls = rows = 0
     counters = new_counters("cpu")
@@ -167,9 +167,9 @@ _HIGH_BITS = [(torch.float32, b) for b in (27, 28, 29, 30)] + [(torch.float16, b
 def test_single_high_bit_flip_detected_and_repaired(dtype, bit, shortcuts):
     """Single 0→1 flips of high exponent bits at random positions (public API, FaultSpec).
 
-    Seed 004 measures 0→1 flips (1→0 only shrinks the value). Positions holding a near-zero value
+    The V-ABFT specification measures 0→1 flips (1→0 only shrinks the value). Positions holding a near-zero value
     (|y| < rms(row)/8) are skipped: there fp16 bit 12 (×16) or 13 (×256) moves y by less than the
-    row's rounding-noise threshold (seed 004: fp16 bit 12 detected 80.5 % on N(1e-6,1)).
+    row's rounding-noise threshold (the V-ABFT specification: fp16 bit 12 detected 80.5 % on N(1e-6,1)).
     """
     g = torch.Generator().manual_seed(100 + bit)
     bsz, seq, k, n = 2, 12, 256, 192

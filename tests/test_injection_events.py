@@ -129,7 +129,7 @@ def test_recorder_steps_and_report(tmp_path):
 
 
 def test_pasa_optimal_beta_matches_seed():
-    # seed 002, Appendix C: fp16, block 128, from 1-2^-4, 1-2^-5, 1-2^-6
+    # the PASA paper, Appendix C: fp16, block 128, from 1-2^-4, 1-2^-5, 1-2^-6
     got = [optimal_beta(128, torch.float16, 1 - 2.0**-i) for i in (4, 5, 6)]
     assert got == pytest.approx([0.937500, 0.968994, 0.984497], abs=1e-6)
 
