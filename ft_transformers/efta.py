@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import pasa as _pasa
 from .counters import FaultStats, new_counters
 from .efta_reference import broadcast_to_scores, efta_reference
 from .injection import FaultPlan, FaultSpec
@@ -33,6 +34,21 @@ def _triton_module():
     except ImportError:
         return None
     return kmod if hasattr(kmod, "efta_triton_forward") else None
+
+
+@functools.lru_cache(maxsize=256)  # per call on the hot path: β's fixed-point iteration runs once
+def _pasa_shift(kmod, beta: float | None, n_keys: int):
+    """PASA's key shift as the Triton kernel ``kmod`` takes it (``kmod.PasaShift``) for ``n_keys`` keys in
+    blocks of ``kmod.CS_BLOCK_N``: β (``beta``, or the optimal one for fp16 and that block), the fp16
+    shifting matrix's entries and the recovery factor γ of a full block and of the last one
+    (``docs/pasa.md`` "Kernel interface")."""
+    bn = kmod.CS_BLOCK_N
+    beta = _pasa.optimal_beta(bn, torch.float16) if beta is None else float(beta)
+    w_last = n_keys - (n_keys - 1) // bn * bn if n_keys else bn
+    diag, off = _pasa.shift_coefficients(bn, beta)
+    diag_l, off_l = _pasa.shift_coefficients(w_last, beta)
+    return kmod.PasaShift(diag, off, _pasa.recovery_factor(bn, beta), diag_l, off_l,
+                          _pasa.recovery_factor(w_last, beta))
 
 
 def _resolve_backend(backend: str, device: torch.device):
@@ -139,7 +155,7 @@ def _efta_forward(
         counters: int32 (sites, kinds) block on q's device (e.g. a (6, 5) view into a bigger tensor).
         pasa: PASA shifted FP16 score GEMM (``docs/pasa.md``); fp16/bf16 inputs only.
         pasa_beta: PASA shift factor; None = optimal for fp16 and the backend's key block.
-        pasa_precision: PASA's softmax-state precision, ``"fp32"`` or ``"fp16"`` (seed 002's full
+        pasa_precision: PASA's softmax-state precision, ``"fp32"`` or ``"fp16"`` (the PASA paper's full
             low-precision allocation; only with ``detect=False``).
     Returns:
         (B, Hq, M, D) in q's dtype.
@@ -158,9 +174,10 @@ def _efta_forward(
                   detect=bool(detect), correct=correct, plan=plan, counters=counters)
     if pasa:
         # The Triton kernel opts in to PASA with a module attribute PASA_SUPPORTED = True and then
-        # takes the keywords pasa=True, pasa_beta=... (docs/pasa.md, "kernel interface").
+        # takes the key shift resolved here (pasa=PasaShift) and pasa_precision (docs/pasa.md,
+        # "Kernel interface"); the kernel imports nothing of the library.
         if kmod is not None and getattr(kmod, "PASA_SUPPORTED", False):
-            kwargs.update(pasa=True, pasa_beta=pasa_beta, pasa_precision=pasa_precision)
+            kwargs.update(pasa=_pasa_shift(kmod, pasa_beta, k.shape[2]), pasa_precision=pasa_precision)
         elif backend == "triton":
             raise NotImplementedError(
                 "PASA is not implemented in the Triton EFTA kernel yet; use backend='reference' "
@@ -209,7 +226,7 @@ def efta_attention(
         bias: additive float bias broadcastable to (B, Hq, M, N) (e.g. T5's position bias).
         attn_mask: bool (True = attend) or additive float, broadcastable to (B, Hq, M, N).
         window: sliding window; key j is visible only if j > i + N − M − window.
-        pasa: PASA (seed 002): each key block shifted by β times its mean, FP16 score GEMM with FP16
+        pasa: PASA: each key block shifted by β times its mean, FP16 score GEMM with FP16
             accumulation, softmax state in fp32, β optimal for fp16 and the key block
             (``docs/pasa.md``). fp16/bf16 inputs only (float32: NotImplementedError).
         detect: verify (checksums and range checks); False = the unprotected computation.

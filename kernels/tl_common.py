@@ -4,14 +4,12 @@ device guard, the tuners' timer, and whether a kernel runs in Triton's CPU inter
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["call_flag", "cdiv", "dot", "env_get", "env_reader", "gpu_time", "on_tensor_device", "runs_interpreted",
-           "sm_count"]
+__all__ = ["call_flag", "cdiv", "dot", "gpu_time", "on_tensor_device", "runs_interpreted", "sm_count"]
 
 
 @triton.jit
@@ -28,40 +26,6 @@ def dot(a, b, acc, F32: tl.constexpr):
 def cdiv(a: int, b: int) -> int:
     """⌈a / b⌉ on the host (``triton.cdiv`` costs microseconds per call on the launch path)."""
     return -(-a // b)
-
-
-# The dict behind os.environ (CPython: encoded keys and values). ``os.environ.get`` encodes the key and
-# decodes the value in Python on every call, ~0.9 µs per read; a protected layer's launch path reads
-# 7-8 settings per call (6.5 µs of a 9 µs fast-path key on the CI host, 4.7 µs on an H200's).
-# ``os.environ`` writes go through the same dict, so reads here see them at once.
-_ENV = getattr(os.environ, "_data", None)
-_ENCODE = getattr(os.environ, "encodekey", None)
-_DECODE = getattr(os.environ, "decodevalue", None)
-_ENV_KEYS: dict[str, object] = {}
-
-
-def _encoded(name: str) -> object:
-    k = _ENV_KEYS.get(name)
-    if k is None:
-        k = _ENV_KEYS[name] = _ENCODE(name)
-    return k
-
-
-def env_get(name: str, default: str | None = None) -> str | None:
-    """``os.environ.get(name, default)``, reading the environment's dict directly."""
-    if _ENV is None or _ENCODE is None or _DECODE is None:  # pragma: no cover - not CPython's os.environ
-        return os.environ.get(name, default)
-    v = _ENV.get(_ENV_KEYS.get(name) or _encoded(name))
-    return default if v is None else _DECODE(v)
-
-
-def env_reader(names: tuple[str, ...]):
-    """A function returning the raw values of ``names`` in the environment (None where unset), for cache
-    keys: equal tuples mean equal settings. One C-level ``map`` of dict lookups per call."""
-    if _ENV is None or _ENCODE is None:  # pragma: no cover - not CPython's os.environ
-        return lambda: tuple(os.environ.get(n) for n in names)
-    keys, get = tuple(map(_ENCODE, names)), _ENV.get
-    return lambda: tuple(map(get, keys))
 
 
 _SMS: dict[torch.device, int] = {}
@@ -143,8 +107,8 @@ def call_flag(device: torch.device, self_reset: bool = False) -> tuple[torch.Ten
     * ``self_reset=False``: the cell is zeroed inside the graph (a captured memset before the call);
     * ``self_reset=True`` (the launch's last program stores 0 into the cell when it is done: the
       one-launch checked GEMM): the call gets a second cell, used only by such calls, which is 0
-      between calls, and no memset. A compiled decode step made one memset node per checked
-      Linear call before: 0.9-1.1 µs per call of a 16-call graph (H200, session 26, docs/vabft.md).
+      between calls, and no memset (a memset node per checked Linear call costs 0.9-1.1 µs per call
+      of a 16-call graph on an H200, docs/vabft.md).
     """
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     key = (device, capturing and self_reset)

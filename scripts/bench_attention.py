@@ -14,8 +14,8 @@ during the run reaches both sides of a ratio alike:
 * ``efta_correct`` — EFTA, detection + correction (the default protection)
 * ``efta_pasa``    — EFTA detection + correction with PASA (FP16 score GEMM on shifted keys; fp16 only)
 * ``pasa_off``     — PASA with the checks off, softmax state in fp32 (fp16 only)
-* ``pasa_fp16``    — PASA with the checks off, seed 002's full FP16 allocation (state and P·V in fp16)
-* ``decoupled``    — the unfused baseline as seed 000 describes it: materialised fp32 scores,
+* ``pasa_fp16``    — PASA with the checks off, the PASA paper's full FP16 allocation (state and P·V in fp16)
+* ``decoupled``    — the unfused baseline as the EFTA paper describes it: materialised fp32 scores,
   checksum ABFT on both GEMMs, the softmax computed twice and compared (PyTorch ops)
 
 Shapes: prefill with (H, D) ∈ {(16, 64), (32, 128)}, S = 512 … 16384 and B·S = 16384, causal and
@@ -39,7 +39,6 @@ import argparse
 import csv
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -86,26 +85,13 @@ def nbytes(B, H, M, N, D, itemsize) -> float:
 
 
 def versions() -> str:
-    import torch
-    import triton
+    from _common import environment  # lazily, like torch: the device and versions of this run
 
-    lines = [f"python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}"]
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        lines.append(f"device {torch.cuda.get_device_name(0)} (sm_{p.major}{p.minor}, "
-                     f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB), "
-                     f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
-    try:
-        import transformers
-
-        lines.append(f"transformers {transformers.__version__}")
-    except ImportError:
-        pass
-    return "\n".join(lines)
+    return environment()
 
 
 def decoupled_attention(q, k, v, scale: float, causal: bool, counters):
-    """Unfused fault-tolerant attention, the seed's decoupled baseline (PyTorch ops).
+    """Unfused fault-tolerant attention, the EFTA paper's decoupled baseline (PyTorch ops).
 
     q (B, H, M, D), k/v (B, H, N, D); bottom-right causal. S = Q·Kᵀ is materialised (in the input
     dtype, as eager attention does; softmax in fp32) and verified by its row checksum
@@ -153,6 +139,7 @@ def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
     from triton.testing import do_bench, do_bench_cudagraph
 
     from ft_transformers.counters import new_counters
+    from ft_transformers.efta import _pasa_shift
     from ft_transformers.injection import FaultPlan
 
     g = torch.Generator(device=device).manual_seed(B * 7919 + N)
@@ -196,24 +183,27 @@ def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
                 ncalls = [0]
 
                 state = PASA_STATE.get(variant, "fp32")
+                shift = _pasa_shift(K, None, N) if variant in PASA_STATE else None
 
-                def fn(detect=detect, correct=correct, counters=counters, ncalls=ncalls, pasa=variant in PASA_STATE,
-                       state=state):
+                def fn(detect=detect, correct=correct, counters=counters, ncalls=ncalls, pasa=shift, state=state,
+                       on_config=None):
                     ncalls[0] += 1
                     return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None,
                                                  attn_mask=None, window=None, detect=detect, correct=correct,
-                                                 plan=plan, counters=counters, pasa=pasa, pasa_precision=state)
+                                                 plan=plan, counters=counters, pasa=pasa, pasa_precision=state,
+                                                 on_config=on_config)
+            launched = []  # the block config of our kernel's forward launch
             with torch.no_grad():
-                out = fn()  # compile / autotune outside the timing
+                # compile / autotune outside the timing
+                out = fn(on_config=launched.append) if variant in OURS else fn()
                 if device == "cuda":
                     torch.cuda.synchronize()
                 if variant == "sdpa_flash":
                     ref = out.float()
                 if ref is not None:
                     row["max_abs_err"] = (out.float() - ref).abs().max().item()
-            if variant in OURS:
-                launched = K.LAST_CONFIG[0]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-                row["config"] = ",".join(map(str, launched)) if launched is not None else ""
+            if variant in OURS:  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+                row["config"] = ",".join(map(str, launched[-1])) if launched else ""
             counted = variant in OURS or variant == "decoupled"  # the variants that count calls and events
             fns[variant] = (fn, counters if counted else None, ncalls if counted else None)
         except Exception as exc:  # a backend that does not take this shape
@@ -267,6 +257,7 @@ def _warm(combo):
     from ft_transformers.kernels import efta as K
 
     from ft_transformers.counters import new_counters
+    from ft_transformers.efta import _pasa_shift
     from ft_transformers.injection import FaultPlan
 
     t0 = time.time()
@@ -282,7 +273,8 @@ def _warm(combo):
                     continue
                 K.efta_triton_forward(q, k, v, scale=D**-0.5, causal=causal, bias=None, attn_mask=None,
                                       window=None, detect=detect, correct=correct, plan=FaultPlan(None),
-                                      counters=new_counters("cuda"), pasa=name in PASA_STATE,
+                                      counters=new_counters("cuda"),
+                                      pasa=_pasa_shift(K, None, N) if name in PASA_STATE else None,
                                       pasa_precision=PASA_STATE.get(name, "fp32"))
         torch.cuda.synchronize()
         return combo, time.time() - t0, ""
@@ -438,16 +430,18 @@ def main(argv=None) -> int:
         print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
         return 2
     from ft_transformers.kernels import efta as K
+    from ft_transformers.kernels.options import options
 
+    forced = options().efta_config
     print(f"EFTA bounds: {K.BOUNDS}, gemm slack on CUDA = {K.BOUNDS.gemm_slack(False)}; "
-          f"forced config: {os.environ.get('FTT_EFTA_CONFIG') or 'none (autotune)'}", flush=True)
+          f"forced config: {forced or 'none (autotune)'}", flush=True)
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     if args.quick:
         dtypes = dtypes[:1]
     kinds = set(args.kinds.split(","))
     csv_path = os.path.join(args.out, "bench_attention.csv")
     t0 = time.time()
-    if args.jobs > 0 and not os.environ.get("FTT_EFTA_CONFIG"):
+    if args.jobs > 0 and forced is None:
         combos = sorted({(kind, str(dt).replace("torch.", ""), H, D, causal)
                          for dt in dtypes for kind, B, H, M, N, D, causal in shapes(args.quick) if kind in kinds})
         try:

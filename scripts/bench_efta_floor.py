@@ -16,7 +16,7 @@ PyTorch outside the timing. So each level is a lower bound for a kernel that car
 * ``floor2`` — ``floor1`` + step 4 as the library writes it: ``Π_l max(P, P_min)`` against
   ``2^(Σ_l max(y, y_min))`` per group (per score two max, an add and a multiply; per group one
   ``lg2``);
-* ``floor2u`` — ``floor1`` + step 4 as seed 000's unified verification: the exponent sum taken from
+* ``floor2u`` — ``floor1`` + step 4 as the EFTA paper's unified verification: the exponent sum taken from
   the checksum, ``Σ_l y = c·Sc1 − L·m·log2 e`` (per score one max and a multiply). Tested one-sided
   (``log2 Π ≥ Σ y − tol``) because clamped groups exceed the identity: not a complete check;
 * ``floor3`` / ``floor3u`` — ``floor2`` / ``floor2u`` + GEMM II's checksum: ``Oc1 += P·Vc1`` (one
@@ -50,7 +50,7 @@ import triton.language as tl  # noqa: E402
 from _timing import interleaved  # noqa: E402
 
 # the library's ex2.approx.ftz / lg2.approx.ftz (tl.exp2 / tl.log2 in the interpreter)
-from ft_transformers.kernels.efta import _exp, _lg2, _mul  # noqa: E402
+from ft_transformers.kernels.efta.softmax import _exp, _lg2, _mul  # noqa: E402
 from ft_transformers.kernels.tl_common import runs_interpreted  # noqa: E402
 
 LOG2E = 1.4426950408889634

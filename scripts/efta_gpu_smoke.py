@@ -10,11 +10,11 @@ Arguments: dtype (float16 | bfloat16 | float32), detect (1 | 0), case (gqa | big
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import torch
 from ft_transformers.kernels import efta as K
+from ft_transformers.kernels.options import options
 
 from ft_transformers.counters import new_counters
 from ft_transformers.injection import FaultPlan
@@ -46,7 +46,7 @@ def main() -> None:
         i = torch.arange(M, device=dev)[:, None] + N - M
         s = s.masked_fill(torch.arange(N, device=dev)[None] > i, float("-inf"))
     err = (out.double() - torch.softmax(s, -1) @ vv).abs().max().item()
-    print("OK", os.environ.get("FTT_EFTA_CONFIG"), sys.argv[1:], "err", err, "cnt", cnt.sum().item())
+    print("OK", options().efta_config, sys.argv[1:], "err", err, "cnt", cnt.sum().item())
 
 
 if __name__ == "__main__":

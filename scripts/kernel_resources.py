@@ -7,8 +7,8 @@ compiled for ``sm_90a`` here and compared by what ``ptxas -v`` says — register
 and spill bytes, shared memory — before spending GPU time on them. (Compile errors that only the
 GPU toolchain would raise show up here too.) Spill bytes are a static count: spills inside the
 rarely taken repair branches cost little at run time. Each variant also says whether ptxas
-serialised its wgmma instructions (warning C7515: a wait after every one; the EFTA loop once took
-2.2× its time so), which the installed ptxas may report differently from the GPU image's.
+serialised its wgmma instructions (warning C7515: a wait after every one, which can cost the EFTA
+loop 2.2× its time), which the installed ptxas may report differently from the GPU image's.
 
     python scripts/kernel_resources.py                      # the standard variants
     python scripts/kernel_resources.py --arch 90 --csv out.csv
@@ -34,8 +34,9 @@ import tempfile
 import time
 
 import triton
-from ft_transformers.kernels import abft_gemm as G
-from ft_transformers.kernels import efta as K
+from ft_transformers.kernels.abft_gemm.decode import grouped_gemm_kernel
+from ft_transformers.kernels.abft_gemm.tile import _gemm_kernel
+from ft_transformers.kernels.efta.kernel import _efta_fwd
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -88,7 +89,7 @@ def compile_variant(dtype: str, over: dict, num_warps: int, num_stages: int, arc
     """Compile one variant as a call on aligned, contiguous tensors would specialise it: pointers
     and the other integer arguments divisible by 16 (without that, loads are scalar and the loop is
     not pipelined, which misstates registers and loop bodies)."""
-    fn = K._efta_fwd
+    fn = _efta_fwd
     consts = {k: v for k, v in {**BASE, **FP[dtype], **over}.items() if k in fn.arg_names}
     consts.update({name: 1 for name in ONE if name in fn.arg_names and not (name == "nsplit" and consts["SPLIT"])})
     sig, attrs = {}, {}
@@ -110,7 +111,7 @@ def compile_variant(dtype: str, over: dict, num_warps: int, num_stages: int, arc
                                                                           "num_stages": num_stages})
 
 
-# The checked GEMM (`ft_transformers.kernels.abft_gemm._gemm_kernel`): (name, dtype, (BLOCK_M, BLOCK_N,
+# The checked GEMM (`ft_transformers.kernels.abft_gemm.tile._gemm_kernel`): (name, dtype, (BLOCK_M, BLOCK_N,
 # BLOCK_K, num_warps, num_stages), overrides of GEMM_BASE). The decode config with one launch and with
 # two (injection, bias and a ragged K), the fp32 path (IEEE dots, accumulator-side re-verification),
 # the output-side check, and the TMA prefill config.
@@ -131,7 +132,7 @@ GEMM_VARIANTS = [
     ("output-side check, one launch", "bf16", (64, 128, 64, 4, 4), dict(VERIFY_OUTPUT=True, VERIFY_R=64)),
     ("prefill, TMA, two launches", "fp16", (128, 256, 64, 8, 3),
      dict(TMA=True, TMA_STORE=True, ONE_LAUNCH=False, CORRECT=False, VERIFY_R=64)),
-    # the decode kernel (`abft_decode.grouped_gemm_kernel`: DECODE=True, overrides of DECODE_BASE)
+    # the decode kernel (`abft_gemm.decode.grouped_gemm_kernel`: DECODE=True, overrides of DECODE_BASE)
     ("decode kernel, 64-column groups", "fp16", (16, 64, 128, 4, 4), dict(DECODE=True)),
     ("decode kernel, BLOCK_K 256, split-K, bias", "bf16", (16, 64, 256, 4, 3),
      dict(DECODE=True, SPLIT=True, HAS_BIAS=True)),
@@ -152,7 +153,7 @@ def compile_gemm_variant(dtype: str, cfg: tuple, over: dict, arch: int):
     """Compile the checked GEMM's `_gemm_kernel` (or with ``DECODE`` its decode kernel) as a call on
     contiguous, 16-byte aligned tensors would specialise it (TMA: descriptors of the config's block shapes)."""
     decode = over.get("DECODE", False)
-    fn = G.grouped_gemm_kernel if decode else G._gemm_kernel
+    fn = grouped_gemm_kernel if decode else _gemm_kernel
     bm, bn, bk, warps, stages = cfg
     consts = {**(DECODE_BASE if decode else GEMM_BASE), **{k: v for k, v in over.items() if k != "DECODE"},
               "BLOCK_M": bm, "BLOCK_K": bk, ("G" if decode else "BLOCK_N"): bn}
@@ -204,7 +205,7 @@ def ptxas_info(ptx: str) -> dict:
     return {"registers": grab(r"Used (\d+) registers"), "stack": grab(r"(\d+) bytes stack frame"),
             "spill_stores": grab(r"(\d+) bytes spill stores"), "spill_loads": grab(r"(\d+) bytes spill loads"),
             # ptxas C7515: it could not keep the wgmma pipeline and serialised every wgmma (a wait after
-            # each one), which cost the EFTA loop 2.2x its time once
+            # each one), which can cost the EFTA loop 2.2x its time
             "wgmma_serialized": "C7515" in text}
 
 

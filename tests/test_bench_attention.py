@@ -1,4 +1,4 @@
-"""The decoupled baseline of scripts/bench_attention.py (the seed's unfused fault-tolerant attention).
+"""The decoupled baseline of scripts/bench_attention.py (the EFTA paper's unfused fault-tolerant attention).
 
 It is a benchmark baseline, but its numbers only mean something if it computes attention and its
 checks neither false-alarm on clean inputs nor miss a large fault. Oracle: float64 attention.

@@ -11,6 +11,7 @@ the same tests run compiled on the GPU, and the ``gpu``-marked tests add real sh
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -27,10 +28,14 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from ft_transformers.kernels import efta as K  # noqa: E402
+from ft_transformers.kernels.contract import ATTENTION_SITES  # noqa: E402
+from ft_transformers.kernels.efta import configs as C  # noqa: E402
+from ft_transformers.kernels.efta import host as H  # noqa: E402
+from ft_transformers.kernels.options import override  # noqa: E402
 
 from ft_transformers.counters import FaultStats, new_counters  # noqa: E402
+from ft_transformers.efta import _pasa_shift  # noqa: E402
 from ft_transformers.injection import FaultPlan, FaultSpec  # noqa: E402
-from ft_transformers.kernels.contract import ATTENTION_SITES  # noqa: E402
 
 try:
     from ft_transformers.efta_reference import efta_reference
@@ -73,15 +78,23 @@ def rand_qkv(B, Hq, Hkv, M, N, D, dtype=torch.float32, seed=0, dist="normal", de
 
 def kernel(q, k, v, *, scale=None, causal=False, bias=None, attn_mask=None, window=None, detect=True,
            correct=True, inject=None, counters=None, pasa=False, **extra):
-    """Run the kernel; returns (out, FaultStats, plan)."""
+    """Run the kernel (``pasa=True``: with the key shift the library resolves for β optimal); returns
+    (out, FaultStats, plan)."""
     plan = inject if isinstance(inject, FaultPlan) else FaultPlan(inject)
     counters = new_counters(q.device) if counters is None else counters
     with torch.no_grad():
         out = K.efta_triton_forward(
             q, k, v, scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, causal=causal, bias=bias,
             attn_mask=attn_mask, window=window, detect=detect, correct=correct, plan=plan, counters=counters,
-            pasa=pasa, **extra)
+            pasa=_pasa_shift(K, None, k.shape[2]) if pasa else None, **extra)
     return out, FaultStats(counters), plan
+
+
+@pytest.fixture
+def opts():
+    """``opts(**fields)``: the kernel options (`override`) changed from there to the end of the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **fields: stack.enter_context(override(**fields))
 
 
 def reference(q, k, v, *, scale=None, causal=False, bias=None, attn_mask=None, window=None, detect=True,
@@ -150,16 +163,16 @@ def test_autotuner_candidates_per_call_kind():
     """The configs the autotuner times (`_prune`): decode (M ≤ 16) only BLOCK_M = 16, the two-warp and
     two-stage decode configs only with the checks on, the checked kernel only key blocks of CS_BLOCK_N, and
     prefill at D > 64 only BLOCK_N = 64."""
-    configs = [K._cfg(c) for c in K.CONFIGS_PREFILL + K.CONFIGS_DECODE]
+    configs = [C._cfg(c) for c in C.CONFIGS_PREFILL + C.CONFIGS_DECODE]
 
     def picked(**kw):
         args = dict(M_KEY=1, BLOCK_D=64, DETECT=False, PASA=False) | kw
-        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in K._prune(configs, args)}
+        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in C._prune(configs, args)}
 
     assert picked() == {(16, 64, 4, 3), (16, 128, 4, 3)}
     assert picked(DETECT=True) == {(16, 64, 4, 3), (16, 64, 2, 3), (16, 64, 2, 2), (16, 64, 4, 2)}
-    assert picked(M_KEY=4096, DETECT=True) == {c for c in K.CONFIGS_PREFILL if c[1] == K.CS_BLOCK_N}
-    assert picked(M_KEY=4096, BLOCK_D=128) == {c for c in K.CONFIGS_PREFILL if c[1] == 64}
+    assert picked(M_KEY=4096, DETECT=True) == {c for c in C.CONFIGS_PREFILL if c[1] == K.CS_BLOCK_N}
+    assert picked(M_KEY=4096, BLOCK_D=128) == {c for c in C.CONFIGS_PREFILL if c[1] == 64}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
@@ -235,9 +248,9 @@ def test_injection_corrected(site, inj_data):
 
 
 @pytest.mark.parametrize("site", ["attn.scores", "attn.rowsum", "attn.output"])
-def test_repair_launch_equals_one_launch(site, monkeypatch):
+def test_repair_launch_equals_one_launch(site):
     """Prefill with correction runs the repairing pass in a second launch, for the flagged query
-    blocks only; with FTT_EFTA_TWO_LAUNCH=0 both passes share one launch. Several faults over the
+    blocks only; with the option efta_two_launch off both passes share one launch. Several faults over the
     query blocks of every head: same output bits and same counts either way, and the reference's
     counts. Without a fault, the clean launch alone writes every row."""
     B, Hq, Hkv, M, N, D = 1, 2, 1, 70, 130, 32  # 3 query blocks of 32 rows per head
@@ -245,9 +258,9 @@ def test_repair_launch_equals_one_launch(site, monkeypatch):
     spec = FaultSpec(site=site, bit=29, count=3, seed=5)
     runs = {}
     for mode in ("1", "0"):
-        monkeypatch.setenv("FTT_EFTA_TWO_LAUNCH", mode)
-        clean, cstats, _ = kernel(q, k, v, causal=True)
-        out, stats, plan = kernel(q, k, v, causal=True, inject=spec)
+        with override(efta_two_launch=mode == "1"):
+            clean, cstats, _ = kernel(q, k, v, causal=True)
+            out, stats, plan = kernel(q, k, v, causal=True, inject=spec)
         assert cstats["detected"] == 0 and plan.injected == 3
         runs[mode] = (clean, out, counts(stats))
     assert torch.equal(runs["1"][0], runs["0"][0]) and torch.equal(runs["1"][1], runs["0"][1])
@@ -313,7 +326,7 @@ def test_multiple_faults_match_reference(inj_data):
 
 
 # ------------------------------------------------------------------------------------------------
-# split-key decode (FTT_EFTA_SPLIT forces the split the GPU picks for few long rows)
+# split-key decode (the option efta_split forces the split the GPU picks for few long rows)
 # ------------------------------------------------------------------------------------------------
 
 SPLIT_CASES = {  # (B, Hq, Hkv, M, N, D), kwargs; N = 300: five key blocks over 3 splits (2 + 2 + 1)
@@ -335,11 +348,11 @@ def _split_case(name):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
-def test_split_keys_match_float64(monkeypatch, case, dtype):
+def test_split_keys_match_float64(monkeypatch, opts, case, dtype):
     (B, Hq, Hkv, M, N, D), kw = _split_case(case)
     q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, dtype, seed=40 + list(SPLIT_CASES).index(case))
     ref = ref_attention(q, k, v, **kw)
-    monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
+    opts(efta_split=3)
     merges = _spy_splits(monkeypatch)
     for detect in (True, False):
         out, stats, _ = kernel(q, k, v, detect=detect, correct=detect, **kw)
@@ -352,43 +365,41 @@ def test_split_keys_match_float64(monkeypatch, case, dtype):
 def _spy_splits(monkeypatch) -> list:
     """Record the grids of the split-key launches (`_efta_fwd` with SPLIT: their last programs merge)."""
     grids: list = []
-    real = K._FWD_LAUNCH
+    real = H._FWD_LAUNCH
 
     def spy(grid, args, kwargs):
         if kwargs["SPLIT"]:
             grids.append(grid)
         real(grid, args, kwargs)
 
-    monkeypatch.setattr(K, "_FWD_LAUNCH", spy)
+    monkeypatch.setattr(H, "_FWD_LAUNCH", spy)
     return grids
 
 
 def _cells_back_to_zero() -> bool:
     """The split-key arrival cells are 0 between calls (each call's last programs reset them)."""
-    return int(K._arrival_cells(torch.device(DEV)).count_nonzero()) == 0
+    return int(H._arrival_cells(torch.device(DEV)).count_nonzero()) == 0
 
 
 def test_split_rule_for_decode(monkeypatch):
     """`_num_splits` on a 132-SM GPU: decode splits until two programs per SM, at least 256 keys a
     split, 128 with the checks on up to 2,048 keys; never for prefill rows or while injecting; a forced
-    count (FTT_EFTA_SPLIT) is taken as it is."""
-    monkeypatch.delenv("FTT_EFTA_SPLIT", raising=False)
-    monkeypatch.setattr(K, "sm_count", lambda device: 132)
+    count (the option efta_split) is taken as it is."""
+    monkeypatch.setattr(C, "sm_count", lambda device: 132)
     dev = torch.device("cpu")
 
-    def splits(programs, n, detect, m=1, no_skip=False):
-        return K._num_splits(programs, m, n, None, no_skip, dev, False, detect)
+    def splits(programs, n, detect, m=1, no_skip=False, forced=None):
+        return C._num_splits(programs, m, n, None, no_skip, dev, False, detect, forced)
 
     assert splits(2, 528, False) == 2 and splits(2, 528, True) == 4
     assert splits(2, 1024, True) == 8 and splits(2, 4096, True) == splits(2, 4096, False) == 16
     assert splits(8, 8192, True) == 32 and splits(32, 4096, True) == 8  # two programs per SM at most
     assert splits(2, 100, True) == 1 and splits(2, 528, True, m=64) == 1 and splits(2, 528, True, no_skip=True) == 1
-    monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
-    assert splits(2, 528, True) == 3
+    assert splits(2, 528, True, forced=3) == 3
 
 
-def test_split_keys_nonfinite_counted_once(monkeypatch):
-    monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
+def test_split_keys_nonfinite_counted_once(opts):
+    opts(efta_split=3)
     q, k, v = rand_qkv(1, 2, 2, 1, 300, 32, seed=44)
     v[0, 1, 250, 3] = math.nan  # a key in the last split
     out, stats, _ = kernel(q, k, v, causal=True)
@@ -400,9 +411,9 @@ def test_split_keys_nonfinite_counted_once(monkeypatch):
 
 
 @pytest.mark.parametrize("bit", EXP_BITS)
-def test_split_keys_output_fault_corrected(monkeypatch, bit):
+def test_split_keys_output_fault_corrected(opts, bit):
     # output faults strike after the merge, so they keep the split; other sites turn it off
-    monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
+    opts(efta_split=3)
     q, k, v = rand_qkv(2, 2, 2, 1, 300, 64, seed=45)
     clean = ref_attention(q, k, v, causal=True)
     for seed in range(3):
@@ -426,13 +437,13 @@ def test_split_keys_output_fault_corrected(monkeypatch, bit):
 def _spy_fold(monkeypatch) -> list:
     """Record the FOLD switch of every forward launch."""
     seen: list = []
-    real = K._FWD_LAUNCH
+    real = H._FWD_LAUNCH
 
     def spy(grid, args, kwargs):
         seen.append(kwargs["FOLD"])
         real(grid, args, kwargs)
 
-    monkeypatch.setattr(K, "_FWD_LAUNCH", spy)
+    monkeypatch.setattr(H, "_FWD_LAUNCH", spy)
     return seen
 
 
@@ -441,8 +452,8 @@ FOLD_CASES = ["causal", "decode", "cross_gqa", "bool_mask", "window"]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", FOLD_CASES)
-def test_folded_path_matches_float64(monkeypatch, case, dtype):
-    monkeypatch.setenv("FTT_EFTA_FOLD", "1")
+def test_folded_path_matches_float64(monkeypatch, opts, case, dtype):
+    opts(efta_fold=True)
     folds = _spy_fold(monkeypatch)
     (B, Hq, Hkv, M, N, D), kw = _case(case)
     q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, dtype, seed=60 + FOLD_CASES.index(case))
@@ -458,10 +469,10 @@ def test_folded_path_matches_float64(monkeypatch, case, dtype):
     assert folds[-1] is False
 
 
-def test_folded_path_large_scores_no_false_positive(monkeypatch):
+def test_folded_path_large_scores_no_false_positive(opts):
     """Row maxima of several hundred: the max element's P is 2^y with y a few ulp of |m·log2 e| off 0,
     which the widened step-6 bound covers (without it the lower bound 1 − τ_l fails)."""
-    monkeypatch.setenv("FTT_EFTA_FOLD", "1")
+    opts(efta_fold=True)
     q, k, v = rand_qkv(1, 4, 2, 128, 130, 32, seed=66)
     g = torch.Generator().manual_seed(66)
     u = torch.randn(32, generator=g).to(DEV)
@@ -474,9 +485,9 @@ def test_folded_path_large_scores_no_false_positive(monkeypatch):
 
 
 @pytest.mark.parametrize("site", ["attn.rowmax", "attn.probs", "attn.rowsum", "attn.output"])
-def test_folded_path_injection_corrected(monkeypatch, site, inj_data):
+def test_folded_path_injection_corrected(monkeypatch, opts, site, inj_data):
     """Exponent flips on the folded path: found, repaired, and counted as the reference counts them."""
-    monkeypatch.setenv("FTT_EFTA_FOLD", "1")
+    opts(efta_fold=True)
     folds = _spy_fold(monkeypatch)
     q, k, v, clean = inj_data
     for bit in EXP_BITS:
@@ -489,9 +500,8 @@ def test_folded_path_injection_corrected(monkeypatch, site, inj_data):
     assert all(folds), folds
 
 
-def test_folded_split_keys_match_float64(monkeypatch):
-    monkeypatch.setenv("FTT_EFTA_FOLD", "1")
-    monkeypatch.setenv("FTT_EFTA_SPLIT", "3")
+def test_folded_split_keys_match_float64(monkeypatch, opts):
+    opts(efta_fold=True, efta_split=3)
     merges = _spy_splits(monkeypatch)
     (B, Hq, Hkv, M, N, D), kw = _split_case("padding")
     q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, seed=67)
@@ -529,26 +539,26 @@ def _pack_case(name):
 def _spy_fwd(monkeypatch) -> list:
     """Record the grids of `_efta_fwd` launches."""
     grids: list = []
-    real = K._FWD_LAUNCH
+    real = H._FWD_LAUNCH
 
     def spy(grid, args, kwargs):
         grids.append((grid, kwargs["PACK"]))
         real(grid, args, kwargs)
 
-    monkeypatch.setattr(K, "_FWD_LAUNCH", spy)
+    monkeypatch.setattr(H, "_FWD_LAUNCH", spy)
     return grids
 
 
 @pytest.mark.parametrize("split", ["1", "3"])
 @pytest.mark.parametrize("case", list(PACK_CASES))
-def test_packed_gqa_decode_matches_float64(monkeypatch, case, split):
+def test_packed_gqa_decode_matches_float64(monkeypatch, opts, case, split):
     """q_len 1 with GQA: one program row per query head of a kv head (grid axis 1 = Hkv), with per-head
     bias and masks, a head that sees no key, more heads than a block's rows, keys split or not;
     against float64 attention, checks on and off, no events."""
     (B, Hq, Hkv, N, D), kw = _pack_case(case)
     q, k, v = rand_qkv(B, Hq, Hkv, 1, N, D, seed=60 + list(PACK_CASES).index(case))
     ref = ref_attention(q, k, v, **kw)
-    monkeypatch.setenv("FTT_EFTA_SPLIT", split)
+    opts(efta_split=int(split))
     grids = _spy_fwd(monkeypatch)
     merges = _spy_splits(monkeypatch)
     for detect in (True, False):
@@ -583,18 +593,17 @@ def test_packed_gqa_decode_nonfinite_and_injection_unpacked(monkeypatch):
 REPLAY_CASES = {
     "causal_prefill": dict(shape=(1, 4, 2, 80, 80, 32), kw=dict(causal=True)),
     "bool_mask_bias": dict(shape=(2, 2, 2, 24, 40, 32), kw=dict(mask="bool", bias=True)),
-    "split_decode": dict(shape=(1, 4, 2, 1, 200, 32), kw=dict(causal=True), env={"FTT_EFTA_SPLIT": "3"}),
+    "split_decode": dict(shape=(1, 4, 2, 1, 200, 32), kw=dict(causal=True), opts=dict(efta_split=3)),
 }
 
 
 @pytest.mark.parametrize("case", list(REPLAY_CASES))
-def test_replayed_launches_match_the_full_path(monkeypatch, case):
+def test_replayed_launches_match_the_full_path(monkeypatch, opts, case):
     """A second call of one signature replays the first call's launches (`_Replay`) with its own tensors:
     outputs within float64 tolerance and bit-equal to the full host path's, the same counters, an injected
     call never replayed (and events still counted), a changed setting a new signature."""
     spec = REPLAY_CASES[case]
-    for name, val in spec.get("env", {}).items():
-        monkeypatch.setenv(name, val)
+    opts(**spec.get("opts", {}))
     B, Hq, Hkv, M, N, D = spec["shape"]
     kw = dict(spec["kw"])
     g = torch.Generator().manual_seed(7)
@@ -605,14 +614,14 @@ def test_replayed_launches_match_the_full_path(monkeypatch, case):
         mask[..., 0] = True
         kw["attn_mask"] = mask.to(DEV)
     calls = []
-    real = K._Replay.__call__
+    real = H._Replay.__call__
 
     def spy(self, *args):
         calls.append(self)
         return real(self, *args)
 
-    monkeypatch.setattr(K._Replay, "__call__", spy)
-    K._REPLAYS.clear()
+    monkeypatch.setattr(H._Replay, "__call__", spy)
+    H._REPLAYS.clear()
     outs = []
     for seed in (1, 2, 3):
         q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, torch.float16, seed=seed)
@@ -622,7 +631,7 @@ def test_replayed_launches_match_the_full_path(monkeypatch, case):
         assert all(val == 0 for val in stats.values()), stats.by_site()
         outs.append((q, k, v, out))
     assert len(calls) == 2 and calls[0] is calls[1]  # the first call recorded, the next two replayed
-    K._REPLAYS.clear()  # the full path again, for the last inputs: the same bits
+    H._REPLAYS.clear()  # the full path again, for the last inputs: the same bits
     q, k, v, replayed = outs[-1]
     full, _, _ = kernel(q, k, v, **kw)
     assert torch.equal(full, replayed) and len(calls) == 2
@@ -630,29 +639,45 @@ def test_replayed_launches_match_the_full_path(monkeypatch, case):
     inj = FaultSpec(site="attn.output", bit=30, count=1, seed=0)
     _, stats, _ = kernel(q, k, v, inject=inj, **kw)
     assert stats["detected"] >= 1 and len(calls) == 2
-    # a setting read from the environment is part of the signature
-    monkeypatch.setenv("FTT_EFTA_TWO_LAUNCH", "0")
+    # the options in force are part of the signature
+    opts(efta_two_launch=False)
     kernel(q, k, v, **kw)
-    assert len(calls) == 2 and len(K._REPLAYS) == 2
+    assert len(calls) == 2 and len(H._REPLAYS) == 2
 
 
 def test_replay_never_mixes_up_aliased_tensors_or_skips_validation():
     """A call with k and v one tensor is not recorded (its launches could not tell them apart): the next
     call of that signature with distinct k and v runs correctly. A recorded signature does not bypass
     the argument checks that its key does not hold (``pasa_precision``)."""
-    K._REPLAYS.clear()
+    H._REPLAYS.clear()
     q, k, v = rand_qkv(1, 2, 2, 24, 24, 32, torch.float16, seed=4)
     out, _, _ = kernel(q, k, k)  # v is k
     assert maxdiff(out, ref_attention(q, k, k, scale=1.0 / math.sqrt(32))) <= TOL[torch.float16]
-    assert not K._REPLAYS
+    assert not H._REPLAYS
     for _ in range(2):  # recorded, then replayed
         out, _, _ = kernel(q, k, v)
         assert maxdiff(out, ref_attention(q, k, v, scale=1.0 / math.sqrt(32))) <= TOL[torch.float16]
-    assert len(K._REPLAYS) == 1
+    assert len(H._REPLAYS) == 1
     out, _, _ = kernel(q, v, v)  # aliased again, same signature: the recorded launches, with v for k
     assert maxdiff(out, ref_attention(q, v, v, scale=1.0 / math.sqrt(32))) <= TOL[torch.float16]
     with pytest.raises(ValueError, match="pasa_precision"):
         kernel(q, k, v, pasa_precision="fp16")
+
+
+def test_on_config_reports_the_launch_config():
+    """`on_config` receives the forward launch's block config on the full path and on a replayed call
+    (the benchmarks' column); a PASA switch that is not a `PasaShift` is refused."""
+    H._REPLAYS.clear()
+    q, k, v = rand_qkv(1, 2, 2, 24, 24, 32, torch.float16, seed=4)
+    seen = []
+    for _ in range(2):  # recorded, then replayed
+        kernel(q, k, v, on_config=seen.append)
+    assert len(H._REPLAYS) == 1 and len(seen) == 2 and seen[0] == seen[1] and len(seen[0]) == 4
+    if K.interpreting():
+        assert seen[0] == C.CONFIG_INTERPRET
+    with pytest.raises(TypeError, match="PasaShift"):
+        K.efta_triton_forward(q, k, v, scale=None, causal=False, bias=None, attn_mask=None, window=None, detect=True,
+                              correct=True, plan=None, counters=new_counters(DEV), pasa=True)
 
 
 def test_masked_and_decode_injection():
@@ -745,12 +770,12 @@ def test_public_api_triton_backend():
 
 
 # ------------------------------------------------------------------------------------------------
-# PASA (seed 002): FP16 score GEMM on shifted keys
+# PASA: FP16 score GEMM on shifted keys
 # ------------------------------------------------------------------------------------------------
 
 
 def _pasa_inputs(B, Hq, Hkv, M, N, D, seed, x0=40.0, am=0.5):
-    """Seed 002's uniform law U(x0 − Am, x0 + Am) for q, k, v (fp16): unshifted FP16 scores overflow."""
+    """The PASA paper's uniform law U(x0 − Am, x0 + Am) for q, k, v (fp16): unshifted FP16 scores overflow."""
     g = torch.Generator().manual_seed(seed)
 
     def one(*shape):
@@ -802,7 +827,7 @@ def test_pasa_injection_corrected(site):
 
 
 def test_pasa_fp16_state_matches_reference():
-    """Seed 002's full FP16 allocation: same accuracy class as the reference's emulation, well
+    """The PASA paper's full FP16 allocation: same accuracy class as the reference's emulation, well
     below FP16 scores at x0 = 20, and finite at x0 = 30 where FP16 scores overflow."""
     shape = (1, 2, 2, 64, 256, 128)
     for x0 in (20.0, 30.0):
@@ -931,11 +956,11 @@ def test_gpu_injection_matches_reference(site):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_graph_replays_split_decode(monkeypatch):
+def test_gpu_graph_replays_split_decode(opts):
     """A split-key decode call (Qwen2-0.5B heads, a static cache's bool mask) captured into a CUDA graph:
     clean replays match fp32 attention and count nothing; a replay with a NaN in V counts one
     nonfinite_input, and so does a later one; the arrival cells are 0 after every replay."""
-    monkeypatch.setenv("FTT_EFTA_SPLIT", "4")
+    opts(efta_split=4)
     B, Hq, Hkv, N, D = 2, 14, 2, 544, 64
     q, k, v = rand_qkv(B, Hq, Hkv, 1, N, D, torch.float16, seed=11, device="cuda")
     keep = torch.ones(B, 1, 1, N, dtype=torch.bool, device="cuda")

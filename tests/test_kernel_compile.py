@@ -3,17 +3,16 @@
 Triton's frontend, its TritonGPU-to-LLVM lowering and the wheel's ``ptxas`` run on any machine, so
 variants that only the GPU would otherwise compile are built here for ``sm_90``, specialised as a
 call on aligned, contiguous tensors would be (``scripts/kernel_resources.py``). A bool padding mask
-with the repair code compiled in crashed Triton's lowering (``where(mask != 0, s, -inf)`` on a
-loaded mask) and stopped every masked model on the GPU: decode against a static cache, batched
-generation with padding, BERT. The interpreter tests could not see it.
+with the repair code compiled in can crash Triton's lowering (``where(mask != 0, s, -inf)`` on a
+loaded mask), which stops every masked model on the GPU: decode against a static cache, batched
+generation with padding, BERT. The interpreter tests cannot see it.
 
 The checked GEMM's variants (decode, the fp32 path with its accumulator-side re-verification, the
 output-side check, TMA descriptors; ``kernel_resources.GEMM_VARIANTS``) are compiled the same way,
 with the installed Triton. The GPU image has Triton 3.6, whose passes differ: a loop of reductions
-whose results had two uses each failed 3.6's thread-locality pass for fp32 (session 21) and compiles
-with 3.9. For such version-specific failures run the script against a 3.6 wheel (``pip install
---target DIR triton==3.6.0 --no-deps``, then ``PYTHONPATH=DIR python scripts/kernel_resources.py
---kernel gemm``).
+whose results have two uses each fails 3.6's thread-locality pass for fp32 and compiles with 3.9.
+For such version-specific failures run the script against a 3.6 wheel (``pip install --target DIR
+triton==3.6.0 --no-deps``, then ``PYTHONPATH=DIR python scripts/kernel_resources.py --kernel gemm``).
 
 Each compile runs in a fresh process without ``TRITON_INTERPRET``: other test files of the session
 set it before triton is imported, after which triton only interprets.

@@ -1,0 +1,240 @@
+"""The checksum tables of GEMM I and GEMM II, built once per call by a pre-pass, and the operand slices
+the main loop reads them as.
+
+The pre-pass (`_efta_checksums`, one program per key block) reduces every key block once: ``Kc1``,
+``max_d Σ_l |K|``, ``Vc1``, ``Vc2``, ``max_n Σ_l |V|``, already split into input-dtype slices, and
+the main loop loads them like K and V, in decode too. Built per query block instead, every query
+block (and with GQA every query head) would reduce each key block again; in decode that in-loop
+reduction outweighed the single query's GEMMs (16.7× the unchecked time on the H100, against 2× with
+the pre-pass). PASA's pre-pass also writes the shifted keys.
+
+Step 1's checksum ``Kc1 = Σ_l K[l·16+r]`` (stride s = 16, fp32 sums of the K tile) enters the dot
+``Q·Kc1ᵀ`` with fp32 accuracy by splitting the fp32 operand into slices of the input dtype (`_split`;
+fp16: hi + lo = 22 bits, with a per-tile power-of-two scale so the slices neither overflow nor go
+subnormal; bf16: hi + mid + lo = 24 bits; fp32 inputs: one IEEE fp32 dot). The slices sit side by side
+in one operand (`_load_parts`: N = 32 for fp16, 64 for bf16 with 16 zero columns, 16 for fp32), so
+the checksum is one more tensor-core dot, and one wait for it, next to the main GEMM; its columns are
+summed in registers (`_fold_parts`).
+
+GEMM II's ``Vc1`` and ``Vc2`` (checksums over the head dim, same splitting) are stored transposed, so
+that the dot ``P·Vc`` takes a K-major B operand like ``Q·Kc``'s: stored N-major, as V is, the kernels
+with in-loop injection computed wrong ``Oc`` on the H100 with Triton 3.6 (every output group failed
+step 7, or an illegal address with both passes in one launch).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..tl_common import dot as _dot
+from .common import _nanmax
+
+
+@triton.jit
+def _split(b, bmax, DT: tl.constexpr, PARTS: tl.constexpr, SCALE: tl.constexpr):
+    """Split the fp32 checksum operand b into PARTS slices of the input dtype DT: b ≈ ic·(p0 + p1 + p2).
+
+    fp16 (PARTS=2, SCALE): b is first scaled by a power of two so that bmax (an upper bound of |b|,
+    at most 8× above its max) lands in [2^14, 2^15); hi + lo keep 22 significant bits, nothing
+    overflows, and what goes subnormal is < 2^-25 of the max. bf16 (PARTS=3): hi + mid + lo, 24 bits
+    (bf16 has fp32's range, no scaling). fp32 (PARTS=1): b itself. Unused slices are zeros.
+    Returns (p0, p1, p2, ic) with ic the inverse scale (a scalar).
+    """
+    ic = 1.0
+    if PARTS == 1:
+        p0 = b
+        p1 = tl.zeros(b.shape, tl.float32)
+        p2 = p1
+    else:
+        if SCALE:
+            ebits = (bmax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+            f = tl.minimum(tl.maximum(268 - ebits, 1), 253)  # 2^(141 − e) as an exponent field
+            b = b * (f << 23).to(tl.float32, bitcast=True)
+            ic = ((254 - f) << 23).to(tl.float32, bitcast=True)
+        p0 = b.to(DT)
+        rest = b - p0.to(tl.float32)
+        p1 = rest.to(DT)
+        if PARTS == 3:
+            p2 = (rest - p1.to(tl.float32)).to(DT)
+        else:
+            p2 = tl.zeros(b.shape, DT)
+    return p0, p1, p2, ic
+
+
+@triton.jit
+def _parts_dot(a, p0, p1, p2, PARTS: tl.constexpr, F32: tl.constexpr):
+    """Σ_i a·p_i in fp32, the slices of `_split` (not yet multiplied by ic)."""
+    z = _dot(a, p0, tl.zeros((a.shape[0], p0.shape[1]), tl.float32), F32 or PARTS == 1)
+    if PARTS >= 2:
+        z = _dot(a, p1, z, F32)
+    if PARTS == 3:
+        z = _dot(a, p2, z, F32)
+    return z
+
+
+@triton.jit
+def _kabs_nonfinite(kabs_rd):
+    """From Σ_l |K[l·16+r, d]| (16, BLOCK_D): kabs[r] = its max over d (16,), and 1 if the key block
+    holds a non-finite value (a sum that is not ≤ FLT_MAX), else 0."""
+    knf = tl.max(tl.max((~(kabs_rd <= 3.4028234663852886e38)).to(tl.int32), axis=1), axis=0)
+    return tl.max(kabs_rd, axis=1), knf
+
+
+@triton.jit
+def _k_checksums(k, L: tl.constexpr):
+    """GEMM I checksums of a key block k (L·16, BLOCK_D): Kc1 = Σ_l K[l·16+r] (16, BLOCK_D) fp32,
+    kabs[r] = max_d Σ_l |K[l·16+r, d]| (16,), and 1 if the block holds a non-finite value, else 0."""
+    kg = tl.reshape(k.to(tl.float32), (L, 16, k.shape[1]))
+    kabs, knf = _kabs_nonfinite(tl.sum(tl.abs(kg), axis=0))
+    return tl.sum(kg, axis=0), kabs, knf
+
+
+@triton.jit
+def _k_checksums_by_group(Kb, skn, skd, n0, N, D, offs_d, L: tl.constexpr, EVEN_D: tl.constexpr):
+    """`_k_checksums` of the key block starting at row n0, loaded one group of 16 keys at a time: every
+    (16, BLOCK_D) load has the same layout, so the sums over the L groups stay in each thread (the
+    whole-tile reshape reduced across threads: 609 shuffles per program at D = 128)."""
+    r16 = tl.arange(0, 16)
+    kc1 = tl.zeros((16, offs_d.shape[0]), tl.float32)
+    kabs_rd = tl.zeros((16, offs_d.shape[0]), tl.float32)
+    for l in tl.static_range(L):
+        ok = (n0 + l * 16 + r16)[:, None] < N
+        if not EVEN_D:
+            ok = ok & (offs_d < D)[None, :]
+        kl = tl.load(Kb + (n0 + l * 16 + r16)[:, None] * skn + offs_d[None, :] * skd, mask=ok, other=0.0)
+        kl = kl.to(tl.float32)
+        kc1 += kl
+        kabs_rd += tl.abs(kl)
+    kabs, knf = _kabs_nonfinite(kabs_rd)
+    return kc1, kabs, knf
+
+
+@triton.jit
+def _v_checksums_by_group(Vb, svn, svd, offs_n, N, D, LVP: tl.constexpr, EVEN_D: tl.constexpr,
+                          INTERP: tl.constexpr):
+    """GEMM II checksums of the value block at rows offs_n, over the head dim, loaded one group of 16
+    dims at a time (the sums stay in each thread): Vc1[n, r] = Σ_l V[n, l·16+r] and
+    Vc2[n, r] = Σ_l (l+1)·V[n, l·16+r] (BLOCK_N, 16) fp32, and vtile[r] = max_n Σ_l |V[n, l·16+r]| (16,),
+    NaN-propagating (a non-finite V shows up there)."""
+    r16 = tl.arange(0, 16)
+    v1 = tl.zeros((offs_n.shape[0], 16), tl.float32)
+    v2 = tl.zeros((offs_n.shape[0], 16), tl.float32)
+    vabs = tl.zeros((offs_n.shape[0], 16), tl.float32)
+    for l in tl.static_range(LVP):
+        ok = offs_n[:, None] < N
+        if not EVEN_D:
+            ok = ok & (l * 16 + r16 < D)[None, :]
+        vl = tl.load(Vb + offs_n[:, None] * svn + (l * 16 + r16)[None, :] * svd, mask=ok, other=0.0)
+        vl = vl.to(tl.float32)
+        v1 += vl
+        v2 += vl * (l + 1.0)  # exact: an fp16/bf16 value times an integer ≤ 8
+        vabs += tl.abs(vl)
+    return v1, v2, _nanmax(vabs, 0, INTERP)
+
+
+@triton.jit
+def _load_parts(base, inner, PARTS: tl.constexpr, STRIDE_R: tl.constexpr):
+    """The PARTS slices of a checksum table row as one operand (len(inner), 16·2^(PARTS−1)): column
+    c = 16·part + r sits at base + inner + c·STRIDE_R (the tables store the slices one after the other).
+    The width is a power of two: bf16's three slices take 64 columns, the last 16 zeros."""
+    PW: tl.constexpr = 16 << (PARTS - 1)
+    rp = tl.arange(0, PW)
+    ptr = base + inner[:, None] + rp[None, :] * STRIDE_R
+    if PW == 16 * PARTS:
+        t = tl.load(ptr)
+    else:
+        t = tl.load(ptr, mask=rp[None, :] < 16 * PARTS, other=0.0)
+    return t
+
+
+@triton.jit
+def _scaled(z, ic, SCALE: tl.constexpr):
+    """z·ic, ic a slice scale of `_split`: exactly 1 without SCALE (bf16, fp32), so no multiply then."""
+    if SCALE:
+        z = z * ic
+    return z
+
+
+@triton.jit
+def _fold_parts(z):
+    """(rows, 16·n) → (rows, 16): the sum of the n slices' products. Column r + 16·part lies in the
+    same thread for every part (the MMA layout repeats every 8 columns), so this is in-register.
+    bf16's zero fourth slice stays in: leaving it out through split/permute makes the bf16 kernel 1-5 %
+    slower on an H200, for 16 fewer additions per key block."""
+    if z.shape[1] == 16:
+        f = z
+    else:
+        f = tl.sum(tl.reshape(z, (z.shape[0], z.shape[1] // 16, 16)), axis=1)
+    return f
+
+
+@triton.jit
+def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, skb, skh, skn, skd, svb, svh, svn, svd, Hkv, N, D,
+                    scale, diag, off, diag_last, off_last,
+                    BLOCK_D: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr, INTERP: tl.constexpr,
+                    EVEN_D: tl.constexpr, PASA: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pre-pass: the checksums of every key block, once per call instead of once per query block.
+
+    Program (key block j, kv head, batch) → row cb = (b·Hkv + hk)·nblocks + j of the tables:
+    KC (rows, PARTS, 16, BLOCK_D) the slices of Kc1 (`_split`, input dtype), VC (rows, 2, PARTS, 16,
+    BLOCK_N) the slices of Vc1 and Vc2, transposed, KA (rows, 16) max_d Σ_l |K|, VA (rows, 16) max_n Σ_l |V|,
+    SC (rows, 4) fp32: the inverse scales of Kc1, Vc1, Vc2 and 1.0 if the key block is non-finite.
+
+    PASA: the block is first shifted by β times its mean with the fp16 shifting matrix
+    ``M = (diag − off)·I + off·J`` (``diag_last``/``off_last`` for a short last block) and scaled,
+    ``K' = fl16(scale·M·K)`` (seed 002, Algorithm 1 line 6; `ft_transformers.pasa.shift_keys`), stored
+    in KS (B, Hkv, nblocks·BLOCK_N, BLOCK_D) fp16 (zeros past N and D); the checksums are K''s.
+    """
+    L: tl.constexpr = BLOCK_N // 16
+    LVP: tl.constexpr = BLOCK_D // 16
+    j = tl.program_id(0)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    cb = (b * Hkv + hk) * tl.num_programs(0) + j
+    offs_j = tl.arange(0, BLOCK_N)
+    offs_n = j * BLOCK_N + offs_j
+    offs_d = tl.arange(0, BLOCK_D)
+    r16 = tl.arange(0, 16)
+    Kb = K + b * skb + hk * skh
+    Vb = V + b * svb + hk * svh
+    if PASA:
+        kv_ok = offs_n[:, None] < N
+        if not EVEN_D:
+            kv_ok = kv_ok & (offs_d < D)[None, :]
+        k = tl.load(Kb + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
+        last = N - j * BLOCK_N < BLOCK_N
+        dg = tl.where(last, diag_last, diag)
+        of = tl.where(last, off_last, off)
+        k32 = k.to(tl.float32)
+        ks = ((dg - of) * k32 + of * tl.sum(k32, axis=0)[None, :]) * scale
+        k = tl.where(offs_n[:, None] < N, ks, 0.0).to(tl.float16)
+        tl.store(KS + ((b * Hkv + hk) * tl.num_programs(0) * BLOCK_N + offs_n[:, None]) * BLOCK_D + offs_d[None, :], k)
+        kc1, kabs, knf = _k_checksums(k, L)
+    else:
+        kc1, kabs, knf = _k_checksums_by_group(Kb, skn, skd, j * BLOCK_N, N, D, offs_d, L, EVEN_D)
+    v1, v2, vtile = _v_checksums_by_group(Vb, svn, svd, offs_n, N, D, LVP, EVEN_D, INTERP)
+    k0, k1, k2, kic = _split(kc1, tl.max(kabs, axis=0), K.dtype.element_ty, PARTS, SCALE_CS)
+    kp = KC + cb * (PARTS * 16 * BLOCK_D) + r16[:, None] * BLOCK_D + offs_d[None, :]
+    tl.store(kp, k0)
+    if PARTS >= 2:
+        tl.store(kp + 16 * BLOCK_D, k1)
+    if PARTS == 3:
+        tl.store(kp + 32 * BLOCK_D, k2)
+    vcmax = tl.max(vtile, axis=0)  # ≥ max |Vc1|; ·LVP ≥ max |Vc2|
+    vp = VC + cb * (2 * PARTS * 16 * BLOCK_N) + offs_j[:, None] + r16[None, :] * BLOCK_N  # stored as (16, BLOCK_N)
+    a0, a1, a2, aic = _split(v1, vcmax, V.dtype.element_ty, PARTS, SCALE_CS)
+    c0, c1, c2, cic = _split(v2, vcmax * LVP, V.dtype.element_ty, PARTS, SCALE_CS)
+    tl.store(vp, a0)
+    tl.store(vp + PARTS * 16 * BLOCK_N, c0)
+    if PARTS >= 2:
+        tl.store(vp + 16 * BLOCK_N, a1)
+        tl.store(vp + (PARTS + 1) * 16 * BLOCK_N, c1)
+    if PARTS == 3:
+        tl.store(vp + 32 * BLOCK_N, a2)
+        tl.store(vp + (PARTS + 2) * 16 * BLOCK_N, c2)
+    tl.store(KA + cb * 16 + r16, kabs)
+    tl.store(VA + cb * 16 + r16, vtile)
+    four = tl.arange(0, 4)
+    sc = tl.where(four == 0, kic, tl.where(four == 1, aic, tl.where(four == 2, cic, knf.to(tl.float32))))
+    tl.store(SC + cb * 4 + four, sc)
