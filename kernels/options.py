@@ -10,8 +10,8 @@ environment access on the hot path). Tests and benchmarks change them for a bloc
         ...
 
 Host caches that depend on a switch put the `Options` object itself in their keys: it hashes by
-identity, and `override` makes a new object, so a cached launch never outlives the settings it was
-made under.
+identity (cheap on the hot path), and there is one object per set of values (`override` interns what
+it makes), so a cached launch is found again under the same settings and never under others.
 
 =================================  ===========================  ============================================
 variable                           field                        meaning
@@ -132,7 +132,16 @@ class Options:
         return cls(**kw)
 
 
-_current = Options.from_env()
+_INTERNED: dict[tuple, Options] = {}
+
+
+def _interned(opts: Options) -> Options:
+    """The one `Options` object with these values: equal settings give the same object, so caches keyed
+    on it hit again when a block's `override` ends or repeats (its hash stays an identity hash)."""
+    return _INTERNED.setdefault(dataclasses.astuple(opts), opts)
+
+
+_current = _interned(Options.from_env())
 
 
 def options() -> Options:
@@ -145,7 +154,7 @@ def override(**changes: object) -> Iterator[Options]:
     """Change some switches for the block (fields of `Options`); the previous ones come back after."""
     global _current
     previous = _current
-    _current = dataclasses.replace(previous, **changes)
+    _current = _interned(dataclasses.replace(previous, **changes))
     try:
         yield _current
     finally:
