@@ -1,4 +1,5 @@
-"""V-ABFT: variance-based adaptive thresholds for checksum-verified GEMMs (seeds 003, 004; SPEC §5).
+"""V-ABFT: variance-based adaptive thresholds for checksum-verified GEMMs (the V-ABFT paper and its
+specification; SPEC §5).
 
 For ``y = x·Wᵀ + b`` with A = x (M×K) and B = Wᵀ (K×N), the row checksum difference
 ``D1[m] = Σ_n y[m,n] − (x[m]·w1 + b1)`` (``w1 = Σ_n W[n,:]``, ``b1 = Σ_n b_n``) is pure rounding
@@ -93,13 +94,13 @@ _MODES = ("output", "accumulator")
 # ---------------------------------------------------------------------------------------------
 _EMAX_FP32_CPU = 1e-6
 _EMAX_FP32_CUDA = 2e-6
-_EMAX_FP16 = 1e-3  # 2·u_fp16 (u = 2^-11): seeds 003/004, measured above
-_EMAX_BF16 = 8e-3  # 2·u_bf16 (u = 2^-8):  seeds 003/004, measured above
+_EMAX_FP16 = 1e-3  # 2·u_fp16 (u = 2^-11): the V-ABFT paper and specification, measured above
+_EMAX_BF16 = 8e-3  # 2·u_bf16 (u = 2^-8): the V-ABFT paper and specification, measured above
 _EMAX_K_REF = 8192  # the fp32 entries hold for K ≤ this (measured up to it)
 # Fused-kernel (accumulator) fallback on a CUDA device without a table (`builtin_emax`): 10x the
 # fp32 (cuBLAS SGEMM) entry for fp32's IEEE FMAs; for fp16/bf16, whose tensor-core fp32
 # accumulation does not round to nearest, 2x the H100's calibrated fp16 entry (1.03e-4, ~900 fp32
-# ulps, whose calibration measured fp16 slack up to 5.1e-5: above the earlier 2e-5).
+# ulps; its calibration measured fp16 slack up to 5.1e-5, above the fp32-derived 2e-5).
 _EMAX_ACC_CUDA = 2e-5
 _EMAX_ACC_CUDA_TC = 2e-4
 

@@ -69,10 +69,10 @@ def _graphed(fn):
     ``do_bench_cudagraph``, which bench_attention uses, replays without flushing).
 
     The replay keeps ``fn`` alive: the graph reads tensors that only ``fn``'s closures hold (the
-    checked GEMM's cached weight checksums, on the modules ``fn`` calls). Returning the bare
-    ``g.replay`` let them be freed; later allocations reused their memory, and every replay of an
-    earlier column then compared its outputs with garbage checksums (sessions 23-24: false
-    positives in every replay of every column but the last)."""
+    checked GEMM's cached weight checksums, on the modules ``fn`` calls). A bare ``g.replay`` would
+    let them be freed: later allocations would reuse their memory, and every replay of an earlier
+    column would compare its outputs with garbage checksums (false positives in every replay of
+    every column but the last)."""
     fn()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

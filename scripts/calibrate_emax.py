@@ -13,7 +13,7 @@ max |D1| / T(e_max = 1) over the four seed distributions (+ |N(1,1)|) with and w
 is the smallest e_max with zero false positives on that data. The shipped value is
 ``max(1.2·P, 2·S, builtin)`` with the built-in value of `ft_transformers.vabft.builtin_emax` as a
 floor: 2u for fp16/bf16 output verification (the papers' value: the rounding of a row sum averages
-out over N, so P alone leaves too little room for zero-mean data), earlier longer measurements for
+out over N, so P alone leaves too little room for zero-mean data), longer measurements for
 fp32 (CPU 1e-6, which also serves CPUs with other BLAS blockings; H100 2e-6), 2e-5 for the fused
 kernel on CUDA. A short calibration can raise these, never lower them.
 
@@ -182,7 +182,7 @@ def threshold_slack(dtype: torch.dtype, device: torch.device | str = "cpu",
 
 def choose(mode: str, dtype: str, p: float, s: float, device_type: str, margin: float, slack_margin: float) -> float:
     """The shipped e_max from the protocol max P and the slack S (see the module docstring): never
-    below the built-in value (`builtin_emax`: the papers' 2u for fp16/bf16 output, earlier
+    below the built-in value (`builtin_emax`: the papers' 2u for fp16/bf16 output,
     measurements with more trials for fp32), so a short calibration can only raise it. In
     accumulator mode the floor is the fp32 entry for every dtype (the fp16/bf16 built-ins are the
     cautious fallback for devices never calibrated, not a floor for those that are)."""

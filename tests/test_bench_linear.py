@@ -70,8 +70,8 @@ def test_multi_call_graphs_cycle_over_weight_copies_past_l2():
 
 def test_graphed_replay_keeps_the_captured_function_alive(monkeypatch):
     """`_graphed`'s replay holds the captured function: the graph reads tensors that only its closures
-    keep (a module's cached weight checksums). The bare ``g.replay`` let them be freed and their memory
-    reused, so every replay of an earlier benchmark column counted false positives. CUDA stands in
+    keep (a module's cached weight checksums). A bare ``g.replay`` would let them be freed and their
+    memory reused, so every replay of an earlier benchmark column would count false positives. CUDA stands in
     here: the capture and the streams are dummies, the replay is counted."""
     import contextlib
     import gc

@@ -132,8 +132,16 @@ def _tracked_text_files() -> list[Path]:
             if Path(f).suffix in {".py", ".md", ".txt", ".toml", ".sh", ".cfg", ".json", ".jsonl", ".csv"}]
 
 
-def test_no_history_narration():
-    pattern = re.compile("[Ss]ess" + r"ion [0-9]+")  # split so this file does not match itself
-    hits = [f"{p.relative_to(ROOT)}:{i}" for p in _tracked_text_files() if p.is_file()
+def _lines_matching(pattern: re.Pattern) -> list[str]:
+    return [f"{p.relative_to(ROOT)}:{i}" for p in _tracked_text_files() if p.is_file()
             for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if pattern.search(line)]
+
+
+def test_no_history_narration():
+    hits = _lines_matching(re.compile("[Ss]ess" + r"ions? [0-9]+"))  # split so this file does not match itself
     assert not hits, f"{len(hits)} lines name a development session, e.g. {hits[:5]}"
+
+
+def test_papers_named_by_title():
+    hits = _lines_matching(re.compile("[Ss]ee" + r"ds? 00[0-9]"))  # the source documents' file numbers
+    assert not hits, f"{len(hits)} lines name a paper by its file number, e.g. {hits[:5]}"

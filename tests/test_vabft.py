@@ -258,8 +258,8 @@ def test_emax_tables_ship_with_the_package_and_are_loaded(tmp_path, monkeypatch)
 def test_cuda_device_without_a_table_takes_its_architectures(monkeypatch):
     """A CUDA device with no table of its own uses the shipped table of a device with the same compute
     capability (an H200 computes as the H100 whose table ships); a device of another capability gets
-    the built-ins, whose fp16/bf16 accumulator entries are above every calibrated one (the earlier
-    2e-5 for every dtype was below the fp16 slack the H100's calibration measured, 5.1e-5)."""
+    the built-ins, whose fp16/bf16 accumulator entries are above every calibrated one (2e-5 for every
+    dtype would be below the fp16 slack the H100's calibration measured, 5.1e-5)."""
     import json
 
     from ft_transformers import vabft

@@ -183,7 +183,7 @@ def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, skb, skh, skn, skd, svb, svh, 
 
     PASA: the block is first shifted by β times its mean with the fp16 shifting matrix
     ``M = (diag − off)·I + off·J`` (``diag_last``/``off_last`` for a short last block) and scaled,
-    ``K' = fl16(scale·M·K)`` (seed 002, Algorithm 1 line 6; `ft_transformers.pasa.shift_keys`), stored
+    ``K' = fl16(scale·M·K)`` (the PASA paper, Algorithm 1 line 6; `ft_transformers.pasa.shift_keys`), stored
     in KS (B, Hkv, nblocks·BLOCK_N, BLOCK_D) fp16 (zeros past N and D); the checksums are K''s.
     """
     L: tl.constexpr = BLOCK_N // 16

@@ -445,11 +445,11 @@ def efta_triton_forward(
         detect, correct: run the checks / repair what they find (correct implies detect).
         plan: fault injection plan (attention sites; duck-typed, the contract's docstring), or None.
         counters: int32 (6, 5) block on q's device (any strides) the events are added into.
-        pasa: PASA (seed 002, ``docs/pasa.md``) with this key shift (`PasaShift`, resolved by the
+        pasa: PASA (the PASA paper, ``docs/pasa.md``) with this key shift (`PasaShift`, resolved by the
             caller), or None: every key block shifted by β times its mean, the score GEMM in FP16
             with FP16 accumulation, the pseudo-average frame; float16 inputs.
         pasa_precision: with PASA, ``"fp32"`` keeps the online-softmax state (m, l, O) in fp32;
-            ``"fp16"`` is seed 002's full low-precision allocation (x, P, α, l, O rounded to fp16 at
+            ``"fp16"`` is the PASA paper's full low-precision allocation (x, P, α, l, O rounded to fp16 at
             every update, P·V with FP16 accumulation), without checks (``detect=False``), like the
             reference path.
         on_config: called with the forward launch's block config (BLOCK_M, BLOCK_N, num_warps,

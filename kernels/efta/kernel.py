@@ -141,7 +141,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
 
         s_in = s
         if PASA:
-            # frame of the global pseudo-average F̄ (seed 002, Algorithm 1 lines 13–15): the block's
+            # frame of the global pseudo-average F̄ (the PASA paper, Algorithm 1 lines 13–15): the block's
             # pseudo-average S̄' = Σ_r Sc1[:, r] / w (from the checksum dot, not the fp16 scores),
             # F̄ ← (j·F̄ + S̄')/(j + 1); the block enters as S' + Δm'_j, the state moves by Δm'_{j−1}
             w = tl.minimum(N - start_n, BLOCK_N).to(tl.float32)
@@ -206,7 +206,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
         # ---- 5. rescale, row sum, GEMM II (+ checksum columns) ----
         # (`_exp`: ex2.approx.ftz, an α below 2^-126 is 0; it scales O, l, lc and Oc alike)
         alpha = tl.where((m_i == -float("inf")) & (m_new == -float("inf")), 1.0, _exp(m_i - m_new, INTERP, False))
-        if HALF_STATE:  # seed 002's full FP16 allocation: every state update rounded to fp16
+        if HALF_STATE:  # the PASA paper's full FP16 allocation: every state update rounded to fp16
             alpha = alpha.to(tl.float16).to(tl.float32)
             l_i = ((l_i * alpha).to(tl.float16).to(tl.float32)
                    + tl.sum(p, axis=1).to(tl.float16).to(tl.float32)).to(tl.float16).to(tl.float32)

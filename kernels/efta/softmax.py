@@ -1,7 +1,7 @@
 """Steps 3–5: the running row max with its SNVR check, ``P = exp(x)`` with its product check, and the
 row sum.
 
-* Step 3 (SNVR, seed 000 §4.2): a row-max error cancels out unless it makes exp overflow; the check
+* Step 3 (SNVR, the EFTA paper §4.2): a row-max error cancels out unless it makes exp overflow; the check
   tests that the block's max does not exceed the new running max by more than
   ``τ_m = min(snvr_rel·(1 + |m_new|), snvr_cap)`` and that a changed max is not far below it.
 * Step 4: the product check of ``P = exp(x)`` per group (row i, residue r) of L keys, the fp32 product
@@ -74,7 +74,7 @@ def _mul(a, b):
 @triton.jit
 def _exp_test(x, p, exp_tol, exp_xmin, INTERP: tl.constexpr, LOG2: tl.constexpr):
     """Step-4 check of one key block, per group (row i, residue r): the product identity
-    Π_l P[i, l·16+r] = exp(Σ_l x[i, l·16+r]) (seed 000 §4.2, case 2), in log2 on the fp32 product.
+    Π_l P[i, l·16+r] = exp(Σ_l x[i, l·16+r]) (the EFTA paper §4.2, case 2), in log2 on the fp32 product.
     x < exp_xmin (masked keys included) counts as exp_xmin and P as P_min = exp(exp_xmin) unless it
     is larger (NaN-propagating max: a NaN stays, a negative P becomes P_min); with L ≤ 4 the product
     of clamped values stays a normal fp32 number (the contract's exp check constants).
