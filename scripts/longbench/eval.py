@@ -5,13 +5,17 @@
 ``--pred-dir`` is either one run folder (``.../<run>/<task>.jsonl``) or a model folder holding
 several runs (clean, faulty unprotected, faulty protected, ...). Every run folder gets
 
-* ``result.json``: LongBench's own layout, task -> score (``<task>_e`` -> length buckets);
-* ``scores.json``: per task the metric, row count, score, LongBench-E buckets, and the task and
-  category averages.
+* ``result.json``: LongBench's own layout, task -> score (LongBench-E runs: task -> length
+  buckets);
+* ``scores.json``: per task the metric, row count, score and length groups; the leaderboard's
+  averages per language (``leaderboard``: the mean of the category means, with the tasks each
+  covers) and the plain mean over the run's tasks.
 
 A model folder also gets ``comparison.md`` / ``comparison.json`` / ``comparison.png``: per task
 and on average, every run scored on the rows that all runs have predicted, with each run's
-fault counts and the share of its predictions identical to the clean reference run's.
+fault counts and the share of its predictions identical to the clean reference run's. The
+average row names the tasks it covers (those every run has); each run's average over its own
+tasks is listed beside it where the task sets differ.
 
 Scores come from the `evaluate` metric modules in ``scripts/longbench/metrics`` (loaded from
 local files, offline); ``--direct`` calls the same code without `evaluate`.
@@ -31,8 +35,14 @@ if __package__ in (None, ""):  # run as a file: make `longbench` importable
 
     __package__ = "longbench"  # noqa: A001
 
-from .metrics.longbench_core import LENGTH_BUCKETS, TASK_METRIC, base_task, score_task  # noqa: E402
-from .protocol import CATEGORIES  # noqa: E402
+from .metrics.longbench_core import (  # noqa: E402
+    LENGTH_BUCKETS,
+    ROUGE_BACKENDS,
+    TASK_METRIC,
+    base_task,
+    score_task,
+)
+from .protocol import CATEGORIES, LEADERBOARD  # noqa: E402
 from .shards import KINDS, read_jsonl_tolerant  # noqa: E402
 
 METRICS_DIR = Path(__file__).resolve().parent / "metrics"
@@ -64,6 +74,18 @@ def find_runs(pred_dir: Path) -> list[Path]:
 def run_info(run_dir: Path) -> dict:
     p = run_dir / "run_config.json"
     return json.loads(p.read_text()) if p.exists() else {}
+
+
+def is_longbench_e(run_dir: Path) -> bool:
+    """Whether a run folder holds LongBench-E predictions: its run_config says so, it sits under
+    a ``pred_e`` folder (LongBench's layout), or its files carry the ``_e`` suffix."""
+    info = run_info(run_dir)
+    if "longbench_e" in info:
+        return bool(info["longbench_e"])
+    if "pred_e" in run_dir.resolve().parts:
+        return True
+    names = list(prediction_files(run_dir))
+    return bool(names) and all(n.endswith("_e") for n in names)
 
 
 def run_label(info: dict, name: str) -> str:
@@ -124,12 +146,34 @@ def _nanmean(values) -> float:
     return round(sum(vals) / len(vals), 2) if vals else math.nan
 
 
+def leaderboard(scores: dict[str, float]) -> dict:
+    """The leaderboard's averages of task scores (``{task: score}``): per language, each
+    category's mean over its tasks present, and ``average``, the mean of those category means.
+    ``tasks`` lists what each figure covers; ``complete`` is False where tasks are missing (the
+    figure is then not the leaderboard's)."""
+    out = {}
+    for lang, cats in LEADERBOARD.items():
+        means, covered, missing = {}, [], []
+        for cat, tasks in cats.items():
+            got = [t for t in tasks if t in scores]
+            missing += [t for t in tasks if t not in scores]
+            if got:
+                means[cat] = _nanmean(scores[t] for t in got)
+                covered += got
+        if means:
+            out[lang] = {"average": _nanmean(means.values()), "categories": means, "tasks": covered,
+                         "missing": missing, "complete": not missing}
+    return out
+
+
 def summarize(results: dict[str, dict]) -> dict:
-    """Task average, category averages and LongBench-E bucket averages of one run's results."""
-    v1 = {n: r["score"] for n, r in results.items()}
-    out = {"average": _nanmean(v1.values()), "categories": {}}
+    """Leaderboard averages per language, category averages, the plain task mean and the
+    length-group averages of one run's results."""
+    v1 = {base_task(n): r["score"] for n, r in results.items()}
+    out = {"leaderboard": leaderboard(v1), "average": _nanmean(v1.values()), "average_over": sorted(v1),
+           "categories": {}}
     for cat, tasks in CATEGORIES.items():
-        got = [v1[n] for n in v1 if base_task(n) in tasks]
+        got = [v1[n] for n in v1 if n in tasks]
         if got:
             out["categories"][cat] = _nanmean(got)
     buckets = {b: _nanmean(r["buckets"][b] for r in results.values() if "buckets" in r)
@@ -141,12 +185,13 @@ def summarize(results: dict[str, dict]) -> dict:
 def score_run(run_dir: Path, scorer: Scorer) -> dict:
     """Score every task file of a run; writes ``result.json`` and ``scores.json``."""
     results = {}
+    e = is_longbench_e(run_dir)
     for name, path in prediction_files(run_dir).items():
-        res = scorer(name, read_jsonl_tolerant(path))
-        results[name] = {k: v for k, v in res.items() if k != "scores"}
-    official = {n: (r.get("buckets") if n.endswith("_e") else r["score"]) for n, r in results.items()}
+        res = scorer(f"{base_task(name)}_e" if e else name, read_jsonl_tolerant(path))
+        results[base_task(name)] = {k: v for k, v in res.items() if k != "scores"}
+    official = {n: (r.get("buckets") if e else r["score"]) for n, r in results.items()}
     (run_dir / "result.json").write_text(json.dumps(official, indent=4, ensure_ascii=False))
-    summary = {"tasks": results, **summarize(results)}
+    summary = {"longbench_e": e, "tasks": results, **summarize(results)}
     (run_dir / "scores.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False))
     return summary
 
@@ -208,6 +253,8 @@ def compare_runs(runs: list[Path], scorer: Scorer, *, common_rows: bool = True,
     full = [t for t in tasks if all(n in table[t] for n in names)]
     for n in names:
         averages[n] = _nanmean(table[t][n]["score"] for t in full)
+    own = {n: [t for t in tasks if n in table[t]] for n in names}
+    own_avg = {n: _nanmean(table[t][n]["score"] for t in own[n]) for n in names}
     bucket_avg = {n: {b: _nanmean((table[t][n]["buckets"] or {}).get(b, math.nan) for t in full)
                       for b in LENGTH_BUCKETS} for n in names}
     bucket_n = {b: sum(bucket_rows[t][b] for t in full) for b in LENGTH_BUCKETS}
@@ -215,6 +262,8 @@ def compare_runs(runs: list[Path], scorer: Scorer, *, common_rows: bool = True,
             "infos": {n: {k: infos[n].get(k) for k in ("mode", "fault", "model", "max_length")}
                       for n in names},
             "tasks": tasks, "table": table, "average": averages, "average_over": full,
+            "own_average": own_avg, "own_tasks": own,
+            "longbench_e": all(is_longbench_e(r) for r in runs),
             "buckets": bucket_avg, "bucket_rows": bucket_n, "common_rows": common_rows}
 
 
@@ -240,11 +289,21 @@ def comparison_markdown(cmp: dict) -> str:
         n = max((c["n"] for c in row.values()), default=0)
         lines.append(f"| {t} | {TASK_METRIC[base_task(t)]} | {n} | "
                      + " | ".join(_fmt(row[m]["score"]) if m in row else "–" for m in names) + " |")
-    lines.append("| **average** | | | " + " | ".join(f"**{_fmt(cmp['average'][n])}**" for n in names) + " |")
+    over = cmp["average_over"]
+    lines.append(f"| **average** ({len(over)} common tasks) | | | "
+                 + " | ".join(f"**{_fmt(cmp['average'][n])}**" for n in names) + " |")
+    uneven = any(cmp["own_tasks"][n] != over for n in names)
+    if uneven:
+        lines.append("| average over each run's own tasks | | | "
+                     + " | ".join(f"{_fmt(cmp['own_average'][n])} ({len(cmp['own_tasks'][n])})" for n in names)
+                     + " |")
+    # LongBench-E's buckets are its own rows; a v1 run's rows merely grouped by the same limits
+    # are not LongBench-E results.
+    group = "LongBench-E bucket" if cmp["longbench_e"] else "v1 rows by length, not LongBench-E"
     if any(not math.isnan(v) for bs in cmp["buckets"].values() for v in bs.values()):
         for b in LENGTH_BUCKETS:
             nb = cmp["bucket_rows"].get(b, 0)
-            lines.append(f"| length {b} (LongBench-E bucket) | | {nb} | "
+            lines.append(f"| length {b} words ({group}) | | {nb} | "
                          + " | ".join(_fmt(cmp["buckets"][n][b]) for n in names) + " |")
     # fault counts and agreement
     def total(n, key):
@@ -272,9 +331,16 @@ def comparison_markdown(cmp: dict) -> str:
         f = info.get("fault")
         spec = "no faults" if not f else ", ".join(f"{k}={v}" for k, v in f.items() if v is not None)
         legend.append(f"- **{labels[n]}**: `{n}` (mode {info.get('mode')}, {spec})")
-    note = ("" if not cmp["common_rows"] else
-            "\nScores on the rows every run has predicted (n); average over the tasks all runs have.")
-    return "\n".join(lines + legend) + "\n" + note + "\n"
+    note = ["", "Scores on the rows every run has predicted (n)." if cmp["common_rows"] else
+            "Each run scored on all its rows (n: the most rows of any run)."]
+    note.append(f"The average row is the plain mean over the {len(over)} tasks every run has: "
+                f"{', '.join(over) or 'none'}; it is not the leaderboard's average (the mean of the "
+                "category means per language: `leaderboard` in each run's scores.json).")
+    if uneven:
+        for n in names:
+            if cmp["own_tasks"][n] != over:
+                note.append(f"- {labels[n]} has its own average over: {', '.join(cmp['own_tasks'][n])}")
+    return "\n".join(lines + legend + note) + "\n"
 
 
 def comparison_plot(cmp: dict, path: Path) -> Path | None:
@@ -316,9 +382,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reference", default=None, help="run whose outputs count as the clean reference")
     p.add_argument("--all-rows", action="store_true",
                    help="compare each run on all its rows, not only those every run has")
-    p.add_argument("--rouge-backend", default="lcs", choices=["lcs", "official"],
-                   help="lcs: iterative, exact on long texts (default); official: the `rouge` package, "
-                        "0.0 where it overflows the recursion limit")
+    p.add_argument("--rouge-backend", default="official", choices=list(ROUGE_BACKENDS),
+                   help="official (default): as LongBench scores, 0.0 where its recursive LCS would "
+                        "overflow (long summaries, all Chinese ones); lcs: a deviation, the true score "
+                        "on long texts; rouge-package: call the `rouge` package itself")
     p.add_argument("--code-sim-backend", default="difflib", choices=["difflib", "indel"])
     p.add_argument("--classification", default="published", choices=["published", "fixed"],
                    help="published: the official filter loop (skips after a removal); fixed: filter all")
@@ -345,8 +412,11 @@ def main(argv=None) -> dict:
     for r in runs:
         summaries[r.name] = score_run(r, scorer)
         s = summaries[r.name]
-        print(f"{r.name}: average {_fmt(s['average'])} over {len(s['tasks'])} task file(s) "
-              f"-> {r / 'result.json'}")
+        board = "; ".join(f"{lang} {_fmt(b['average'])}" + ("" if b["complete"] else
+                                                              f" ({len(b['tasks'])} tasks, incomplete)")
+                          for lang, b in s["leaderboard"].items())
+        print(f"{r.name}: leaderboard average (mean of category means) {board or '–'}; plain mean "
+              f"{_fmt(s['average'])} over {len(s['tasks'])} task(s) -> {r / 'result.json'}")
     out = {"runs": summaries}
     if len(runs) > 1 or runs[0] != pred_dir:
         cmp = compare_runs(runs, scorer, common_rows=not args.all_rows, reference=args.reference)
@@ -361,5 +431,13 @@ def main(argv=None) -> dict:
     return out
 
 
+
+def cli(argv=None) -> int:
+    """Console-script entry point: `main` returns the scores (for callers in Python), which a
+    console script's ``sys.exit(main())`` would print and turn into exit status 1."""
+    main(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -15,9 +15,16 @@ into every row's generation (``ftt.inject_faults``); ``eager``/``sdpa`` then run
 The faults of a row are seeded from ``--seed``, the task and the row, so the unprotected and the
 protected runs see the same faults and a resumed run the same as an uninterrupted one.
 
-Output: ``<out-dir>/<model-tag>/<run-name>/<task>.jsonl`` (LongBench's prediction rows plus
-bookkeeping; see shards.py), appended row by row, resumed without redoing rows, with the fault
-report beside it (``<task>.fault_report.json``, ``fault_report.json``) in library modes.
+Output: ``<out-dir>/<model-tag>/<run-name>/<task>.jsonl`` for LongBench v1 and, as LongBench's
+own layout has it (``pred_e/<model>/<task>.jsonl``), ``<out-dir>/pred_e/<model-tag>/<run-name>/
+<task>.jsonl`` for LongBench-E: LongBench's prediction rows plus bookkeeping (see shards.py),
+appended row by row, resumed without redoing rows, with the fault report beside it
+(``<task>.fault_report.json``, ``fault_report.json``) and the per-row events in ``ft_events/``
+in library modes. Ctrl-C stops after writing the fault reports of what is done; rerunning the
+same command resumes.
+
+Prompt budget (``--max-length`` unless given): LongBench's rule, the model's nominal window
+minus 500 (`protocol.prompt_budget`; a named deviation for models outside its table).
 
 Data parallel: ``accelerate launch --multi_gpu --num_processes N scripts/longbench_pred.py ...``
 (or ``torchrun --nproc_per_node N``): each process takes a strided shard of the rows still to do
@@ -57,10 +64,20 @@ from .protocol import (  # noqa: E402
     LONGBENCH_TASKS,
     MAX_NEW_TOKENS,
     NEWLINE_STOP_TASKS,
+    NO_CHAT_TASKS,
+    PromptBudget,
     build_prompt,
     newline_token_id,
+    prompt_budget,
 )
-from .shards import TaskFiles, row_events, shard, write_run_report, write_task_report  # noqa: E402
+from .shards import (  # noqa: E402
+    TaskFiles,
+    read_jsonl_tolerant,
+    row_events,
+    shard,
+    write_run_report,
+    write_task_report,
+)
 
 MODES = ("eager", "sdpa", "efta", "unprotected")
 LIBRARY_MODES = ("efta", "unprotected")
@@ -87,8 +104,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="spread one model over the visible GPUs (with N processes: over this "
                         "process's group of GPUs // N GPUs)")
     g.add_argument("--max-length", type=int, default=None,
-                   help="prompt budget in tokens before middle truncation (default: the model's "
-                        "max_position_embeddings - 500, as LongBench's model2maxlen)")
+                   help="prompt budget in tokens before middle truncation (default: LongBench's "
+                        "model2maxlen rule, the model's nominal window - 500, e.g. 7500 for an 8k "
+                        "model; for a model outside the table, a deviation: the window read from "
+                        "max_position_embeddings)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="cap on the per-task generation budget (smoke tests only: not the protocol)")
     g.add_argument("--chat", default="auto", choices=["auto", "always", "never"],
@@ -330,13 +349,17 @@ def layer_devices(model) -> dict[str, list[int]]:
     return out
 
 
-def max_prompt_length(model, requested: int | None) -> int:
-    if requested is not None:
-        return int(requested)
-    n = getattr(model.config, "max_position_embeddings", None)
-    if not n:
-        raise ValueError("the model config has no max_position_embeddings: give --max-length")
-    return max(int(n) - 500, 1)
+def max_prompt_length(model, requested: int | None, names: tuple[str, ...] = ()) -> PromptBudget:
+    """The prompt budget (`protocol.prompt_budget`) of ``model``, known by ``names`` (the
+    ``--model`` argument, the tag) and its config's ``_name_or_path``."""
+    names = (*names, getattr(model.config, "_name_or_path", "") or "")
+    return prompt_budget(names, getattr(model.config, "max_position_embeddings", None), requested)
+
+
+def run_folder(out_dir: str | os.PathLike, tag: str, run_name: str, longbench_e: bool) -> Path:
+    """``<out-dir>/<tag>/<run>`` (v1) or ``<out-dir>/pred_e/<tag>/<run>`` (LongBench-E)."""
+    base = Path(out_dir) / "pred_e" if longbench_e else Path(out_dir)
+    return base / tag / run_name
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,16 +415,23 @@ class Predictor:
             gc.min_new_tokens = 1
         return {"generation_config": gc}
 
-    def predict(self, task: str, name: str, row: dict, key: str, index: int) -> tuple[dict, dict | None]:
+    def budget(self, task: str) -> int:
+        """New tokens this run allows for ``task`` (the protocol's, or less under --max-new-tokens)."""
+        b = MAX_NEW_TOKENS[task]
+        return b if self.max_new_tokens is None else min(b, self.max_new_tokens)
+
+    def predict(self, task: str, name: str, row: dict, key: str, index: int,
+                on_token=None) -> tuple[dict, dict | None]:
+        """One row: ``(prediction record, fault events or None)``. ``on_token(n)`` is called
+        after every generation step with the number of new tokens so far."""
         import torch
 
         built = build_prompt(self.tok, task, row, self.max_length, chat=self.chat)
         dev = self.model.device
         ids = torch.tensor([built.input_ids], dtype=torch.long, device=dev)
-        budget = MAX_NEW_TOKENS[task]
-        if self.max_new_tokens is not None:
-            budget = min(budget, self.max_new_tokens)
-        kw = self.generate_kwargs(task, budget)
+        kw = self.generate_kwargs(task, self.budget(task))
+        if on_token is not None:
+            kw["stopping_criteria"] = _token_callback(on_token, ids.shape[1])
         flips = None
         t0 = time.perf_counter()
         with torch.inference_mode(), warnings.catch_warnings():
@@ -435,21 +465,68 @@ class Predictor:
         return record, events
 
 
+def _token_callback(on_token, prompt_len: int):
+    """A stopping criterion that never stops: it reports the new tokens after each step."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Tokens(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            on_token(int(input_ids.shape[1]) - prompt_len)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([_Tokens()])
+
+
+class RunProgress:
+    """Progress of a whole run: one bar over every row of every task (its ETA is the run's)
+    and, below it, the new tokens of the row being generated."""
+
+    def __init__(self, total_rows: int, done_rows: int = 0, enabled: bool = True, step: int = 1) -> None:
+        from tqdm.auto import tqdm
+
+        self.enabled = enabled
+        self.step = step  # rows the whole run finishes per row of this process (data parallel)
+        self.rows = tqdm(total=total_rows, initial=done_rows, desc="run", unit="row", disable=not enabled,
+                         dynamic_ncols=True, position=0, smoothing=0.05)
+        self.tokens = tqdm(total=0, desc="row", unit="tok", disable=not enabled, dynamic_ncols=True,
+                           position=1, leave=False)
+
+    def start_row(self, label: str, budget: int) -> None:
+        self.tokens.reset(total=budget)
+        self.tokens.set_description(label, refresh=False)
+
+    def on_token(self, n: int) -> None:
+        self.tokens.n = n
+        self.tokens.refresh()
+
+    def end_row(self) -> None:
+        self.rows.update(min(self.step, self.rows.total - self.rows.n) if self.rows.total else self.step)
+
+    def write(self, msg: str) -> None:
+        self.rows.write(msg)
+
+    def close(self) -> None:
+        self.tokens.close()
+        self.rows.close()
+
+
 def run_task(predictor: Predictor, task: str, rows: list[dict], run_dir: str | os.PathLike, *,
              longbench_e: bool = False, rank: int = 0, world: int = 1, barrier=lambda: None,
-             progress: bool = True, report_extra: dict | None = None) -> TaskFiles:
+             progress: bool | RunProgress = True, report_extra: dict | None = None) -> TaskFiles:
     """Predict this process's share of ``rows`` of ``task`` (resuming), then (rank 0) merge.
 
     Every process must call it (``barrier`` synchronises them): rank 0 first folds shards left
     by an interrupted run into the final file, then every process reads the same final file,
-    so all agree on the rows still to do before anyone writes.
+    so all agree on the rows still to do before anyone writes. ``progress``: a `RunProgress`
+    of the whole run, True for one of this task alone, or False.
     """
-    from tqdm.auto import tqdm
-
     name = split_name(task, longbench_e)
-    files = TaskFiles(run_dir, name, rank, world)
+    # LongBench's layout names a LongBench-E file by its task; the split is the run folder's.
+    files = TaskFiles(run_dir, task, rank, world)
     if rank == 0:
         files.dir.mkdir(parents=True, exist_ok=True)
+        files.adopt_events_beside()
         files.merge()
         files.prune_events()
     barrier()
@@ -459,15 +536,21 @@ def run_task(predictor: Predictor, task: str, rows: list[dict], run_dir: str | o
     mine = shard(todo, rank, world)
     barrier()  # nobody appends before everybody has read what is done
     files.open_for_append()
-    bar = tqdm(total=len(mine), desc=f"{name} r{rank}/{world}" if world > 1 else name,
-               position=rank if world > 1 else None, disable=not progress, leave=True, dynamic_ncols=True)
+    own = isinstance(progress, bool)
+    bars = RunProgress(len(mine), 0, enabled=progress and rank == 0) if own else progress
     if rank == 0 and len(todo) < len(keys):
-        bar.write(f"{name}: {len(keys) - len(todo)} of {len(keys)} rows already predicted")
-    for i in mine:
-        record, events = predictor.predict(task, name, rows[i], keys[i], i)
-        files.append(record, events)
-        bar.update(1)
-    bar.close()
+        bars.write(f"{name}: {len(keys) - len(todo)} of {len(keys)} rows already predicted")
+    budget = predictor.budget(task) if hasattr(predictor, "budget") else 0
+    try:
+        for n, i in enumerate(mine):
+            bars.start_row(f"{name} {n + 1}/{len(mine)}" + (f" r{rank}/{world}" if world > 1 else ""), budget)
+            record, events = (predictor.predict(task, name, rows[i], keys[i], i, on_token=bars.on_token)
+                              if bars.enabled else predictor.predict(task, name, rows[i], keys[i], i))
+            files.append(record, events)
+            bars.end_row()
+    finally:
+        if own:
+            bars.close()
     barrier()
     if rank == 0:
         files.merge()
@@ -480,6 +563,52 @@ def run_task(predictor: Predictor, task: str, rows: list[dict], run_dir: str | o
 # --------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------
+
+def task_record(predictor: Predictor, task: str, rows: list[dict], n_all: int, args, run_dir: Path) -> dict:
+    """What a task actually ran, for run_config.json: its split and file, the rows predicted of
+    how many, the generation budget, the stop rule, and how many prompts were truncated or
+    wrapped in the chat template."""
+    files = TaskFiles(run_dir, task)
+    got = [r for r in read_jsonl_tolerant(files.final) if str(r.get("_id")) in set(row_keys(rows))]
+    return {
+        "split": split_name(task, args.longbench_e), "file": files.final.name,
+        "rows": len(got), "rows_selected": len(rows), "rows_in_split": n_all,
+        "max_new_tokens": predictor.budget(task), "protocol_max_new_tokens": MAX_NEW_TOKENS[task],
+        "stop_at_newline": task in NEWLINE_STOP_TASKS,
+        "chat_template": task not in NO_CHAT_TASKS and args.chat != "never",
+        "prompts_chat": sum(1 for r in got if r.get("chat")),
+        "prompts_truncated": sum(1 for r in got if r.get("truncated")),
+        "max_length": predictor.max_length,
+        "new_tokens": sum(int(r.get("new_tokens") or 0) for r in got),
+    }
+
+
+def record_task(run_dir: Path, task: str, entry: dict) -> None:
+    path = run_dir / "run_config.json"
+    cfg = json.loads(path.read_text())
+    cfg.setdefault("tasks", {})[task] = entry
+    path.write_text(json.dumps(cfg, indent=1))
+
+
+def interrupted(predictor: Predictor, run_dir: Path, task: str | None, data: dict, args,
+                extra: dict) -> None:
+    """After Ctrl-C (rank 0): record the rows done, write the fault reports of what was
+    predicted, and say how to resume."""
+    if task is not None:
+        rows, n_all = data[task]
+        files = TaskFiles(run_dir, task)
+        files.merge()
+        record_task(run_dir, task, {**task_record(predictor, task, rows, n_all, args, run_dir),
+                                    "interrupted": True})
+        if predictor.library:
+            write_task_report(files, extra)
+    if predictor.library:
+        write_run_report(run_dir, extra)
+    where = f" in {task}" if task else ""
+    print(f"\n[longbench] interrupted{where}; the rows finished so far are saved in {run_dir}"
+          + (" with their fault report" if predictor.library else "")
+          + ". Rerun the same command to resume (finished rows are not redone).", file=sys.stderr)
+
 
 def check_run_config(path: Path, config: dict, overwrite: bool) -> None:
     if not path.exists() or overwrite:
@@ -515,7 +644,7 @@ def main(argv=None) -> Path:
     mode = effective_mode(args.mode, fault)
     tag = args.model_tag or model_source(args.model)[2]
     run_name = args.run_name or default_run_name(mode, fault)
-    run_dir = Path(args.out_dir) / tag / run_name
+    run_dir = run_folder(args.out_dir, tag, run_name, args.longbench_e)
     dtype = resolve_dtype(args.dtype, dist.device)
     attn = args.mode if args.mode in ("eager", "sdpa") else "eager"
 
@@ -529,10 +658,14 @@ def main(argv=None) -> Path:
                             device=None if args.device_map else dist.device, device_map=args.device_map,
                             max_memory=max_memory)
     model = apply_mode(model, mode, args.ft_scope)
-    max_length = max_prompt_length(model, args.max_length)
+    budget = max_prompt_length(model, args.max_length, (args.model, tag))
+    max_length = budget.tokens
+    if dist.is_main:
+        print(f"[longbench] prompt budget {max_length} tokens ({budget.rule})", file=sys.stderr)
     config = {
         "model": args.model, "model_tag": tag, "mode": mode, "requested_mode": args.mode,
-        "fault": fault, "max_length": max_length, "max_new_tokens": args.max_new_tokens, "chat": args.chat,
+        "fault": fault, "max_length": max_length, "max_length_source": budget.source,
+        "max_length_rule": budget.rule, "max_new_tokens": args.max_new_tokens, "chat": args.chat,
         "dtype": str(dtype).replace("torch.", ""),
         "ft_scope": args.ft_scope if mode in LIBRARY_MODES else None,
         "attn_implementation": getattr(model.config, "_attn_implementation", attn),
@@ -545,20 +678,39 @@ def main(argv=None) -> Path:
         check_run_config(run_dir / "run_config.json", config, args.overwrite)
         if args.overwrite:
             for task in args.tasks:
-                TaskFiles(run_dir, split_name(task, args.longbench_e)).remove()
+                TaskFiles(run_dir, task).remove()
+        old_tasks = {} if args.overwrite or not (run_dir / "run_config.json").exists() else \
+            json.loads((run_dir / "run_config.json").read_text()).get("tasks", {})
+        config["tasks"] = old_tasks
         (run_dir / "run_config.json").write_text(json.dumps(config, indent=1))
     dist.barrier()
 
     predictor = Predictor(model, tok, mode=mode, max_length=max_length, chat=args.chat, fault=fault,
                           max_new_tokens=args.max_new_tokens)
     extra = {"mode": mode, "fault": fault, "model": args.model}
+    data = {}
     for task in args.tasks:
         rows = load_rows(task, data_dir=args.data_dir, dataset=args.dataset, longbench_e=args.longbench_e,
                          revision=args.revision)
-        if args.limit is not None:
-            rows = rows[: args.limit]
-        run_task(predictor, task, rows, run_dir, longbench_e=args.longbench_e, rank=dist.rank,
-                 world=dist.world, barrier=dist.barrier, progress=not args.no_progress, report_extra=extra)
+        data[task] = (rows[: args.limit] if args.limit is not None else rows, len(rows))
+    total = sum(len(r) for r, _ in data.values())
+    done = sum(len(TaskFiles(run_dir, t).done_keys() & set(row_keys(r))) for t, (r, _) in data.items())
+    bars = RunProgress(total, done, enabled=dist.is_main and not args.no_progress, step=dist.world)
+    current = None
+    try:
+        for task, (rows, n_all) in data.items():
+            current = task
+            run_task(predictor, task, rows, run_dir, longbench_e=args.longbench_e, rank=dist.rank,
+                     world=dist.world, barrier=dist.barrier, progress=bars, report_extra=extra)
+            if dist.is_main:
+                record_task(run_dir, task, task_record(predictor, task, rows, n_all, args, run_dir))
+        current = None
+    except KeyboardInterrupt:
+        bars.close()
+        if dist.is_main:
+            interrupted(predictor, run_dir, current, data, args, extra)
+        raise SystemExit(130) from None
+    bars.close()
     if dist.is_main:
         if predictor.library:
             rep = write_run_report(run_dir, extra)
@@ -571,5 +723,13 @@ def main(argv=None) -> Path:
     return run_dir
 
 
+
+def cli(argv=None) -> int:
+    """Console-script entry point: `main` returns the run folder (for callers in Python), which a
+    console script's ``sys.exit(main())`` would print and turn into exit status 1."""
+    main(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -24,16 +24,21 @@ from .metrics.longbench_core import LONGBENCH_E_TASKS, LONGBENCH_TASKS, TASK_MET
 
 __all__ = [
     "CATEGORIES",
+    "LEADERBOARD",
     "LONGBENCH_E_TASKS",
     "LONGBENCH_TASKS",
     "MAX_NEW_TOKENS",
     "NO_CHAT_TASKS",
     "PROMPTS",
     "TASK_METRIC",
+    "NOMINAL_WINDOWS",
+    "PROMPT_BUDGET_MARGIN",
     "BuiltPrompt",
+    "PromptBudget",
     "base_task",
     "build_prompt",
     "middle_truncate",
+    "prompt_budget",
 ]
 
 _QA_PASSAGES = ("Answer the question based on the given passages. Only give me the answer and do not "
@@ -46,7 +51,8 @@ _QASPER_RULES = ("as concisely as you can, using a single phrase or sentence if 
                  "If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". "
                  "Do not provide any explanation.")
 
-_NARRATIVE_RULES = ("as concisely as you can, using a single phrase if possible. "
+# "asconcisely" (no space) is the published template's text: it is part of the protocol.
+_NARRATIVE_RULES = ("asconcisely as you can, using a single phrase if possible. "
                     "Do not provide any explanation.")
 
 #: Prompt template per task (``str.format`` with the row's fields).
@@ -144,7 +150,95 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
     "Code": ("lcc", "repobench-p"),
 }
 
+#: The leaderboard's categories per language (its "Avg" is the mean of these category means).
+#: The code tasks are language-neutral and count in both tables, as on the leaderboard.
+LEADERBOARD: dict[str, dict[str, tuple[str, ...]]] = {
+    "en": {
+        "Single-Doc QA": ("narrativeqa", "qasper", "multifieldqa_en"),
+        "Multi-Doc QA": ("hotpotqa", "2wikimqa", "musique"),
+        "Summarization": ("gov_report", "qmsum", "multi_news"),
+        "Few-shot Learning": ("trec", "triviaqa", "samsum"),
+        "Synthetic": ("passage_count", "passage_retrieval_en"),
+        "Code": ("lcc", "repobench-p"),
+    },
+    "zh": {
+        "Single-Doc QA": ("multifieldqa_zh",),
+        "Multi-Doc QA": ("dureader",),
+        "Summarization": ("vcsum",),
+        "Few-shot Learning": ("lsht",),
+        "Synthetic": ("passage_retrieval_zh",),
+        "Code": ("lcc", "repobench-p"),
+    },
+}
+
 assert set(PROMPTS) == set(MAX_NEW_TOKENS) == set(LONGBENCH_TASKS) == set(TASK_METRIC)
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt budget (LongBench's model2maxlen)
+# --------------------------------------------------------------------------------------------
+
+#: Tokens left for the answer: LongBench's ``model2maxlen`` is the nominal window minus 500.
+PROMPT_BUDGET_MARGIN = 500
+
+#: Nominal context windows in tokens, as LongBench names them ("8k" = 8,000, not 8,192).
+#: The first eight are the models of the official ``config/model2maxlen.json`` (whose values
+#: are these minus 500); the rest are models this project runs, with the window their model
+#: card states, named the same way. Keys match a model tag or id case-insensitively, as a
+#: substring (longest key first).
+NOMINAL_WINDOWS: dict[str, int] = {
+    "llama2-7b-chat-4k": 4000,
+    "longchat-v1.5-7b-32k": 32000,
+    "xgen-7b-8k": 8000,
+    "internlm-7b-8k": 8000,
+    "chatglm2-6b": 32000,
+    "chatglm2-6b-32k": 32000,
+    "chatglm3-6b-32k": 32000,
+    "vicuna-v1.5-7b-16k": 16000,
+    "smollm2": 8000,  # SmolLM2 (135M/360M/1.7B): an 8k window (max_position_embeddings 8,192)
+}
+
+
+@dataclass(frozen=True)
+class PromptBudget:
+    tokens: int    #: the prompt budget (``max_length`` of middle truncation)
+    source: str    #: "table", "fallback" or "--max-length" (how it was chosen)
+    rule: str      #: one line saying how, for run_config.json and the log
+
+
+def _nominal_from_positions(n: int) -> int:
+    """The nominal window of ``max_position_embeddings`` ``n``: a multiple of 1,024 tokens
+    reads as "k" (8,192 -> "8k" -> 8,000), as LongBench names windows; anything else is taken
+    as it is."""
+    return (n // 1024) * 1000 if n % 1024 == 0 else n
+
+
+def prompt_budget(names: list[str] | tuple[str, ...], max_position_embeddings: int | None,
+                  requested: int | None = None) -> PromptBudget:
+    """The prompt budget of a model: ``requested`` when given; else nominal window - 500 with
+    the window from `NOMINAL_WINDOWS` (matched against ``names``: model tag, id, path); else,
+    a deviation from the official harness, which has no rule for a model outside its table,
+    the window read from ``max_position_embeddings`` (`_nominal_from_positions`)."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--max-length must be >= 1, got {requested}")
+        return PromptBudget(int(requested), "--max-length", f"--max-length {requested}")
+    low = [str(n).lower() for n in names if n]
+    for key in sorted(NOMINAL_WINDOWS, key=len, reverse=True):
+        if any(key in n for n in low):
+            w = NOMINAL_WINDOWS[key]
+            return PromptBudget(w - PROMPT_BUDGET_MARGIN, "table",
+                                f"LongBench rule: nominal window {w} ({key}) - {PROMPT_BUDGET_MARGIN}")
+    if not max_position_embeddings:
+        raise ValueError(f"no nominal window known for {names} and the config has no "
+                         "max_position_embeddings: give --max-length")
+    w = _nominal_from_positions(int(max_position_embeddings))
+    if w <= PROMPT_BUDGET_MARGIN:
+        raise ValueError(f"max_position_embeddings {max_position_embeddings} leaves no prompt budget: "
+                         "give --max-length")
+    return PromptBudget(w - PROMPT_BUDGET_MARGIN, "fallback",
+                        f"deviation (model not in LongBench's table): nominal window {w} read from "
+                        f"max_position_embeddings {max_position_embeddings}, - {PROMPT_BUDGET_MARGIN}")
 
 
 @dataclass

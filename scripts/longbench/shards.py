@@ -3,12 +3,16 @@
 Layout of one run (one model, one mode)::
 
     <run_dir>/<name>.jsonl                   predictions, one row per line, in dataset order
-    <run_dir>/<name>.ft_events.jsonl         per row: fault-tolerance events (library modes)
+    <run_dir>/ft_events/<name>.jsonl         per row: fault-tolerance events (library modes)
     <run_dir>/<name>.fault_report.json       the task's fault report (aggregated from the above)
     <run_dir>/<name>.rank003-of-008.jsonl    a process's shard while a data-parallel run is going
-    <run_dir>/<name>.ft_events.rank003-of-008.jsonl
+    <run_dir>/ft_events/<name>.rank003-of-008.jsonl
 
-``name`` is the task (``hotpotqa``) or its LongBench-E split (``hotpotqa_e``). A single process
+The event files sit in a subfolder because LongBench's own ``eval.py`` reads every
+``*.jsonl`` of a run folder as predictions (and stops at the first line without ``pred``).
+
+``name`` is the task (``hotpotqa``), for LongBench v1 and LongBench-E alike (the split is the
+run folder's: see pred.py). A single process
 appends straight to ``<name>.jsonl``; with N processes, process r appends to its own shard, and
 rank 0 merges every shard into ``<name>.jsonl`` in dataset order (deterministic, whatever the
 world size or the order in which processes finish) and removes the shards. Rows already present
@@ -29,6 +33,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 _SHARD_RE = re.compile(r"\.rank(\d+)-of-(\d+)\.jsonl$")
+
+#: Subfolder of a run folder that holds the per-row fault-tolerance events.
+EVENTS_DIR = "ft_events"
 
 
 def shard(items: Sequence, rank: int, world: int) -> list:
@@ -74,15 +81,16 @@ class TaskFiles:
         self.name = name
         self.rank = rank
         self.world = world
+        self.events_dir = self.dir / EVENTS_DIR
         self.final = self.dir / f"{name}.jsonl"
-        self.events_final = self.dir / f"{name}.ft_events.jsonl"
+        self.events_final = self.events_dir / f"{name}.jsonl"
         self.report = self.dir / f"{name}.fault_report.json"
         if world == 1:
             self.mine, self.events_mine = self.final, self.events_final
         else:
             tag = f"rank{rank:03d}-of-{world:03d}"
             self.mine = self.dir / f"{name}.{tag}.jsonl"
-            self.events_mine = self.dir / f"{name}.ft_events.{tag}.jsonl"
+            self.events_mine = self.events_dir / f"{name}.{tag}.jsonl"
 
     # -- discovery ---------------------------------------------------------------------------
     def shard_files(self) -> list[Path]:
@@ -90,8 +98,22 @@ class TaskFiles:
         return sorted(Path(p) for p in glob.glob(pat) if _SHARD_RE.search(p))
 
     def event_shard_files(self) -> list[Path]:
-        pat = glob.escape(str(self.dir / self.name)) + ".ft_events.rank*-of-*.jsonl"
-        return sorted(Path(p) for p in glob.glob(pat))
+        pat = glob.escape(str(self.events_dir / self.name)) + ".rank*-of-*.jsonl"
+        return sorted(Path(p) for p in glob.glob(pat) if _SHARD_RE.search(p))
+
+    def adopt_events_beside(self) -> None:
+        """Move event files found beside the predictions (``<name>.ft_events[.rank..].jsonl``,
+        which LongBench's eval.py would read as predictions) into the events subfolder."""
+        pat = glob.escape(str(self.dir / self.name)) + ".ft_events*.jsonl"
+        for p in map(Path, glob.glob(pat)):
+            rest = p.name[len(self.name) + len(".ft_events"):]  # ".jsonl" or ".rankR-of-W.jsonl"
+            self.events_dir.mkdir(parents=True, exist_ok=True)
+            dest = self.events_dir / f"{self.name}{rest}"
+            if dest.exists():
+                _merge_files([dest, p], dest)
+                p.unlink()
+            else:
+                os.replace(p, dest)
 
     def done_keys(self) -> set[str]:
         """Keys (``_id``) of the rows predicted so far by any process of any earlier run."""
@@ -102,6 +124,7 @@ class TaskFiles:
 
     def remove(self) -> None:
         """Delete every file of this task split in the run folder (``--overwrite``)."""
+        self.adopt_events_beside()
         for p in [self.final, self.events_final, self.report, *self.shard_files(), *self.event_shard_files()]:
             p.unlink(missing_ok=True)
 
@@ -113,6 +136,7 @@ class TaskFiles:
 
     @staticmethod
     def _append(path: Path, obj: dict) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(obj, ensure_ascii=False) + "\n")
             f.flush()
@@ -184,7 +208,7 @@ KINDS = ("detected", "corrected", "recomputed", "uncorrectable", "nonfinite_inpu
 
 
 def row_events(report, flips: int | None, key: str, index: int) -> dict:
-    """One ``<name>.ft_events.jsonl`` line from an `ft_transformers.FTReport` of one row."""
+    """One ``ft_events/<name>.jsonl`` line from an `ft_transformers.FTReport` of one row."""
     return {
         "_id": key, "index": index, "steps": int(report.steps), "flips": flips,
         "totals": report.totals(),

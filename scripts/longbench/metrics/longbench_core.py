@@ -11,12 +11,15 @@ faithful behaviour is the default and the quirk is documented next to the code:
   over, so after a removal the next candidate is skipped (``faithful=False`` applies the
   intended filter instead).
 * ``rouge_l``: the official scorer calls the ``rouge`` package (1.0.1), whose ROUGE-L counts
-  *unique* words, splits sentences on every ``"."`` and reconstructs the LCS recursively. The
-  recursion overflows Python's stack when a reference sentence plus a predicted sentence pass
-  roughly 1000 words (long summaries; Chinese text, which has no ``"."``, is one sentence), and
-  the official ``try/except`` then scores the row 0.0. The default ``backend="lcs"`` computes the
-  same formula iteratively, so long texts get their true score; ``backend="official"`` calls the
-  ``rouge`` package under the same ``try/except`` for bit-for-bit comparisons.
+  *unique* words, splits sentences on every ASCII ``"."`` and reconstructs the LCS recursively.
+  The recursion overflows Python's stack when the backtracking path of a (reference sentence,
+  predicted sentence) pair passes roughly 1,000 steps (long summaries; Chinese text, which has no
+  ASCII ``"."``, is one sentence), and the official bare ``try/except`` then scores the row 0.0.
+  The default ``backend="official"`` reproduces that: it computes the same LCS iteratively,
+  counts the recursive calls the package would make, and scores 0.0 where they would overflow
+  the official ``eval.py`` (see `_official_overflows`). ``backend="lcs"`` is a *deviation*: the
+  true score, also for long texts. ``backend="rouge-package"`` calls the ``rouge`` package itself
+  under the same ``try/except`` (its overflow point then depends on the caller's stack depth).
 * ``code_sim_score``: ``fuzzywuzzy.fuzz.ratio`` without ``python-Levenshtein`` (LongBench's
   requirements) is ``difflib.SequenceMatcher`` (autojunk on) rounded to an integer percentage;
   that is the default. ``backend="indel"`` gives the Levenshtein-backed variant's numbers.
@@ -158,10 +161,11 @@ def _rouge_sentences(text: str) -> list[list[str]]:
     return [" ".join(piece.split()).split(" ") for piece in text.split(".") if len(piece) > 0]
 
 
-def _lcs_words(ref: Sequence[str], hyp: Sequence[str]) -> list[str]:
+def _lcs_words(ref: Sequence[str], hyp: Sequence[str]) -> tuple[list[str], int]:
     """One longest common subsequence of ``ref`` and ``hyp``, chosen by the same backtracking
     rule as the `rouge` package (match -> diagonal; strictly longer above -> up; else left),
-    computed iteratively so that long texts cannot overflow the stack."""
+    computed iteratively so that long texts cannot overflow the stack; and the number of
+    recursive calls the package's reconstruction makes for it (steps + 1)."""
     n, m = len(ref), len(hyp)
     table = [[0] * (m + 1)]
     for i in range(1, n + 1):
@@ -177,7 +181,9 @@ def _lcs_words(ref: Sequence[str], hyp: Sequence[str]) -> list[str]:
         table.append(row)
     out: list[str] = []
     i, j = n, m
+    calls = 1
     while i > 0 and j > 0:
+        calls += 1
         if ref[i - 1] == hyp[j - 1]:
             out.append(ref[i - 1])
             i -= 1
@@ -187,22 +193,48 @@ def _lcs_words(ref: Sequence[str], hyp: Sequence[str]) -> list[str]:
         else:
             j -= 1
     out.reverse()
-    return out
+    return out, calls
 
 
-def rouge_l_scores(prediction: str, ground_truth: str) -> dict[str, float] | None:
-    """``{"p", "r", "f"}`` of the summary-level ROUGE-L, or None where the official scorer fails
-    for a reason other than recursion depth (an empty prediction or reference after the split)."""
+#: CPython's default recursion limit, under which the official scorer runs.
+_RECURSION_LIMIT = 1000
+#: The official ``eval.py``, run as a script, holds 8 Python frames below the first recursive
+#: ``_recon`` call (<module>, scorer, rouge_score, Rouge.get_scores, Rouge._get_avg_scores,
+#: rouge_l_summary_level, _union_lcs, _recon_lcs; rouge_zh_score adds one), and CPython raises
+#: once the depth reaches the limit. Measured with rouge 1.0.1 on CPython 3.11: a path of 991
+#: calls scores, 992 overflow (990 / 991 for rouge_zh); other Python versions may shift the
+#: cut-off by a frame.
+_OFFICIAL_FRAMES = {"rouge": 9, "rouge_zh": 10}
+
+
+def _official_overflows(calls: int, metric: str = "rouge") -> bool:
+    """Whether the official scorer's recursive LCS reconstruction of ``calls`` calls overflows."""
+    return calls + _OFFICIAL_FRAMES[metric] > _RECURSION_LIMIT
+
+
+def rouge_l_scores(prediction: str, ground_truth: str, *, overflow_metric: str | None = None
+                   ) -> dict[str, float] | None:
+    """``{"p", "r", "f"}`` of the summary-level ROUGE-L, or None where the official scorer fails:
+    an empty prediction or reference after the split, or (with ``overflow_metric`` "rouge" or
+    "rouge_zh") a recursion overflow of the official scorer run as that metric."""
     hyp = _rouge_sentences(prediction)
     ref = _rouge_sentences(ground_truth)
     if not hyp or not ref:
         return None
+    if overflow_metric is not None:
+        # Every backtracking path takes at least min(len) steps: such pairs overflow without
+        # building their table.
+        if any(_official_overflows(min(len(r), len(h)) + 1, overflow_metric) for r in ref for h in hyp):
+            return None
     hyp_vocab = {w for s in hyp for w in s}
     ref_vocab = {w for s in ref for w in s}
     union: set[str] = set()
     for r in ref:
         for h in hyp:
-            union.update(_lcs_words(r, h))
+            words, calls = _lcs_words(r, h)
+            if overflow_metric is not None and _official_overflows(calls, overflow_metric):
+                return None
+            union.update(words)
     llcs = len(union)
     r_lcs = llcs / len(ref_vocab)
     p_lcs = llcs / len(hyp_vocab)
@@ -210,31 +242,40 @@ def rouge_l_scores(prediction: str, ground_truth: str) -> dict[str, float] | Non
     return {"p": p_lcs, "r": r_lcs, "f": f_lcs}
 
 
-def _official_rouge_l(prediction: str, ground_truth: str) -> float:
+def _package_rouge_l(prediction: str, ground_truth: str) -> float:
     try:
         from rouge import Rouge
     except ImportError as e:  # pragma: no cover - message only
-        raise ImportError("rouge backend 'official' needs `pip install rouge`") from e
+        raise ImportError("rouge backend 'rouge-package' needs `pip install rouge`") from e
     try:
         return Rouge().get_scores([prediction], [ground_truth], avg=True)["rouge-l"]["f"]
     except Exception:  # the published scorer's bare except (RecursionError included) -> 0
         return 0.0
 
 
-def rouge_score(prediction: str, ground_truth: str, *, rouge_backend: str = "lcs", **_) -> float:
-    """ROUGE-L F of LongBench (0.0 where the official scorer raises)."""
-    if rouge_backend == "official":
-        return _official_rouge_l(prediction, ground_truth)
-    if rouge_backend != "lcs":
-        raise ValueError(f"rouge_backend must be 'lcs' or 'official', got {rouge_backend!r}")
-    s = rouge_l_scores(prediction, ground_truth)
+#: ROUGE backends: "official" (default, faithful), "lcs" (deviation: the true score on long
+#: texts), "rouge-package" (the `rouge` package itself, for cross-checks).
+ROUGE_BACKENDS: tuple[str, ...] = ("official", "lcs", "rouge-package")
+
+
+def _rouge(prediction: str, ground_truth: str, backend: str, metric: str) -> float:
+    if backend == "rouge-package":
+        return _package_rouge_l(prediction, ground_truth)
+    if backend not in ROUGE_BACKENDS:
+        raise ValueError(f"rouge_backend must be one of {', '.join(ROUGE_BACKENDS)}, got {backend!r}")
+    s = rouge_l_scores(prediction, ground_truth, overflow_metric=metric if backend == "official" else None)
     return 0.0 if s is None else s["f"]
 
 
-def rouge_zh_score(prediction: str, ground_truth: str, *, rouge_backend: str = "lcs", **_) -> float:
+def rouge_score(prediction: str, ground_truth: str, *, rouge_backend: str = "official", **_) -> float:
+    """ROUGE-L F of LongBench (0.0 where the official scorer raises, under the default backend)."""
+    return _rouge(prediction, ground_truth, rouge_backend, "rouge")
+
+
+def rouge_zh_score(prediction: str, ground_truth: str, *, rouge_backend: str = "official", **_) -> float:
     """ROUGE-L over jieba words (joined by spaces)."""
-    return rouge_score(" ".join(jieba_cut(prediction)), " ".join(jieba_cut(ground_truth)),
-                       rouge_backend=rouge_backend)
+    return _rouge(" ".join(jieba_cut(prediction)), " ".join(jieba_cut(ground_truth)), rouge_backend,
+                  "rouge_zh")
 
 
 # --------------------------------------------------------------------------------------------
@@ -458,7 +499,8 @@ Args:
     references: list of reference answers per prediction (a list of strings, or one string).
     all_classes: the task's class names (classification; the same for every row of a task).
     lengths: LongBench word counts of the rows; adds LongBench-E buckets (task module only).
-    rouge_backend: "lcs" (default, iterative) or "official" (the `rouge` package, 0.0 on error).
+    rouge_backend: "official" (default: as published, 0.0 where its recursion overflows), "lcs"
+        (deviation: the true score on long texts) or "rouge-package" (the `rouge` package).
     code_sim_backend: "difflib" (default, fuzzywuzzy without python-Levenshtein) or "indel".
     faithful: classification filter as published (default True).
 Returns:
