@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from .config import _real
 from .counters import FaultStats, add_count, new_counters
 from .injection import FaultPlan, FaultSpec
 from .kernels.contract import LINEAR_SITES
@@ -181,9 +182,9 @@ def _checked_linear_forward(
     dev_type = x.device.type
     cast = _autocast_dtype(dev_type)
     k, n = _validate(x, weight, bias, weight_is_kn, cast is not None)
-    if (detect or plan) and torch.is_grad_enabled() and (
+    if torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    ):
+    ):  # (detect=False too: the Triton path has no backward either, and a gradient must never stop silently)
         raise RuntimeError(
             "the checked linear layer is inference-only: run under torch.no_grad() or "
             "torch.inference_mode() (x, weight or bias requires grad and grad mode is on)"
@@ -352,15 +353,18 @@ def checked_linear(
         ``{kind: count}`` (reading it synchronises).
     Raises:
         TypeError / ValueError on unsupported dtypes, shape or device mismatches, an ``inject``
-        naming an attention site, or a non-positive ``emax``/``csigma``; RuntimeError when called
+        naming an attention site, or an ``emax``/``csigma`` that is not a finite positive number;
+        TypeError for a ``correct``/``detect`` that is not a bool; RuntimeError when called
         with grad enabled on tensors that require grad (inference only).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if emax is not None and not (isinstance(emax, (int, float)) and emax > 0):
-        raise ValueError(f"emax must be a positive number or None, got {emax!r}")
-    if not (isinstance(csigma, (int, float)) and csigma > 0):
-        raise ValueError(f"csigma must be a positive number, got {csigma!r}")
+    if emax is not None:
+        emax = _real("emax", emax, positive=True)
+    csigma = _real("csigma", csigma, positive=True)
+    for name, flag in (("correct", correct), ("detect", detect)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
     plan = FaultPlan(inject)
     plan.check_sites(LINEAR_SITES, "checked_linear")
     counters = new_counters(x.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import operator
 from collections.abc import Sequence
 
@@ -69,7 +70,10 @@ def _resolve_backend(backend: str, device: torch.device):
     return kmod if device.type == "cuda" else None
 
 
-def _validate(q, k, v, scale, bias, attn_mask, window) -> None:
+def _validate(q, k, v, scale, bias, attn_mask, window, flags) -> None:
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -86,6 +90,8 @@ def _validate(q, k, v, scale, bias, attn_mask, window) -> None:
         raise ValueError(f"k and v must have the same shape (B, Hkv, N, D), got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
     B, Hq, M, D = q.shape
+    if D == 0:
+        raise ValueError(f"head dim D must be >= 1, got q of shape {tuple(q.shape)} (B, Hq, M, D)")
     if k.shape[0] != B:
         raise ValueError(f"batch size mismatch: q has {B}, k/v have {k.shape[0]}")
     if k.shape[3] != D:
@@ -93,13 +99,9 @@ def _validate(q, k, v, scale, bias, attn_mask, window) -> None:
     Hkv = k.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-    if scale is not None:
-        try:
-            ok = math.isfinite(float(scale))
-        except (TypeError, ValueError):
-            ok = False
-        if not ok or isinstance(scale, bool):
-            raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(float(scale))):
+        raise TypeError(f"scale must be a finite float or None, got {type(scale).__name__} {scale!r}")
     shape = (B, Hq, M, k.shape[2])
     for name, t in (("bias", bias), ("attn_mask", attn_mask)):
         if t is None:
@@ -113,6 +115,8 @@ def _validate(q, k, v, scale, bias, attn_mask, window) -> None:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
     if window is not None:
         try:
+            if isinstance(window, bool):
+                raise TypeError
             window = operator.index(window)
         except TypeError:
             raise TypeError(f"window must be a positive int or None, got {window!r}") from None
@@ -237,9 +241,18 @@ def efta_attention(
 
     Returns:
         ``(out, stats)``: out (B, Hq, M, D) in q's dtype; stats a `FaultStats` ``{kind: int}``.
-        Rows with every key masked are 0.
+        Rows with every key masked are 0 (so are all rows when N = 0); B, Hq or M = 0 give an
+        empty output.
+
+    Raises:
+        TypeError / ValueError on tensors that are not 4-D float16/bfloat16/float32 on one device,
+        head dim 0, mismatched batch, head dim or k/v shapes, Hq not a multiple of Hkv (Hkv = 0
+        included), masks that do not broadcast to (B, Hq, M, N), a non-finite ``scale``, a
+        ``window`` < 1, flags that are not bools, or ``inject`` naming a non-attention site;
+        ValueError when grad mode is on and an input requires grad (inference only).
     """
-    _validate(q, k, v, scale, bias, attn_mask, window)
+    _validate(q, k, v, scale, bias, attn_mask, window,
+              dict(causal=causal, pasa=pasa, detect=detect, correct=correct))
     plan = inject if isinstance(inject, FaultPlan) else FaultPlan(inject)
     plan.check_sites(ATTENTION_SITES, "efta_attention")
     counters = new_counters(q.device)

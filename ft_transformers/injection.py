@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import _indices, _integer, _real
 from .kernels.contract import SITE_INDEX, SITES, derive_seed
 
 _INT_VIEW = {
@@ -32,43 +33,57 @@ _INT_VIEW = {
 class FaultSpec:
     """What to inject.
 
+    Every field is checked when the spec is made: a wrong type raises TypeError, a value out of
+    range ValueError, each naming the field.
+
     Attributes:
         site: one of ``attn.scores``, ``attn.rowmax``, ``attn.probs``, ``attn.rowsum``,
             ``attn.output``, ``linear.output``.
-        bit: bit to flip, 0 = mantissa LSB of the value's storage format at the site
+        bit: bit to flip (an int), 0 = mantissa LSB of the value's storage format at the site
             (fp32 for the attention sites, the GEMM output dtype for ``linear.output``).
         count: number of flips per targeted call (random positions), with ``bit``.
-        ber: per-element flip probability (random bit), instead of ``bit``.
-        layers: transformer block indices (0-based) or qualified module names; ``None`` = all.
-        calls: forward-call indices (0-based) of each targeted module; ``None`` = all.
-        seed: seeds positions and bits; the same seed gives the same faults.
+        ber: per-element flip probability in (0, 1] (random bit), instead of ``bit``.
+        layers: transformer block indices (0-based ints; -1 = the modules outside the blocks) or
+            qualified module names; a bare int or string is one entry; ``None`` = all.
+        calls: forward-call indices (0-based) of each targeted module; a bare int is one call;
+            ``None`` = all.
+        seed: seeds positions and bits (an int); the same seed gives the same faults.
     """
 
     site: str
     bit: int | None = None
     count: int = 1
     ber: float | None = None
-    layers: Sequence[int | str] | None = None
-    calls: Sequence[int] | None = None
+    layers: Sequence[int | str] | int | str | None = None
+    calls: Sequence[int] | int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.site not in SITE_INDEX:
+        if not isinstance(self.site, str) or self.site not in SITE_INDEX:
             raise ValueError(f"unknown fault site {self.site!r}; choose one of {', '.join(SITES)}")
         if (self.bit is None) == (self.ber is None):
             raise ValueError("FaultSpec needs exactly one of `bit` (with `count`) or `ber`")
-        if self.bit is not None and not 0 <= int(self.bit) < 32:
-            raise ValueError(f"bit must lie in [0, 32) (0 = mantissa LSB), got {self.bit}")
-        if self.ber is not None and not 0.0 < float(self.ber) <= 1.0:
-            raise ValueError(f"ber must lie in (0, 1], got {self.ber}")
-        if int(self.count) < 1:
-            raise ValueError(f"count must be >= 1, got {self.count}")
+        if self.bit is not None:
+            bit = _integer("FaultSpec.bit", self.bit)
+            if not 0 <= bit < 32:
+                raise ValueError(f"FaultSpec.bit must lie in [0, 32) (0 = mantissa LSB), got {bit}")
+            object.__setattr__(self, "bit", bit)
+        if self.ber is not None:
+            ber = _real("FaultSpec.ber", self.ber)
+            if not 0.0 < ber <= 1.0:
+                raise ValueError(f"FaultSpec.ber must lie in (0, 1], got {ber}")
+            object.__setattr__(self, "ber", ber)
+        count = _integer("FaultSpec.count", self.count)
+        if count < 1:
+            raise ValueError(f"FaultSpec.count must be >= 1, got {count}")
+        object.__setattr__(self, "count", count)
+        object.__setattr__(self, "seed", _integer("FaultSpec.seed", self.seed))
         if self.layers is not None:
-            object.__setattr__(self, "layers", tuple(self.layers))
+            object.__setattr__(self, "layers", _indices("FaultSpec.layers", self.layers, names=True))
         if self.calls is not None:
-            calls = tuple(int(c) for c in self.calls)
+            calls = _indices("FaultSpec.calls", self.calls)
             if any(c < 0 for c in calls):
-                raise ValueError(f"calls must be non-negative, got {calls}")
+                raise ValueError(f"FaultSpec.calls must be non-negative, got {calls}")
             object.__setattr__(self, "calls", calls)
 
     @property

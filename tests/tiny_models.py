@@ -91,3 +91,72 @@ def padded_batch(seed: int = 0, lengths: tuple[int, ...] = (12, 7), left: bool =
         ids[b, sl] = torch.randint(3, VOCAB, (n,), generator=g)
         mask[b, sl] = 1
     return ids, mask
+
+
+# -- families protected through discovery: even smaller (hidden 64, 2 layers, vocab 100) ---------------
+SMALL_VOCAB = 100
+_DEC = dict(vocab_size=SMALL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0)
+
+
+def _cfg(cls_name: str, **kw):
+    import transformers  # noqa: PLC0415 (config classes looked up by name)
+
+    return getattr(transformers, cls_name)(**kw)
+
+
+def small_configs() -> dict:
+    """model name -> (config, auto class) for the families discovery serves, each a few-MB model."""
+    llama3_rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                       high_freq_factor=4.0, original_max_position_embeddings=64)
+    moe = dict(num_experts_per_tok=2)
+    two = ["sliding_attention", "full_attention"]
+    causal = {
+        "llama3": _cfg("LlamaConfig", **_DEC, rope_scaling=llama3_rope),
+        "mistral": _cfg("MistralConfig", **_DEC, head_dim=16, sliding_window=6),
+        "mixtral": _cfg("MixtralConfig", **_DEC, num_local_experts=4, **moe),
+        "qwen2": _cfg("Qwen2Config", **_DEC, use_sliding_window=True, sliding_window=6, max_window_layers=1),
+        "qwen3": _cfg("Qwen3Config", **_DEC, head_dim=16),
+        "qwen2_moe": _cfg("Qwen2MoeConfig", **_DEC, num_experts=4, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=64, **moe),
+        "gemma": _cfg("GemmaConfig", **_DEC, head_dim=16),
+        "gemma2": _cfg("Gemma2Config", **_DEC, head_dim=16, sliding_window=6, layer_types=two,
+                       attn_logit_softcapping=None),
+        "gemma3": _cfg("Gemma3TextConfig", **_DEC, head_dim=16, sliding_window=6, layer_types=two),
+        "phi3": _cfg("Phi3Config", **_DEC),
+        "gpt_neox": _cfg("GPTNeoXConfig", vocab_size=SMALL_VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        "opt": _cfg("OPTConfig", vocab_size=SMALL_VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                    num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=64,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=0, dropout=0.0, attention_dropout=0.0),
+        "gpt2": _cfg("GPT2Config", vocab_size=SMALL_VOCAB, n_positions=128, n_embd=64, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2,
+                     pad_token_id=0),
+    }
+    enc = dict(vocab_size=SMALL_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=128, max_position_embeddings=130, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, pad_token_id=0)
+    out = {k: (c, AutoModelForCausalLM) for k, c in causal.items()}
+    out["bert"] = (_cfg("BertConfig", **enc), AutoModel)
+    out["roberta"] = (_cfg("RobertaConfig", **enc, bos_token_id=1, eos_token_id=2), AutoModel)
+    out["t5"] = (_cfg("T5Config", vocab_size=SMALL_VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                      num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=16,
+                      relative_attention_max_distance=64, dropout_rate=0.0, decoder_start_token_id=0,
+                      pad_token_id=0, eos_token_id=1), AutoModelForSeq2SeqLM)
+    return out
+
+
+def make_small(name: str, attn: str = "eager", seed: int = 0, **overrides):
+    """A random-init model of `small_configs` ``name`` in eval mode (weights widened: std 0.08)."""
+    cfg, auto = small_configs()[name]
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    model = auto.from_config(cfg, attn_implementation=attn)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() >= 2 and "embed" not in pname and "wte" not in pname and "shared" not in pname:
+                p.normal_(0.0, 0.08)
+    return model.eval()
