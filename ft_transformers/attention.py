@@ -10,14 +10,17 @@ or ``None`` when the pattern is plain causal / full, in which case ``is_causal``
 Our kernel aligns causal masks bottom-right, which is right for both cases where transformers
 skips the mask (q_len == kv_len and q_len == 1).
 
+Routes that pair an attention function with the flash-attention mask function (the Hub-kernels
+route, ``load_and_register_attn_kernel``, registers every kernel that way) hand over a 2-D padding
+mask (B, N) (bool or int, 1 = attend) that holds neither causality nor the sliding window; that form
+is accepted too and turned into the 4-D bool mask here (`_padding_mask_4d`).
+
 Under ``torch.compile`` a protected attention call is one opaque custom op, ``ftt::efta_module``,
 running the same eager code (no graph breaks from the reference path's host-side branches); with
 faults being injected it runs eagerly outside the graph (see `ft_transformers.protect`).
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 from transformers import AttentionInterface
@@ -57,13 +60,27 @@ def efta_attention_forward(
     if kwargs.get("s_aux") is not None:
         raise ValueError("attn_implementation='efta' does not support attention sinks")
 
-    if torch.is_grad_enabled() and query.requires_grad:
-        warnings.warn("attn_implementation='efta' is inference-only: gradients do not flow through it. "
-                      "Run under torch.no_grad() / torch.inference_mode().", UserWarning, stacklevel=2)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (query, key, value, position_bias)):
+        # EFTA has no backward: raise rather than hand out gradients that silently stop here.
+        raise RuntimeError(
+            "attn_implementation='efta' is inference-only (no backward), but "
+            f"{type(module).__name__} ran with grad mode on and inputs requiring grad. Run the model under "
+            "torch.no_grad() or torch.inference_mode() (model.generate does), or call model.requires_grad_(False)")
     ctx = getattr(module, "_ftt", None)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
-    if attention_mask is not None:
+    window = kwargs.get("sliding_window")
+    if attention_mask is not None and attention_mask.dim() == 2:
+        # A flash-style padding mask: causality and the window are not in it.
+        attention_mask, key, value = _padding_mask_4d(attention_mask, query, key, value, causal, window)
+        causal = False
+    elif attention_mask is not None:
         # The mask (built by sdpa_mask or given by the user) already holds causality.
+        causal = False
+    elif causal and window is not None and key.shape[2] > window:
+        # No mask although the window cuts keys: a mask function that does not build windows (sdpa_mask
+        # returns None only when the window cuts nothing).
+        attention_mask = _pattern_mask(query.shape[2], key.shape[2], True, window, query.device)[None, None]
         causal = False
     if ctx is None:
         # "efta" without enable_fault_tolerance: default checks, events not recorded.
@@ -92,6 +109,7 @@ def _protected(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                position_bias: torch.Tensor | None, scaling: float | None, causal: bool) -> torch.Tensor:
     """A protected module's EFTA call run eagerly: plan its faults, compute, count. -> (B, Hq, M, D)."""
     plan, counters = ctx.plan_for_call(), ctx.counters(query.device)
+    ctx.ran_efta = True  # read and cleared by `ft_transformers.bypass` while it watches for bypasses
     out = _efta_forward(
         query, key, value,
         scale=scaling, causal=causal, bias=position_bias, attn_mask=attention_mask, window=None,
@@ -100,6 +118,44 @@ def _protected(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     )
     ctx.after_call(counters)
     return out
+
+
+def _pattern_mask(m: int, n: int, causal: bool, window: int | None, device: torch.device) -> torch.Tensor:
+    """(M, N) bool, True = attend: causal and/or sliding window aligned bottom-right (query i at key
+    position i + N - M), the alignment of the kernel's own ``causal`` and ``window``."""
+    i = torch.arange(m, device=device)[:, None] + (n - m)
+    j = torch.arange(n, device=device)[None, :]
+    keep = j <= i if causal else torch.ones((m, n), dtype=torch.bool, device=device)
+    if window is not None:
+        keep = keep & (j > i - int(window))
+    return keep
+
+
+def _padding_mask_4d(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     causal: bool, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 2-D padding mask (B, Nm), 1 = attend, as a 4-D bool mask (B, 1, M or 1, N') EFTA takes.
+
+    ``causal`` and ``window`` are folded in (a padding mask holds neither). A mask shorter than the
+    keys (a static cache: slots past the mask were never written) keeps only the first Nm keys, as
+    the flash-attention path does, so that causality aligns with the last real key.
+
+    Returns (mask (B, 1, M or 1, N'), key, value (B, Hkv, N', D)).
+    """
+    if mask.is_floating_point() or mask.is_complex():
+        raise TypeError(f"a 2-D attention_mask must be a padding mask, bool or integer with 1 = attend (the "
+                        f"flash-attention form); got dtype {mask.dtype}. Pass additive masks as 4-D "
+                        "(B or 1, H or 1, M, N)")
+    b, m, n = query.shape[0], query.shape[2], key.shape[2]
+    if mask.shape[0] not in (1, b) or mask.shape[1] > n:
+        raise ValueError(f"a 2-D attention_mask (padding mask) of shape {tuple(mask.shape)} cannot be broadcast "
+                         f"to batch {b} and {n} keys: it must be (B, N) or (1, N) with N <= the key length")
+    if mask.shape[1] < n:
+        n = mask.shape[1]
+        key, value = key[:, :, :n], value[:, :, :n]
+    keep = (mask != 0).to(query.device)[:, None, None, :]
+    if causal or window is not None:
+        keep = keep & _pattern_mask(m, n, causal, window, query.device)
+    return keep, key, value
 
 
 # Under torch.compile with faults active: the call runs eagerly, outside the graph.

@@ -7,6 +7,10 @@ step a copy of that tensor is filed away, still on the device, and the tensor is
 next step. Only `fault_report` copies the history to the host, so recording costs no
 synchronisation on the hot path.
 
+Calls of protected modules that ran *outside* protection (attention switched away from EFTA, a
+Linear swapped out; `ft_transformers.bypass` notices them) are counted per module name in a Python
+dict, one int addition per call, and reported as `FTReport.unprotected`.
+
 The per-device step tensors are allocated once and reused for every step (their addresses never
 change), so a compiled model (``torch.compile``, also with CUDA graphs) adds into the same
 buffers on every replay; filing and zeroing happen outside the compiled region, in the model's
@@ -71,6 +75,10 @@ class EventRecorder:
         self._history: list[tuple[int, dict[torch.device, torch.Tensor]]] = []
         self._pending_warn: list[tuple[int, torch.Tensor, object]] = []
         self._warned = 0
+        # module name -> calls that ran outside protection; -> the route they took; -> its block index
+        self.unprotected: dict[str, int] = {}
+        self.unprotected_routes: dict[str, str] = {}
+        self.unprotected_layers: dict[str, int] = {}
 
     # -- slots -------------------------------------------------------------------------------
     def add_slot(self, name: str, layer: int) -> ModuleSlot:
@@ -110,6 +118,12 @@ class EventRecorder:
         if view is None or view._base is not buf:  # (a copied or unpickled recorder: made again)
             view = self._views[(slot.index, device)] = buf[slot.index]
         return view
+
+    def note_unprotected(self, slot: ModuleSlot, route: str, calls: int = 1) -> None:
+        """Count ``calls`` of the protected module of ``slot`` that ran outside protection, by ``route``."""
+        self.unprotected[slot.name] = self.unprotected.get(slot.name, 0) + calls
+        self.unprotected_routes[slot.name] = route
+        self.unprotected_layers[slot.name] = slot.layer
 
     # -- steps ---------------------------------------------------------------------------------
     @torch.compiler.disable
@@ -189,6 +203,9 @@ class EventRecorder:
             buf.zero_()
         self._current = {}
         self.step = 0
+        self.unprotected.clear()
+        self.unprotected_routes.clear()
+        self.unprotected_layers.clear()
 
 
 class FTReport:
@@ -196,13 +213,31 @@ class FTReport:
 
     ``str(report)`` is a table per layer × site; `summary` the same as a dict; `by_step` per
     generation step × layer; `to_json` / `to_csv` export the events.
+
+    ``unprotected`` is ``{module name: calls}``: the protected modules that ran outside protection
+    (attention switched away from EFTA by any route, a Linear swapped out) and how many of their calls
+    did; empty when everything ran protected. ``unprotected_routes`` names the route of each,
+    ``unprotected_layers`` its transformer block (-1 outside the blocks).
+
+    ``unchecked`` is ``{module name: why}``: modules whose products no check covers at all (MoE
+    experts stored as fused 3-D parameters, a router's bare weight; `ft_transformers.discovery`).
     """
 
     def __init__(self, events: list[FaultEvent], recorder: EventRecorder | None = None,
-                 steps: int = 0) -> None:
+                 steps: int = 0, unprotected: dict[str, int] | None = None,
+                 unprotected_routes: dict[str, str] | None = None,
+                 unprotected_layers: dict[str, int] | None = None, unchecked: dict[str, str] | None = None) -> None:
         self.events = events
         self.steps = steps
         self._recorder = recorder
+        rec = recorder
+        self.unprotected: dict[str, int] = dict(
+            unprotected if unprotected is not None else (rec.unprotected if rec is not None else {}))
+        self.unprotected_routes: dict[str, str] = dict(
+            unprotected_routes if unprotected_routes is not None else (rec.unprotected_routes if rec else {}))
+        self.unprotected_layers: dict[str, int] = dict(
+            unprotected_layers if unprotected_layers is not None else (rec.unprotected_layers if rec else {}))
+        self.unchecked: dict[str, str] = dict(unchecked or {})
 
     def totals(self) -> dict[str, int]:
         tot = dict.fromkeys(KINDS, 0)
@@ -211,7 +246,23 @@ class FTReport:
         return tot
 
     def summary(self) -> dict[tuple[int, str], dict[str, int]]:
-        """``{(layer, site): {kind: count}}`` summed over steps and modules."""
+        """``{(layer, site): {kind: count}}`` summed over steps and modules.
+
+        Calls that ran outside protection appear as ``(layer, "unprotected"): {"calls": n}`` (summed
+        over the layer's modules), after the layer's sites; absent when everything ran protected.
+        """
+        out = self._event_summary()
+        if not self.unprotected:
+            return out
+        calls: dict[int, int] = defaultdict(int)
+        for name, n in self.unprotected.items():
+            calls[self.unprotected_layers.get(name, -1)] += n
+        for layer, n in calls.items():
+            out[(layer, "unprotected")] = {"calls": n}
+        order = {site: i for i, site in enumerate((*SITES, "unprotected"))}
+        return dict(sorted(out.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])))
+
+    def _event_summary(self) -> dict[tuple[int, str], dict[str, int]]:
         acc: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(KINDS, 0))
         for e in self.events:
             acc[(e.layer, e.site)][e.kind] += e.count
@@ -230,10 +281,16 @@ class FTReport:
             self._recorder.reset()
         self.events = []
         self.steps = 0
+        self.unprotected = {}
+        self.unprotected_routes = {}
+        self.unprotected_layers = {}
 
     def to_json(self, path: str | Path) -> None:
         data = {"steps": self.steps, "totals": self.totals(),
-                "events": [asdict(e) for e in self.events]}
+                "events": [asdict(e) for e in self.events], "unchecked": self.unchecked,
+                "unprotected": [{"module": name, "layer": self.unprotected_layers.get(name, -1), "calls": n,
+                                 "route": self.unprotected_routes.get(name, "")}
+                                for name, n in self.unprotected.items()]}
         Path(path).write_text(json.dumps(data, indent=1))
 
     def to_csv(self, path: str | Path) -> None:
@@ -244,10 +301,10 @@ class FTReport:
                 w.writerow([e.step, e.layer, e.module, e.site, e.kind, e.count])
 
     def __str__(self) -> str:
-        summ = self.summary()
+        summ = self._event_summary()
         head = f"ft_transformers fault report: {self.steps} model call(s), "
         if not summ:
-            return head + "no events"
+            return head + "no events" + self._unprotected_table() + self._unchecked_line()
         tot = self.totals()
         head += ", ".join(f"{tot[k]} {k}" for k in KINDS if tot[k]) + "\n"
         cols = ["layer", "site", *KINDS]
@@ -257,7 +314,29 @@ class FTReport:
         fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
         lines = [fmt.format(*cols), "  ".join("-" * w for w in widths)]
         lines += [fmt.format(*r) for r in rows]
-        return head + "\n".join(lines)
+        return head + "\n".join(lines) + self._unprotected_table() + self._unchecked_line()
+
+    def _unchecked_line(self) -> str:
+        """The line of `__str__` on modules no check covers ("" when there are none)."""
+        if not self.unchecked:
+            return ""
+        return (f"\nUNCHECKED: {len(self.unchecked)} module(s) compute outside checked GEMMs "
+                f"(e.g. {next(iter(self.unchecked))}); see .unchecked")
+
+    def _unprotected_table(self) -> str:
+        """The lines of `__str__` on calls that ran outside protection ("" when there were none)."""
+        if not self.unprotected:
+            return ""
+        total = sum(self.unprotected.values())
+        rows = [[name, str(n), self.unprotected_routes.get(name, "")] for name, n in self.unprotected.items()]
+        cols = ["module", "calls", "route"]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(cols)]
+        fmt = "  ".join(("{:>%d}" if i == 1 else "{:<%d}") % w for i, w in enumerate(widths))
+        lines = [f"\nWARNING: {total} call(s) of {len(rows)} protected module(s) ran UNPROTECTED:",
+                 fmt.format(*cols).rstrip(), "  ".join("-" * w for w in widths)]
+        lines += [fmt.format(*r).rstrip() for r in rows]
+        return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"FTReport(steps={self.steps}, events={len(self.events)}, totals={self.totals()})"
+        extra = f", unprotected={sum(self.unprotected.values())}" if self.unprotected else ""
+        return f"FTReport(steps={self.steps}, events={len(self.events)}, totals={self.totals()}{extra})"

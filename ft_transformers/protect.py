@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import types
-import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -34,6 +33,7 @@ from ._states import KEYS as _KEYS
 from ._states import STATES as _STATES
 from ._states import STATIC, Static, faults_may_hit, forget, spec_matches, static_of, step_block
 from .attention import ATTN_IMPLEMENTATION
+from .bypass import watch as _watch_bypass
 from .checked_linear import _FAST_PATH_ATTR, _autocast_dtype, _checked_linear_forward
 from .config import FTConfig
 from .events import EventRecorder, FTReport, ModuleSlot
@@ -116,6 +116,7 @@ class _ProtectionState:
         self.patched: list[torch.nn.Module] = []
         self.hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.release: weakref.finalize | None = None  # drops its `_states` entries (`enable_fault_tolerance`)
+        self.unchecked: dict[str, str] = {}  # module name -> why its product runs unchecked (`discovery`)
 
     def __deepcopy__(self, memo):
         # The protected layers find their model's state and settings by key (`_states`); a copy would share
@@ -132,13 +133,14 @@ class _ProtectionState:
 
 def _checked_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``forward`` of a protected Linear / Conv1D: x (..., K) -> y (..., N)."""
-    if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-        # Protection is inference-only; compute the same values without autograd.
-        warnings.warn("ft_transformers protection is inference-only: gradients do not flow through "
-                      "checked Linear layers. Run under torch.no_grad() / torch.inference_mode().",
-                      UserWarning, stacklevel=2)
-        with torch.no_grad():
-            return _checked_forward(self, x)
+    if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
+                                    or (self.bias is not None and self.bias.requires_grad)):
+        # The checked GEMM has no backward: raise rather than hand out gradients that silently stop here.
+        raise RuntimeError(
+            f"ft_transformers protection is inference-only (no backward): the checked Linear "
+            f"{self._ftt.slot.name!r} ran with grad mode on and an input or parameter requiring grad. Run "
+            "the model under torch.no_grad() or torch.inference_mode() (model.generate does), or call "
+            "model.requires_grad_(False)")
     st = static_of(self._ftt.key)
     y = sibling_output(st, x)
     if y is not None:  # computed with its siblings' by the parent (`ft_transformers.siblings`)
@@ -237,15 +239,22 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
 
     Switches attention to ``"efta"`` and wraps every ``nn.Linear`` / ``Conv1D`` with a V-ABFT
     checked GEMM, per ``config`` (default `FTConfig()`). Calling it again replaces the earlier
-    protection (so it is idempotent for the same config). Raises ValueError for model families
-    without an adapter (the message names the supported ones).
+    protection (so it is idempotent for the same config). What it protects is found in the model
+    (`ft_transformers.discovery`): modules whose forward calls transformers' attention interface, and
+    every Linear; modules that compute outside them (fused MoE experts) are named in a warning and
+    in ``fault_report(model).unchecked``. Raises ValueError when no attention module is found (custom
+    models: `register_family`) or the attention uses what EFTA does not compute (logit softcapping),
+    and for ``config.layers`` naming a block the model does not have (the message names the valid
+    range); the model is left as it was. A protected model is inference-only: its forward raises
+    RuntimeError when grad mode is on and an input or parameter requires grad.
     """
-    from .patches import adapter_for
+    from .discovery import discover, warn_unchecked
 
     config = config if config is not None else FTConfig()
     if not isinstance(config, FTConfig):
         raise TypeError(f"config must be an FTConfig, got {type(config).__name__}")
-    adapter = adapter_for(model)
+    adapter = discover(model, require_attention=config.attention)
+    config._check_layers({adapter.layer_of(name) for name, _ in model.named_modules()} - {-1})
     original_attn = None
     if getattr(model, _STATE_ATTR, None) is not None:
         original_attn = _state(model).original_attn
@@ -279,10 +288,13 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
         state.contexts.append(ctx)
     if config.linear:
         state.patched += install_siblings(model, adapter, _install_forward)
+        state.unchecked = {n: why for n, why in adapter.unchecked.items() if in_scope(adapter.layer_of(n))}
+        warn_unchecked(state.unchecked)
     # its `_states` entries go when protection is disabled, or with the model if it is dropped protected
     state.release = weakref.finalize(model, forget, state.keys())
     state.recorder.prepare({p.device for p in model.parameters()} | {b.device for b in model.buffers()})
     state.hooks.append(model.register_forward_hook(lambda *_: state.recorder.end_step()))
+    state.hooks.append(_watch_bypass(model, state))  # attention leaving EFTA, modules swapped out
     setattr(model, _STATE_ATTR, state)
     return model
 
@@ -341,8 +353,9 @@ def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
 
 def fault_report(model: torch.nn.Module) -> FTReport:
     """Everything detected / corrected / recomputed since protection was enabled or reset."""
-    rec = _state(model).recorder
-    return FTReport(rec.events(), rec, steps=rec.step)
+    state = _state(model)
+    rec = state.recorder
+    return FTReport(rec.events(), rec, steps=rec.step, unchecked=state.unchecked)
 
 
 
