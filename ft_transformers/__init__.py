@@ -17,10 +17,11 @@ from .config import FTConfig, UncorrectableFaultError
 from .efta import efta_attention
 from .events import FaultEvent, FTReport
 from .injection import FaultSpec
+from .patches import register_family
 from .protect import disable_fault_tolerance, enable_fault_tolerance, fault_report, inject_faults
 from .vabft import vabft_threshold
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the package version's one source: pyproject.toml reads it (dynamic)
 
 __all__ = [
     "FTConfig",
@@ -35,6 +36,7 @@ __all__ = [
     "fault_report",
     "inject_faults",
     "pasa",
+    "register_family",
     "vabft_threshold",
 ]
 

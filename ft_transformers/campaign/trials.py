@@ -4,9 +4,9 @@ trial run with protection off and on, its classification, and the resumable camp
 
 from __future__ import annotations
 
+import logging
 import os
 import random
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -22,6 +22,8 @@ from ..protect import _state, enable_fault_tolerance, fault_report, inject_fault
 from .config import ARM_CONFIGS, ARMS, CampaignConfig, bit_class, bit_fields, site_dtype
 from .models import encode_prompt, load_model
 from .store import FORMAT_VERSION, CampaignStore, load_campaign, versions
+
+_LOG = logging.getLogger("ft_transformers")
 
 # --------------------------------------------------------------------------------------------
 # Planning
@@ -300,21 +302,22 @@ def run_campaign(config: CampaignConfig, path: str | os.PathLike, *, model=None,
     recomputed and must reproduce the stored ones (same numerics), else ValueError.
     ``on_trial(record)`` is called after each trial is written (tests use it to simulate a kill).
     """
-    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    say = log or _LOG.info
+    warn = log or _LOG.warning
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     store = CampaignStore(path).load()
     if store.dropped_bytes:
-        say(f"campaign: dropped a partial last line ({store.dropped_bytes} bytes) of {path}")
+        warn(f"campaign: dropped a partial last line ({store.dropped_bytes} bytes) of {path}")
     fp = config.fingerprint()
     if store.header is not None and store.header["fingerprint"] != fp:
         raise ValueError(f"{path} holds another campaign (fingerprint {store.header['fingerprint']}, "
                          f"this one {fp}); use another output file or `resume` it")
     ver = versions()
     if store.header is not None and store.header.get("versions", {}).get("source") != ver["source"]:
-        say("campaign: warning: the library sources changed since this campaign started "
-            f"(source hash {store.header.get('versions', {}).get('source')} -> {ver['source']}); "
-            "every trial records the versions it ran with")
+        warn("campaign: warning: the library sources changed since this campaign started "
+             f"(source hash {store.header.get('versions', {}).get('source')} -> {ver['source']}); "
+             "every trial records the versions it ran with")
     if model is None:
         say(f"campaign: loading {config.model} ...")
         model, tokenizer = load_model(config.model, config.dtype, config.device)
@@ -335,8 +338,8 @@ def run_campaign(config: CampaignConfig, path: str | os.PathLike, *, model=None,
                              "(different numerics: device, threads, library versions?); start a new file")
         cleans[i] = rec
         if rec["false_positives"] or not rec["arms_agree"]:
-            say(f"campaign: prompt {i}: clean protected run had {rec['false_positives']} detection(s); "
-                f"clean outputs {'agree' if rec['arms_agree'] else 'DIFFER'} across arms")
+            warn(f"campaign: prompt {i}: clean protected run had {rec['false_positives']} detection(s); "
+                 f"clean outputs {'agree' if rec['arms_agree'] else 'DIFFER'} across arms")
     lengths = [len(cleans[i]["unprotected"]["tokens"]) for i in range(len(config.prompts))]
     enable_fault_tolerance(model, ARM_CONFIGS["protected"])
     targets = model_targets(model)
