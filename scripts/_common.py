@@ -1,35 +1,20 @@
 """What the scripts share: the provenance a result is written with, and loading a causal LM for
-fixed-length greedy generation.
+fixed-length greedy generation. `versions` and `load_model` live in the library
+(`ft_transformers.longbench.runtime`, which the LongBench console scripts use) and are re-exported.
 
 Scripts import it as a top-level module (``from _common import ...``): a script run as a file has
-``scripts/`` on ``sys.path`` already, and the ``longbench`` package and the tests put it there.
+``scripts/`` on ``sys.path`` already, and the tests put it there.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 
 import torch
 
+from ft_transformers.longbench.runtime import load_model, versions
 
-def versions() -> dict[str, str]:
-    """Versions of python, torch, transformers, ft_transformers and triton (where installed), and of
-    CUDA and cuDNN on a CUDA build."""
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("transformers", "ft_transformers"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except ImportError:  # pragma: no cover - a partial environment still gets its other versions
-            pass
-    try:  # from the metadata: importing triton here would fix its interpreter setting too early
-        out["triton"] = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    if torch.version.cuda and torch.cuda.is_available():
-        out["CUDA"] = torch.version.cuda
-        out["cuDNN"] = str(torch.backends.cudnn.version())
-    return out
+__all__ = ["device_label", "environment", "fixed_length", "load_model", "versions"]
 
 
 def device_label(device: torch.device | str | None = None) -> str:
@@ -47,24 +32,6 @@ def device_label(device: torch.device | str | None = None) -> str:
 def environment(device: torch.device | str | None = None) -> str:
     """Two lines for the head of a result file: ``device: ...`` and the `versions`."""
     return f"device: {device_label(device)}\n" + ", ".join(f"{k} {v}" for k, v in versions().items())
-
-
-def load_model(path: str, *, dtype: torch.dtype, attn_implementation: str = "sdpa", device: str | None = None,
-               device_map: str | None = None, max_memory: dict | None = None, **from_pretrained):
-    """An eval-mode ``AutoModelForCausalLM.from_pretrained(path)``.
-
-    ``device_map`` (with ``max_memory``) spreads the model over the GPUs; without it the model goes
-    to ``device`` (None: where ``from_pretrained`` put it). Further keywords go to ``from_pretrained``."""
-    from transformers import AutoModelForCausalLM
-
-    extra: dict = {"device_map": device_map} if device_map else {}
-    if device_map and max_memory:
-        extra["max_memory"] = max_memory
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                 **from_pretrained, **extra)
-    if not device_map and device is not None:
-        model = model.to(device)
-    return model.eval()
 
 
 def fixed_length(model):

@@ -1,14 +1,12 @@
-"""LongBench scoring and the clean / faulty / protected comparison (see scripts/longbench/eval.py).
+"""LongBench scoring and the clean / faulty / protected comparison (see ft_transformers/longbench/eval.py);
+installed as the console script ``ftt-longbench-eval``.
 
     python scripts/longbench_eval.py --pred-dir out/longbench/<model-tag>
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from longbench.eval import main  # noqa: E402
+from ft_transformers.longbench.eval import cli
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -1,15 +1,13 @@
-"""LongBench predictions (see scripts/longbench/pred.py, docs/longbench.md).
+"""LongBench predictions (see ft_transformers/longbench/pred.py, docs/longbench.md); installed as the
+console script ``ftt-longbench-pred``.
 
     python scripts/longbench_pred.py --data-dir DATA --tasks trec,samsum --mode efta --limit 5
     accelerate launch --multi_gpu --num_processes 8 scripts/longbench_pred.py --model ID --data-dir DATA
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from longbench.pred import main  # noqa: E402
+from ft_transformers.longbench.pred import cli
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -30,10 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fixed_length, load_model  # noqa: E402
 from bench_generate import model_config  # noqa: E402
-from longbench.compare_runs import describe_device, events_per_device  # noqa: E402
-from longbench.pred import layer_devices  # noqa: E402
 
 import ft_transformers as ftt  # noqa: E402
+from ft_transformers.longbench.compare_runs import describe_device, events_per_device  # noqa: E402
+from ft_transformers.longbench.pred import layer_devices  # noqa: E402
 
 
 def default_faults(dtype: str) -> str:

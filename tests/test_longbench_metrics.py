@@ -1,4 +1,4 @@
-"""LongBench metrics against hand-computed cases (scripts/longbench/metrics).
+"""LongBench metrics against hand-computed cases (ft_transformers/longbench/metrics).
 
 Every metric of the published scorer, its aggregation (first-line rule, best answer, rounding,
 LongBench-E buckets), the known pitfalls (ROUGE on long texts, classification with overlapping
@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 
+import ft_transformers.longbench.metrics as metrics_pkg
+from ft_transformers.longbench.metrics import longbench_core as C
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from longbench.metrics import longbench_core as C  # noqa: E402
-
 FIXTURES = ROOT / "tests" / "fixtures" / "longbench"
-METRICS_DIR = ROOT / "scripts" / "longbench" / "metrics"
+METRICS_DIR = Path(metrics_pkg.__file__).resolve().parent
 EPS = 1e-8  # the `rouge` package's F denominator guard
 
 

@@ -1,4 +1,4 @@
-"""LongBench prediction tooling (scripts/longbench): protocol, resume, shards, modes, end to end.
+"""LongBench prediction tooling (ft_transformers.longbench): protocol, resume, shards, modes, end to end.
 
 A tiny random Llama and a word-level tokenizer built offline stand in for real models (one
 `slow` test runs the embedded SmolLM2).
@@ -17,15 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from ft_transformers.longbench import data as D
+from ft_transformers.longbench import eval as E
+from ft_transformers.longbench import pred as P
+from ft_transformers.longbench import protocol as PR
+from ft_transformers.longbench import shards as S
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from longbench import data as D  # noqa: E402
-from longbench import eval as E  # noqa: E402
-from longbench import pred as P  # noqa: E402
-from longbench import protocol as PR  # noqa: E402
-from longbench import shards as S  # noqa: E402
-
 FIXTURES = ROOT / "tests" / "fixtures" / "longbench"
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}[assistant]{% endif %}")
@@ -571,7 +569,7 @@ def test_compare_runs_checks_events_layer_by_layer(tiny_dir, tmp_path, capsys):
     import io
     import shutil
 
-    from longbench import compare_runs as C
+    from ft_transformers.longbench import compare_runs as C
 
     common = ["--model", str(tiny_dir), "--data-dir", str(dp_data(tmp_path)), "--tasks", "trec",
               "--max-length", "48", "--max-new-tokens", "2", "--no-progress", "--threads", "1", "--mode", "efta",
@@ -624,7 +622,8 @@ def test_compare_runs_checks_events_layer_by_layer(tiny_dir, tmp_path, capsys):
 
 def test_pack_bits_and_quantize_roundtrip():
     import numpy as np
-    from longbench import pack as K
+
+    from ft_transformers.longbench import pack as K
 
     rng = np.random.default_rng(0)
     for bits in range(1, 9):
@@ -644,7 +643,7 @@ def test_pack_bits_and_quantize_roundtrip():
 
 
 def test_pack_loads_as_a_model(tiny_dir, tmp_path, monkeypatch):
-    from longbench import pack as K
+    from ft_transformers.longbench import pack as K
 
     monkeypatch.setenv("FTT_LONGBENCH_CACHE", str(tmp_path / "cache"))
     model, tk = P.load_model(str(tiny_dir), dtype=torch.float32, attn_implementation="eager", device="cpu")

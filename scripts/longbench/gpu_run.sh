@@ -233,7 +233,7 @@ run_all() {
         local tag
         tag="$(ls "$results/single" | head -1)"
         echo "== $2 vs 1 GPU:" | tee -a "$log"
-        $PY "$REPO/scripts/longbench/compare_runs.py" "$results/single/$tag" "$results/$1/$tag" 2>&1 \
+        $PY -m ft_transformers.longbench.compare_runs "$results/single/$tag" "$results/$1/$tag" 2>&1 \
             | tee -a "$log" "$out/$1_check.txt"
     }
     if [ "$status" = 0 ] && { [ "$phase" = all ] || [ "$phase" = dp ]; }; then

@@ -1,6 +1,6 @@
 """LongBench scoring of prediction folders, and the comparison across modes.
 
-    python scripts/longbench_eval.py --pred-dir out/longbench/<model-tag>
+    ftt-longbench-eval --pred-dir out/longbench/<model-tag>      # or: python scripts/longbench_eval.py ...
 
 ``--pred-dir`` is either one run folder (``.../<run>/<task>.jsonl``) or a model folder holding
 several runs (clean, faulty unprotected, faulty protected, ...). Every run folder gets
@@ -17,7 +17,7 @@ fault counts and the share of its predictions identical to the clean reference r
 average row names the tasks it covers (those every run has); each run's average over its own
 tasks is listed beside it where the task sets differ.
 
-Scores come from the `evaluate` metric modules in ``scripts/longbench/metrics`` (loaded from
+Scores come from the `evaluate` metric modules in ``ft_transformers/longbench/metrics`` (loaded from
 local files, offline); ``--direct`` calls the same code without `evaluate`.
 """
 
@@ -29,21 +29,16 @@ import math
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make `longbench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import longbench  # noqa: F401
-
-    __package__ = "longbench"  # noqa: A001
-
-from .metrics.longbench_core import (  # noqa: E402
+from .metrics.longbench_core import (
     LENGTH_BUCKETS,
     ROUGE_BACKENDS,
     TASK_METRIC,
     base_task,
     score_task,
 )
-from .protocol import CATEGORIES, LEADERBOARD  # noqa: E402
-from .shards import KINDS, read_jsonl_tolerant  # noqa: E402
+from .protocol import CATEGORIES, LEADERBOARD
+from .runtime import require
+from .shards import KINDS, read_jsonl_tolerant
 
 METRICS_DIR = Path(__file__).resolve().parent / "metrics"
 _SKIP_INFIXES = (".rank", ".ft_events")
@@ -121,7 +116,7 @@ class Scorer:
 
     def _module(self, name: str):
         if name not in self._modules:
-            import evaluate
+            evaluate = require("evaluate", "scoring through the `evaluate` modules (else --direct)")
 
             self._modules[name] = evaluate.load(str(METRICS_DIR / "longbench_score.py"), config_name=name,
                                                 keep_in_memory=True)
@@ -350,7 +345,7 @@ def comparison_plot(cmp: dict, path: Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("[longbench] matplotlib not installed: no plot", file=sys.stderr)
+        print("[longbench] matplotlib not installed (the longbench extra has it): no plot", file=sys.stderr)
         return None
     names, labels = cmp["runs"], cmp["labels"]
     cats = [*cmp["tasks"], "average"]

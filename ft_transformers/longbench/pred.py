@@ -26,6 +26,9 @@ same command resumes.
 Prompt budget (``--max-length`` unless given): LongBench's rule, the model's nominal window
 minus 500 (`protocol.prompt_budget`; a named deviation for models outside its table).
 
+Run it as ``ftt-longbench-pred`` (installed with the ``longbench`` extra) or, from a clone, as
+``python scripts/longbench_pred.py``.
+
 Data parallel: ``accelerate launch --multi_gpu --num_processes N scripts/longbench_pred.py ...``
 (or ``torchrun --nproc_per_node N``): each process takes a strided shard of the rows still to do
 and writes its own shard file; rank 0 merges them into the one prediction file (same rows, same
@@ -49,17 +52,10 @@ import time
 import warnings
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make `longbench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import longbench  # noqa: F401
-
-    __package__ = "longbench"  # noqa: A001
-
-import _common  # noqa: E402  (scripts/ is on sys.path: run as a file, or as `longbench.pred`)
-
-from .data import load_rows, row_keys, split_name  # noqa: E402
-from .pack import is_pack, pack_tag, unpack  # noqa: E402
-from .protocol import (  # noqa: E402
+from . import runtime
+from .data import load_rows, row_keys, split_name
+from .pack import is_pack, pack_tag, unpack
+from .protocol import (
     LONGBENCH_E_TASKS,
     LONGBENCH_TASKS,
     MAX_NEW_TOKENS,
@@ -70,7 +66,7 @@ from .protocol import (  # noqa: E402
     newline_token_id,
     prompt_budget,
 )
-from .shards import (  # noqa: E402
+from .shards import (
     TaskFiles,
     read_jsonl_tolerant,
     row_events,
@@ -245,7 +241,7 @@ class Dist:
         import torch
 
         if cls.launched():
-            from accelerate import PartialState
+            PartialState = runtime.require("accelerate", "a multi-process launch").PartialState
 
             # without cpu=True accelerate only forms a multi-process group on accelerators
             cpu = (device or "").startswith("cpu") or not torch.cuda.is_available()
@@ -319,7 +315,7 @@ def load_model(name: str, *, dtype, attn_implementation: str, device: str | None
 
     path, kwargs, _ = model_source(name)
     tok = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = _common.load_model(path, dtype=dtype, attn_implementation=attn_implementation, device=device,
+    model = runtime.load_model(path, dtype=dtype, attn_implementation=attn_implementation, device=device,
                                device_map=device_map, max_memory=max_memory, **kwargs)
     return model, tok
 
@@ -671,7 +667,7 @@ def main(argv=None) -> Path:
         "attn_implementation": getattr(model.config, "_attn_implementation", attn),
         "device": str(model.device), "device_map": args.device_map, "layer_devices": layer_devices(model),
         "world_size": dist.world,
-        "longbench_e": args.longbench_e, "limit": args.limit, "versions": _common.versions(),
+        "longbench_e": args.longbench_e, "limit": args.limit, "versions": runtime.versions(),
     }
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,8 @@ prints one OK / MISMATCH line per run, for a run whose blocks sit on several dev
 its events per device, and a last line ``OK`` or ``MISMATCH``.
 Exit status 0 when everything matches, 1 otherwise.
 
-    python scripts/longbench/compare_runs.py out/single/SmolLM2-135M-Instruct.Q4_1 out/dp/SmolLM2-135M-Instruct.Q4_1
+    python -m ft_transformers.longbench.compare_runs out/single/SmolLM2-135M-Instruct.Q4_1 \
+        out/dp/SmolLM2-135M-Instruct.Q4_1
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ def jieba_cut(text: str) -> list[str]:
         try:
             import jieba
         except ImportError as e:  # pragma: no cover - message only
-            raise ImportError("the Chinese LongBench metrics need `pip install jieba`") from e
+            raise ImportError("the Chinese LongBench metrics need jieba: "
+                              "pip install 'ft-transformers[longbench]'") from e
         jieba.setLogLevel(60)  # no "Building prefix dict" chatter
         _JIEBA = jieba
     return list(_JIEBA.cut(text, cut_all=False))
@@ -246,7 +247,7 @@ def _package_rouge_l(prediction: str, ground_truth: str) -> float:
     try:
         from rouge import Rouge
     except ImportError as e:  # pragma: no cover - message only
-        raise ImportError("rouge backend 'rouge-package' needs `pip install rouge`") from e
+        raise ImportError("rouge backend 'rouge-package' needs rouge: pip install 'ft-transformers[longbench]'") from e
     try:
         return Rouge().get_scores([prediction], [ground_truth], avg=True)["rouge-l"]["f"]
     except Exception:  # the published scorer's bare except (RecursionError included) -> 0

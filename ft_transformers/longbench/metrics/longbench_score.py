@@ -1,6 +1,6 @@
 """A whole LongBench task as an `evaluate` module.
 
-    metric = evaluate.load("scripts/longbench/metrics/longbench_score.py", config_name="hotpotqa")
+    metric = evaluate.load("ft_transformers/longbench/metrics/longbench_score.py", config_name="hotpotqa")
     metric.compute(predictions=[...], references=[[...], ...], lengths=[...])
 
 The config name is the task (``hotpotqa``, ``trec_e``, ...): it picks the task's metric and the

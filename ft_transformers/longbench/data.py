@@ -18,6 +18,8 @@ import os
 import zipfile
 from pathlib import Path
 
+from .runtime import require
+
 PARQUET_REVISION = "refs/convert/parquet"
 
 
@@ -54,7 +56,7 @@ def _from_zip(path: Path, name: str) -> list[dict] | None:
 
 
 def _read_parquet(files: list[str]) -> list[dict]:
-    from datasets import load_dataset
+    load_dataset = require("datasets", "reading LongBench from Parquet or the Hub").load_dataset
 
     ds = load_dataset("parquet", data_files={"test": files}, split="test")
     return [_plain(r) for r in ds]
@@ -77,7 +79,7 @@ def parquet_export_files(dataset_id: str, name: str) -> list[str]:
 
 
 def _from_hub(dataset_id: str, name: str, revision: str | None) -> list[dict]:
-    from datasets import load_dataset
+    load_dataset = require("datasets", "reading LongBench from Parquet or the Hub").load_dataset
 
     errors = []
     try:
