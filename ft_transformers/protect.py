@@ -21,6 +21,7 @@ traced code reads of the protection is laid out so that the compiled model's gua
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 import weakref
 from collections.abc import Iterator, Sequence
@@ -409,6 +410,15 @@ def inject_faults(model: torch.nn.Module, spec: FaultSpec | Sequence[FaultSpec])
         if not targets:
             raise ValueError(f"FaultSpec(site={s.site!r}, layers={s.layers}) matches no protected module "
                              "(wrong layer index or module name, or linear protection is off)")
+        # every selector must hit something: a typo beside a valid entry would otherwise inject less
+        # than asked, silently
+        unmatched = [sel for sel in (s.layers or ()) if not any(
+            c._matches(dataclasses.replace(s, layers=(sel,))) for c in targets)]
+        if unmatched:
+            kind = "attention" if s.is_attention else "Linear"
+            have = sorted({c.slot.layer for c in state.contexts if c.is_attention == s.is_attention} - {-1})
+            raise ValueError(f"FaultSpec(site={s.site!r}) layers {unmatched} match no protected {kind} module "
+                             f"(protected blocks: {have}; module names must be qualified names)")
     for c in state.contexts:
         c.calls = 0
     start = len(state.injection_log)

@@ -88,6 +88,25 @@ def test_bare_int_layers_protect_and_inject_that_block_only():
     assert ftt.fault_report(model).totals()["detected"] >= 1
 
 
+@pytest.mark.parametrize("site, layers, bad", [("linear.output", [0, 7], [7]), ("attn.scores", [1, 3], [3]),
+                                               ("linear.output", ["model.layers.0.mlp", "model.layer.1"],
+                                                ["model.layer.1"])])
+def test_inject_rejects_each_selector_that_matches_nothing(site, layers, bad):
+    """A typo beside a valid entry would otherwise inject less than asked, silently."""
+    model = make_model("llama")
+    ftt.enable_fault_tolerance(model, ftt.FTConfig())
+    spec = ftt.FaultSpec(site=site, bit=30, layers=layers)
+    with pytest.raises(ValueError, match=r"layers \[" + repr(bad[0]).replace("[", r"\[") + r"\] match no protected"):
+        with ftt.inject_faults(model, spec):
+            pass
+    assert not ftt.protect._state(model).active_faults
+    # the valid entries alone are accepted
+    ok = [sel for sel in layers if sel not in bad]
+    with torch.no_grad(), ftt.inject_faults(model, ftt.FaultSpec(site=site, bit=30, layers=ok, calls=0)) as log:
+        model(IDS)
+    assert log.injected >= 1
+
+
 # FaultSpec --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, field", [
