@@ -71,48 +71,48 @@ def efta_attention_forward(
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     window = kwargs.get("sliding_window")
     if attention_mask is not None and attention_mask.dim() == 2:
-        # A flash-style padding mask: causality and the window are not in it.
-        attention_mask, key, value = _padding_mask_4d(attention_mask, query, key, value, causal, window)
-        causal = False
+        # A flash-style padding mask holds neither causality nor the window: EFTA applies both itself.
+        attention_mask, key, value = _padding_mask_4d(attention_mask, query, key, value)
     elif attention_mask is not None:
-        # The mask (built by sdpa_mask or given by the user) already holds causality.
-        causal = False
-    elif causal and window is not None and key.shape[2] > window:
-        # No mask although the window cuts keys: a mask function that does not build windows (sdpa_mask
-        # returns None only when the window cuts nothing).
-        attention_mask = _pattern_mask(query.shape[2], key.shape[2], True, window, query.device)[None, None]
-        causal = False
+        # The mask (built by sdpa_mask or given by the user) already holds causality and the window.
+        causal, window = False, None
+    elif not (causal and window is not None and key.shape[2] > window):
+        # No mask and no window cutting keys: plain causal / full. (sdpa_mask returns None only when the
+        # window cuts nothing; a mask function that builds no windows leaves a cutting one to EFTA.)
+        window = None
     if ctx is None:
         # "efta" without enable_fault_tolerance: default checks, events not recorded.
         out = _efta_forward(
             query, key, value,
-            scale=scaling, causal=causal, bias=position_bias, attn_mask=attention_mask, window=None,
+            scale=scaling, causal=causal, bias=position_bias, attn_mask=attention_mask, window=window,
             pasa=False, detect=True, correct=True, plan=FaultPlan(None), counters=new_counters(query.device),
             backend="auto",
         )
     elif not torch.compiler.is_compiling():
-        out = _protected(ctx, query, key, value, attention_mask, position_bias, scaling, causal)
+        out = _protected(ctx, query, key, value, attention_mask, position_bias, scaling, causal, window)
     else:
         st = static_of(ctx.key)  # (one guard, `_states`)
         if faults_may_hit(st):
-            out = _protected_outside_graph(ctx, query, key, value, attention_mask, position_bias, scaling, causal)
+            out = _protected_outside_graph(ctx, query, key, value, attention_mask, position_bias, scaling, causal,
+                                           window)
         else:
             # Already (B, M, Hq, D), contiguous.
             return torch.ops.ftt.efta_module(
                 query, key, value, attention_mask, position_bias, step_block(st, query.device), st.index,
-                scaling, causal, st.detect, st.correct, st.pasa, st.pasa_beta,
+                scaling, causal, window, st.detect, st.correct, st.pasa, st.pasa_beta,
                 STATES[st.state_key].config.on_uncorrectable == "raise", st.name), None
     return out.transpose(1, 2).contiguous(), None
 
 
 def _protected(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-               position_bias: torch.Tensor | None, scaling: float | None, causal: bool) -> torch.Tensor:
+               position_bias: torch.Tensor | None, scaling: float | None, causal: bool,
+               window: int | None) -> torch.Tensor:
     """A protected module's EFTA call run eagerly: plan its faults, compute, count. -> (B, Hq, M, D)."""
     plan, counters = ctx.plan_for_call(), ctx.counters(query.device)
     ctx.ran_efta = True  # read and cleared by `ft_transformers.bypass` while it watches for bypasses
     out = _efta_forward(
         query, key, value,
-        scale=scaling, causal=causal, bias=position_bias, attn_mask=attention_mask, window=None,
+        scale=scaling, causal=causal, bias=position_bias, attn_mask=attention_mask, window=window,
         pasa=ctx.pasa, detect=ctx.detect, correct=ctx.correct, plan=plan, counters=counters, backend="auto",
         pasa_beta=ctx.pasa_beta,
     )
@@ -120,42 +120,28 @@ def _protected(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
-def _pattern_mask(m: int, n: int, causal: bool, window: int | None, device: torch.device) -> torch.Tensor:
-    """(M, N) bool, True = attend: causal and/or sliding window aligned bottom-right (query i at key
-    position i + N - M), the alignment of the kernel's own ``causal`` and ``window``."""
-    i = torch.arange(m, device=device)[:, None] + (n - m)
-    j = torch.arange(n, device=device)[None, :]
-    keep = j <= i if causal else torch.ones((m, n), dtype=torch.bool, device=device)
-    if window is not None:
-        keep = keep & (j > i - int(window))
-    return keep
+def _padding_mask_4d(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 2-D padding mask (B, Nm), 1 = attend, as the 4-D bool mask (B, 1, 1, N') EFTA takes.
 
+    Causality and the sliding window stay EFTA's own ``causal`` / ``window`` (bottom-right aligned). A
+    mask shorter than the keys (a static cache: slots past the mask were never written) keeps only the
+    first Nm keys, as the flash-attention path does, so that causality aligns with the last real key.
 
-def _padding_mask_4d(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     causal: bool, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A 2-D padding mask (B, Nm), 1 = attend, as a 4-D bool mask (B, 1, M or 1, N') EFTA takes.
-
-    ``causal`` and ``window`` are folded in (a padding mask holds neither). A mask shorter than the
-    keys (a static cache: slots past the mask were never written) keeps only the first Nm keys, as
-    the flash-attention path does, so that causality aligns with the last real key.
-
-    Returns (mask (B, 1, M or 1, N'), key, value (B, Hkv, N', D)).
+    Returns (mask (B, 1, 1, N'), key, value (B, Hkv, N', D)).
     """
     if mask.is_floating_point() or mask.is_complex():
         raise TypeError(f"a 2-D attention_mask must be a padding mask, bool or integer with 1 = attend (the "
                         f"flash-attention form); got dtype {mask.dtype}. Pass additive masks as 4-D "
                         "(B or 1, H or 1, M, N)")
-    b, m, n = query.shape[0], query.shape[2], key.shape[2]
+    b, n = query.shape[0], key.shape[2]
     if mask.shape[0] not in (1, b) or mask.shape[1] > n:
         raise ValueError(f"a 2-D attention_mask (padding mask) of shape {tuple(mask.shape)} cannot be broadcast "
                          f"to batch {b} and {n} keys: it must be (B, N) or (1, N) with N <= the key length")
     if mask.shape[1] < n:
         n = mask.shape[1]
         key, value = key[:, :, :n], value[:, :, :n]
-    keep = (mask != 0).to(query.device)[:, None, None, :]
-    if causal or window is not None:
-        keep = keep & _pattern_mask(m, n, causal, window, query.device)
-    return keep, key, value
+    return (mask != 0).to(query.device)[:, None, None, :], key, value
 
 
 # Under torch.compile with faults active: the call runs eagerly, outside the graph.
@@ -166,8 +152,8 @@ _protected_outside_graph = torch.compiler.disable(_protected)
 def _efta_module_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
     position_bias: torch.Tensor | None, step_counters: torch.Tensor, slot: int, scaling: float | None,
-    causal: bool, detect: bool, correct: bool, pasa: bool, pasa_beta: float | None, raise_uncorrectable: bool,
-    name: str,
+    causal: bool, window: int | None, detect: bool, correct: bool, pasa: bool, pasa_beta: float | None,
+    raise_uncorrectable: bool, name: str,
 ) -> torch.Tensor:
     """A protected module's EFTA call as one opaque op for compiled graphs (no fault injection).
 
@@ -181,7 +167,7 @@ def _efta_module_op(
     counters = step_counters[slot]
     out = _efta_forward(
         query, key, value,
-        scale=scaling, causal=causal, bias=position_bias, attn_mask=attention_mask, window=None,
+        scale=scaling, causal=causal, bias=position_bias, attn_mask=attention_mask, window=window,
         pasa=pasa, detect=detect, correct=correct, plan=FaultPlan(None), counters=counters, backend="auto",
         pasa_beta=pasa_beta,
     )
@@ -191,8 +177,8 @@ def _efta_module_op(
 
 
 @_efta_module_op.register_fake
-def _(query, key, value, attention_mask, position_bias, step_counters, slot, scaling, causal, detect, correct,
-      pasa, pasa_beta, raise_uncorrectable, name):
+def _(query, key, value, attention_mask, position_bias, step_counters, slot, scaling, causal, window, detect,
+      correct, pasa, pasa_beta, raise_uncorrectable, name):
     b, h, m, d = query.shape
     return query.new_empty((b, m, h, d))
 
