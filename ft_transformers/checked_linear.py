@@ -1,30 +1,32 @@
-"""V-ABFT checked linear layer: ``y = x·Wᵀ + b`` verified by a row checksum (PyTorch path).
+"""V-ABFT checked linear layer: ``y = x·Wᵀ + b`` verified per 64-column group (PyTorch path).
 
-The contract is ``docs/algorithms.md`` ("V-ABFT checked linear"). The GEMM is exactly what the
-unprotected layer computes (``F.linear``, or ``torch.addmm`` for GPT-2's ``Conv1D``) in the input
-dtype, so a clean protected call returns bit-identical outputs. Verification then runs in fp32 on
-the output as produced:
+The contract is ``docs/algorithms.md`` ("V-ABFT checked linear"). The product is computed in fp32
+(the layer's own ``F.linear`` / ``addmm`` for fp32 operands; fp16/bf16 operands upcast, whose products
+fp32 holds exactly) and rounded once to the output dtype; the check runs on the fp32 value *before*
+that rounding, so its threshold is set by the GEMM's fp32 accumulation, not by the output format:
 
-1. ``D1[m] = Σ_n y[m,n] − (x[m]·w1 + b1)``, ``D2[m] = Σ_n (n+1)·y[m,n] − (x[m]·w2 + b2)``;
-   a row is faulty if ``|D1| > T_m`` (`ft_transformers.vabft`) or D1 is not finite: ``detected``.
-2. ``t = D2/D1`` within 0.25 of an integer ``n+1 ∈ [1, N]`` locates a single error at column n.
-   The element is repaired by recomputing it (one fp32 dot product ``x[m]·W[n] + b[n]``, the exact
-   value the GEMM should have produced — precise even when the flip made it huge or inf, where
-   ``y −= D1`` would lose every digit), then the row is re-verified: ``corrected`` if it passes.
-3. Every other faulty row (no location, or still failing after the repair, e.g. a mislocated
-   error or several in one row) is recomputed: up to ``RECOMPUTE_ROWS`` (16) per call through a
-   fixed-capacity gather (top-k on the flags), ``recomputed``; faulty rows beyond that capacity
-   stay as they are, ``uncorrectable``.
+1. For every row m and group g of ``GROUP_COLS`` (64) output columns:
+   ``D[m, g] = Σ_{n∈g} v[m, n] − (x[m]·w1_g + b1_g)`` with ``w1_g = Σ_{n∈g} W[n, :]`` (float64 dot)
+   and v the fp32 product; the unit is faulty if ``|D| > T[m, g]`` (SPEC §5's threshold over the
+   group's n_g columns, `kernels.gemm_checksums.group_checksums`) or D is not finite: ``detected``.
+   One checksum over a 49k–152k-wide row (an lm_head) let a change of several logits hide in the
+   rounding noise of the whole row; a group's threshold is that of 64 columns.
+2. The faulty units (at most ``RECOMPUTE_GROUPS`` per call, a fixed-capacity gather) are recomputed
+   exactly (float64 dots). The differences locate a single error, ``t = G·Σ_j ((j+1)/G)·d_j / Σ_j d_j``
+   within 0.25 of an integer; it is replaced when the rest of the group agrees with the recomputation
+   (within the threshold plus the fp32 GEMM's rounding bound): ``corrected``. Any other taken unit
+   takes the recomputed values: ``recomputed``. Units beyond the capacity stay: ``uncorrectable``.
 
-Nothing on this path synchronises with the host (no ``.item()``, no data-dependent branch, no
-``nonzero``): flags, locations and counts stay tensors, so it runs asynchronously on CUDA. (On CPU,
-where reading a flag costs nothing, idle repair steps are skipped; results are identical.)
-Non-finite x, W or b count one ``nonfinite_input`` and disable the checks for the call (masked, not
-branched); NaN/inf then propagate as in the plain layer.
+Counts are per (row, group), as in the Triton kernels. Nothing on this path synchronises with the host
+(no ``.item()``, no data-dependent branch, no ``nonzero``): flags, locations and counts stay tensors,
+so it runs asynchronously on CUDA. (On CPU, where reading a flag costs nothing, idle repair steps are
+skipped; results are identical.) Non-finite x, W or b count one ``nonfinite_input`` and disable the
+checks for the call (masked, not branched); NaN/inf then propagate as in the plain layer.
 
-Site ``linear.output``: flips hit y right after the GEMM (logical shape (M, N), M = rows of x with
-leading dims flattened; y's dtype, so bits 0–15 for fp16/bf16). Recomputations run without
-injection.
+Site ``linear.output``: flips hit y as returned (logical shape (M, N), M = rows of x with leading dims
+flattened; y's dtype, so bits 0–15 for fp16/bf16); the check sees the flipped value where a flip
+landed and the fp32 product elsewhere. Recomputations run without injection. With ``detect=False``
+the call is exactly the unprotected layer (the GEMM in the operands' dtype).
 """
 
 from __future__ import annotations
@@ -40,16 +42,18 @@ from .config import _real
 from .counters import FaultStats, add_count, new_counters
 from .injection import FaultPlan, FaultSpec
 from .kernels.contract import LINEAR_SITES
+from .kernels.gemm_checksums import GROUP_COLS, group_checksums
 from .kernels.gemm_checksums import autocast_dtype as _autocast_dtype
-from .vabft import checksum_residuals, default_emax, gemm_emax, weight_checksums
+from .vabft import default_emax, gemm_emax, weight_checksums
 
-__all__ = ["RECOMPUTE_ROWS", "checked_linear"]
+__all__ = ["RECOMPUTE_GROUPS", "checked_linear", "group_residuals"]
 
 SITE = "linear.output"
-RECOMPUTE_ROWS = 16  # rows recomputed per call at most (fixed capacity, no host sync)
+RECOMPUTE_GROUPS = 16  # (row, column group) pairs recomputed per call at most (fixed capacity, no host sync)
 LOCATE_TOL = 0.25  # |D2/D1 − (n+1)| ≤ this locates a single error at column n
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 _BACKENDS = ("auto", "triton", "reference")
 # backend="auto" sends every supported dtype to the Triton kernel on CUDA (all three passed the GPU tests
 # on the H100, docs/vabft.md "Status"); a dtype whose kernel call raised (e.g. a compile failure on an
@@ -239,85 +243,167 @@ def _forward(x, weight, bias, k, n, weight_is_kn, emax, csigma, detect, correct,
         weight = weight.to(cast)
         bias = bias.to(cast) if bias is not None else None
     lead = tuple(x.shape[:-1])
-    y = _gemm(x, weight, bias, weight_is_kn)  # exactly the unprotected computation
-    y2d = y.reshape(-1, n)
-    m = y2d.shape[0]
-    sf = plan.for_site(SITE, (m, n), y2d.dtype, y2d.device) if plan else None
-    if sf is not None:
-        y2d = sf.apply(y2d, dim=-1, start=0)
-    if not detect or m == 0 or n == 0 or k == 0:
+    if not detect or x.numel() == 0 or n == 0 or k == 0:
+        y2d = _gemm(x, weight, bias, weight_is_kn).reshape(-1, n)  # exactly the unprotected computation
+        sf = plan.for_site(SITE, tuple(y2d.shape), y2d.dtype, y2d.device) if plan else None
+        if sf is not None:
+            y2d = sf.apply(y2d, dim=-1, start=0)
         return y2d.reshape(*lead, n)
+    x2d = x.reshape(-1, k)
+    y32 = _gemm32(x2d, weight, bias, weight_is_kn)  # (M, N) fp32: what is verified
+    y2d = y32 if y32.dtype == x.dtype else y32.to(x.dtype)  # rounded once
+    sf = plan.for_site(SITE, tuple(y2d.shape), y2d.dtype, y2d.device) if plan else None
+    v32 = y32
+    if sf is not None:  # flips land on the rounded value; the check sees them there, the fp32 value elsewhere
+        flipped = sf.apply(y2d.clone() if y2d is y32 else y2d, dim=-1, start=0)
+        if y2d is y32:
+            v32 = flipped
+        else:
+            hit = flipped.view(_INT_VIEW[flipped.dtype]) != y2d.view(_INT_VIEW[y2d.dtype])
+            v32 = torch.where(hit, flipped.float(), y32)
+        y2d = flipped
     if emax is None:
-        emax = default_emax(y2d.dtype, y2d.device.type, "output", k=k)
+        emax = default_emax(torch.float32, y2d.device.type, "output", k=k)
     if counters is None:
         counters = new_counters(y2d.device)
     wc = weight_checksums(w_src, b_src, weight_is_kn=weight_is_kn, cache_owner=cache_owner, cast=cast)
-    x2d = x.reshape(-1, k)
-    y2d = _verify(x2d, y2d, weight, bias, wc, weight_is_kn, float(emax), float(csigma), correct, counters)
+    y2d = _verify(x2d, v32, y2d, weight, bias, wc, weight_is_kn, float(emax), float(csigma), correct, counters)
     return y2d.reshape(*lead, n)
 
 
-def _verify(x2d: torch.Tensor, y2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wc,
-            weight_is_kn: bool, emax: float, csigma: float, correct: bool,
+def _gemm32(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_is_kn: bool) -> torch.Tensor:
+    """The product in fp32, (M, N): the layer's own GEMM for fp32 operands; fp16/bf16 operands upcast
+    (their products are exact in fp32), so that the check sees the value before it is rounded."""
+    if x2d.dtype == torch.float32:
+        return _gemm(x2d, weight, bias, weight_is_kn)
+    return _gemm(x2d.float(), weight.float(), bias.float() if bias is not None else None, weight_is_kn)
+
+
+def _groups(wc, weight: torch.Tensor, bias: torch.Tensor | None, weight_is_kn: bool):
+    """The weight's column-group checksums ``(w1g (T, K) fp64, consts (T, 8) fp32)``, cached with ``wc``
+    (`group_checksums`; float64 so that the expected group sums do not depend on the matmul precision)."""
+    key = ("reference", GROUP_COLS)
+    g = wc.groups.get(key)
+    if g is None:
+        w1g, consts = group_checksums(weight, bias, weight_is_kn)
+        g = wc.groups[key] = (w1g.double(), consts)
+    return g
+
+
+def _group_check(x32: torch.Tensor, v32: torch.Tensor, groups, emax: float, csigma: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(D, T, C)``, each (M, ⌈N/64⌉) fp32: for every row m and column group g of ``v32`` (M, N),
+    ``D = Σ_{n∈g} v[m, n] − C``, ``C = x[m]·w1_g + b1_g`` (in float64), and the threshold ``T`` of SPEC §5
+    over the group's n_g columns (`group_checksums`' constants, x's row statistics of ``x32`` (M, K))."""
+    w1g, gc = groups
+    m, n = v32.shape
+    pad = (-n) % GROUP_COLS
+    s = (F.pad(v32, (0, pad)) if pad else v32).view(m, -1, GROUP_COLS).sum(-1)
+    c = (x32.double() @ w1g.t()).float() + gc[:, 0]
+    mn, mx = torch.aminmax(x32, dim=-1, keepdim=True)
+    mu = x32.mean(-1, keepdim=True)
+    var = ((mx - mu) * (mu - mn)).clamp_min(0.0)
+    thr = emax * (gc[:, 1] * mu.abs() + csigma * torch.sqrt(mu.square() * gc[:, 2] + var * gc[:, 3])
+                  + csigma * gc[:, 4] * var.sqrt() + gc[:, 5] + csigma * gc[:, 6])
+    return s - c, thr, c
+
+
+def _verify(x2d: torch.Tensor, v32: torch.Tensor, y2d: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None, wc, weight_is_kn: bool, emax: float, csigma: float, correct: bool,
             counters: torch.Tensor) -> torch.Tensor:
-    """Check the rows of ``y2d`` (M, N) against ``x2d`` (M, K); repair in place; count. Returns y2d."""
+    """Check every (row, 64-column group) of the fp32 product ``v32`` (M, N) (y before rounding, flips
+    included) against ``x2d`` (M, K); repair ``y2d`` (M, N), the output as returned, in place; count
+    per (row, group). Returns y2d."""
     m, n = y2d.shape
+    k = x2d.shape[1]
     cpu = y2d.device.type == "cpu" and _CPU_SHORTCUTS
     x32 = x2d.float()
-    mn, mx = torch.aminmax(x32, dim=-1)
-    mu = x32.mean(-1)
-    var = ((mx - mu) * (mu - mn)).clamp_min(0.0)
-    thr = wc.thresholds(mu, var, emax, csigma)  # (M,)
+    groups = _groups(wc, weight, bias, weight_is_kn)
+    d, thr, _ = _group_check(x32, v32, groups, emax, csigma)  # (M, T)
     # Non-finite inputs (x, W or b): one `nonfinite_input`, checks masked off for the call.
-    valid = torch.isfinite(mn).all() & torch.isfinite(mx).all()  # 0-dim bool
+    valid = torch.isfinite(x32).all()  # 0-dim bool
     if not wc.finite:  # a host bool read when the weight checksums were built
         valid = torch.zeros_like(valid)
     add_count(counters, SITE, "nonfinite_input", (~valid).to(torch.int32))
-
-    d1, d2, c1 = checksum_residuals(x32, y2d.float(), wc, scale2=1.0 / n)
-    bad = ~(d1.abs() <= thr) & valid  # NaN/inf D1 counts as faulty
-    add_count(counters, SITE, "detected", bad)
+    bad = ~(d.abs() <= thr) & valid  # NaN/inf D counts as faulty
+    n_bad = bad.sum()
+    add_count(counters, SITE, "detected", n_bad)
     if not correct:
-        add_count(counters, SITE, "uncorrectable", bad)
+        add_count(counters, SITE, "uncorrectable", n_bad)
         return y2d
-    if cpu and not bool(bad.any()):
+    if cpu and not bool(n_bad):
         return y2d
-
-    # Locate single errors: t = D2/D1 ≈ n+1.
-    t = d2 / d1 * n  # D2 came scaled by 1/N
-    j = torch.round(t)
-    loc = bad & torch.isfinite(t) & ((t - j).abs() <= LOCATE_TOL) & (j >= 1) & (j <= n)
-    col = torch.where(loc, j - 1, torch.zeros_like(j)).to(torch.int64)  # (M,)
-    fixed = torch.zeros_like(bad)
-    if not (cpu and not bool(loc.any())):
-        # Recompute the located element: fp32 dot x[m]·W[col[m]] + b[col[m]], rounded like y.
-        w_nk = weight.t() if weight_is_kn else weight
-        wrow = w_nk.index_select(0, col).float()  # (M, K)
-        val = wrow.mul_(x32).sum(-1)
-        if bias is not None:
-            val = val + bias.float().index_select(0, col)
-        idx = col.unsqueeze(1)
-        old = y2d.gather(1, idx).squeeze(1)
-        new = torch.where(loc, val.to(y2d.dtype), old)
-        y2d.scatter_(1, idx, new.unsqueeze(1))
-        # Re-verify the repaired rows (a mislocated repair leaves the fault in place: recompute).
-        d1_after = y2d.float().sum(-1) - c1
-        fixed = loc & (d1_after.abs() <= thr)
-    add_count(counters, SITE, "corrected", fixed)
-
-    need = bad & ~fixed
-    if cpu and not bool(need.any()):
-        return y2d
-    r = min(RECOMPUTE_ROWS, m)
-    flag, rows = torch.topk(need.to(torch.float32), r, sorted=False)
+    # The faulty groups (at most RECOMPUTE_GROUPS per call: a fixed-capacity gather, no host sync) are
+    # recomputed exactly (float64 dots); the differences then locate a single error as the weighted
+    # checksum would, t = G·Σ_j ((j+1)/G)·d_j / Σ_j d_j within LOCATE_TOL of an integer.
+    t = bad.shape[1]
+    g = GROUP_COLS
+    r = min(RECOMPUTE_GROUPS, bad.numel())
+    flag, idx = torch.topk(bad.flatten().to(torch.float32), r, sorted=False)
     take = flag > 0  # (r,)
-    y_rows = _gemm(x2d.index_select(0, rows), weight, bias, weight_is_kn)  # no injection
-    cur = y2d.index_select(0, rows)
-    y2d.index_copy_(0, rows, torch.where(take.unsqueeze(1), y_rows, cur))
-    n_rec = take.sum()
+    rows, grp = idx // t, idx % t
+    j = torch.arange(g, device=y2d.device)
+    cols = grp[:, None] * g + j  # (r, G)
+    col_ok = cols < n
+    # a ragged last group's missing columns read and write the group's last column (same values twice)
+    cols = torch.where(col_ok, cols, torch.full_like(cols, n - 1))
+    w_nk = weight.t() if weight_is_kn else weight
+    wg = w_nk[cols].double()  # (r, G, K)
+    xr = x32.index_select(0, rows).double().unsqueeze(-1)  # (r, K, 1)
+    ref = torch.bmm(wg, xr).squeeze(-1)  # (r, G)
+    rabs = torch.bmm(wg.abs(), xr.abs()).squeeze(-1)
+    if bias is not None:
+        ref = ref + bias.double()[cols]
+    ref = ref.float()
+    v = v32[rows[:, None], cols]
+    dif = torch.where(col_ok, v - ref, torch.zeros_like(ref))
+    tq = (dif * ((j + 1) / g)).sum(-1) / dif.sum(-1) * g
+    jl = torch.round(tq)
+    n_g = col_ok.sum(-1)
+    loc = take & torch.isfinite(tq) & ((tq - jl).abs() <= LOCATE_TOL) & (jl >= 1) & (jl <= n_g)
+    at = loc[:, None] & (j[None, :] + 1 == jl[:, None])
+    others = col_ok & ~at
+    # the rest of the group must be clean: within the threshold plus the fp32 GEMM's own rounding
+    # bound (K·u·Σ|x·w| per element) against the exact recomputation
+    slack = (k * 2.0**-24) * torch.where(others, rabs, torch.zeros_like(rabs)).sum(-1).float()
+    rest = torch.where(others, dif, torch.zeros_like(dif)).sum(-1)
+    fixed = loc & (rest.abs() <= thr.flatten()[idx] + slack)
+    need = take & ~fixed
+    write = (at & fixed[:, None]) | need[:, None]
+    flat = rows[:, None] * n + cols
+    cur = y2d.view(-1)[flat]
+    vals = torch.where(write, ref.to(y2d.dtype), cur)
+    # a ragged group's missing columns write exactly what its last column writes (one value per index)
+    vals = vals.gather(1, torch.where(col_ok, j, (n - 1 - grp * g)[:, None]))
+    y2d.view(-1).index_put_((flat.flatten(),), vals.flatten())
+    n_fix, n_rec = fixed.sum(), need.sum()
+    add_count(counters, SITE, "corrected", n_fix)
     add_count(counters, SITE, "recomputed", n_rec)
-    add_count(counters, SITE, "uncorrectable", need.sum() - n_rec)
+    add_count(counters, SITE, "uncorrectable", n_bad - n_fix - n_rec)
     return y2d
+
+
+def group_residuals(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    emax: float | None = None, csigma: float = 2.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clean check of ``y = x·Wᵀ + b`` on the reference path, for studies of its tightness.
+
+    Args:
+        x: (..., K); weight: (N, K); bias: (N,) or None (one dtype, one device).
+        emax: the unit error (None: the reference path's default, fp32 output side).
+        csigma: c_σ of the threshold.
+    Returns:
+        ``(D, T)``, each (M, ⌈N/64⌉) fp32 with M = x.numel() // K: the checksum difference of every
+        (row, 64-column group) of the fp32 product and its threshold.
+    """
+    k, n = _validate(x, weight, bias, False, False)
+    x2d = x.reshape(-1, k)
+    with torch.no_grad():
+        if emax is None:
+            emax = default_emax(torch.float32, x.device.type, "output", k=k)
+        wc = weight_checksums(weight, bias)
+        d, thr, _ = _group_check(x2d.float(), _gemm32(x2d, weight, bias, False),
+                                 _groups(wc, weight, bias, False), float(emax), float(csigma))
+    return d, thr
 
 
 def checked_linear(

@@ -68,9 +68,15 @@ def _bit_is_zero(y2d: torch.Tensor, bit: int) -> torch.Tensor:
     return ((y2d.view(_ITY[y2d.dtype]) >> bit) & 1) == 0
 
 
-def _pick_zero_bit_cols(y2d: torch.Tensor, bit: int, rows, per_row: int, g: torch.Generator) -> torch.Tensor:
-    """A mask with ``per_row`` random columns per listed row where ``bit`` is 0 (a 0→1 flip)."""
+def _pick_zero_bit_cols(y2d: torch.Tensor, bit: int, rows, per_row: int, g: torch.Generator,
+                        within: tuple[int, int] | None = None) -> torch.Tensor:
+    """A mask with ``per_row`` random columns per listed row where ``bit`` is 0 (a 0→1 flip), the
+    columns taken from ``[within[0], within[1])`` when given (e.g. one 64-column check group)."""
     ok = _bit_is_zero(y2d, bit)
+    if within is not None:
+        ok = ok.clone()
+        ok[:, :within[0]] = False
+        ok[:, within[1]:] = False
     mask = torch.zeros(y2d.shape, dtype=torch.bool)
     for r in rows:
         cols = ok[r].nonzero().flatten()
@@ -85,6 +91,17 @@ def _run(x, w, b=None, *, plan=None, correct=True, detect=True, kn=False, owner=
         y = _forward(x, w, b, weight_is_kn=kn, emax=None, csigma=2.5, detect=detect, correct=correct,
                      plan=plan, counters=counters, cache_owner=owner)
     return y, FaultStats(counters)
+
+
+def _plain(x, w, b=None):
+    """The product the check verifies, rounded once to x's dtype (for fp32: exactly F.linear)."""
+    return F.linear(x.float(), w.float(), b.float() if b is not None else None).to(x.dtype)
+
+
+def _units(mask: torch.Tensor) -> tuple[int, int]:
+    """(row, 64-column group) units holding exactly one flip, and those holding several."""
+    per = torch.nn.functional.pad(mask, (0, (-mask.shape[1]) % 64)).view(mask.shape[0], -1, 64).sum(-1)
+    return int((per == 1).sum()), int((per > 1).sum())
 
 
 def _stats(detected=0, corrected=0, recomputed=0, uncorrectable=0, nonfinite_input=0) -> dict:
@@ -103,6 +120,9 @@ def _zero_stats(st) -> bool:
 @pytest.mark.parametrize("shape", [(5, 64), (2, 7, 96), (3, 2, 4, 32)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_clean_output_bit_identical_to_f_linear(dtype, shape, with_bias):
+    """fp32: exactly F.linear. fp16/bf16: the fp32 product (what the check verifies) rounded once, i.e.
+    F.linear on the upcast operands, cast down (the plain half-precision layer may round twice, at the
+    product and after the bias)."""
     g = torch.Generator().manual_seed(11)
     k, n = shape[-1], 48
     x = torch.randn(shape, generator=g).to(dtype)
@@ -110,7 +130,7 @@ def test_clean_output_bit_identical_to_f_linear(dtype, shape, with_bias):
     b = torch.randn(n, generator=g).to(dtype) if with_bias else None
     with torch.no_grad():
         y, st = ftt.checked_linear(x, w, b)
-    ref = F.linear(x, w, b)
+    ref = F.linear(x.float(), w.float(), b.float() if b is not None else None).to(dtype)
     assert y.shape == (*shape[:-1], n) and y.dtype == dtype
     assert torch.equal(y, ref)
     assert _zero_stats(st)
@@ -178,7 +198,7 @@ def test_single_high_bit_flip_detected_and_repaired(dtype, bit, shortcuts):
         x = torch.randn(bsz, seq, k, generator=g).to(dtype)
         w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
         b = torch.randn(n, generator=g).to(dtype)
-        clean = F.linear(x, w, b)
+        clean = _plain(x, w, b)
         spec = FaultSpec(site="linear.output", bit=bit, count=1, seed=seed)
         r, c = FaultPlan(spec).for_site("linear.output", (bsz * seq, n), dtype, "cpu").positions[0].tolist()
         c2d = clean.reshape(-1, n).float()
@@ -209,7 +229,7 @@ def test_located_flip_is_corrected_not_recomputed(dtype, bit, shortcuts):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(16, 128, generator=g).to(dtype)
     w = (torch.randn(64, 128, generator=g) / 2).to(dtype)
-    clean = F.linear(x, w)
+    clean = _plain(x, w)
     mask = _pick_zero_bit_cols(clean, bit, rows=[0, 3, 9, 15], per_row=1, g=g)
     y, st = _run(x, w, plan=_Flips(mask, bit))
     assert dict(st) == _stats(4, 4, 0, 0, 0)
@@ -223,44 +243,62 @@ def test_several_flips_in_one_row_recompute(dtype, shortcuts):
     x = torch.randn(3, 10, 200, generator=g).to(dtype)
     w = torch.randn(150, 200, generator=g).to(dtype)  # |y| ~ 14: high exponent bits mostly 0
     b = torch.randn(150, generator=g).to(dtype)
-    clean = F.linear(x, w, b)
-    mask = _pick_zero_bit_cols(clean.reshape(-1, 150), bit, rows=[7], per_row=3, g=g)
+    clean = _plain(x, w, b)
+    # three flips in one check group (columns 64-127): no single location, the group is recomputed
+    mask = _pick_zero_bit_cols(clean.reshape(-1, 150), bit, rows=[7], per_row=3, g=g, within=(64, 128))
     y, st = _run(x, w, b, plan=_Flips(mask, bit))
     assert dict(st) == _stats(1, 0, 1, 0, 0)
     torch.testing.assert_close(y.float(), clean.float(), rtol=2 * _ULP[dtype], atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flagged_rows_beyond_capacity_count_uncorrectable(dtype, shortcuts):
+def test_flagged_groups_beyond_capacity_count_uncorrectable(dtype, shortcuts):
+    """More faulty (row, group) units than RECOMPUTE_GROUPS: exactly that many are repaired (each one
+    right), the rest counted uncorrectable and left as they were."""
     g = torch.Generator().manual_seed(8)
     m, k, n = 48, 96, 80
     x = torch.randn(m, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)  # |y| ~ 10: high exponent bits mostly 0
-    clean = F.linear(x, w)
+    clean = _plain(x, w)
     bit = 28 if dtype == torch.float32 else 12
-    multi = list(range(0, 30))  # 30 rows with two flips each: need recompute (capacity 16)
-    single = list(range(40, 45))  # 5 rows with one flip: corrected, no capacity needed
-    mask = _pick_zero_bit_cols(clean, bit, rows=multi, per_row=2, g=g) | _pick_zero_bit_cols(
-        clean, bit, rows=single, per_row=1, g=g)
+    # 30 rows with two flips in group 0 (recompute), 5 rows with one flip (single errors)
+    mask = _pick_zero_bit_cols(clean, bit, rows=range(30), per_row=2, g=g, within=(0, 64)) | _pick_zero_bit_cols(
+        clean, bit, rows=range(40, 45), per_row=1, g=g)
     faulty = flip_bits(clean, mask, bit)
-    assert _cl.RECOMPUTE_ROWS == 16
+    assert _cl.RECOMPUTE_GROUPS == 16 and _units(mask) == (5, 30)
     y, st = _run(x, w, plan=_Flips(mask, bit))
-    assert dict(st) == _stats(35, 5, 16, 14, 0)
+    assert st["detected"] == 35 and st["corrected"] + st["recomputed"] == 16 and st["uncorrectable"] == 19
+    assert st["corrected"] <= 5 and st["nonfinite_input"] == 0
     tol = 2 * _ULP[dtype] * clean.float().abs() + 1e-5 * clean.float().abs().max()
     row_ok = ((y.float() - clean.float()).abs() <= tol).all(1)
-    assert row_ok[40:45].all() and row_ok[30:40].all() and row_ok[45:].all()
-    assert int(row_ok[:30].sum()) == 16  # the recomputed ones; the other 14 stay faulty
-    # (element by element: still the faulty value, or a value the single-error repair rewrote to
-    # its true value before the row's re-verification failed)
+    assert row_ok[30:40].all() and row_ok[45:].all()
+    faulty_rows = torch.cat([torch.arange(30), torch.arange(40, 45)])
+    assert int(row_ok[faulty_rows].sum()) == 16  # the repaired units; the other 19 stay faulty
+    # element by element: still the faulty value, or its true value
     elem_ok = (y == faulty) | ((y.float() - clean.float()).abs() <= tol)
     assert elem_ok.all()
-    # correct=False counts every faulty row as detected + uncorrectable and repairs nothing.
+    # correct=False counts every faulty unit as detected + uncorrectable and repairs nothing.
     y, st = _run(x, w, plan=_Flips(mask, bit), correct=False)
     assert dict(st) == _stats(35, 0, 0, 35, 0)
     assert torch.equal(y, faulty)
     # detect=False: the plain GEMM plus the flips, nothing counted.
     y, st = _run(x, w, plan=_Flips(mask, bit), detect=False)
-    assert _zero_stats(st) and torch.equal(y, faulty)
+    assert _zero_stats(st) and torch.equal(y, flip_bits(F.linear(x, w), mask, bit))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flips_in_different_groups_of_one_row_are_each_corrected(dtype, shortcuts):
+    """Checked per 64-column group: two flips of one row in two groups are two located single errors."""
+    g = torch.Generator().manual_seed(18)
+    x = torch.randn(6, 96, generator=g).to(dtype)
+    w = torch.randn(200, 96, generator=g).to(dtype)
+    clean = _plain(x, w)
+    bit = 28 if dtype == torch.float32 else 12
+    mask = _pick_zero_bit_cols(clean, bit, rows=[2], per_row=1, g=g, within=(0, 64))
+    mask |= _pick_zero_bit_cols(clean, bit, rows=[2], per_row=1, g=g, within=(128, 192))
+    y, st = _run(x, w, plan=_Flips(mask, bit))
+    assert dict(st) == _stats(2, 2, 0, 0, 0)
+    torch.testing.assert_close(y.float(), clean.float(), rtol=2 * _ULP[dtype], atol=1e-5)
 
 
 def test_public_api_ber_and_unprotected_baseline():
@@ -292,7 +330,7 @@ def test_conv1d_layout_matches_module_and_repairs():
         y, st = _run(x, conv.weight, conv.bias, kn=True, owner=conv)
         assert torch.equal(y, ref) and _zero_stats(st)
         mask = _pick_zero_bit_cols(ref.reshape(-1, 96), 28, rows=[4, 11], per_row=1, g=g)
-        mask |= _pick_zero_bit_cols(ref.reshape(-1, 96), 28, rows=[15], per_row=2, g=g)
+        mask |= _pick_zero_bit_cols(ref.reshape(-1, 96), 28, rows=[15], per_row=2, g=g, within=(0, 64))
         y, st = _run(x, conv.weight, conv.bias, kn=True, owner=conv, plan=_Flips(mask, 28))
     assert dict(st) == _stats(3, 2, 1, 0, 0)
     torch.testing.assert_close(y, ref, rtol=2e-4, atol=2e-4 * ref.abs().max().item())
@@ -385,8 +423,11 @@ def test_default_emax_is_used_and_explicit_emax_respected():
     x = torch.randn(8, 64, generator=g)
     w = torch.randn(32, 64, generator=g)
     with torch.no_grad():
-        _, st = ftt.checked_linear(x, w, emax=1e-12)  # far below the rounding noise: every row flags
-    assert st["detected"] == 8 and st["detected"] == st["corrected"] + st["recomputed"] + st["uncorrectable"]
+        _, st = ftt.checked_linear(x, w, emax=1e-12)  # far below the rounding noise: (almost) every group flags
+        d, thr = _cl.group_residuals(x, w, emax=1e-12)
+    flagged = int((d.abs() > thr).sum())
+    assert flagged >= 6 and st["detected"] == flagged
+    assert st["detected"] == st["corrected"] + st["recomputed"] + st["uncorrectable"]
     assert default_emax(torch.float32, "cpu", k=64) == default_emax(torch.float32, "cpu")
 
 
