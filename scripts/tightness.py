@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 import types
@@ -50,7 +52,7 @@ from tqdm import tqdm
 
 import ft_transformers as ftt
 from ft_transformers import attention as _attention
-from ft_transformers.checked_linear import _checked_linear_forward
+from ft_transformers.checked_linear import _checked_linear_forward, group_residuals
 from ft_transformers.counters import new_counters
 from ft_transformers.discovery import calls_attention_interface, linear_layout
 from ft_transformers.injection import FaultPlan
@@ -224,37 +226,6 @@ def _ratio(d: torch.Tensor, thr: torch.Tensor) -> float:
     return float(r.max()) if r.numel() else 0.0
 
 
-def _group_residuals_standin(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                             emax: float | None = None, csigma: float = 2.5) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(D, T)`` (M, ⌈N/64⌉) of the column-group check of the fp32 product, for a library without
-    `ft_transformers.checked_linear.group_residuals` (same contract)."""
-    from ft_transformers.kernels.gemm_checksums import GROUP_COLS, group_checksums
-
-    from ft_transformers.vabft import default_emax
-
-    k = weight.shape[1]
-    x32 = x.reshape(-1, k).float()
-    y32 = torch.nn.functional.linear(x32, weight.float(), None if bias is None else bias.float())
-    w1g, gc = group_checksums(weight, bias)
-    e = default_emax(torch.float32, x.device.type, "output", k=k) if emax is None else emax
-    m, n = y32.shape
-    s = torch.nn.functional.pad(y32, (0, (-n) % GROUP_COLS)).view(m, -1, GROUP_COLS).sum(-1)
-    c = (x32.double() @ w1g.double().t()).float() + gc[:, 0]
-    mn, mx = torch.aminmax(x32, dim=-1, keepdim=True)
-    mu = x32.mean(-1, keepdim=True)
-    var = ((mx - mu) * (mu - mn)).clamp_min(0.0)
-    thr = e * (gc[:, 1] * mu.abs() + csigma * torch.sqrt(mu.square() * gc[:, 2] + var * gc[:, 3])
-               + csigma * gc[:, 4] * var.sqrt() + gc[:, 5] + csigma * gc[:, 6])
-    return s - c, thr
-
-
-def _group_residuals():
-    """The library's `group_residuals`, else `_group_residuals_standin`."""
-    from ft_transformers import checked_linear as cl
-
-    return getattr(cl, "group_residuals", _group_residuals_standin)
-
-
 def linear_clean_ratio(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, emax: float | None,
                        csigma: float = 2.5, backend: str = "auto") -> tuple[float, str]:
     """``(E/T, source)`` of one checked GEMM on x (M, K): the largest clean |D|/T over its (row, column
@@ -268,7 +239,7 @@ def linear_clean_ratio(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         e = emax if emax is not None else gemm_emax(x.dtype, x.device, "accumulator", x.shape[-1])
         r = gemm_residuals(x, weight, bias, mode="accumulator", emax=e, csigma=csigma)
         return _ratio(r["d"] if "d" in r else r["d1"], r["thr"]), "gemm_residuals"
-    d, thr = _group_residuals()(x, weight, bias, emax=emax, csigma=csigma)
+    d, thr = group_residuals(x, weight, bias, emax=emax, csigma=csigma)
     return _ratio(d, thr), "group_residuals"
 
 
@@ -288,24 +259,32 @@ def attention_clean_ratios(call: AttentionCall, inject: ftt.FaultSpec | None = N
     ratios = {"attn.scores": 0.0, "attn.output": 0.0}
     check_scores, verify_output = ref_scores.check_scores, ref_out.verify_output
 
-    def scores_probe(S, qs, kb, kc, kabs, qn1, s_floor, *, width, stride, **kw):
+    def scores_ratio(S, qs, kb, kc, kabs, qn1, s_floor, *, stride, **_):
         sc = torch.matmul(qs, kc.transpose(-1, -2))
         g1, _ = group_sums(S, kb.shape[-2] // stride, stride)
         thr = (qn1 * kabs.unsqueeze(2)).nan_to_num(nan=0.0)
-        if s_floor is not None:
-            thr = thr + s_floor
-        ratios["attn.scores"] = max(ratios["attn.scores"], _ratio(sc[..., :stride] - g1, thr))
-        return check_scores(S, qs, kb, kc, kabs, qn1, s_floor, width=width, stride=stride, **kw)
+        return _ratio(sc[..., :stride] - g1, thr + s_floor if s_floor is not None else thr)
 
-    def output_probe(O, acc, vmax, redo_rows, *, stride, block_n, nblocks, **kw):
+    def output_ratio(O, acc, vmax, redo_rows, *, stride, block_n, nblocks, **_):
         d = O.shape[-1]
         dp = -(-d // stride) * stride
         og = torch.nn.functional.pad(O, (0, dp - d)) if dp != d else O
         g1, _ = group_sums(og, dp // stride, stride)
         thr = 2.0 * g(block_n + 2 * nblocks + dp // stride + 4) * vmax
-        ratios["attn.output"] = max(ratios["attn.output"], _ratio(acc[..., d:d + stride] - g1, thr))
-        return verify_output(O, acc, vmax, redo_rows, stride=stride, block_n=block_n, nblocks=nblocks, **kw)
+        return _ratio(acc[..., d:d + stride] - g1, thr)
 
+    def probe(check: str, fn, ratio_of):
+        sig = inspect.signature(fn)
+
+        def wrapped(*args, **kw):
+            r = ratio_of(**sig.bind(*args, **kw).arguments)
+            ratios[check] = max(ratios[check], r)
+            return fn(*args, **kw)
+
+        return wrapped
+
+    scores_probe = probe("attn.scores", check_scores, scores_ratio)
+    output_probe = probe("attn.output", verify_output, output_ratio)
     ref_scores.check_scores, ref_out.verify_output = scores_probe, output_probe
     try:
         with torch.no_grad():
@@ -649,6 +628,18 @@ def _setup(a: argparse.Namespace) -> tuple[str, list[LinearLayer], list[Attentio
     return label, layers, calls
 
 
+def _source_state() -> dict:
+    """The checkout measured: its commit and the files changed in the working tree (empty when clean)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return dict(commit=head.stdout.strip(), modified=[ln[3:] for ln in dirty.stdout.splitlines()])
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     """Run the measurements of the command line ``argv``, write the outputs; returns the rows and run data."""
     a = parse_args(argv)
@@ -715,6 +706,7 @@ def _run(a: argparse.Namespace, argv: Sequence[str] | None) -> dict:
     if not a.no_plot:
         plot(flip_out, os.path.join(a.out, "undetected.png"), title)
     run = dict(argv=list(sys.argv[1:] if argv is None else argv), args=vars(a), environment=environment(a.device),
+               source=_source_state(),
                seconds=time.monotonic() - t_start, seconds_per_class=timing, skipped_sites=skipped)
     with open(os.path.join(a.out, "run.json"), "w", encoding="utf-8") as fh:
         json.dump(run, fh, indent=1)

@@ -94,16 +94,6 @@ def test_linear_clean_ratio_is_below_one_and_fails_with_a_tiny_emax():
     assert half == pytest.approx(base / 2, rel=1e-5)
 
 
-def test_group_residuals_standin_agrees_with_the_library():
-    lay = _layer(n=200)
-    x = torch.cat(lay.inputs)
-    d0, t0 = tightness._group_residuals_standin(x, lay.weight, lay.bias)
-    d1, t1 = tightness._group_residuals()(x, lay.weight, lay.bias)
-    assert d0.shape == d1.shape == (16, 4)
-    torch.testing.assert_close(t0, t1)
-    torch.testing.assert_close(d0, d1, atol=1e-5 * float(t1.max()), rtol=0)
-
-
 def test_attention_ratios_agree_with_the_checks():
     call = _call()
     clean = tightness.attention_clean_ratios(call)
