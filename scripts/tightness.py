@@ -413,12 +413,24 @@ def _over(target: tuple[str, float]) -> Callable[[float, float], bool]:
 
 def site_bits(call: AttentionCall, site: str, backend: str) -> int | None:
     """Bits of the values stored at an attention ``site`` (32 for fp32 sites, 16 for fp16/bf16 ones), or
-    None when ``efta_attention`` takes no faults there (a model-level site)."""
+    None when flips there reach nothing in ``efta_attention`` on this backend: a model-level site, or one
+    that the call does not compute (a flip of every element, ``ber=1``, changes no output and is not
+    detected)."""
+    def attend(spec):
+        with torch.no_grad():
+            return ftt.efta_attention(call.q, call.k, call.v, **call.kwargs, backend=backend, correct=False,
+                                      inject=spec)
+
+    try:
+        out, st = attend(ftt.FaultSpec(site=site, ber=1.0, seed=0))
+    except ValueError:
+        return None
+    clean, _ = attend(None)
+    if st["detected"] == 0 and torch.equal(out, clean):
+        return None
     for nbits in (32, 16):
         try:
-            with torch.no_grad():
-                ftt.efta_attention(call.q, call.k, call.v, **call.kwargs, backend=backend, correct=False,
-                                   inject=ftt.FaultSpec(site=site, bit=nbits - 1, count=1, seed=0))
+            attend(ftt.FaultSpec(site=site, bit=nbits - 1, count=1, seed=0))
             return nbits
         except ValueError as exc:
             if "out of range" not in str(exc):
@@ -700,7 +712,8 @@ def _run(a: argparse.Namespace, argv: Sequence[str] | None) -> dict:
     title = f"{label}, {a.dtype}, {a.device}"
     md = summary_markdown(flip_out, clean_rows, title)
     if skipped:
-        md += f"\nNot injectable through efta_attention (model-level sites): {', '.join(skipped)}.\n"
+        md += (f"\nNo flip reaches the output through efta_attention ({a.backend} backend) at: "
+               f"{', '.join(skipped)} (model-level sites, or sites this backend does not compute).\n")
     with open(os.path.join(a.out, "summary.md"), "w", encoding="utf-8") as fh:
         fh.write(md)
     if not a.no_plot:
