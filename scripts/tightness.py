@@ -597,6 +597,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "reference"))
     p.add_argument("--flips", type=int, default=10000, help="single-bit flips per layer class")
     p.add_argument("--budget", type=float, default=0.0, help="seconds per layer class at most (0: no limit)")
+    p.add_argument("--class-budget", nargs="+", default=[], metavar="CLASS=SECONDS",
+                   help="--budget for some layer classes, e.g. lm_head=300")
     p.add_argument("--prompts", type=int, default=4, help="prompts whose activations are captured")
     p.add_argument("--tokens", type=int, default=64, help="tokens per random prompt (--dims)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks of a --dims model")
@@ -616,6 +618,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         a.flips, a.prompts = min(a.flips, 64), 1
     if a.flips < 1 or a.prompts < 1 or a.max_rows < 1:
         p.error("--flips, --prompts and --max-rows must be >= 1")
+    try:
+        a.class_budget = {k: float(v) for k, v in (item.split("=", 1) for item in a.class_budget)}
+    except ValueError:
+        p.error(f"--class-budget takes CLASS=SECONDS, got {a.class_budget}")
     return a
 
 
@@ -696,12 +702,14 @@ def _run(a: argparse.Namespace, argv: Sequence[str] | None) -> dict:
     for cls, ls in classes.items():
         t0 = time.monotonic()
         target = _linear_target(cls)
-        st = linear_flips(ls, a.flips, emax=a.emax, backend=a.backend, target=target, seed=a.seed, budget=a.budget)
+        st = linear_flips(ls, a.flips, emax=a.emax, backend=a.backend, target=target, seed=a.seed,
+                          budget=a.class_budget.get(cls, a.budget))
         flip_out += flip_rows(meta, "linear", cls, st, target)
         timing[cls] = time.monotonic() - t0
     for site in sites:
         t0 = time.monotonic()
-        st = attention_flips(calls, site, a.flips, backend=a.backend, seed=a.seed, budget=a.budget)
+        st = attention_flips(calls, site, a.flips, backend=a.backend, seed=a.seed,
+                             budget=a.class_budget.get(site, a.budget))
         if not st:
             skipped.append(site)
         flip_out += flip_rows(meta, "attention", site, st, ("rel", REL_TARGET))
