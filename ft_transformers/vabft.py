@@ -36,7 +36,6 @@ from .kernels.gemm_checksums import WeightChecksums, row_stats
 __all__ = [
     "WeightChecksums",
     "builtin_emax",
-    "checksum_residuals",
     "default_emax",
     "device_name",
     "device_slug",
@@ -51,7 +50,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MODES = ("output", "accumulator")
 
 # ---------------------------------------------------------------------------------------------
-# e_max table (verification in fp32 of the values the GEMM produced; see `checksum_residuals`).
+# e_max table (verification in fp32 of the values the GEMM produced).
 #
 # The papers' values: the V-ABFT specification §3 (Ascend 910B) bf16 8e-3, fp32 2.2e-6, fp16 1e-3;
 # the V-ABFT paper Tables 1/2/7:
@@ -87,7 +86,7 @@ _MODES = ("output", "accumulator")
 # TF32 / reduced-precision fp32 matmul (torch.set_float32_matmul_precision("high"/"medium"), or
 #   the backends' fp32_precision = "tf32"/"bf16"): the GEMM's inputs lose mantissa bits, so fp32
 #   takes the fp16 (TF32: 10 mantissa bits) or bf16 entry. The checksums themselves never use
-#   matmuls (see `checksum_residuals`), so these settings don't touch the verification side.
+#   matmuls (float64 dots on the reference path), so these settings don't touch the verification side.
 # mode="accumulator": verification inside a fused kernel before the output is rounded (the V-ABFT paper
 #   "online ABFT"): the device's fp32 entry for every dtype — to be re-calibrated against the
 #   fused kernel's own accumulation order.
@@ -399,24 +398,3 @@ def weight_checksums(weight: torch.Tensor, bias: torch.Tensor | None = None, *, 
             return wc
     slots[cast] = entry
     return wc
-
-
-def checksum_residuals(x32: torch.Tensor, y32: torch.Tensor, wc: WeightChecksums, scale2: float = 1.0
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(D1, D2, C1)`` of the rows of ``y = x·Wᵀ + b`` as computed (all fp32, shape (M,)).
-
-    ``C1 = x·w1 + b1`` (the expected row sum), ``D1 = Σ_n y[m,n] − C1``,
-    ``D2 = Σ_n (n+1)·y[m,n] − (x·w2 + b2)``. Reductions are elementwise products summed in fp32
-    (not matmuls), so TF32 settings never touch the verification.
-
-    Args:
-        x32: (M, K) fp32 input rows. y32: (M, N) fp32 output rows. wc: the weight's checksums.
-        scale2: D2 is returned times this factor, computed with weights (n+1)·scale2. With
-            ``1/N`` the weighted sum cannot overflow fp32 where the plain sum does not (a flip
-            of a high exponent bit makes y ~1e38; (n+1)·y would be inf and the error unlocatable).
-    """
-    c = (x32.unsqueeze(1) * wc.w12.t()).sum(-1) + wc.b12  # (M, 2)
-    s1 = y32.sum(-1)
-    s2 = (y32 * (wc.colw * scale2)).sum(-1)
-    c1 = c[:, 0]
-    return s1 - c1, s2 - c[:, 1] * scale2, c1

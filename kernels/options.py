@@ -26,9 +26,6 @@ variable                           field                        meaning
 ``FTT_ABFT_GEMM_TMA=0/1``          ``gemm_tma``                 tiles through pointers / TMA descriptors
 ``FTT_ABFT_GEMM_SPLIT=n``          ``gemm_split``               decode calls split K over n programs
 ``FTT_ABFT_GEMM_PERSISTENT=0/1``   ``gemm_persistent``          never / always the persistent form
-``FTT_ABFT_GEMM_ONE_LAUNCH=0/1``   ``gemm_one_launch``          verify in a second launch / in the GEMM's
-``FTT_ABFT_GEMM_GROUPS=0``         ``gemm_groups``              batch-1 decode checks rows, not column tiles
-``FTT_ABFT_GEMM_SLACK_STATS=0``    ``gemm_slack_stats``         the pass over x always in its own launch
 ``FTT_SIBLINGS=0``                 ``siblings``                 one checked launch per Linear, not per group
 =================================  ===========================  ============================================
 
@@ -89,9 +86,6 @@ class Options:
     gemm_tma: bool | None = None
     gemm_split: int | None = None
     gemm_persistent: bool | None = None
-    gemm_one_launch: bool | None = None
-    gemm_groups: bool = True
-    gemm_slack_stats: bool = True
     siblings: bool = True
 
     def __post_init__(self) -> None:
@@ -122,12 +116,10 @@ class Options:
         for name, field in (("FTT_EFTA_SPLIT", "efta_split"), ("FTT_ABFT_GEMM_SPLIT", "gemm_split")):
             kw[field] = _count(name, get(name))
         for name, field in (("FTT_EFTA_FOLD", "efta_fold"), ("FTT_ABFT_GEMM_TMA", "gemm_tma"),
-                            ("FTT_ABFT_GEMM_PERSISTENT", "gemm_persistent"),
-                            ("FTT_ABFT_GEMM_ONE_LAUNCH", "gemm_one_launch")):
+                            ("FTT_ABFT_GEMM_PERSISTENT", "gemm_persistent")):
             kw[field] = _switch(name, get(name))
         for name, field in (("FTT_DIRECT_LAUNCH", "direct_launch"), ("FTT_EFTA_TWO_LAUNCH", "efta_two_launch"),
-                            ("FTT_ABFT_GEMM_TUNE", "gemm_tune"), ("FTT_ABFT_GEMM_GROUPS", "gemm_groups"),
-                            ("FTT_ABFT_GEMM_SLACK_STATS", "gemm_slack_stats"), ("FTT_SIBLINGS", "siblings")):
+                            ("FTT_ABFT_GEMM_TUNE", "gemm_tune"), ("FTT_SIBLINGS", "siblings")):
             kw[field] = get(name) != "0"  # on unless switched off
         return cls(**kw)
 

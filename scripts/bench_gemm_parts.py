@@ -6,32 +6,25 @@ weight copies past the H100's 50 MB L2 (as a model's layer stack streams its wei
 
 * ``cublas``    — ``torch.nn.functional.linear``,
 * ``plain``     — the Triton GEMM with the checks compiled out,
-* ``gemm_only`` — the GEMM launch of the two-launch form (checksum share in the K loop, the epilogue's
-  row sums and statistics written), its verification launch replaced by nothing: no check is made,
-  so this column is a measurement device only,
-* ``two``       — the GEMM launch and the verification launch,
-* ``one``       — one launch, rows checked: the last program to finish a row block verifies it
-  (``Options.gemm_one_launch`` on, ``Options.gemm_groups`` off; the default for one row block of more
-  than one row),
-* ``decode``    — the decode kernel (`kernels/abft_gemm/decode.py`, the default for M = 1): each tile verifies
-  its 64-column groups in its epilogue.
-* ``plain_nosplit``, ``one_nosplit``, ``decode_nosplit`` — without split-K (``Options.gemm_split = 1``; by
-  default a call of few tiles runs each tile as several programs over parts of K, `forms.split_k`).
+* ``gemm_only`` — the GEMM launch of the tile form (the epilogue's 64-column group sums written), its
+  verification launch replaced by nothing: no check is made, so this column is a measurement device only
+  (for a call that takes the decode kernel it is that kernel, checks included),
+* ``fused``     — the call as it runs: the decode kernel (M ≤ 16: each tile verifies its 64-column groups in
+  its epilogue), or the GEMM launch and the group verification launch,
+* ``plain_nosplit``, ``fused_nosplit`` — without split-K (``Options.gemm_split = 1``; by default a call of few
+  tiles runs each tile as several programs over parts of K, `forms.split_k`).
 
 Every column counts its events in its own counters (``events_by_column``; clean inputs, so any
 event is a false positive, whose recompute would dominate that column's time).
-``gemm_only − plain`` is what the tiles' share of the checks costs. For a kernel whose one-launch
-form also carries that share (a kernel without the decode checksum programs), ``one − gemm_only``
-is the one-launch tail (the count, the last tile's loads, the threshold); with the checksum
-programs (M ≤ 16) ``one`` runs without the share, and ``one − plain`` is the whole checks' cost;
-``decode − plain`` is the decode kernel's.
+``gemm_only − plain`` is what the epilogue's group sums cost, ``fused − gemm_only`` the verification launch;
+for the decode kernel ``fused − plain`` is the whole checks' cost.
 
 ``--modules`` takes further copies of the kernel package inside ``ft_transformers.kernels`` (e.g. a
 variant saved as ``kernels/_abft_gemm_x/``), each with its own columns (``name:mode+mode``, default
 ``--modes``), named ``name:mode``, so that variants are compared in the same rounds.
 
     python scripts/bench_gemm_parts.py --out /tmp/parts
-    python scripts/bench_gemm_parts.py --modules abft_gemm:one,_abft_gemm_x:one --out /tmp/ab
+    python scripts/bench_gemm_parts.py --modules abft_gemm:fused,_abft_gemm_x:fused --out /tmp/ab
 """
 
 from __future__ import annotations
@@ -54,7 +47,7 @@ from bench_linear import _cycled, _graphed, _with_options, weight_copies  # noqa
 # Qwen2-0.5B's decode GEMMs (q/o 896², k/v 128×896, MLP 4864×896 and 896×4864, lm_head) and SmolLM2's MLP
 SHAPES = [(1, 896, 896), (1, 128, 896), (1, 4864, 896), (1, 896, 4864), (16, 4864, 896), (1, 1536, 576),
           (1, 151936, 896)]
-MODES = ("plain", "plain_nosplit", "gemm_only", "two", "one", "one_nosplit", "decode", "decode_nosplit")
+MODES = ("plain", "plain_nosplit", "gemm_only", "fused", "fused_nosplit")
 
 
 def _no_launch(grid, args, kwargs) -> None:
@@ -74,12 +67,6 @@ def _call(mod, mode: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, cnt
         return _triton(mod.linear_forward, x, w, b, k, n, False, None, 2.5, checks, True, None, cnt, owner, None)
     if nosplit:
         run = _with_options(run, gemm_split=1)
-    if mode in ("two", "gemm_only"):
-        run = _with_options(run, gemm_one_launch=False)
-    if mode == "one":  # also for several row blocks, which take two launches under graphs by default
-        run = _with_options(run, gemm_one_launch=True)
-    if mode in ("two", "gemm_only", "one"):  # the row-checked forms (M = 1 takes the decode kernel otherwise)
-        run = _with_options(run, gemm_groups=False)
     if mode == "gemm_only":
         inner = run
 

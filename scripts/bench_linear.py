@@ -116,17 +116,14 @@ def _with_options(fn, **changes):
 
 
 def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_torch_checked: bool,
-              graph: bool = False, pointer: bool = False,
-              two_launch: bool = False, rounds: int = 1,
+              graph: bool = False, pointer: bool = False, rounds: int = 1,
               graph_calls: int = 1) -> tuple[dict[str, list[float]], int, float]:
     """Times (ms, one per round, `_timing.interleaved`) of each method on ``F.linear(x, w, b)``; the fused
     call's event count and max error.
 
     ``graph``: also time cuBLAS, fused and plain as CUDA-graph replays (``*_graph``: GPU time without
     the host's launch work). ``pointer``: also time the fused kernel with pointer loads instead of
-    TMA descriptors (``fused_ptr``). ``two_launch``: also time the fused call with its verification
-    in a second launch (``fused_two``, ``Options.gemm_one_launch`` off; differs from ``fused`` only
-    where the call has one row block, M ≤ BLOCK_M). ``graph_calls``: calls per graph, cycling over
+    TMA descriptors (``fused_ptr``). ``graph_calls``: calls per graph, cycling over
     `weight_copies` copies of ``w`` (each with its own cached checksums); ``*_graph`` times per call."""
     import triton.testing
     from ft_transformers.kernels import abft_gemm
@@ -166,19 +163,16 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
         if pointer:
             fns["fused_ptr"] = _with_options(fused, gemm_tma=False)
             fns["plain_ptr"] = _with_options(plain, gemm_tma=False)
-        if two_launch:
-            fns["fused_two"] = _with_options(fused, gemm_one_launch=False)
         if with_torch_checked:
             fns["torch_checked"] = torch_checked
         if graph:
-            for name in ("cublas", "fused", "triton_plain") + (("fused_two",) if two_launch else ()):
+            for name in ("cublas", "fused", "triton_plain"):
                 if graph_calls > 1:
-                    one = _cycled(lambda j, name=name: make(name, j), n_w, graph_calls)
-                    fn = _with_options(one, gemm_one_launch=False) if name == "fused_two" else one
+                    fn = _cycled(lambda j, name=name: make(name, j), n_w, graph_calls)
                 else:
                     fn = fns[name]
                 fns[f"{name}_graph"] = _graphed(fn)
-        per_call = {f"{name}_graph": graph_calls for name in ("cublas", "fused", "triton_plain", "fused_two")}
+        per_call = {f"{name}_graph": graph_calls for name in ("cublas", "fused", "triton_plain")}
         times = interleaved(fns, rounds, lambda fn: triton.testing.do_bench(fn, warmup=10, rep=rep))
         times = {name: [t / per_call.get(name, 1) for t in ts] for name, ts in times.items()}
         events = int(cnt.sum())  # every fused call of the run, graph replays included
@@ -198,8 +192,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="calls per CUDA graph (with --graph), cycling over weight copies past L2; times per call")
     ap.add_argument("--pointer", action="store_true",
                     help="also time fused and plain with pointer loads instead of TMA descriptors")
-    ap.add_argument("--two-launch", action="store_true",
-                    help="also time the fused call with its verification in a second launch (fused_two)")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated shape kinds of {KINDS}")
     args = ap.parse_args(argv)
     if args.graph_calls < 1:
@@ -221,7 +213,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt)
             b = torch.randn(n, device=dev, generator=g).to(dt)
             per_round, events, err = bench_one(x, w, b, args.rep, not args.no_torch_checked, args.graph,
-                                               args.pointer, args.two_launch, args.rounds, args.graph_calls)
+                                               args.pointer, args.rounds, args.graph_calls)
             times = {name: statistics.median(v) for name, v in per_round.items()}
             flops = 2.0 * m * n * k
             row = {"kind": kind, "dtype": dt_name, "M": m, "N": n, "K": k, "rounds": args.rounds, "events": events,
@@ -234,8 +226,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      "fused_vs_plain": ("triton_plain", "fused"),
                      "torch_checked_vs_cublas": ("cublas", "torch_checked"),
                      "fused_ptr_vs_cublas": ("cublas", "fused_ptr"), "plain_ptr_vs_cublas": ("cublas", "plain_ptr"),
-                     "two_vs_cublas": ("cublas", "fused_two"),
-                     "two_vs_cublas_graph": ("cublas_graph", "fused_two_graph"),
                      "fused_vs_cublas_graph": ("cublas_graph", "fused_graph"),
                      "plain_vs_cublas_graph": ("cublas_graph", "triton_plain_graph")}
             for col, (base, name) in pairs.items():
@@ -252,10 +242,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if "fused_graph" in times:
                 extra += (f"  graphs: fused {row['fused_vs_cublas_graph']:.3f}x "
                           f"({row['fused_vs_cublas_graph_spread']}) plain {row['plain_vs_cublas_graph']:.3f}x")
-            if "fused_two" in times:
-                extra += f"  two launches {row['two_vs_cublas']:.3f}x"
-                if "two_vs_cublas_graph" in row:
-                    extra += f" (graphs {row['two_vs_cublas_graph']:.3f}x)"
             print(f"{dt_name:8s} {kind:6s} M={m:5d} N={n:5d} K={k:5d}  cuBLAS {row['cublas_tflops']:6.1f} TF/s  "
                   f"fused {row['fused_tflops']:6.1f} ({row['fused_vs_cublas']:.3f}x, rounds "
                   f"{row['fused_vs_cublas_spread']})  plain "

@@ -37,15 +37,14 @@ import torch
 import torch.nn.functional as F
 
 import ft_transformers as ftt
+from ft_transformers.checked_linear import _group_check, _groups
 from ft_transformers.vabft import (
     EMAX_TABLE_DIR,
     WeightChecksums,
     builtin_emax,
-    checksum_residuals,
     device_name,
     device_slug,
     load_emax_table,
-    row_stats,
 )
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -96,7 +95,8 @@ def _use_kernel(dev: torch.device) -> bool:
 
 def clean_residuals(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, mode: str = "output",
                     csigma: float = 2.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(D1, C1, T1)`` (each (M,), fp32) of one clean checked GEMM ``y = a·wᵀ + b``.
+    """``(D, C, T1)`` (each (M·⌈N/64⌉,), fp32: one entry per row and 64-column check group) of one clean
+    checked GEMM ``y = a·wᵀ + b``.
 
     ``T1`` is the threshold with ``e_max = 1`` (so ``|D1| / T1`` is the smallest e_max that passes).
     ``mode="output"``: the PyTorch path (``F.linear`` in a's dtype, verified on the rounded output).
@@ -113,16 +113,14 @@ def clean_residuals(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = N
         from ft_transformers.kernels.abft_gemm import gemm_residuals
 
         r = gemm_residuals(a, w, b, mode="accumulator", emax=1.0, csigma=csigma)
-        return r["d1"], r["c1"], r["thr"]
+        return r["d"].flatten(), r["c"].flatten(), r["thr"].flatten()
     if mode == "accumulator":
         y = F.linear(a.float(), w.float(), None if b is None else b.float())
     else:
         y = F.linear(a, w, b)
     wc = WeightChecksums.compute(w, b)
-    x32 = a.float()
-    mu, var = row_stats(x32)
-    d1, _, c1 = checksum_residuals(x32, y.float(), wc)
-    return d1, c1, wc.thresholds(mu, var, 1.0, csigma)
+    d, thr, c = _group_check(a.float(), y.float(), _groups(wc, w, b, False), 1.0, csigma)
+    return d.flatten(), c.flatten(), thr.flatten()
 
 
 def protocol_emax(dtype: torch.dtype, device: torch.device | str = "cpu",

@@ -8,10 +8,10 @@ from ft_transformers.kernels.options import Options, options, override
 
 def test_defaults_when_nothing_is_set():
     o = Options.from_env({})
-    assert o.direct_launch and o.gemm_tune and o.gemm_groups and o.gemm_slack_stats and o.siblings
+    assert o.direct_launch and o.gemm_tune and o.siblings
     assert o.efta_two_launch
     assert (o.efta_config, o.efta_split, o.efta_fold, o.gemm_config, o.gemm_split) == (None,) * 5
-    assert (o.gemm_tma, o.gemm_persistent, o.gemm_one_launch) == (None,) * 3
+    assert (o.gemm_tma, o.gemm_persistent) == (None,) * 2
 
 
 def test_variables_parse_into_fields():
@@ -25,7 +25,7 @@ def test_variables_parse_into_fields():
 
 @pytest.mark.parametrize("env", [{"FTT_EFTA_CONFIG": "64,64,4"}, {"FTT_ABFT_GEMM_CONFIG": "a,b,c,d,e"},
                                  {"FTT_EFTA_SPLIT": "0"}, {"FTT_ABFT_GEMM_SPLIT": "x"}, {"FTT_EFTA_FOLD": "2"},
-                                 {"FTT_ABFT_GEMM_ONE_LAUNCH": "yes"}])
+                                 {"FTT_ABFT_GEMM_PERSISTENT": "yes"}])
 def test_bad_values_raise_naming_the_variable(env):
     with pytest.raises(ValueError, match=next(iter(env))):
         Options.from_env(env)

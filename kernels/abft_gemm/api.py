@@ -24,21 +24,10 @@ from ..tl_common import call_flag, on_tensor_device
 from ..tl_common import cdiv as _cdiv
 from . import calls as C
 from .common import SITE
-from .forms import (
-    GROUPED_MAX_TILES,
-    INTERP,
-    PERSISTENT,
-    PERSISTENT_MIN_N,
-    TILE,
-    choose_form,
-    forced_config,
-    groupable,
-    hopper,
-)
+from .forms import DECODE, INTERP, PERSISTENT, TILE, choose_form, forced_config
 from .prepared import FastPath, PreparedCall, keep, module_key
 from .tuning import pick_config
 
-RECOMPUTE_ROWS = 16  # = checked_linear.RECOMPUTE_ROWS (kept equal by a test)
 MODES = ("accumulator", "output")
 SIBLINGS_MAX = 3  # weights per sibling launch (the decode kernel's SEGS)
 SIBLINGS_MAX_ROWS = 16  # rows per sibling launch (the decode kernel's BLOCK_M)
@@ -106,7 +95,6 @@ def checked_gemm(
     counters: torch.Tensor | None = None,
     mode: str = "accumulator",
     debug: torch.Tensor | None = None,
-    capacity: int = RECOMPUTE_ROWS,
 ) -> torch.Tensor:
     """The checked GEMM on 2-D operands; events are added into ``counters``.
 
@@ -124,8 +112,8 @@ def checked_gemm(
         counters: (6, 5) int32 counter block on x's device (required when ``detect``).
         mode: ``"accumulator"`` (verify the fp32 accumulators, default) or ``"output"`` (verify the
             rounded output, like the PyTorch path; for studies and calibration).
-        debug: optional (M, 4) fp32 tensor receiving per row ``D1``, ``C1``, ``T_m``.
-        capacity: rows recomputed per call at most.
+        debug: optional (M, ⌈N/64⌉, 3) fp32 tensor receiving per (row, 64-column group) the checksum
+            difference D, the checksum C and the threshold T (the tile form's verification).
     Returns:
         y (M, N) in x's dtype.
     """
@@ -153,11 +141,11 @@ def checked_gemm(
         raise ValueError("x, weight and bias must be on one device")
     _check_mode_counters(mode, detect, counters, dev)
     return _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma, detect, correct, plan,
-                         counters, mode, debug, capacity)
+                         counters, mode, debug)
 
 
 def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma, detect, correct, plan, counters,
-                  mode, debug, capacity, kept: list | None = None) -> torch.Tensor:
+                  mode, debug, kept: list | None = None) -> torch.Tensor:
     """`checked_gemm` on validated arguments (the module path validates once, in `checked_linear`).
     ``kept``: a list the call's `PreparedCall` is appended to (when it has one)."""
     n = weight.shape[1] if weight_is_kn else weight.shape[0]
@@ -168,7 +156,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
     if detect and wc is not None and not plan and debug is None and m and n and k:
         prep_key = (m, *x2d.stride(), x2d.data_ptr() % 16 == 0, weight.data_ptr(), *weight.stride(),
                     bias.data_ptr() if bias is not None else None, counters.data_ptr(), *counters.stride(),
-                    emax, csigma, correct, mode, capacity, options(),
+                    emax, csigma, correct, mode, options(),
                     dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
         prepared = wc.launches.get(prep_key)
         if prepared is not None:
@@ -191,69 +179,51 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
         return pick_config(L, bias=bias, detect=detect, verify_output=verify_output, dot_f32=dot_f32, decode=decode)
 
     inject = functools.partial(C._inj_table, plan, m, n, y.dtype, dev) if plan else None
-    form = choose_form(x2d, weight, y, detect=detect, debug=debug, capacity=capacity, inject=inject, tune=tune)
+    form = choose_form(x2d, weight, y, detect=detect, debug=debug, inject=inject, tune=tune)
     L = C._Launch(x2d, weight, bias, y, swn, swk, weight_is_kn, form.tma)
-    cfg, inj, one = form.cfg, form.inj, form.one
-    sem, slots, _ = C._cells(dev)
-    if not detect:  # no flag: the plain GEMM never reads it
-        C._launch_gemm(cfg, L, bias=bias, w12=y, P=C._call_buffer(m, n, k, cfg, False, False, dev, y), inj=inj,
-                       flag=slots, ws=slots, call_id=0, detect=False, verify_output=False, dot_f32=dot_f32)
+    cfg, inj = form.cfg, form.inj
+    if not detect:  # the plain GEMM
+        C._launch_gemm(cfg, L, bias=bias, P=C._call_buffer(m, n, k, cfg, False, dev, y), inj=inj, detect=False,
+                       verify_output=False, dot_f32=dot_f32)
         return y
+    if form.kind != DECODE and cfg[1] % GROUP_COLS:
+        raise ValueError(f"a checked call's BLOCK_N must be a multiple of {GROUP_COLS} (its check groups); "
+                         f"the forced config {cfg} is not")
     if wc is None:
         wc = WeightChecksums.compute(weight, bias, weight_is_kn=weight_is_kn)
     if emax is None:
         emax = _emax_of(emax_table, y.dtype, dev, mode, k)
     reverify = _reverify_scale(y.dtype, dev, k, emax, correct, verify_output, emax_table)
-    ver = C._Verify(wc.b12, counters, debug, bool(wc.finite), int(capacity),
-                    C._threshold_consts(wc, float(emax), float(csigma)), reverify, correct)
-    persist, decode = form.kind == PERSISTENT, form.kind not in (TILE, PERSISTENT)
-    if not decode and groupable(n, x2d.dtype):
-        # the weight's group checksums, built now if this call does not use them: a decode step compiled
-        # with CUDA graphs (after an eager prefill) must find them made, since a tensor first allocated
-        # in the graphs' warm-up lands in their pool and makes the capture fail ("tensor(s) in the
-        # cudagraph pool not tracked as outputs")
-        C._group_sums(wc, weight, bias, weight_is_kn)
-    if not decode and x2d.dtype != torch.float32 and (
-            persist or (n >= PERSISTENT_MIN_N and dev.type == "cuda" and hopper(dev))):
-        C._stats_operand(wc, x2d.dtype)  # likewise (an eager call may not take the form its captured twin takes)
-    t = _cdiv(n, cfg[1])
-    # statistics slots that can hold a share (`_verify_rows`): the pass's one, or the tiles' up to the K blocks
-    ts = 1 if persist else min(t, _cdiv(k, cfg[2]))
-    if persist:
-        flag, call_id = call_flag(dev, self_reset=False)
-        P = C._call_buffer(m, n, k, cfg, False, True, dev, y)
-        launches = [] if form.slack else [(3, *C._stats_call(L, wc.w12, P, flag, slots, t, call_id))]
-        launches.append((4, *C._persistent_call(cfg, L, bias, P, verify_output, sms=form.sms, flag=flag, ws=slots,
-                                                call_id=call_id,
-                                                stats=C._stats_operand(wc, x2d.dtype) if form.slack else None)))
-    elif decode:
+    ver = C._Verify(counters, debug, bool(wc.finite), reverify, correct)
+    groups = C._group_sums(wc, weight, bias, weight_is_kn)
+    # the verification's operand, built now if this call does not use it: a decode step compiled with CUDA
+    # graphs (after an eager prefill) must find it made, since a tensor first allocated in the graphs' warm-up
+    # lands in their pool and makes the capture fail ("tensor(s) in the cudagraph pool not tracked as outputs")
+    operand = C.group_operand(wc, weight, bias, weight_is_kn, x2d.dtype)
+    if form.kind == DECODE:
         P, call_id = C._grouped_buffer(m, n, k, cfg, dev), None
-        launches = [(2, *C._grouped_call(cfg, L, bias=bias, groups=C._group_sums(wc, weight, bias, weight_is_kn),
-                                         P=P, inj=inj, ver=ver, emax=emax, csigma=csigma,
-                                         verify_output=verify_output, dot_f32=dot_f32))]
+        launches = [(2, *C._grouped_call(cfg, L, bias=bias, groups=groups, P=P, inj=inj, ver=ver, emax=emax,
+                                         csigma=csigma, verify_output=verify_output, dot_f32=dot_f32))]
     else:
-        flag, call_id = call_flag(dev, self_reset=one)  # one launch: its last program resets the flag
-        P = C._call_buffer(m, n, k, cfg, one, True, dev, y)
-        launches = [(0, *C._gemm_call(cfg, L, bias=bias, w12=wc.w12, P=P, inj=inj, flag=flag,
-                                      ws=sem if one else slots, call_id=call_id, detect=True,
-                                      verify_output=verify_output, dot_f32=dot_f32, verify=ver if one else None))]
-    if not one:
-        launches.append((1, *C._verify_call(L, bias, P, flag, slots, t, ts, call_id, ver, verify_output, dot_f32)))
-    if persist:
-        C._ensure_scratch_allocator()
+        flag, call_id = call_flag(dev)
+        P = C._call_buffer(m, n, k, cfg, True, dev, y)
+        if form.kind == PERSISTENT:
+            C._ensure_scratch_allocator()
+            launches = [(3, *C._persistent_call(cfg, L, bias, P, verify_output, sms=form.sms))]
+        else:
+            launches = [(0, *C._gemm_call(cfg, L, bias=bias, P=P, inj=inj, detect=True, verify_output=verify_output,
+                                          dot_f32=dot_f32))]
+        launches.append((1, *C._verify_call(L, bias, P, flag, call_id, ver, operand, groups[1], emax, csigma,
+                                            dot_f32)))
     for which, grid, args, kwargs in launches:
         C._launcher(which)(grid, args, kwargs)
     # (host TMA descriptors are made per call: such a call cannot be replayed; the persistent form makes its own)
-    if prep_key is not None and (decode or persist or not L.tma):
+    if prep_key is not None and (form.kind != TILE or not L.tma):
         prepared = PreparedCall.record(launches, x2d, y, P, counters, call_id)
         keep(wc.launches, prep_key, prepared)
         if kept is not None:
             kept.append(prepared)
     return y
-
-
-SIBLINGS_MAX = 3  # weights per sibling launch (the decode kernel's SEGS)
-SIBLINGS_MAX_ROWS = 16  # rows per sibling launch (the decode kernel's BLOCK_M)
 
 
 def siblings_supported(x2d: torch.Tensor, weights: Sequence[torch.Tensor],
@@ -274,8 +244,6 @@ def siblings_supported(x2d: torch.Tensor, weights: Sequence[torch.Tensor],
             return False
         if b is not None and (b.shape != (w.shape[0],) or b.dtype != x2d.dtype or b.device != x2d.device):
             return False
-    if _cdiv(sum(w.shape[0] for w in weights), GROUP_COLS) > GROUPED_MAX_TILES:
-        return False
     forced = forced_config()
     return forced is None or (forced[0] >= 16 and forced[1] == GROUP_COLS)
 
@@ -336,7 +304,7 @@ def siblings_forward(x2d: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     if emax is None:
         emax = _emax_of(emax_table, dtype, dev, "accumulator", k)
     reverify = _reverify_scale(dtype, dev, k, emax, correct, False, emax_table)
-    ver = C._Verify(wcs[0].b12, counters[0], None, True, RECOMPUTE_ROWS, (), reverify, correct)
+    ver = C._Verify(counters[0], None, True, reverify, correct)
     P = C._grouped_buffer(m, n, k, cfg, dev)
     launches = [(2, *C._grouped_call(cfg, L, bias=biases[0], groups=groups[0], P=P, inj=None, ver=ver, emax=emax,
                                      csigma=csigma, verify_output=False, dot_f32=INTERP, siblings=sibs))]
@@ -350,15 +318,17 @@ def gemm_residuals(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                    csigma: float = 2.5, plan=None) -> dict[str, torch.Tensor]:
     """Run the kernel without repair and return its verification quantities (calibration, studies).
 
-    Returns ``{"y": (M, N), "d1": (M,), "c1": (M,), "thr": (M,), "counters": (6, 5)}``: ``d1`` the
-    checksum difference, ``c1`` the expected row sum ``x·w1 + b1``, ``thr`` the threshold with the
-    given ``emax`` (1.0 gives ``T_m / e_max``), all fp32 as the kernel computed them.
+    Returns ``{"y": (M, N), "d": (M, T_g), "c": (M, T_g), "thr": (M, T_g), "counters": (sites, kinds)}`` with
+    T_g = ⌈N/64⌉: per (row, 64-column group) the checksum difference, the checksum ``x·w1_g + b1_g`` and the
+    threshold with the given ``emax`` (1.0 gives ``T / e_max``), all fp32 as the kernel computed them (the
+    tile or persistent form's verification).
     """
-    dbg = torch.zeros((x2d.shape[0], 4), dtype=torch.float32, device=x2d.device)
+    tg = _cdiv(weight.shape[1] if weight_is_kn else weight.shape[0], GROUP_COLS)
+    dbg = torch.zeros((x2d.shape[0], tg, 3), dtype=torch.float32, device=x2d.device)
     cnt = new_counters(x2d.device)
     y = checked_gemm(x2d, weight, bias, weight_is_kn=weight_is_kn, emax=emax, csigma=csigma, detect=True,
                      correct=False, plan=plan, counters=cnt, mode=mode, debug=dbg)
-    return {"y": y, "d1": dbg[:, 0], "c1": dbg[:, 1], "thr": dbg[:, 2], "counters": cnt}
+    return {"y": y, "d": dbg[..., 0], "c": dbg[..., 1], "thr": dbg[..., 2], "counters": cnt}
 
 
 @on_tensor_device
@@ -406,7 +376,7 @@ def linear_forward(
     _check_mode_counters(mode, detect, counters, x.device)
     kept: list = []
     y = _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma, detect, correct, plan, counters,
-                      mode, None, RECOMPUTE_ROWS, kept)
+                      mode, None, kept)
     fast = None
     if settings is not None and kept and cast is None and mode == "accumulator":
         fast = FastPath(module_key(x, weight, bias, counters, settings), kept[0], k, n)

@@ -1,6 +1,5 @@
 """Device helpers that the checked GEMM's kernels share: the counter slots, injection of flips at
-``linear.output``, a program's K blocks under split-K, the store of checksum partials and statistics,
-and the grouped tile order."""
+``linear.output``, a program's K blocks under split-K, and the grouped tile order."""
 
 from __future__ import annotations
 
@@ -65,22 +64,6 @@ def _inject_output(yv, Inj, pid_m, num_pid_m, offs_m, offs_n):
     else:
         yf = (yv.to(tl.int16, bitcast=True) ^ xm.to(tl.int16)).to(yv.dtype, bitcast=True)
     return tl.where(hit, yf, yv), hit
-
-
-
-@triton.jit
-def _store_stats(srow, m_ok, c1, c2, mx, mn, sm, Flag, call_id):
-    """Store rows' checksum partials and x statistics at ``srow`` (8 fp32 per row); raise the call's
-    non-finite flag if one of the rows' x is (NaN makes the sum NaN, max/min may ignore it; ±inf
-    shows in max/min)."""
-    nf = ~(tl.abs(sm) < float("inf")) | (mx == float("inf")) | (mn == -float("inf"))
-    if tl.max((nf & m_ok).to(tl.int32), axis=0) > 0:
-        tl.atomic_max(Flag, call_id)
-    tl.store(srow + 0, c1, mask=m_ok)
-    tl.store(srow + 1, c2, mask=m_ok)
-    tl.store(srow + 2, mx, mask=m_ok)
-    tl.store(srow + 3, mn, mask=m_ok)
-    tl.store(srow + 4, sm, mask=m_ok)
 
 
 

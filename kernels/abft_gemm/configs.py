@@ -19,7 +19,7 @@ CONFIGS_SMALL = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3),
                  (16, 32, 256, 4, 3), (16, 16, 512, 4, 3)]
 CONFIGS_FP32 = [(64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (32, 64, 32, 4, 3)]  # IEEE fp32 FMAs
 CONFIG_INJECT = (64, 64, 32, 4, 3)  # fixed while injecting (positions bucketed per row block)
-CONFIG_INTERPRET = (16, 32, 32, 4, 1)
+CONFIG_INTERPRET = (16, 64, 32, 4, 1)  # BLOCK_N a multiple of the 64-column check groups
 # The decode kernel (`decode.grouped_gemm_kernel`, one GROUP_COLS-column group per tile: BLOCK_N = GROUP_COLS);
 # the first entry is also its config while injecting
 CONFIGS_GROUPED = [(16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3)]
@@ -27,15 +27,8 @@ CONFIG_INTERPRET_GROUPED = (16, 64, 32, 4, 1)
 # The persistent form (`persistent._persistent_kernel`): the fastest config at every shape timed with
 # `scripts/bench_gemm_forms.py`
 PERSISTENT_CONFIG = (128, 256, 64, 8, 3)
-PERSISTENT_CONFIG_INTERPRET = (32, 32, 32, 4, 1)
+PERSISTENT_CONFIG_INTERPRET = (32, 64, 32, 4, 1)
 GROUP_M = 8  # row blocks that walk the column tiles together (grouped tile order)
-VERIFY_ROWS = 32  # rows per verify program (≥ 16: its recompute uses tl.dot)
-VERIFY_BLOCK = (64, 64)  # (BLOCK_N, BLOCK_K) of the verify kernel's repair/recompute loops
-VERIFY_TILES = 16  # tiles' partial sums one verify load takes per row
-# One launch: the last tile of each row block verifies that row block, ONE_LAUNCH_VERIFY_ROWS rows at a time (one
-# program verifying the whole call was 4 % faster than two launches at M ≤ 16 on the H100 under CUDA graphs, but
-# 10-50 % slower at M = 64-128)
-ONE_LAUNCH_VERIFY_ROWS = 64
-STATS_ROWS, STATS_COLS = 8, 256  # rows per program and K chunk of the persistent form's pass over x (`_stats_kernel`)
-# that pass made by idle persistent programs: (BLOCK_M, SLACK_BLOCK_K) loads of x, SLACK_STAGES in flight
-SLACK_BLOCK_K, SLACK_STAGES = 128, 4
+# The group verification (`groups._group_verify_kernel`): (BLOCK_R rows, BLOCK_G groups, BLOCK_K) per program
+# (BLOCK_R ≥ 16 and BLOCK_G ≥ 16: its checksum dots and recomputations use tl.dot)
+VERIFY_BLOCK = (64, 32, 64)

@@ -2,15 +2,15 @@
 
 Forms (``Form.kind``):
 
-* ``"tile"`` — `tile._gemm_kernel`, rows checked: the tiles share the checksums, and either a second
-  launch verifies (`verify._verify_kernel`) or the last tile of each row block does (``Form.one``).
-  A call of one row block with M ≤ CSUM_ROWS (decode) computes the checksums in ``n_csum`` programs
-  beside the tiles (`csum_layout`) and, where it has few tiles, splits K (`split_plan`).
-* ``"decode"`` — `decode.grouped_gemm_kernel`: batch-1 decode calls (`grouped`), each 64-column tile
-  checked against its own column-group checksum in its epilogue.
-* ``"persistent"`` — `persistent._persistent_kernel` and its pass over x, then the verify launch: wide
-  calls on Hopper (`persistent_ok`); the pass runs in the GEMM's idle programs where they have room
-  (``Form.slack``, `slack_stats`).
+* ``"tile"`` — `tile._gemm_kernel`, which leaves each row's 64-column group sums, then the group verification
+  (`groups._group_verify_kernel`), a second launch. The plain GEMM of one row block of few tiles splits K
+  (`split_plan`).
+* ``"decode"`` — `decode.grouped_gemm_kernel`: calls of at most GROUPED_MAX_ROWS rows (`grouped`), each
+  64-column tile checked against its own column-group checksum in its epilogue, one launch.
+* ``"persistent"`` — `persistent._persistent_kernel`, then the group verification: wide calls on Hopper
+  (`persistent_ok`).
+
+Every form checks each (row, 64-column group) against its own threshold.
 
 Each predicate takes its switch from `options()` (``Options.gemm_*``): ``None`` means chosen here.
 """
@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..gemm_checksums import GROUP_COLS
 from ..options import options
@@ -44,22 +43,16 @@ except ImportError:  # pragma: no cover - older triton: no persistent form
 TILE, DECODE, PERSISTENT = "tile", "decode", "persistent"
 
 TMA_MIN_MNK = 1 << 36  # eager calls with fewer multiply-adds (M·N·K < 4096³) load through pointers, see `tma_ok`
-# The decode kernel takes calls of at most GROUPED_MAX_ROWS rows (batch-1 decode) and GROUPED_MAX_TILES tiles.
-# Measured on an H200 (tuned): at M = 1 it beat the row-checked one-launch form at every Qwen2-0.5B layer shape
-# (0.7-1.4 µs less per call); at M = 16 it lost (10.1 against 8.9 µs at 16 × 4864 × 896: the tuner's pick; the
-# first config alone took 7.8); and a tile's own verification costs it ~1 µs after its loop, which a call of many
-# waves of tiles pays per wave (a 151,936-wide lm_head: 100 µs against 74 µs with rows checked)
-GROUPED_MAX_ROWS = 1
-GROUPED_MAX_TILES = 1024
-ONE_LAUNCH_ROW_BLOCKS = 8192  # row blocks the one-launch cells hold (more: two launches)
-# Decode (one launch, one row block, M ≤ CSUM_ROWS): checksum programs beside the tiles (`_csum_chunk`),
-# each taking CSUM_ELEMS elements of x (a K chunk of CSUM_ELEMS / next_pow2(M)) in one load
-CSUM_ROWS = 16
-CSUM_ELEMS = 4096
-# Split-K for those calls (`split_k`): each tile's K blocks over up to SPLIT_PROGRAMS_PER_SM · SMs / T programs
-# of at least SPLIT_MIN_BLOCKS K blocks (896-wide decode GEMMs have 14 tiles at BLOCK_N = 64: 14 busy SMs without
-# it); none past SPLIT_MAX_TILES tiles (< ONE_LAUNCH_ROW_BLOCKS: the tiles' split counts use those cells). The tuner
-# times every decode config with and without it.
+# The decode kernel takes calls of at most GROUPED_MAX_ROWS rows (one row block of its BLOCK_M = 16): it verifies
+# each tile in its own epilogue, with no launch after the GEMM. (Measured on an H200 against the former row
+# check: at M = 1 it was 0.7-1.4 µs faster per call at every Qwen2-0.5B layer shape; at M = 16, 10.1 against
+# 8.9 µs at 16 × 4864 × 896; a 151,936-wide lm_head at M = 1, 100 µs against 74: a tile's own verification
+# costs ~1 µs after its loop, paid per wave of tiles.)
+GROUPED_MAX_ROWS = 16
+# Split-K for the decode kernel's calls and the plain GEMM's of the same shapes (`split_k`): each tile's K
+# blocks over up to SPLIT_PROGRAMS_PER_SM · SMs / T programs of at least SPLIT_MIN_BLOCKS K blocks (896-wide
+# decode GEMMs have 14 tiles at BLOCK_N = 64: 14 busy SMs without it); none past SPLIT_MAX_TILES tiles (the
+# tiles' split counts use the cells of `calls._cells`). The tuner times every decode config with and without it.
 SPLIT_PROGRAMS_PER_SM = 1
 SPLIT_MIN_BLOCKS = 2
 SPLIT_MAX_TILES = 1024
@@ -68,11 +61,9 @@ INTERPRET_SMS = 4  # the SM count split-K and the persistent form assume under t
 # H100 the persistent TMA plain GEMM reached 0.89-1.01× cuBLAS where the tile kernel reached 0.68-0.78, and every
 # form of the checksum share inside its K loop cost 5-50 %; the pass over x reads x once more (1.3-1.8 TB/s), which
 # only a wide N amortises (`scripts/bench_gemm_forms.py`, docs/vabft.md). With that pass in the GEMM's programs that
-# have a tile fewer (`slack_stats`), 4096³ runs at 0.91 / 0.90× cuBLAS (fp16 / bf16) on an H200 under CUDA graphs,
-# against 0.85 / 0.83× with the pass as a launch of its own.
+# have a tile fewer, 4096³ ran at 0.91 / 0.90× cuBLAS (fp16 / bf16) on an H200 under CUDA graphs.
 PERSISTENT_MIN_N = 2048
 PERSISTENT_MIN_MNK = 1 << 34
-SLACK_ROW_BLOCKS = 2  # row blocks of x per idle persistent program, at most, for the pass there (`slack_stats`)
 
 
 def interpreting() -> bool:
@@ -166,59 +157,20 @@ def persistent_ok(m: int, n: int, k: int, x2d: torch.Tensor, weight: torch.Tenso
     return tma_layout(x2d, weight, y)
 
 
-def one_launch(m: int, n: int, k: int, block_m: int, device: torch.device) -> bool:
-    """Whether a row-checked call verifies inside the GEMM launch (`_gemm_kernel`'s ONE_LAUNCH) instead of in a
-    second launch (`_verify_kernel`). Measured on the H100 (``docs/vabft.md``):
-
-    * a single row block (decode): one launch, also under CUDA graphs (0.51-0.55× cuBLAS against
-      0.48-0.54× with two);
-    * several row blocks, eager and below ``TMA_MIN_MNK`` multiply-adds: one launch, since such calls
-      are host-bound and the second launch costs ~0.1 ms of host time (2048³: 0.27× cuBLAS eagerly
-      against 0.14× with two);
-    * several row blocks otherwise (captured into a CUDA graph, or large): two launches, faster on
-      the GPU (under graphs 2048³ 0.67× against 0.57×, 4096³ 0.84× against 0.75×: the last tile
-      of each row block verifies it serially, and y cannot leave through a TMA store).
-
-    ``Options.gemm_one_launch``: False never, True always, None as above. Calls of more row blocks than
-    the cells hold take two launches.
-    """
-    mode = options().gemm_one_launch
-    blocks = cdiv(m, block_m)
-    if mode is False or blocks > ONE_LAUNCH_ROW_BLOCKS:
-        return False
-    if mode is True or blocks == 1:
-        return True
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
-    return host_bound(m, n, k)
-
-
 def groupable(n: int, dtype: torch.dtype) -> bool:
-    """Whether a weight of ``n`` output features may take the decode kernel in ``dtype``: at most
-    GROUPED_MAX_TILES tiles, fp16 or bf16 (fp32 calls keep the row check: the kernel's fp32 form compiles for
-    sm_90, but was never timed), and ``Options.gemm_groups`` on (off: the row-checked one-launch form)."""
-    return cdiv(n, GROUP_COLS) <= GROUPED_MAX_TILES and dtype != torch.float32 and options().gemm_groups
+    """Whether a weight of ``n`` output features may take the decode kernel in ``dtype``: fp16 or bf16 (fp32
+    calls take the tile form: the decode kernel's fp32 form compiles for sm_90, but was never timed)."""
+    return dtype != torch.float32
 
 
-def grouped(m: int, n: int, dtype: torch.dtype, debug: torch.Tensor | None, capacity: int) -> bool:
-    """Whether a checked call runs the decode kernel (each tile verifies its 64 columns): a `groupable`
-    weight, M ≤ GROUPED_MAX_ROWS, no ``debug`` output (it has no per-row D1), at least M recompute slots (it
-    recomputes every failing row of a tile), and a forced config (``Options.gemm_config``), if any, that
-    fits it."""
-    if m > GROUPED_MAX_ROWS or debug is not None or capacity < m or not groupable(n, dtype):
+def grouped(m: int, n: int, dtype: torch.dtype, debug: torch.Tensor | None) -> bool:
+    """Whether a checked call runs the decode kernel (each tile verifies its own 64 columns, one launch): a
+    `groupable` weight, M ≤ GROUPED_MAX_ROWS, no ``debug`` output (`gemm_residuals` takes the tile form),
+    and a forced config (``Options.gemm_config``), if any, that fits it."""
+    if m > GROUPED_MAX_ROWS or debug is not None or not groupable(n, dtype):
         return False
     forced = forced_config()
     return forced is None or (forced[0] >= max(m, 16) and forced[1] == GROUP_COLS)
-
-
-def csum_layout(m: int, k: int, block_m: int, one: bool) -> tuple[int, int, int]:
-    """(n_csum, CSUM_R, CSUM_K): the checksum programs of a one-launch call of one row block with
-    M ≤ CSUM_ROWS (n_csum = 0: the tiles compute the checksums)."""
-    if not one or m > CSUM_ROWS or m > block_m:
-        return 0, 1, 16
-    r = triton.next_power_of_2(m)
-    ck = min(CSUM_ELEMS // r, triton.next_power_of_2(k))
-    return cdiv(k, ck), r, ck
 
 
 def split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> tuple[int, int]:
@@ -226,7 +178,7 @@ def split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) ->
     programs of kb_per ≥ SPLIT_MIN_BLOCKS K blocks (the last may have fewer; none is empty), n_split ≤
     SPLIT_PROGRAMS_PER_SM · SMs / T, so that a call of few tiles still fills the GPU. ``(1, ·)``:
     no split. ``Options.gemm_split = S`` asks for S splits (1: never split). Never past SPLIT_MAX_TILES
-    tiles: their split counts live in the one-launch cell block."""
+    tiles: their split counts live in `calls._cells`."""
     t, nkb = cdiv(n, block_n), cdiv(k, block_k)
     if t > SPLIT_MAX_TILES:
         return 1, nkb
@@ -241,14 +193,13 @@ def split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) ->
     return cdiv(nkb, per), per
 
 
-def split_plan(m: int, n: int, k: int, cfg, n_csum: int, detect: bool, device: torch.device) -> tuple[int, int]:
-    """(n_split, kb_per) of a tile-kernel call (`split_k`): split-K for a decode call with checksum programs, and
-    for the plain GEMM of one row block of M ≤ CSUM_ROWS (the same sums, so that checks off and on give the same
-    y); ``(1, 1)`` otherwise, or when the config says so (a 6th entry ``False``, which the tuner appends to a
-    candidate that it timed faster without split-K)."""
+def split_plan(m: int, n: int, k: int, cfg, detect: bool, device: torch.device) -> tuple[int, int]:
+    """(n_split, kb_per) of a tile-kernel call (`split_k`): split-K for the plain GEMM of one row block of
+    M ≤ GROUPED_MAX_ROWS; ``(1, 1)`` otherwise, or when the config says so (a 6th entry ``False``, which the
+    tuner appends to a candidate that it timed faster without split-K)."""
     if len(cfg) > 5 and not cfg[5]:
         return 1, 1
-    if n_csum or (not detect and m <= CSUM_ROWS and m <= cfg[0]):
+    if not detect and m <= GROUPED_MAX_ROWS and m <= cfg[0]:
         return split_k(n, k, cfg[1], cfg[2], device)
     return 1, 1
 
@@ -258,19 +209,6 @@ def grouped_split(n: int, k: int, cfg, device: torch.device) -> tuple[int, int]:
     if len(cfg) > 5 and not cfg[5]:
         return 1, 1
     return split_k(n, k, cfg[1], cfg[2], device)
-
-
-def slack_stats(m: int, n: int, cfg, sms: int) -> bool:
-    """Whether the persistent GEMM's programs with a tile fewer (`_persistent_kernel`'s STATS) make the pass
-    over x: there are some (the tiles do not fill whole waves of ``sms`` programs), and none takes more than
-    SLACK_ROW_BLOCKS of x's row blocks. A row block's pass reads a third of a (128, 256) tile's operand bytes
-    and does no MMA, so two fit in the time of the tile such a program does not have; else `_stats_kernel`
-    runs first, a launch of its own. ``Options.gemm_slack_stats`` off: always that launch."""
-    if not options().gemm_slack_stats:
-        return False
-    tiles = cdiv(m, cfg[0]) * cdiv(n, cfg[1])
-    idle = sms - tiles % sms if tiles % sms else 0
-    return idle > 0 and cdiv(cdiv(m, cfg[0]), idle) <= SLACK_ROW_BLOCKS
 
 
 def inject_config(decode: bool) -> tuple:
@@ -288,13 +226,11 @@ class Form:
     tma: bool  # the tile kernel's operands through host TMA descriptors (`tma_ok`)
     cfg: tuple  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split-K allowed])
     inj: torch.Tensor | None  # the injection table (`calls.inj_table`), or None
-    one: bool  # verified inside the GEMM launch (the decode kernel always is)
-    slack: bool = False  # persistent: the pass over x in the GEMM's idle programs (`slack_stats`)
     sms: int = 0  # persistent: programs of the GEMM (SMs)
 
 
 def choose_form(x2d: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, *, detect: bool,
-                debug: torch.Tensor | None, capacity: int, inject: Callable[[int], torch.Tensor | None] | None,
+                debug: torch.Tensor | None, inject: Callable[[int], torch.Tensor | None] | None,
                 tune: Callable[[bool, bool], tuple]) -> Form:
     """The form of a call ``y (M, N) = x2d (M, K) · weight`` (weight (N, K) or (K, N)).
 
@@ -305,7 +241,7 @@ def choose_form(x2d: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, *, det
     m, k = x2d.shape
     n = y.shape[1]
     tma = tma_ok(m, n, k, x2d, weight, y)
-    decode = detect and grouped(m, n, x2d.dtype, debug, capacity)
+    decode = detect and grouped(m, n, x2d.dtype, debug)
     inj = None
     if inject is not None:
         cfg = inject_config(decode)
@@ -313,9 +249,7 @@ def choose_form(x2d: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, *, det
     # (the persistent form has no in-kernel injection: calls with flips take the tile kernel)
     if detect and inj is None and not decode and persistent_ok(m, n, k, x2d, weight, y):
         cfg = forced_config() or (PERSISTENT_CONFIG_INTERPRET if INTERP else PERSISTENT_CONFIG)
-        sms = INTERPRET_SMS if INTERP else sm_count(x2d.device)
-        return Form(PERSISTENT, tma, cfg, None, False, slack_stats(m, n, cfg, sms), sms)
+        return Form(PERSISTENT, tma, cfg, None, INTERPRET_SMS if INTERP else sm_count(x2d.device))
     if inj is None:
         cfg = tune(tma, decode)
-    one = detect and (decode or one_launch(m, n, k, cfg[0], x2d.device))
-    return Form(DECODE if decode else TILE, tma, cfg, inj, one)
+    return Form(DECODE if decode else TILE, tma, cfg, inj)

@@ -33,18 +33,17 @@ class PreparedCall:
     the form, the config, the thresholds and the arguments. It holds none of the call's own tensors (x, y,
     the stats buffer, the counters are put in at each call)."""
 
-    __slots__ = ("launches", "bound", "y_shape", "dtype", "device", "p_numel", "self_reset", "flagged", "scratch")
+    __slots__ = ("launches", "bound", "y_shape", "dtype", "device", "p_numel", "flagged", "scratch")
 
     @classmethod
     def record(cls, launches, x2d, y, P, counters, call_id) -> PreparedCall:
-        """``launches``: the call's ``(which, grid, args, kwargs)``; ``P``: its stats buffer, or None (the decode
-        kernel without split-K); ``call_id``: None for the decode kernel, which takes none."""
+        """``launches``: the call's ``(which, grid, args, kwargs)``; ``P``: its scratch buffer (group sums, or the
+        decode kernel's split-K partials), or None; ``call_id``: None for the decode kernel, which takes none."""
         self = cls()
         per_call = tuple(t for t in (x2d, y, P, counters) if t is not None)
         self.launches = record_launches(launches, per_call, call_id, _CALL_ID_AT, _launcher)
         self.bound = all(entry[-1] is not None for entry in self.launches)
-        self.self_reset = len(launches) == 1  # the one-launch form resets its flag (`call_flag`)
-        self.scratch = any(entry[0] == 4 for entry in launches)  # the persistent form: TMA descriptor scratch
+        self.scratch = any(entry[0] == 3 for entry in launches)  # the persistent form: TMA descriptor scratch
         self.flagged = call_id is not None
         self.y_shape, self.dtype, self.device = tuple(y.shape), y.dtype, y.device
         self.p_numel = P.numel() if P is not None else 0
@@ -63,7 +62,7 @@ class PreparedCall:
             per_call = (x2d, y, P, counters)
             direct = direct and P.data_ptr() & 15 == 0
         # (the bound kernels were specialised on 16-byte aligned y and P: fresh allocations always are)
-        call_id = call_flag(self.device, self.self_reset)[1] if self.flagged else None  # the recorded call's cell
+        call_id = call_flag(self.device)[1] if self.flagged else None  # the recorded call's cell
         if self.scratch:
             _ensure_scratch_allocator()
         replay_launches(self.launches, per_call, call_id, _launcher, direct)

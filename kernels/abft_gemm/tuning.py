@@ -2,7 +2,7 @@
 shape key on CUDA, in the form the call runs, and keeps the fastest.
 
 Cache: `_TUNE_CACHE`, key (dtype, weight layout, TMA, bias, detect, verification mode, M bucket (exact M for
-sibling launches), N, K, decode kernel, sibling widths, ``Options.gemm_split``, ``Options.gemm_one_launch``)
+sibling launches), N, K, decode kernel, sibling widths, ``Options.gemm_split``)
 → config (5 entries, or 6 with a last ``False``: no split-K). Kept for the process (a shape's best config
 does not change); a forced ``Options.gemm_config`` and the interpreter's fixed configs bypass it.
 """
@@ -21,7 +21,6 @@ from ..tl_common import gpu_time
 from . import forms
 from .calls import (
     _call_buffer,
-    _cells,
     _grouped_buffer,
     _grouped_call,
     _Launch,
@@ -40,9 +39,9 @@ from .configs import (
     CONFIGS_SMALL,
     NARROW_N,
 )
-from .forms import CSUM_ROWS, csum_layout, forced_config, grouped, grouped_split, one_launch, split_plan
+from .forms import GROUPED_MAX_ROWS, forced_config, grouped, grouped_split, split_plan
 
-# The tuner times a decode call (M ≤ CSUM_ROWS) over copies of its weight, up to TUNE_STREAM_COPIES and past
+# The tuner times a decode call (M ≤ GROUPED_MAX_ROWS) over copies of its weight, up to TUNE_STREAM_COPIES and past
 # TUNE_STREAM_BYTES (more than an H100's or H200's L2), as a model streams its layers' weights: timed on one
 # L2-resident weight, its picks were up to 15 % slower than the first config at decode shapes
 TUNE_STREAM_BYTES = 120_000_000
@@ -76,33 +75,29 @@ def pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, decode: boo
     m, k = L.x.shape
     n = L.y.shape[1]
     if forms.INTERP:  # the plain GEMM of a decode shape takes the decode kernel's blocks: the same sums as its
-        plain_decode = not detect and grouped(m, n, L.x.dtype, None, m)
+        plain_decode = not detect and grouped(m, n, L.x.dtype, None)
         return CONFIG_INTERPRET_GROUPED if decode or plain_decode else CONFIG_INTERPRET
-    # (the forms a decode call is timed in depend on the one-launch and split-K settings)
+    # (the forms a decode call is timed in depend on the split-K setting)
     opts = options()
     key = (L.x.dtype, L.kn, L.tma, bias is not None, detect, verify_output, m if siblings else _bucket(m), n, k,
-           decode, tuple(sib[0].shape[0] for sib in siblings), opts.gemm_split, opts.gemm_one_launch)
+           decode, tuple(sib[0].shape[0] for sib in siblings), opts.gemm_split)
     cfg = _TUNE_CACHE.get(key)
     if cfg is not None:
         return cfg
     cands = CONFIGS_GROUPED if decode else _candidates(L.x.dtype, m, n)
+    if detect and not decode:  # the epilogue sums whole 64-column check groups
+        cands = [c for c in cands if c[1] % GROUP_COLS == 0]
     if len(cands) == 1 or not opts.gemm_tune:
         _TUNE_CACHE[key] = cands[0]
         return cands[0]
     dev = L.x.device
     if torch.cuda.is_current_stream_capturing():
         return cands[0]  # a capture cannot time candidates: the first, not cached (an eager call tunes)
-    ws = torch.zeros(2, dtype=torch.int32, device=dev)
-    w12 = torch.zeros((k, 2), dtype=torch.float32, device=dev)
-    flag = torch.zeros(1, dtype=torch.int32, device=dev)
     y_scratch = torch.empty_like(L.y)
     Ls = dataclasses.replace(L, y=y_scratch)
-    # decode calls are timed in the form they run: one launch with checksum programs (and split-K),
-    # verifying against an infinite threshold into scratch counters (nothing to detect or repair)
-    ver = None
-    if detect and m <= CSUM_ROWS:
-        ver = _Verify(torch.zeros(2, dtype=torch.float32, device=dev), new_counters(dev), None, True, 0,
-                      (0.0, 0.0, 0.0, 0.0, 0.0, float("inf")), 1.0, False)
+    # a tile call is timed as its GEMM (the group verification after it does not depend on the config); a
+    # decode call in the form it runs, verifying against an infinite threshold into scratch counters
+    ver = _Verify(new_counters(dev), None, True, 1.0, False) if decode else None
     if decode:
         # the decode kernel on scratch group checksums whose threshold is infinite (bias_sd = inf): it runs
         # its clean path, checks included, and finds nothing to repair. (Timed with its checks switched
@@ -117,26 +112,22 @@ def pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, decode: boo
             sib_scratch.append((w_s, b_s, (groups[0][t0:t1], groups[1][t0:t1]), ver.counters))
             t0 = t1
 
-    def launches_once(c) -> bool:
-        return ver is not None and not decode and one_launch(m, n, k, c[0], dev)
-
     def splits(c) -> int:
         if decode:
             return grouped_split(n, k, c, dev)[0]
-        return split_plan(m, n, k, c, csum_layout(m, k, c[0], launches_once(c))[0] if detect else 0, detect, dev)[0]
+        return split_plan(m, n, k, c, detect, dev)[0]
 
     if opts.gemm_split is None:
         # each config with split-K (where the call's form splits, `forms.split_plan`) and without
         cands = [v for c in cands for v in ((c, (*c, False)) if splits(c) > 1 else (c,))]
     copies = [Ls]
-    if m <= CSUM_ROWS:  # a decode call: timed over copies of its weight, as a model streams its weights
+    if m <= GROUPED_MAX_ROWS:  # a decode call: timed over copies of its weight, as a model streams its weights
         nbytes = L.w.numel() * L.w.element_size()
         for _ in range(min(TUNE_STREAM_COPIES, -(-TUNE_STREAM_BYTES // max(nbytes, 1))) - 1):
             w = torch.empty_strided(L.w.shape, L.w.stride(), dtype=L.w.dtype, device=dev).copy_(L.w)
             copies.append(dataclasses.replace(Ls, w=w))
     best, best_t = None, float("inf")
     for c in cands:
-        one = launches_once(c)
         if decode:
             P = _grouped_buffer(m, n, k, c, dev)
 
@@ -146,13 +137,12 @@ def pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, decode: boo
                                                 csigma=1.0, verify_output=verify_output, dot_f32=dot_f32,
                                                 siblings=tuple(sib_scratch)))
         else:
-            P = _call_buffer(m, n, k, c, one, detect, dev, y_scratch)
+            P = _call_buffer(m, n, k, c, detect, dev, y_scratch)
 
-            def run(c=c, one=one, P=P):
+            def run(c=c, P=P):
                 for Lc in copies:
-                    _launch_gemm(c, Lc, bias=bias, w12=w12, P=P, inj=None, flag=flag,
-                                 ws=_cells(dev)[0] if one else ws, call_id=1, detect=detect,
-                                 verify_output=verify_output, dot_f32=dot_f32, verify=ver if one else None)
+                    _launch_gemm(c, Lc, bias=bias, P=P, inj=None, detect=detect, verify_output=verify_output,
+                                 dot_f32=dot_f32)
         try:
             with torch.cuda.device(dev):
                 ms = gpu_time(run)

@@ -1,0 +1,204 @@
+"""The verification of the tile and persistent forms: every (row, 64-column group) of y checked on its own,
+in a launch after the GEMM (`_group_verify_kernel`).
+
+The GEMM's epilogue leaves, per row m and group g of ``GROUP_COLS`` output columns, the fp32 sum
+``Σ_{n∈g} v[m, n]`` (v the fp32 accumulators with the bias, or the rounded outputs in ``output`` mode,
+flips at ``linear.output`` included) in ``P`` (T_g, M). This launch compares it with the group's
+checksum ``C[m, g] = x[m]·w1_g + b1_g`` (``w1_g = Σ_{n∈g} W[n, :]``, `group_checksums`) against the
+threshold of SPEC §5 over the group's n_g columns: a threshold of 64 columns, where one checksum over a
+whole row let the rounding noise of a 49k–152k-wide lm_head hide a change of several logits.
+
+``C`` is a GEMM of 1/64 of the layer's: ``x (M, K) · w1gᵀ (K, T_g)`` on the tensor cores, with ``w1g``
+held in fp32 accuracy as S slices of x's dtype (`calls.group_operand`: 2 for fp16, 3 for bf16, 1 for
+fp32 in IEEE FMAs), every product of x and a slice exact in fp32. x's row statistics (max, min, sum)
+for the threshold come from the same loads of x, so the GEMM's K loop carries no checksum work.
+
+A failing unit (rare) is recomputed in fp32 (its 64 columns for the program's rows, one dot over K);
+the differences from the stored y locate a single error as the weighted checksum would
+(``t = G·Σ_j ((j+1)/G)·d_j / Σ_j d_j`` within 0.25 of an integer). It is replaced when the rest of the
+group agrees with the recomputation within the threshold, y's rounding (half an ulp of each stored
+value) and the two fp32 sums' bound → ``corrected``; otherwise the group takes the recomputed values →
+``recomputed``. Without correction: ``detected`` + ``uncorrectable``. No capacity: a unit's recompute is
+64 columns.
+
+Rows whose x holds a NaN or ±inf are not verified (their checksum means nothing); the call counts one
+``nonfinite_input`` for them (the first program to see one, through the call's flag cell), or for a
+non-finite W or b, which switches the call's checks off.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..tl_common import dot as _mma
+from .common import _COR, _DET, _NONF, _REC, _SITE_ROW, _UNC
+
+G: tl.constexpr = tl.constexpr(64)  # = gemm_checksums.GROUP_COLS
+
+
+@triton.jit
+def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, K, TG, sxm, sxk, BLOCK_K: tl.constexpr,
+                             SLICES: tl.constexpr, DOT_F32: tl.constexpr):
+    """x's row sum / max / min (BLOCK_R,) and the checksum dots (BLOCK_R, BLOCK_G) of ``Wc``'s S slices
+    (S, T_g, K), one per slice, over all of K."""
+    BLOCK_R: tl.constexpr = rows.shape[0]
+    BLOCK_G: tl.constexpr = grps.shape[0]
+    offs_k = tl.arange(0, BLOCK_K)
+    c0 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
+    c1 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
+    c2 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
+    sme = tl.zeros((BLOCK_R, BLOCK_K), tl.float32)
+    mxe = tl.full((BLOCK_R, BLOCK_K), -float("inf"), tl.float32)
+    mne = tl.full((BLOCK_R, BLOCK_K), float("inf"), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        xa = tl.load(X + rows[:, None] * sxm + kk[None, :] * sxk, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        wp = Wc + grps[None, :] * K + kk[:, None]
+        wm = k_ok[:, None] & g_ok[None, :]
+        c0 = _mma(xa, tl.load(wp, mask=wm, other=0.0), c0, DOT_F32)
+        if SLICES > 1:
+            c1 = _mma(xa, tl.load(wp + TG * K, mask=wm, other=0.0), c1, DOT_F32)
+        if SLICES > 2:
+            c2 = _mma(xa, tl.load(wp + 2 * TG * K, mask=wm, other=0.0), c2, DOT_F32)
+        xf = xa.to(tl.float32)
+        sme += xf
+        mxe = tl.maximum(mxe, tl.where(k_ok[None, :], xf, -float("inf")))
+        mne = tl.minimum(mne, tl.where(k_ok[None, :], xf, float("inf")))
+    # the slices' partial dots summed smallest first
+    return tl.sum(sme, axis=1), tl.max(mxe, axis=1), tl.min(mne, axis=1), c0 + (c1 + c2)
+
+
+@triton.jit
+def _repair_group(X, W, Y, Bias, rows, r_ok, bad, thr_g, gidx, N, K, sxm, sxk, swn, swk, sym, syn,
+                  BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr):
+    """Group ``gidx``'s failing rows ``bad`` (BLOCK_R,) with thresholds ``thr_g``: recompute its columns,
+    locate, replace. Returns (corrected, recomputed) counts."""
+    BLOCK_R: tl.constexpr = rows.shape[0]
+    offs_j = tl.arange(0, G)
+    cols = gidx * G + offs_j
+    c_ok = cols < N
+    ccols = tl.where(c_ok, cols, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    ref = tl.zeros((BLOCK_R, G), tl.float32)
+    rabs = tl.zeros((BLOCK_R, G), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        a = tl.load(X + rows[:, None] * sxm + kk[None, :] * sxk, mask=bad[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(W + kk[:, None] * swk + ccols[None, :] * swn, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+        ref = _mma(a, b, ref, DOT_F32)
+        rabs = _mma(tl.abs(a), tl.abs(b), rabs, DOT_F32)
+    if HAS_BIAS:
+        ref += tl.load(Bias + ccols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    ym = bad[:, None] & c_ok[None, :]
+    yp = Y + rows[:, None] * sym + ccols[None, :] * syn
+    yv = tl.load(yp, mask=ym, other=0.0)
+    if Y.dtype.element_ty == tl.float16:
+        u_y: tl.constexpr = 2.0**-11
+    elif Y.dtype.element_ty == tl.bfloat16:
+        u_y: tl.constexpr = 2.0**-8
+    else:
+        u_y: tl.constexpr = 2.0**-24
+    # against the recomputation rounded like y: a clean element then differs by nothing (or an ulp where
+    # the two fp32 sums round apart), so y's own rounding does not blur the location
+    d = tl.where(ym, yv.to(tl.float32) - ref.to(Y.dtype.element_ty).to(tl.float32), 0.0)
+    colw = (offs_j + 1).to(tl.float32)
+    den = tl.sum(d, axis=1)
+    tq = tl.sum(d * (colw * (1.0 / G))[None, :], axis=1) / tl.where(bad, den, 1.0) * G
+    jl = tl.floor(tq + 0.5)
+    n_g = tl.minimum(N - gidx * G, G).to(tl.float32)
+    loc = bad & (tl.abs(tq) < float("inf")) & (tl.abs(tq - jl) <= 0.25) & (jl >= 1.0) & (jl <= n_g)
+    at = loc[:, None] & (colw[None, :] == jl[:, None])
+    others = ym & ~at
+    # the rest of the group as recomputed: the threshold, an ulp of each stored value (the two sums may round
+    # apart), and the fp32 sums' bound (two summation orders of K products)
+    tol = thr_g + u_y * tl.sum(tl.where(others, tl.abs(ref), 0.0), axis=1) \
+        + 2.0 * K * 2.0**-24 * tl.sum(tl.where(others, rabs, 0.0), axis=1)
+    fixed = loc & (tl.abs(tl.sum(tl.where(others, d, 0.0), axis=1)) <= tol)
+    need = bad & ~fixed
+    newv = ref.to(Y.dtype.element_ty)
+    tl.store(yp, newv, mask=ym & (need[:, None] | (at & fixed[:, None])))
+    return tl.sum(fixed.to(tl.int32), axis=0), tl.sum(need.to(tl.int32), axis=0)
+
+
+@triton.jit(do_not_specialize=["call_id", "w_finite"])
+def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Flag, Cnt, Dbg,
+                         M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, w_finite,
+                         emax, csigma,
+                         BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, SLICES: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr, DOT_F32: tl.constexpr):
+    """Verify the (BLOCK_R rows) × (BLOCK_G groups) block ``(program_id(0), program_id(1))`` of y (M, N).
+
+    x (M, K); W (N, K) through strides ``swn``, ``swk`` (a (K, N) weight has them swapped); ``Wc`` (S, T_g, K)
+    the checksum slices in x's dtype and ``Winv`` their fp32 inverse scale (`calls.group_operand`); ``Gc``
+    (T_g, 8) the groups' constants (`group_checksums`); ``P`` (T_g, M) the GEMM's group sums; ``Flag`` the
+    call's flag cell (`call_flag`); ``Cnt`` the (sites, kinds) int32 counters. DEBUG: (D, C, T) of every
+    unit into ``Dbg`` (M, T_g, 3)."""
+    pid_r = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    cbase = Cnt + _SITE_ROW * scn0
+    if w_finite == 0:  # a non-finite weight or bias: the call's checks are off, counted once
+        if (pid_r == 0) & (pid_g == 0):
+            tl.atomic_add(cbase + _NONF * scn1, 1)
+    else:
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = rows < M
+        grps = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
+        g_ok = grps < TG
+        # the group sums and constants first: their loads overlap the K loop
+        s = tl.load(P + grps[None, :] * M + rows[:, None], mask=r_ok[:, None] & g_ok[None, :], other=0.0)
+        gp = Gc + grps * 8
+        b1 = tl.load(gp, mask=g_ok, other=0.0)
+        det = tl.load(gp + 1, mask=g_ok, other=0.0)
+        v2 = tl.load(gp + 2, mask=g_ok, other=0.0)
+        v3 = tl.load(gp + 3, mask=g_ok, other=0.0)
+        v4 = tl.load(gp + 4, mask=g_ok, other=0.0)
+        bdet = tl.load(gp + 5, mask=g_ok, other=0.0)
+        bsd = tl.load(gp + 6, mask=g_ok, other=0.0)
+        sm, mx, mn, c = _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, K, TG, sxm, sxk, BLOCK_K, SLICES,
+                                                 DOT_F32)
+        c = c * tl.load(Winv) + b1[None, :]
+        # a row whose x is not finite is not verified (NaN makes the sum NaN; ±inf shows in max / min)
+        row_fin = (tl.abs(sm) < float("inf")) & (mx < float("inf")) & (mn > -float("inf"))
+        if tl.max((r_ok & ~row_fin).to(tl.int32), axis=0) > 0:
+            if tl.atomic_xchg(Flag, call_id) != call_id:  # the call's first program to see one counts it
+                tl.atomic_add(cbase + _NONF * scn1, 1)
+        mu = sm * inv_k
+        var = tl.maximum((mx - mu) * (mu - mn), 0.0)
+        # T (SPEC §5 over the group's n_g columns; `group_checksums`' constants)
+        thr = emax * (det[None, :] * tl.abs(mu)[:, None]
+                      + csigma * tl.sqrt((mu * mu)[:, None] * v2[None, :] + var[:, None] * v3[None, :])
+                      + csigma * v4[None, :] * tl.sqrt(var)[:, None] + bdet[None, :] + csigma * bsd[None, :])
+        d = s - c
+        unit_ok = (r_ok & row_fin)[:, None] & g_ok[None, :]
+        bad = unit_ok & ~(tl.abs(d) <= thr)
+        if DEBUG:
+            dp = Dbg + (rows[:, None] * TG + grps[None, :]) * 3
+            dm = r_ok[:, None] & g_ok[None, :]
+            tl.store(dp, d, mask=dm)
+            tl.store(dp + 1, c, mask=dm)
+            tl.store(dp + 2, thr, mask=dm)
+        n_bad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
+        if n_bad > 0:
+            tl.atomic_add(cbase + _DET * scn1, n_bad)
+            if CORRECT:
+                n_fix = n_bad * 0
+                n_rec = n_bad * 0
+                offs_g = tl.arange(0, BLOCK_G)
+                for gi in range(0, BLOCK_G):
+                    sel = offs_g[None, :] == gi
+                    bad_g = tl.sum(tl.where(sel, bad.to(tl.int32), 0), axis=1) > 0
+                    if tl.max(bad_g.to(tl.int32), axis=0) > 0:
+                        thr_g = tl.sum(tl.where(sel, thr, 0.0), axis=1)
+                        f, r = _repair_group(X, W, Y, Bias, rows, r_ok, bad_g, thr_g, pid_g * BLOCK_G + gi, N, K,
+                                             sxm, sxk, swn, swk, sym, syn, BLOCK_K, HAS_BIAS, DOT_F32)
+                        n_fix += f
+                        n_rec += r
+                if n_fix > 0:
+                    tl.atomic_add(cbase + _COR * scn1, n_fix)
+                if n_rec > 0:
+                    tl.atomic_add(cbase + _REC * scn1, n_rec)
+            else:
+                tl.atomic_add(cbase + _UNC * scn1, n_bad)
