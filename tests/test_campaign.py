@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ft_transformers.campaign as C
-from ft_transformers.campaign.trials import _comparable
+from ft_transformers.campaign.runner import _comparable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,8 +38,9 @@ def _config(**kw) -> C.CampaignConfig:
 
 
 def _strip(rec: dict) -> dict:
-    """A trial record without wall-clock fields."""
-    out = {k: v for k, v in rec.items() if k != "seconds"}
+    """A trial record without wall-clock fields and provenance (the source hash changes whenever the
+    library's files do)."""
+    out = {k: v for k, v in rec.items() if k not in ("seconds", "versions")}
     for arm in C.ARMS:
         if arm in out:
             out[arm] = {k: v for k, v in out[arm].items() if k != "seconds"}
@@ -179,11 +180,11 @@ def test_campaign_records_are_complete_and_consistent(reference):
     assert header["fingerprint"] == _config().fingerprint()
     assert header["versions"]["torch"] == torch.__version__
     assert len(cleans) == 2 and all(c["false_positives"] == 0 and c["arms_agree"] for c in cleans)
-    for r in recs:
+    for r, stored in zip(recs, trials, strict=True):
         # everything needed to reproduce the trial
         for k in ("seed", "site", "bit", "layer", "module", "step", "prompt_index", "versions", "model",
                   "campaign_seed", "max_new_tokens"):
-            assert k in r
+            assert k in stored
         up, pr = r["unprotected"], r["protected"]
         assert up["injected"] == pr["injected"] == 1
         assert up["flips"][0]["positions"] == pr["flips"][0]["positions"]  # the same fault in both arms
@@ -343,3 +344,218 @@ def _trial_lines_safe(path) -> list[dict]:
         if line.endswith("\n") and '"type":"trial"' in line:
             out.append(json.loads(line))
     return out
+
+
+# -- token-level outcome: silent token changes, near-ties, Wilson bound ---------------------------------
+
+
+def test_wilson_upper_hand_checked():
+    # k = 0: the upper end is z²/(n + z²) = 3.8416 / 10003.8416
+    assert C.wilson_upper(0, 10000) == pytest.approx(3.8401e-4, rel=1e-4)
+    # k = 5, n = 100 by hand: centre (0.05 + 0.019208) / 1.038416 = 0.066648,
+    # half width 1.96·sqrt(0.000475 + 0.00009604) / 1.038416 = 0.045104
+    assert C.wilson_upper(5, 100) == pytest.approx(0.111752, abs=2e-6)
+    assert C.wilson_upper(0, 0) == 1.0
+
+
+@pytest.mark.parametrize("tokens, totals, silent", [
+    ([5, 6, 9, 8], {}, True),                                            # changed, no event at all
+    ([5, 6, 9, 8], dict.fromkeys(("detected", "corrected"), 0), True),  # zero counts are no event
+    ([5, 6, 9, 8], {"detected": 1, "corrected": 1}, False),              # a miscorrection: SDC, not silent
+    ([5, 6, 9, 8], {"nonfinite_input": 1}, False),                       # any kind of event counts
+    ([5, 6, 7], {}, True),                                               # an early EOS changes the tokens
+    ([5, 6, 7, 8], {}, False),                                           # unchanged
+    (None, {}, False),                                                   # a raised generation is loud
+])
+def test_silent_token_change_cases(tokens, totals, silent):
+    assert C.silent_token_change(tokens, CLEAN, totals) is silent
+
+
+def test_token_outcome_near_tie():
+    first = C.first_difference([5, 6, 9, 8], CLEAN)
+    assert first == 2 and C.first_difference([5, 6], CLEAN) == 2 and C.first_difference(CLEAN, CLEAN) is None
+    tie = C.token_outcome([5, 6, 9, 8], CLEAN, {}, first_diff=first, margins=[3.0, 2.0, 1e-6, 4.0],
+                          noise=[1e-5] * 4)
+    assert tie["silent"] and tie["near_tie"] and tie["first_diff"] == 2 and tie["margin"] == 1e-6
+    clear = C.token_outcome([5, 6, 9, 8], CLEAN, {}, first_diff=first, margins=[3.0, 2.0, 0.5, 4.0],
+                            noise=[1e-5] * 4)
+    assert clear["silent"] and clear["near_tie"] is False
+    same = C.token_outcome(CLEAN, CLEAN, {}, first_diff=None, margins=[1.0] * 4, noise=[0.0] * 4)
+    assert not same["token_change"] and same["near_tie"] is None
+
+
+# -- where a flip landed ------------------------------------------------------------------------------
+
+
+def test_landing_rules():
+    kw = dict(module="m.attn", unused_rows=(), mask_form="causal", window=None, exponent_bit=True)
+    # prefill, M = N = 5: query 1 sees keys 0..1
+    assert C.landing("attn.scores", (0, 0, 1, 3), (1, 4, 5, 5), **kw) == "masked_key"
+    assert C.landing("attn.scores", (0, 0, 1, 1), (1, 4, 5, 5), **kw) == "used"
+    assert C.landing("attn.probs", (0, 0, 1, 3), (1, 4, 5, 5), **kw) == "masked_key_used"
+    # decode, M = 1, N = 6: the one query sees every key
+    assert C.landing("attn.scores", (0, 2, 0, 5), (1, 4, 1, 6), **kw) == "used"
+    # an additive mask keeps +inf / NaN: an exponent flip there is undecided, a mantissa flip is not
+    tensor = dict(kw, mask_form="tensor")
+    assert C.landing("attn.scores", (0, 0, 1, 3), (1, 4, 5, 5), **tensor) == "undecided"
+    assert C.landing("attn.scores", (0, 0, 1, 3), (1, 4, 5, 5), **dict(tensor, exponent_bit=False)) == "masked_key"
+    assert C.landing("attn.scores", (0, 0, 1, 3), (1, 4, 5, 5), **dict(kw, mask_form="unknown")) == "undecided"
+    # a sliding window of 2 hides key 0 from query 3 (N = M = 5)
+    assert C.landing("attn.scores", (0, 0, 3, 0), (1, 4, 5, 5), **dict(kw, window=2)) == "undecided"
+    # rows other than the last of a module found unread
+    rows = dict(kw, unused_rows=("m.attn", "m.mlp"))
+    assert C.landing("attn.output", (0, 1, 3, 7), (1, 4, 5, 16), **rows) == "unused_row"
+    assert C.landing("attn.output", (0, 1, 4, 7), (1, 4, 5, 16), **rows) == "used"
+    assert C.landing("attn.rowsum", (0, 1, 4, 0), (1, 4, 5, 1), **kw) == "used"
+    assert C.landing("linear.output", (2, 9), (5, 64), **dict(rows, module="m.mlp")) == "unused_row"
+    assert C.landing("linear.output", (4, 9), (5, 64), **dict(rows, module="m.mlp")) == "used"
+    assert C.landing("linear.output", (2, 9), (5, 64), **dict(rows, module="m.k")) == "used"
+    assert C.landing("no.such.site", (0, 0), (1, 1), **kw) == "undecided"
+    assert C.masked_position(["masked_key", "unused_row"]) is True
+    assert C.masked_position(["masked_key", "used"]) is False
+    assert C.masked_position(["masked_key", "undecided"]) is None
+    assert C.masked_position(["masked_key_used"]) is False
+    assert C.masked_position([]) is None
+
+
+def _masked_flip_logits(tiny, site: str) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Prefill logits of the clean run and of a run with one bit-30 flip at ``site`` of block 0's
+    attention that lands on a causally masked key (the seed is searched for such a position)."""
+    from ft_transformers import enable_fault_tolerance
+    from ft_transformers.protect import inject_faults
+
+    model, tok = tiny
+    enable_fault_tolerance(model, C.ARM_CONFIGS["unprotected"])
+    ids = C.encode_prompt(tok, "hello world", False)
+    with torch.inference_mode():
+        clean = model(ids).logits
+    attn = C.model_targets(model)[0]["attention"]
+    for seed in range(200):
+        spec = C.Trial(0, "x", 0, site, 30, "exponent", None, 1, 0, attn, 0, seed).fault_spec()
+        with inject_faults(model, spec) as log, torch.inference_mode():
+            out = model(ids).logits
+        sf = log.records[0][2].sites[site]
+        _, _, i, j = sf.positions[0].tolist()
+        if j > i:  # M = N: key j is hidden from query i
+            return clean, out, [sf.positions[0].tolist(), list(sf.shape)]
+    raise AssertionError("no seed put the flip on a masked key")
+
+
+def test_masked_score_flip_is_never_used_but_a_masked_probability_is(tiny):
+    clean, out, (pos, shape) = _masked_flip_logits(tiny, "attn.scores")
+    assert C.landing("attn.scores", pos, shape, module="", unused_rows=(), mask_form="causal", window=None,
+                     exponent_bit=True) == "masked_key"
+    assert torch.equal(clean, out)  # overwritten by the mask: not one logit bit moved
+    clean, out, (pos, shape) = _masked_flip_logits(tiny, "attn.probs")
+    assert C.landing("attn.probs", pos, shape, module="", unused_rows=(), mask_form="causal", window=None,
+                     exponent_bit=True) == "masked_key_used"
+    assert not torch.equal(clean, out)  # P = 0 flipped to 2.0 enters P·V: it is used
+
+
+def test_masked_flag_holds_in_a_campaign(tiny, tmp_path):
+    """Prefill flips in the last block: every trial flagged as masked left every logit unchanged with
+    protection off, and the unused-row probe found the last block's per-token modules but not k/v."""
+    cfg = _config(sampling="uniform", sites=["attn.scores", "attn.output", "linear.output"], bits=["any"],
+                  layers=[1], steps=[0], trials=40, max_new_tokens=3)
+    recs = _run(cfg, tmp_path / "m.jsonl", tiny)
+    setup = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines() if '"setup"' in x][-1]
+    assert "model.layers.1.self_attn" in setup["unused_rows"] and "model.layers.1.mlp.down_proj" in setup["unused_rows"]
+    assert not any(n.endswith(("k_proj", "v_proj")) for n in setup["unused_rows"])
+    assert setup["mask_form"] == "causal"
+    masked = [r for r in recs if r["masked_position"] is True]
+    assert masked and any(r["masked_position"] is False for r in recs)
+    for r in masked:
+        assert set(r["landings"]) <= C.NEVER_USED
+        assert r["unprotected"]["logit_dev"] == 0.0 and not r["unprotected"]["token_change"]
+    for r in recs:
+        for arm in C.ARMS:
+            a = r[arm]
+            assert a["silent"] == (a["token_change"] and not any(a["totals"].values()))
+        assert r["unprotected"]["silent"] == r["unprotected"]["token_change"]  # no events without protection
+    md = C.silent_markdown(recs)
+    assert f"0 of {len(masked)} trials whose flips all landed on never-used values changed a logit" in md
+    rows = C.silent_summary(recs)
+    off_all = next(r for r in rows if r["arm"] == "unprotected" and r["scope"] == "all")
+    off_ex = next(r for r in rows if r["arm"] == "unprotected" and r["scope"] == "excluding masked")
+    assert off_all["n"] == 40 and off_ex["n"] == 40 - len(masked) and off_all["masked"] == len(masked)
+    assert off_all["silent"] == sum(r["unprotected"]["silent"] for r in recs)
+    assert off_all["upper"] == pytest.approx(C.wilson_upper(off_all["silent"], 40))
+
+
+# -- uniform sampling ---------------------------------------------------------------------------------
+
+
+def test_uniform_sampling_covers_every_site_module_and_bit():
+    from ft_transformers.kernels import contract
+
+    cfg = C.CampaignConfig(prompts=[{"prompt": "p"}], sampling="uniform", bits=["any"], dtype="bfloat16", seed=5)
+    assert cfg.sites == list(contract.SITES)  # every site of the contract, read when the config is made
+    assert "sampling" in cfg.fault_dict() and "sampling" not in _config().fault_dict()  # old files keep theirs
+    pool = C.uniform_targets(cfg, TARGETS)
+    attn_sites = [s for s in contract.SITES if s.startswith("attn.")]
+    assert len(pool) == 2 * len(attn_sites) + 5  # attention sites x 2 blocks, 5 Linears with lm_head
+    n = 4000
+    trials = [C.plan_trial(cfg, i, [4], TARGETS) for i in range(n)]
+    seen = {(t.site, t.module) for t in trials}
+    assert seen == {(s, m) for s, _l, m in pool}
+    assert ("linear.output", "lm_head") in seen
+    for t in trials:
+        assert t.bit in range(torch.finfo(C.site_dtype(t.site, torch.bfloat16)).bits)
+    lin_bits = {t.bit for t in trials if t.site == "linear.output"}
+    assert lin_bits == set(range(16))  # bf16 storage: 16 bits
+    fp32_sites = [s for s in attn_sites if C.site_dtype(s, torch.bfloat16) == torch.float32]
+    assert {t.bit for t in trials if t.site in fp32_sites} == set(range(32))
+    # equally likely (site, module) pairs: every count within 5 standard deviations of n / len(pool)
+    counts = {k: 0 for k in seen}
+    for t in trials:
+        counts[(t.site, t.module)] += 1
+    mean = n / len(pool)
+    assert all(abs(c - mean) < 5 * mean ** 0.5 for c in counts.values())
+    # restricted to the sites a model's computation reaches
+    only = [C.plan_trial(cfg, i, [4], TARGETS, sites=["attn.scores", "linear.output"]) for i in range(200)]
+    assert {t.site for t in only} == {"attn.scores", "linear.output"}
+
+
+# -- running: the greedy loop, the shortcut, arms -------------------------------------------------------
+
+
+def test_greedy_loop_matches_generate(tiny):
+    from ft_transformers import enable_fault_tolerance
+
+    model, tok = tiny
+    enable_fault_tolerance(model, C.ARM_CONFIGS["protected"])
+    ids = C.encode_prompt(tok, "a b c d e f", False)
+    run = C.Greedy(model, 6).clean(ids)
+    with torch.inference_mode():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             pad_token_id=0)
+    assert run.tokens == ref[0, ids.shape[1]:].tolist()
+    assert run.logits.shape == (6, 512) and run.cache[0][0].shape[2] == ids.shape[1] + 5
+
+
+def test_shortcut_gives_the_same_records(tiny, tmp_path):
+    cfg = _config(sampling="uniform", bits=["any"], sites=None, trials=16)
+    fast = _run(cfg, tmp_path / "fast.jsonl", tiny)
+    slow = _run(cfg, tmp_path / "slow.jsonl", tiny, shortcut=False)
+
+    def same(rec):
+        out = _strip(rec)
+        for arm in C.ARMS:
+            out[arm] = {k: v for k, v in out[arm].items() if k != "steps_run"}
+        return out
+
+    assert [same(r) for r in fast] == [same(r) for r in slow]
+    assert sum(r["protected"]["steps_run"] for r in fast) < sum(r["protected"]["steps_run"] for r in slow)
+
+
+def test_one_arm_runs_the_same_trials(tiny, reference, tmp_path):
+    ref, _ = reference
+    only_on = _run(_config(arms=["protected"]), tmp_path / "on.jsonl", tiny)
+    assert all("unprotected" not in r for r in only_on)
+    for a, b in zip(only_on, ref, strict=True):
+        assert {k: a[k] for k in ("site", "bit", "module", "step", "seed")} == \
+               {k: b[k] for k in ("site", "bit", "module", "step", "seed")}
+        assert _strip(a)["protected"] == b["protected"]
+    assert "| on | 12 | all |" in C.silent_markdown(only_on)
+    with pytest.raises(ValueError, match="arms"):
+        _config(arms=["both"])

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.contract import SITES
-from .config import ARMS, DEFAULT_PROMPTS, CampaignConfig
+from ..kernels import contract
+from .config import ARM_LABELS, DEFAULT_PROMPTS, CampaignConfig
 from .models import TINY_MODELS
-from .report import summary_markdown, write_report
+from .report import silent_markdown, summary_markdown, write_report
+from .runner import _comparable, replay_trial, run_campaign
 from .store import CampaignStore, load_campaign
-from .trials import _comparable, replay_trial, run_campaign
+
+_ARM_OF = {label: arm for arm, label in ARM_LABELS.items()}
 
 
 def _add_campaign_args(p: argparse.ArgumentParser) -> None:
@@ -29,15 +31,23 @@ def _add_campaign_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-file", default=None,
                    help="one prompt per line, or JSONL with {'prompt': ..., 'answer': [...]} per line")
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts raw (no chat template)")
-    p.add_argument("--sites", nargs="+", default=["attn.scores", "linear.output"], choices=SITES)
+    p.add_argument("--sites", nargs="+", default=None, choices=contract.SITES,
+                   help="fault sites (default: attn.scores linear.output; with --uniform every site)")
+    p.add_argument("--uniform", action="store_true",
+                   help="draw (site, module) uniformly over every attention site of every block and every "
+                        "protected Linear (lm_head included), and the bit uniformly over the site's storage "
+                        "width (or over --bits); default: cycle over sites x bits")
+    p.add_argument("--arms", nargs="+", choices=sorted(_ARM_OF), default=["off", "on"],
+                   help="protection arms each trial runs (default: off on)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--bits", nargs="+", default=None,
-                   help="bit selectors: sign | exponent | mantissa (a bit drawn per trial), ints, ranges a-b "
-                        "(default: exponent mantissa)")
+                   help="bit selectors: sign | exponent | mantissa | any (a bit drawn per trial), ints, ranges "
+                        "a-b (default: exponent mantissa; with --uniform: any)")
     g.add_argument("--ber", nargs="+", type=float, default=None, help="bit error rates instead of --bits")
     p.add_argument("--count", type=int, default=1, help="flips per targeted call (bit mode)")
     p.add_argument("--layers", nargs="+", type=int, default=None,
-                   help="blocks to draw from (default all; -1 = lm_head etc. for linear.output)")
+                   help="blocks to draw from (default all blocks, and with --uniform also -1: lm_head etc. "
+                        "for linear.output)")
     p.add_argument("--steps", nargs="+", type=int, default=None,
                    help="generation steps to draw from (0 = prefill; default: any step the clean run "
                         "reaches; -1 = hit every step)")
@@ -68,6 +78,9 @@ def _common_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: on a loaded machine one thread is much faster)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-shortcut", action="store_true",
+                   help="run every step of every faulty generation (default: stop once the state is bitwise "
+                        "the clean run's again; the results are the same)")
     p.add_argument("--report-dir", default=None, help="also write the report (tables, plots, events) here")
     p.add_argument("--prefix", default=None, help="file name prefix of the report (default: the JSONL stem)")
 
@@ -89,7 +102,8 @@ def _run_and_report(config: CampaignConfig, args) -> int:
     hf_logging.set_verbosity_error()
     t0 = time.perf_counter()
     try:
-        records = run_campaign(config, args.out, progress=not args.no_progress, log=_say)
+        records = run_campaign(config, args.out, progress=not args.no_progress, log=_say,
+                               shortcut=not args.no_shortcut)
     except KeyboardInterrupt:
         print(f"\ninterrupted; every finished trial is in {args.out}. Re-run the same command (or "
               f"`ftt-campaign resume {args.out}`) to continue.", file=sys.stderr)
@@ -102,6 +116,8 @@ def _run_and_report(config: CampaignConfig, args) -> int:
     print(f"campaign: {len(records)} trials in {args.out} ({time.perf_counter() - t0:.0f} s this run)",
           file=sys.stderr)
     _, cleans, trials = load_campaign(args.out)
+    print(silent_markdown(trials))
+    print()
     print(summary_markdown(trials, cleans))
     if args.report_dir:
         files = write_report(args.out, args.report_dir, args.prefix or Path(args.out).stem)
@@ -145,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, args.threads))
         stored, fresh = replay_trial(args.file, args.trial)
         same = _comparable(stored) == _comparable(fresh)
-        for arm in ARMS:
+        for arm in (a for a in ARM_LABELS if a in stored):
             print(f"{arm:>11}: stored {stored[arm]['class']:<22} replayed {fresh[arm]['class']:<22} "
                   f"text {fresh[arm]['text']!r}")
         print("reproduced exactly" if same else "DIFFERS from the stored record")
@@ -154,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         files = write_report(args.file, args.out_dir, args.prefix or Path(args.file).stem, trial=args.trial,
                              img_dir=args.img_dir)
         _, cleans, trials = load_campaign(args.file)
+        print(silent_markdown(trials))
+        print()
         print(summary_markdown(trials, cleans))
         for k, v in files.items():
             print(f"  {k}: {v}", file=sys.stderr)
@@ -170,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     if prompts is None:  # the reference answers mean nothing to a random tiny model
         prompts = [dict(x) if args.model not in TINY_MODELS else {"prompt": x["prompt"]}
                    for x in DEFAULT_PROMPTS]
+    default_bits = ["any"] if args.uniform else ["exponent", "mantissa"]
     config = CampaignConfig(
-        model=args.model, prompts=prompts,
-        sites=args.sites, bits=None if args.ber else (args.bits or ["exponent", "mantissa"]), ber=args.ber,
+        model=args.model, prompts=prompts, sampling="uniform" if args.uniform else "stratified",
+        arms=[_ARM_OF[a] for a in args.arms],
+        sites=args.sites, bits=None if args.ber else (args.bits or default_bits), ber=args.ber,
         count=args.count, layers=args.layers, steps=args.steps, trials=args.trials,
         max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype, device=args.device,
         chat_template=not args.no_chat_template)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..config import FTConfig
-from ..kernels.contract import SITES
+from ..kernels import contract
 
 CLASSES: tuple[str, ...] = ("masked", "sdc", "detected_corrected", "detected_uncorrectable", "crash")
 CLASS_LABELS: dict[str, str] = {
@@ -26,6 +26,8 @@ CLASS_LABELS: dict[str, str] = {
     "crash": "crash / non-finite",
 }
 ARMS: tuple[str, ...] = ("unprotected", "protected")
+ARM_LABELS: dict[str, str] = {"unprotected": "off", "protected": "on"}
+SAMPLING: tuple[str, ...] = ("stratified", "uniform")
 ARM_CONFIGS: dict[str, FTConfig] = {
     "unprotected": FTConfig(detect=False, correct=False, on_uncorrectable="ignore"),
     "protected": FTConfig(on_uncorrectable="ignore"),
@@ -55,6 +57,16 @@ def bit_fields(dtype: torch.dtype) -> dict[str, tuple[int, ...]]:
     }
 
 
+def bit_choices(selector: str | int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The bits a selector denotes for values stored as ``dtype``: a class name (``sign``, ``exponent``,
+    ``mantissa``), ``any`` (every bit of the storage width) or one int."""
+    if isinstance(selector, int):
+        return (selector,)
+    if selector == "any":
+        return tuple(range(torch.finfo(dtype).bits))
+    return bit_fields(dtype)[selector]
+
+
 def bit_class(bit: int, dtype: torch.dtype) -> str:
     """``"sign"``, ``"exponent"`` or ``"mantissa"`` for a bit of ``dtype``."""
     for name, bits in bit_fields(dtype).items():
@@ -64,20 +76,26 @@ def bit_class(bit: int, dtype: torch.dtype) -> str:
 
 
 def site_dtype(site: str, model_dtype: torch.dtype) -> torch.dtype:
-    """Storage format of the values at a site: fp32 for attention, the GEMM output dtype for Linear."""
-    return torch.float32 if site.startswith("attn.") else model_dtype
+    """Storage format of the values at a site: the GEMM output dtype for Linear; for attention what the
+    contract says (``contract.site_dtype``: fp32 except values held in the input dtype), fp32 where the
+    contract does not say."""
+    if not site.startswith("attn."):
+        return model_dtype
+    of_site = getattr(contract, "site_dtype", None)
+    return torch.float32 if of_site is None else of_site(site, model_dtype)
 
 
 def parse_bits(tokens: Iterable[str | int]) -> list[str | int]:
-    """Bit selectors: ``sign`` / ``exponent`` / ``mantissa`` (a bit drawn per trial), an int, or a
-    range ``a-b`` (expanded to ints, both ends included)."""
+    """Bit selectors: ``sign`` / ``exponent`` / ``mantissa`` / ``any`` (a bit of that class, or of the
+    whole storage width, drawn per trial), an int, or a range ``a-b`` (expanded to ints, both ends
+    included)."""
     out: list[str | int] = []
     for tok in tokens:
         if isinstance(tok, int):
             out.append(tok)
             continue
         t = str(tok).strip().lower()
-        if t in ("sign", "exponent", "mantissa"):
+        if t in ("sign", "exponent", "mantissa", "any"):
             out.append(t)
         elif "-" in t.lstrip("-"):
             a, b = t.split("-", 1)
@@ -102,8 +120,18 @@ class CampaignConfig:
             no download), a local path, a ``.gguf`` file or a Hugging Face id.
         prompts: list of ``{"prompt": str, "answer": [str, ...] | None}`` (answer optional: a
             trial's output is task-correct if it contains one of them, case-insensitive).
-        sites: fault sites; trials cycle over ``sites × bits`` (or ``sites × ber``).
-        bits: bit selectors (see `parse_bits`); a class name draws a bit of that class per trial.
+        sites: fault sites. None = ``attn.scores`` and ``linear.output`` when stratified, every site of
+            the contract (`ft_transformers.kernels.contract.SITES`, read when the config is made) when
+            uniform. Stratified trials cycle over ``sites × bits`` (or ``sites × ber``).
+        bits: bit selectors (see `parse_bits`); a class name draws a bit of that class per trial,
+            ``any`` a bit of the whole storage width.
+        sampling: ``"stratified"`` (trial i takes stratum ``i mod len(combos())``, then a layer and a
+            module at random) or ``"uniform"``: every (site, module) pair the model offers (an
+            attention site of one block's attention, or ``linear.output`` of one protected Linear,
+            ``lm_head`` included) is equally likely, and the bit is drawn uniformly from the bits the
+            selectors denote at that site's storage width.
+        arms: the protection arms each trial runs (`ARMS`: ``unprotected``, ``protected``); the trials
+            themselves do not depend on it, so two campaigns that differ only here run the same faults.
         ber: bit error rates instead of ``bits`` (each trial one rate).
         count: flips per targeted call (bit mode).
         layers: block indices to draw from (None = every block; -1 = modules outside the blocks,
@@ -119,7 +147,7 @@ class CampaignConfig:
 
     model: str = "smollm2"
     prompts: list[dict] = field(default_factory=lambda: [dict(p) for p in DEFAULT_PROMPTS])
-    sites: list[str] = field(default_factory=lambda: ["attn.scores", "linear.output"])
+    sites: list[str] | None = None
     bits: list[str | int] | None = field(default_factory=lambda: ["exponent", "mantissa"])
     ber: list[float] | None = None
     count: int = 1
@@ -131,6 +159,8 @@ class CampaignConfig:
     dtype: str = "float32"
     device: str = "cpu"
     chat_template: bool = True
+    sampling: str = "stratified"
+    arms: list[str] = field(default_factory=lambda: list(ARMS))
 
     def __post_init__(self) -> None:
         self.prompts = [p if isinstance(p, dict) else {"prompt": str(p)} for p in self.prompts]
@@ -142,9 +172,17 @@ class CampaignConfig:
                 p["answer"] = [ans]
         if not self.prompts:
             raise ValueError("a campaign needs at least one prompt")
+        if self.sampling not in SAMPLING:
+            raise ValueError(f"sampling must be one of {', '.join(SAMPLING)}, got {self.sampling!r}")
+        if self.sites is None:  # the contract's sites as of now: the config (and its file) keeps them
+            self.sites = list(contract.SITES) if self.sampling == "uniform" else ["attn.scores", "linear.output"]
+        self.sites = list(self.sites)
         for s in self.sites:
-            if s not in SITES:
-                raise ValueError(f"unknown fault site {s!r}; choose from {', '.join(SITES)}")
+            if s not in contract.SITES:
+                raise ValueError(f"unknown fault site {s!r}; choose from {', '.join(contract.SITES)}")
+        if not self.arms or any(a not in ARMS for a in self.arms):
+            raise ValueError(f"arms must be a non-empty subset of {', '.join(ARMS)}, got {self.arms}")
+        self.arms = [a for a in ARMS if a in self.arms]  # one order, whatever order they were given in
         if not self.sites:
             raise ValueError("a campaign needs at least one site")
         if (self.bits is None or not self.bits) == (self.ber is None or not self.ber):
@@ -165,9 +203,15 @@ class CampaignConfig:
             raise ValueError("trials >= 0, max_new_tokens >= 1 and count >= 1 required")
 
     def fault_dict(self) -> dict:
-        """Everything that defines the trials and their results (not their number)."""
+        """Everything that defines the trials and their results (not their number). ``sampling`` and
+        ``arms`` enter only when they differ from their defaults, so files written before they
+        existed keep their fingerprint."""
         d = asdict(self)
         d.pop("trials")
+        if d["sampling"] == "stratified":
+            d.pop("sampling")
+        if d["arms"] == list(ARMS):
+            d.pop("arms")
         return d
 
     def fingerprint(self) -> str:
@@ -183,7 +227,7 @@ class CampaignConfig:
         return cls(**known)
 
     def combos(self) -> list[tuple[str, str | int | float]]:
-        """The strata trials cycle over: (site, bit selector or BER)."""
+        """The strata stratified trials cycle over: (site, bit selector or BER)."""
         sel = self.bits if self.bits is not None else self.ber
         return [(s, b) for s in self.sites for b in sel]
 

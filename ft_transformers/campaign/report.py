@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..events import FaultEvent, FTReport
 from ..kernels.contract import KINDS, SITES
-from .config import ARMS, CLASS_LABELS, CLASSES
+from .config import ARM_LABELS, ARMS, CLASS_LABELS, CLASSES
 from .store import load_campaign
 
 
@@ -27,6 +27,16 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     c = (p + z * z / (2 * n)) / d
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
     return (max(0.0, c - h), min(1.0, c + h))
+
+
+def wilson_upper(k: int, n: int, z: float = 1.96) -> float:
+    """Upper end of the Wilson score interval of k/n (z = 1.96: 95 %); for k = 0 it is z²/(n + z²)."""
+    return wilson(k, n, z)[1]
+
+
+def _arms(trials: Sequence[dict]) -> list[str]:
+    """The protection arms the trials ran, in `ARMS` order."""
+    return [a for a in ARMS if any(a in t for t in trials)]
 
 
 def summarize(trials: Sequence[dict], by: Sequence[str] = ("site", "bit_class")) -> list[dict]:
@@ -48,9 +58,10 @@ def summarize(trials: Sequence[dict], by: Sequence[str] = ("site", "bit_class"))
         return out
 
     rows = []
+    arms = _arms(trials)
     for key in sorted(groups, key=order):
         ts = groups[key]
-        for arm in ARMS:
+        for arm in arms:
             counts = dict.fromkeys(CLASSES, 0)
             for t in ts:
                 counts[t[arm]["class"]] += 1
@@ -75,7 +86,8 @@ def false_positives(cleans: Sequence[dict], trials: Sequence[dict] = ()) -> dict
     return {"clean_runs": len(cleans), "clean_model_calls": calls,
             "clean_detections": sum(c["false_positives"] for c in cleans),
             "clean_outputs_agree": all(c["arms_agree"] for c in cleans),
-            "trial_detections_elsewhere": sum(t["protected"].get("detected_elsewhere", 0) for t in trials)}
+            "trial_detections_elsewhere": sum(t["protected"].get("detected_elsewhere", 0) for t in trials
+                                              if "protected" in t)}
 
 
 def _pct(x: float) -> str:
@@ -111,23 +123,92 @@ def summary_markdown(trials: Sequence[dict], cleans: Sequence[dict] = (),
     return out
 
 
+def silent_summary(trials: Sequence[dict], by: Sequence[str] = ()) -> list[dict]:
+    """Silent token changes per group × protection arm, over all trials and over the trials whose flips
+    did not all land on a masked, never-used value (``masked_position`` True is left out there;
+    undecided trials stay in).
+
+    Row keys: the ``by`` fields, ``arm``, ``scope`` (``"all"`` / ``"excluding masked"``), ``n``,
+    ``token_change``, ``silent`` (any silent token change), ``silent_near_tie`` (at a clean near-tie),
+    ``silent_beyond_noise`` (the rest: what the target counts), ``rate`` and ``upper`` (Wilson 95 %) of
+    ``silent`` and of ``silent_beyond_noise``, ``events`` (trials with any event), ``masked`` and
+    ``undecided`` (the trials whose landing is never-used / undecided), ``max_silent_logit_dev`` (the
+    largest logit deviation from the clean run among event-free trials whose flips were used).
+    """
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for t in trials:
+        groups[tuple(t[k] for k in by)].append(t)
+    rows = []
+    for key in sorted(groups, key=lambda k: [str(x) for x in k]):
+        ts_all = groups[key]
+        for arm in _arms(ts_all):
+            with_arm = [t for t in ts_all if arm in t]
+            for scope, ts in (("all", with_arm),
+                              ("excluding masked", [t for t in with_arm if t.get("masked_position") is not True])):
+                n = len(ts)
+                silent = [t for t in ts if t[arm].get("silent")]
+                near = sum(1 for t in silent if t[arm].get("near_tie"))
+                beyond = len(silent) - near
+                dev = [t[arm].get("logit_dev", 0.0) for t in ts
+                       if not any(t[arm]["totals"].values()) and t.get("masked_position") is not True]
+                rows.append({**dict(zip(by, key, strict=True)), "arm": arm, "scope": scope, "n": n,
+                             "token_change": sum(bool(t[arm].get("token_change")) for t in ts),
+                             "silent": len(silent), "silent_near_tie": near, "silent_beyond_noise": beyond,
+                             "rate": len(silent) / n if n else 0.0, "upper": wilson_upper(len(silent), n),
+                             "rate_beyond_noise": beyond / n if n else 0.0,
+                             "upper_beyond_noise": wilson_upper(beyond, n),
+                             "events": sum(1 for t in ts if any(t[arm]["totals"].values())),
+                             "masked": sum(1 for t in ts if t.get("masked_position") is True),
+                             "undecided": sum(1 for t in ts if "masked_position" in t and t["masked_position"] is None),
+                             "max_silent_logit_dev": max(dev, default=0.0)})
+    return rows
+
+
+def _sci(x: float) -> str:
+    return "0" if x == 0 else f"{x:.2e}"
+
+
+def silent_markdown(trials: Sequence[dict], by: Sequence[str] = ()) -> str:
+    """Markdown table of `silent_summary`, plus the check of the masked flag: with protection off, a
+    trial whose flips all landed on never-used values must leave every logit bit for bit unchanged."""
+    rows = silent_summary(trials, by)
+    head = [*by, "protection", "trials", "scope", "token changes", "silent token changes", "of which near-tie",
+            "rate (beyond noise) [Wilson 95 % upper]", "trials with events", "masked / undecided",
+            "largest event-free logit change"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            *(str(r[k]) for k in by), ARM_LABELS[r["arm"]], str(r["n"]), r["scope"], str(r["token_change"]),
+            str(r["silent"]), str(r["silent_near_tie"]),
+            f"{_sci(r['rate_beyond_noise'])} [{_sci(r['upper_beyond_noise'])}]", str(r["events"]),
+            f"{r['masked']} / {r['undecided']}", f"{r['max_silent_logit_dev']:.3g}"]) + " |")
+    off = [t for t in trials if "unprotected" in t and t.get("masked_position") is True]
+    if off:
+        moved = sum(1 for t in off if t["unprotected"].get("logit_dev", 0.0) != 0.0
+                    or t["unprotected"].get("token_change"))
+        lines += ["", f"Masked-flag check (protection off): {moved} of {len(off)} trials whose flips all landed "
+                      "on never-used values changed a logit."]
+    return "\n".join(lines)
+
+
 def per_bit_markdown(trials: Sequence[dict]) -> str:
-    """Compact table, one row per site × bit: outcome counts with protection off and on."""
+    """Compact table, one row per site × bit: outcome counts with protection off and on (the arms run)."""
     bit_trials = [t for t in trials if t.get("bit") is not None]
     rows = summarize(bit_trials, ("site", "bit"))
     classes = {(t["site"], t["bit"]): t["bit_class"] for t in bit_trials}
     by: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in rows:
         by[(r["site"], r["bit"])][r["arm"]] = r
-    head = ["site", "bit", "class", "n", "off: SDC", "off: crash", "on: SDC", "on: crash", "on: uncorr.",
-            "on: det.&corr.", "on: masked"]
+    arms = _arms(bit_trials)
+    cols = {"unprotected": [("SDC", "sdc"), ("crash", "crash")],
+            "protected": [("SDC", "sdc"), ("crash", "crash"), ("uncorr.", "detected_uncorrectable"),
+                          ("det.&corr.", "detected_corrected"), ("masked", "masked")]}
+    head = ["site", "bit", "class", "n", *(f"{ARM_LABELS[a]}: {label}" for a in arms for label, _ in cols[a])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (site, bit), arms in by.items():
-        off, on = arms["unprotected"], arms["protected"]
-        cls = classes[(site, bit)]
+    for (site, bit), per_arm in by.items():
+        n = next(iter(per_arm.values()))["n"]
         lines.append("| " + " | ".join(str(x) for x in (
-            site, bit, cls, off["n"], off["sdc"], off["crash"], on["sdc"], on["crash"],
-            on["detected_uncorrectable"], on["detected_corrected"], on["masked"])) + " |")
+            site, bit, classes[(site, bit)], n, *(per_arm[a][c] for a in arms for _, c in cols[a]))) + " |")
     return "\n".join(lines)
 
 
@@ -161,7 +242,8 @@ def plot_sdc_per_bit(trials: Sequence[dict], path: str | os.PathLike, title: str
         bits = sorted({t["bit"] for t in ts})
         x = list(range(len(bits)))
         ns = [sum(t["bit"] == b for t in ts) for b in bits]
-        for j, (arm, color) in enumerate((("unprotected", "tab:red"), ("protected", "tab:blue"))):
+        for j, (arm, color) in enumerate((a, c) for a, c in (("unprotected", "tab:red"), ("protected", "tab:blue"))
+                                         if a in _arms(ts)):
             sdc, crash = [], []
             for b, n in zip(bits, ns, strict=True):
                 tb = [t for t in ts if t["bit"] == b]
@@ -305,6 +387,8 @@ def write_report(path: str | os.PathLike, out_dir: str | os.PathLike, prefix: st
     md = [f"# Campaign {prefix}", "",
           f"model `{cfg.get('model')}`, {len(trials)} trials, seed {cfg.get('seed')}, "
           f"max_new_tokens {cfg.get('max_new_tokens')}, sites {', '.join(cfg.get('sites', []))}", "",
+          "## Silent token changes", "", silent_markdown(trials), "",
+          "### Per site", "", silent_markdown(trials, ("site",)), "",
           "## Per site × bit class", "", summary_markdown(trials, cleans, ("site", "bit_class")), ""]
     if any(t.get("bit") is not None for t in trials):
         md += ["## Per site × bit", "", per_bit_markdown(trials), ""]
@@ -314,6 +398,7 @@ def write_report(path: str | os.PathLike, out_dir: str | os.PathLike, prefix: st
     files["summary_json"].write_text(json.dumps({
         "header": header, "by_site_bit_class": summarize(trials, ("site", "bit_class")),
         "by_site_bit": summarize([t for t in trials if t.get("bit") is not None], ("site", "bit")),
+        "silent": silent_summary(trials), "silent_by_site": silent_summary(trials, ("site",)),
         "false_positives": false_positives(cleans, trials)}, indent=1))
     if any(t.get("bit") is not None for t in trials):
         files["sdc_per_bit"] = img / f"{prefix}_sdc_per_bit.png"

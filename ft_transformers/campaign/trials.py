@@ -1,29 +1,32 @@
-"""Drawing and running trials: the plan of trial *i* (a function of the campaign seed and *i*), one
-trial run with protection off and on, its classification, and the resumable campaign loop.
+"""Trials: the plan of trial *i* (a function of the campaign seed and *i*), and how one arm of a trial
+is classified.
+
+Outcomes of one arm of a trial (besides its `classify` class):
+
+- ``token_change``: the generated tokens differ from the clean run's (same prompt, same arm).
+- ``silent``: a *silent token change*: a token change while no event at all (detected, corrected,
+  recomputed, uncorrectable, non-finite input, at any site and step) was recorded. A generation that
+  raised is not silent. With protection off no events exist, so every token change is silent there.
+- ``near_tie``: for a token change, whether the clean run's top-1 / top-2 logit margin at the first
+  differing step is within that step's numerical noise (the largest logit difference between the clean
+  run and a float32 eager reference on the same tokens); such changes are reported in their own column.
+
+Each trial also records where its flips landed (`flip_landings`, `positions`): ``masked_position`` is
+True when every flip hit a value the generation never reads, None when that cannot be decided.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import random
-import time
-import warnings
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from ..events import FTReport
 from ..injection import FaultSpec, derive_seed
-from ..kernels.contract import KINDS
-from ..protect import _state, enable_fault_tolerance, fault_report, inject_faults
-from .config import ARM_CONFIGS, ARMS, CampaignConfig, bit_class, bit_fields, site_dtype
-from .models import encode_prompt, load_model
-from .store import FORMAT_VERSION, CampaignStore, load_campaign, versions
-
-_LOG = logging.getLogger("ft_transformers")
+from ..protect import _state
+from .config import CampaignConfig, bit_choices, bit_class, site_dtype
+from .positions import landing
 
 # --------------------------------------------------------------------------------------------
 # Planning
@@ -70,26 +73,59 @@ def model_targets(model: torch.nn.Module) -> dict[int, dict]:
     return dict(sorted(out.items()))
 
 
+def uniform_targets(config: CampaignConfig, targets: dict[int, dict],
+                    sites: Sequence[str] | None = None) -> list[tuple[str, int, str]]:
+    """Every ``(site, layer, module)`` a uniform campaign draws from: each site of ``sites`` (default
+    ``config.sites``) at every attention module (attention sites) or every protected Linear
+    (``linear.output``, ``lm_head`` included), in ``config.layers`` (None = all, layer −1 included)."""
+    out = []
+    for site in config.sites if sites is None else sites:
+        attn = site.startswith("attn.")  # the convention `FaultSpec.is_attention` follows
+        for layer, d in targets.items():
+            if config.layers is not None and layer not in config.layers:
+                continue
+            if attn:
+                if d["attention"]:
+                    out.append((site, layer, d["attention"]))
+            else:
+                out.extend((site, layer, name) for name in d["linear"])
+    return out
+
+
 def plan_trial(config: CampaignConfig, index: int, clean_lengths: Sequence[int],
-               targets: dict[int, dict]) -> Trial:
+               targets: dict[int, dict], sites: Sequence[str] | None = None) -> Trial:
     """Trial ``index`` of the campaign: a function of the seed, the index, the config, the clean
-    generation lengths (to draw a step the generation reaches) and the model's module names."""
-    combos = config.combos()
-    site, sel = combos[index % len(combos)]
+    generation lengths (to draw a step the generation reaches), the model's module names and, for a
+    uniform campaign, the sites the model's computation reaches (``sites``, default ``config.sites``)."""
     rng = random.Random(derive_seed("ftt-campaign", config.seed, index))
     prompt_index = rng.randrange(len(config.prompts))
-    attn = site.startswith("attn.")
-    wanted = config.layers if config.layers is not None else [l for l in targets if l >= 0]
-    layers = [l for l in wanted if l in targets
-              and (targets[l]["attention"] if attn else targets[l]["linear"])]
-    if not layers:
-        raise ValueError(f"no module to hit at {site} in layers {wanted}")
-    layer = layers[rng.randrange(len(layers))]
-    if attn:
-        module = targets[layer]["attention"]
+    mdt = getattr(torch, config.dtype)
+    if config.sampling == "uniform":
+        pool = uniform_targets(config, targets, sites)
+        if not pool:
+            raise ValueError(f"no module to hit at sites {list(config.sites if sites is None else sites)} "
+                             f"in layers {config.layers}")
+        site, layer, module = pool[rng.randrange(len(pool))]
+        if config.bits is not None:
+            bits = sorted({b for sel in config.bits for b in bit_choices(sel, site_dtype(site, mdt))})
+            sel: str | int | float = bits[rng.randrange(len(bits))]
+        else:
+            sel = config.ber[rng.randrange(len(config.ber))]
     else:
-        names = targets[layer]["linear"]
-        module = names[rng.randrange(len(names))]
+        combos = config.combos()
+        site, sel = combos[index % len(combos)]
+        attn = site.startswith("attn.")
+        wanted = config.layers if config.layers is not None else [l for l in targets if l >= 0]
+        layers = [l for l in wanted if l in targets
+                  and (targets[l]["attention"] if attn else targets[l]["linear"])]
+        if not layers:
+            raise ValueError(f"no module to hit at {site} in layers {wanted}")
+        layer = layers[rng.randrange(len(layers))]
+        if attn:
+            module = targets[layer]["attention"]
+        else:
+            names = targets[layer]["linear"]
+            module = names[rng.randrange(len(names))]
     n_calls = max(1, int(clean_lengths[prompt_index]))
     u = rng.random()
     if config.steps is None:
@@ -99,13 +135,9 @@ def plan_trial(config: CampaignConfig, index: int, clean_lengths: Sequence[int],
     else:
         reach = [s for s in config.steps if s < n_calls] or list(config.steps)
         step = int(reach[min(int(u * len(reach)), len(reach) - 1)])
-    mdt = getattr(torch, config.dtype)
     if config.bits is not None:
-        if isinstance(sel, str):
-            choices = bit_fields(site_dtype(site, mdt))[sel]
-            bit: int | None = int(choices[rng.randrange(len(choices))])
-        else:
-            bit = int(sel)
+        choices = bit_choices(sel, site_dtype(site, mdt))
+        bit: int | None = int(sel) if isinstance(sel, int) else int(choices[rng.randrange(len(choices))])
         bclass = bit_class(bit, site_dtype(site, mdt))
         ber = None
     else:
@@ -169,236 +201,53 @@ def answer_correct(text: str | None, answers: Sequence[str] | None) -> bool | No
     return any(a.lower() in t for a in answers)
 
 
-# --------------------------------------------------------------------------------------------
-# Running one trial
-# --------------------------------------------------------------------------------------------
+def silent_token_change(tokens: Sequence[int] | None, clean_tokens: Sequence[int],
+                        totals: dict[str, int] | None) -> bool:
+    """Whether one arm of a trial is a silent token change: its tokens differ from the clean run's and
+    no event of any kind was recorded (``totals``: ``{kind: count}``, None/empty = none). A generation
+    that raised (``tokens`` None) is loud, not silent."""
+    if tokens is None or list(tokens) == list(clean_tokens):
+        return False
+    return sum(int(v) for v in (totals or {}).values()) == 0
 
 
-class _Generator:
-    """Greedy generation of a fixed model with the campaign's settings."""
-
-    def __init__(self, model, tok, config: CampaignConfig) -> None:
-        self.model = model
-        self.tok = tok
-        self.config = config
-        pad = getattr(tok, "pad_token_id", None)
-        if pad is None:
-            pad = getattr(tok, "eos_token_id", None)
-        self.pad = 0 if pad is None else pad
-        self.inputs = [encode_prompt(tok, p["prompt"], config.chat_template).to(config.device)
-                       for p in config.prompts]
-
-    def generate(self, prompt_index: int) -> tuple[list[int], bool]:
-        ids = self.inputs[prompt_index]
-        with torch.inference_mode(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                      max_new_tokens=self.config.max_new_tokens, do_sample=False,
-                                      pad_token_id=self.pad, return_dict_in_generate=True, output_logits=True)
-        tokens = out.sequences[0, ids.shape[1]:].tolist()
-        finite = all(bool(torch.isfinite(lg).all()) for lg in out.logits)
-        return tokens, finite
-
-    def text(self, tokens: Sequence[int] | None) -> str | None:
-        if tokens is None:
-            return None
-        return self.tok.decode(tokens, skip_special_tokens=True).strip()
+def token_outcome(tokens: Sequence[int] | None, clean_tokens: Sequence[int], totals: dict[str, int] | None, *,
+                  first_diff: int | None, margins: Sequence[float], noise: Sequence[float]) -> dict:
+    """The token-level outcome of one arm: ``token_change``, ``silent`` (`silent_token_change`),
+    ``near_tie`` (the clean top-1 / top-2 margin at the first differing step is ≤ that step's noise;
+    None without a token change), and that step with its ``margin`` and ``noise``."""
+    changed = tokens is not None and list(tokens) != list(clean_tokens)
+    out = {"token_change": changed, "silent": silent_token_change(tokens, clean_tokens, totals),
+           "first_diff": None, "near_tie": None, "margin": None, "noise": None}
+    if changed and first_diff is not None and first_diff < min(len(margins), len(noise)):
+        out.update(first_diff=int(first_diff), margin=float(margins[first_diff]), noise=float(noise[first_diff]),
+                   near_tie=bool(margins[first_diff] <= noise[first_diff]))
+    return out
 
 
-def _event_rows(report: FTReport) -> list[list]:
-    return [[e.step, e.layer, e.module, e.site, e.kind, e.count] for e in report.events]
-
-
-def _totals(rows: Iterable[Sequence]) -> dict[str, int]:
-    tot = dict.fromkeys(KINDS, 0)
-    for r in rows:
-        tot[r[4]] += int(r[5])
-    return tot
-
-
-def run_clean(gen: _Generator, prompt_index: int) -> dict:
-    """The clean (fault-free) generations of one prompt, unprotected and protected."""
-    rec: dict = {"type": "clean", "prompt_index": prompt_index, "prompt": gen.config.prompts[prompt_index]}
-    for arm in ARMS:
-        enable_fault_tolerance(gen.model, ARM_CONFIGS[arm])
-        t0 = time.perf_counter()
-        tokens, finite = gen.generate(prompt_index)
-        rows = _event_rows(fault_report(gen.model))
-        text = gen.text(tokens)
-        rec[arm] = {"tokens": tokens, "text": text, "finite": finite, "events": rows, "totals": _totals(rows),
-                    "answer_correct": answer_correct(text, gen.config.prompts[prompt_index].get("answer")),
-                    "seconds": round(time.perf_counter() - t0, 3)}
-    # False positives: every detection in the protected clean run.
-    rec["false_positives"] = rec["protected"]["totals"]["detected"]
-    rec["arms_agree"] = rec["unprotected"]["tokens"] == rec["protected"]["tokens"]
-    return rec
-
-
-def run_trial(gen: _Generator, trial: Trial, clean: dict, ver: dict | None = None) -> dict:
-    """Run one trial in both arms and return its JSON record."""
-    spec = trial.fault_spec()
-    cfg = gen.config
-    rec: dict = {"type": "trial", "trial_id": trial.trial_id, **asdict(trial), "model": cfg.model,
-                 "dtype": cfg.dtype, "device": cfg.device, "max_new_tokens": cfg.max_new_tokens,
-                 "campaign_seed": cfg.seed, "versions": ver or versions()}
-    answers = cfg.prompts[trial.prompt_index].get("answer")
-    for arm in ARMS:
-        enable_fault_tolerance(gen.model, ARM_CONFIGS[arm])
-        ref = clean[arm]["tokens"]
-        tokens: list[int] | None = None
-        finite, error = True, None
-        t0 = time.perf_counter()
-        with inject_faults(gen.model, spec) as log:
-            try:
-                tokens, finite = gen.generate(trial.prompt_index)
-            except Exception as e:  # a crash is an outcome, not a campaign failure
-                error = f"{type(e).__name__}: {e}"
-        seconds = time.perf_counter() - t0
-        try:
-            rows = _event_rows(fault_report(gen.model))
-        except Exception as e:  # pragma: no cover - the report itself failing is a crash too
-            rows, error = [], error or f"report: {type(e).__name__}: {e}"
-        flips = []
-        for name, call, plan in log.records:
-            sf = plan.sites.get(trial.site)
-            if sf is None:
-                continue
-            flips.append({"module": name, "call": call, "shape": list(sf.shape),
-                          "positions": None if sf.positions is None else sf.positions.tolist(),
-                          "injected": int(sf.injected)})
-        tot = _totals(rows)
-        hit_step = (lambda s: True) if trial.step is None else (lambda s: s == trial.step)
-        elsewhere = sum(int(r[5]) for r in rows
-                        if r[4] == "detected" and not (r[2] == trial.module and hit_step(r[0])))
-        text = gen.text(tokens)
-        rec[arm] = {
-            "class": classify(tokens=tokens, clean_tokens=ref, finite=finite, error=error, totals=tot),
-            "tokens": tokens, "text": text, "finite": finite, "error": error,
-            "injected": sum(f["injected"] for f in flips), "flips": flips,
-            "exact_match": tokens is not None and list(tokens) == list(ref),
-            "token_agreement": round(token_agreement(tokens, ref), 6),
-            "answer_correct": answer_correct(text, answers),
-            "events": rows, "totals": tot, "detected_elsewhere": elsewhere,
-            "seconds": round(seconds, 3),
-        }
-    return rec
-
-
-# --------------------------------------------------------------------------------------------
-# The campaign loop
-# --------------------------------------------------------------------------------------------
-
-
-def _same_outputs(a: dict, b: dict) -> bool:
-    return all(a[arm]["tokens"] == b[arm]["tokens"] and a[arm]["totals"] == b[arm]["totals"] for arm in ARMS)
-
-
-def run_campaign(config: CampaignConfig, path: str | os.PathLike, *, model=None, tokenizer=None,
-                 progress: bool = True, on_trial: Callable[[dict], None] | None = None,
-                 log: Callable[[str], None] | None = None) -> list[dict]:
-    """Run (or resume) a campaign into the JSONL file ``path``; return every trial record, in order.
-
-    Trials already in the file are skipped, a partial last line is dropped; the clean runs are
-    recomputed and must reproduce the stored ones (same numerics), else ValueError.
-    ``on_trial(record)`` is called after each trial is written (tests use it to simulate a kill).
-    """
-    say = log or _LOG.info
-    warn = log or _LOG.warning
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    store = CampaignStore(path).load()
-    if store.dropped_bytes:
-        warn(f"campaign: dropped a partial last line ({store.dropped_bytes} bytes) of {path}")
-    fp = config.fingerprint()
-    if store.header is not None and store.header["fingerprint"] != fp:
-        raise ValueError(f"{path} holds another campaign (fingerprint {store.header['fingerprint']}, "
-                         f"this one {fp}); use another output file or `resume` it")
-    ver = versions()
-    if store.header is not None and store.header.get("versions", {}).get("source") != ver["source"]:
-        warn("campaign: warning: the library sources changed since this campaign started "
-             f"(source hash {store.header.get('versions', {}).get('source')} -> {ver['source']}); "
-             "every trial records the versions it ran with")
-    if model is None:
-        say(f"campaign: loading {config.model} ...")
-        model, tokenizer = load_model(config.model, config.dtype, config.device)
-    gen = _Generator(model, tokenizer, config)
-    if store.header is None or store.header["config"].get("trials") != config.trials:
-        store.append({"type": "header", "format": FORMAT_VERSION, "fingerprint": fp,
-                      "config": config.to_dict(),
-                      "versions": ver, "threads": torch.get_num_threads(), "started": time.time()})
-
-    cleans: dict[int, dict] = {}
-    for i in range(len(config.prompts)):
-        rec = run_clean(gen, i)
-        old = store.clean.get(i)
-        if old is None:
-            store.append(rec)
-        elif not _same_outputs(old, rec):
-            raise ValueError(f"clean run of prompt {i} does not reproduce the stored one "
-                             "(different numerics: device, threads, library versions?); start a new file")
-        cleans[i] = rec
-        if rec["false_positives"] or not rec["arms_agree"]:
-            warn(f"campaign: prompt {i}: clean protected run had {rec['false_positives']} detection(s); "
-                 f"clean outputs {'agree' if rec['arms_agree'] else 'DIFFER'} across arms")
-    lengths = [len(cleans[i]["unprotected"]["tokens"]) for i in range(len(config.prompts))]
-    enable_fault_tolerance(model, ARM_CONFIGS["protected"])
-    targets = model_targets(model)
-
-    todo = [i for i in range(config.trials) if trial_id(config.seed, i) not in store.trials]
-    done = config.trials - len(todo)
-    if done:
-        say(f"campaign: resuming, {done} of {config.trials} trials already in {path}")
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=config.trials, initial=done, unit="trial", desc="campaign", dynamic_ncols=True,
-                   smoothing=0.1)
-    sdc = {arm: sum(r[arm]["class"] == "sdc" for r in store.trials.values()) for arm in ARMS}
-    try:
-        for i in todo:
-            trial = plan_trial(config, i, lengths, targets)
-            rec = run_trial(gen, trial, cleans[trial.prompt_index], ver)
-            store.append(rec)
-            for arm in ARMS:
-                sdc[arm] += rec[arm]["class"] == "sdc"
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(f"SDC off {sdc['unprotected']} / on {sdc['protected']}")
-            if on_trial is not None:
-                on_trial(rec)
-    finally:
-        if bar is not None:
-            bar.close()
-    return [store.trials[trial_id(config.seed, i)] for i in range(config.trials)]
+def flip_landings(trial: Trial, records: Iterable, *, unused_rows: Iterable[str], mask_form: str,
+                  window: int | None) -> tuple[list[dict], list[str]]:
+    """The flips of a trial's run (``(module, call, FaultPlan)`` records of `inject_faults`) as JSON, and
+    the landing of each flipped position (`positions.landing`; ``undecided`` in BER mode)."""
+    unused = set(unused_rows)
+    flips, lands = [], []
+    for name, call, plan in records:
+        sf = plan.sites.get(trial.site)
+        if sf is None:
+            continue
+        pos = None if sf.positions is None else sf.positions.tolist()
+        flips.append({"module": name, "call": call, "shape": list(sf.shape), "positions": pos,
+                      "injected": int(sf.injected)})
+        if pos is None:
+            lands.append("undecided")
+        elif int(sf.injected) == 0:
+            lands.extend(["not_injected"] * len(pos))
+        else:
+            lands.extend(landing(trial.site, p, sf.shape, module=name, unused_rows=unused, mask_form=mask_form,
+                                 window=window, exponent_bit=trial.bit_class == "exponent") for p in pos)
+    return flips, lands
 
 
 def trial_from_record(rec: dict) -> Trial:
     """The `Trial` a stored record describes (``rec["fault_spec"]`` equivalent: ``.fault_spec()``)."""
     return Trial(**{k: rec[k] for k in Trial.__dataclass_fields__})
-
-
-def _comparable(rec: dict) -> dict:
-    out = {k: v for k, v in rec.items() if k not in ("seconds", "versions")}
-    for arm in ARMS:
-        if arm in out:
-            out[arm] = {k: v for k, v in out[arm].items() if k != "seconds"}
-    return out
-
-
-def replay_trial(path: str | os.PathLike, tid: str, *, model=None, tokenizer=None) -> tuple[dict, dict]:
-    """Re-run one stored trial from its campaign file; ``(stored, fresh)`` records (compare them
-    without ``seconds`` / ``versions``: identical when the environment reproduces the numerics)."""
-    header, _cleans, trials = load_campaign(path)
-    if header is None:
-        raise ValueError(f"{path} has no campaign header")
-    stored = next((t for t in trials if t["trial_id"] == tid), None)
-    if stored is None:
-        raise ValueError(f"no trial {tid!r} in {path}")
-    config = CampaignConfig.from_dict(header["config"])
-    if model is None:
-        model, tokenizer = load_model(config.model, config.dtype, config.device)
-    gen = _Generator(model, tokenizer, config)
-    clean = run_clean(gen, stored["prompt_index"])
-    return stored, run_trial(gen, trial_from_record(stored), clean)
-
