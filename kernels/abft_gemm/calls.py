@@ -21,7 +21,7 @@ from ..tl_common import cdiv as _cdiv
 from .common import SITE
 from .configs import GROUP_M, VERIFY_BLOCK
 from .decode import grouped_gemm_kernel
-from .forms import INTERP, SPLIT_MAX_TILES, grouped_split, split_plan, triton_allocation
+from .forms import INTERP, SPLIT_MAX_TILES, grouped_split, split_plan, triton_allocation, verify_split
 from .groups import _group_verify_kernel
 from .persistent import _persistent_kernel
 from .tile import _gemm_kernel
@@ -156,11 +156,17 @@ def _cells(device: torch.device) -> torch.Tensor:
 
 def _call_buffer(m: int, n: int, k: int, cfg, detect: bool, device: torch.device,
                  unused: torch.Tensor) -> torch.Tensor:
-    """fp32 scratch of a tile-GEMM call: with ``detect`` its (T_g, M) group sums; checks off: room for the
-    split-K partial tiles (n_split, M, N), or ``unused`` (any tensor, passed as the kernel's unread ``P``)
-    without them."""
+    """fp32 scratch of a tile-GEMM call: with ``detect`` its (T_g, M) group sums, then the split verification's
+    partials (`groups._group_verify_kernel`); checks off: room for the split-K partial tiles (n_split, M, N),
+    or ``unused`` (any tensor, passed as the kernel's unread ``P``) without them."""
     if detect:
-        return torch.empty(_cdiv(n, GROUP_COLS) * m, dtype=torch.float32, device=device)
+        tg = _cdiv(n, GROUP_COLS)
+        part = 0
+        vs = verify_split(m, n, k, device)[0]
+        if vs > 1:
+            br, bg, _ = VERIFY_BLOCK
+            part = vs * _cdiv(m, br) * _cdiv(tg, bg) * br * (bg + 3)
+        return torch.empty(tg * m + part, dtype=torch.float32, device=device)
     n_split = split_plan(m, n, k, cfg, detect, device)[0]
     return torch.empty(n_split * m * n, dtype=torch.float32, device=device) if n_split > 1 else unused
 
@@ -294,12 +300,13 @@ def _verify_call(L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, flag: t
     br, bg, bk = VERIFY_BLOCK
     wc, winv = operand
     c = ver.counters
-    return (_cdiv(m, br), _cdiv(tg, bg)), (
-        x2d, L.w, y, bias if bias is not None else y, wc, winv, consts, P, flag, c,
+    n_split, kb_per = verify_split(m, n, k, x2d.device)
+    return (_cdiv(m, br) * _cdiv(tg, bg) * n_split,), (
+        x2d, L.w, y, bias if bias is not None else y, wc, winv, consts, P, _cells(x2d.device), flag, c,
         ver.debug if ver.debug is not None else P,
         m, n, k, tg, x2d.stride(0), x2d.stride(1), L.swn, L.swk, y.stride(0), y.stride(1), c.stride(0), c.stride(1),
-        1.0 / k, call_id, int(ver.w_finite), float(emax), float(csigma),
+        1.0 / k, call_id, int(ver.w_finite), float(emax), float(csigma), n_split, kb_per,
     ), dict(
         BLOCK_R=br, BLOCK_G=bg, BLOCK_K=bk, SLICES=wc.shape[0], HAS_BIAS=bias is not None, CORRECT=ver.correct,
-        DEBUG=ver.debug is not None, DOT_F32=dot_f32, num_warps=4,
+        DEBUG=ver.debug is not None, DOT_F32=dot_f32, SPLIT=n_split > 1, num_warps=4,
     )

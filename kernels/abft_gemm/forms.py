@@ -32,6 +32,7 @@ from .configs import (
     CONFIGS_GROUPED,
     PERSISTENT_CONFIG,
     PERSISTENT_CONFIG_INTERPRET,
+    VERIFY_BLOCK,
 )
 from .tile import _gemm_kernel
 
@@ -202,6 +203,21 @@ def split_plan(m: int, n: int, k: int, cfg, detect: bool, device: torch.device) 
     if not detect and m <= GROUPED_MAX_ROWS and m <= cfg[0]:
         return split_k(n, k, cfg[1], cfg[2], device)
     return 1, 1
+
+
+def verify_split(m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """(n_split, kb_per) of the group verification (`groups._group_verify_kernel`'s SPLIT): its blocks' K
+    loops over up to SPLIT_PROGRAMS_PER_SM · SMs / blocks programs of at least SPLIT_MIN_BLOCKS K blocks, so
+    that a call of few row blocks (a short prompt) still fills the GPU; ``(1, ·)`` for calls of enough blocks,
+    and past SPLIT_MAX_TILES blocks (their counts live in `calls._cells`)."""
+    br, bg, bk = VERIFY_BLOCK
+    blocks, nkb = cdiv(m, br) * cdiv(cdiv(n, GROUP_COLS), bg), cdiv(k, bk)
+    sms = sm_count(device) if device.type == "cuda" else INTERPRET_SMS
+    want = SPLIT_PROGRAMS_PER_SM * sms // blocks
+    if blocks > SPLIT_MAX_TILES or want < 2:
+        return 1, nkb
+    per = max(cdiv(nkb, min(want, nkb)), SPLIT_MIN_BLOCKS)
+    return cdiv(nkb, per), per
 
 
 def grouped_split(n: int, k: int, cfg, device: torch.device) -> tuple[int, int]:

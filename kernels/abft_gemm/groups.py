@@ -32,16 +32,16 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _mma
-from .common import _COR, _DET, _NONF, _REC, _SITE_ROW, _UNC
+from .common import _COR, _DET, _NONF, _REC, _SITE_ROW, _UNC, k_blocks
 
 G: tl.constexpr = tl.constexpr(64)  # = gemm_checksums.GROUP_COLS
 
 
 @triton.jit
-def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, K, TG, sxm, sxk, BLOCK_K: tl.constexpr,
+def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm, sxk, BLOCK_K: tl.constexpr,
                              SLICES: tl.constexpr, DOT_F32: tl.constexpr):
     """x's row sum / max / min (BLOCK_R,) and the checksum dots (BLOCK_R, BLOCK_G) of ``Wc``'s S slices
-    (S, T_g, K), one per slice, over all of K."""
+    (S, T_g, K) summed, over the K blocks ``[kb0, kb1)``."""
     BLOCK_R: tl.constexpr = rows.shape[0]
     BLOCK_G: tl.constexpr = grps.shape[0]
     offs_k = tl.arange(0, BLOCK_K)
@@ -51,8 +51,8 @@ def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, K, TG, sxm, sxk, BLO
     sme = tl.zeros((BLOCK_R, BLOCK_K), tl.float32)
     mxe = tl.full((BLOCK_R, BLOCK_K), -float("inf"), tl.float32)
     mne = tl.full((BLOCK_R, BLOCK_K), float("inf"), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
+    for kb in range(kb0, kb1):
+        kk = kb * BLOCK_K + offs_k
         k_ok = kk < K
         xa = tl.load(X + rows[:, None] * sxm + kk[None, :] * sxk, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         wp = Wc + grps[None, :] * K + kk[:, None]
@@ -124,81 +124,132 @@ def _repair_group(X, W, Y, Bias, rows, r_ok, bad, thr_g, gidx, N, K, sxm, sxk, s
 
 
 @triton.jit(do_not_specialize=["call_id", "w_finite"])
-def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Flag, Cnt, Dbg,
+def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Sem, Flag, Cnt, Dbg,
                          M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, w_finite,
-                         emax, csigma,
+                         emax, csigma, n_split, kb_per,
                          BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, SLICES: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr, DOT_F32: tl.constexpr):
-    """Verify the (BLOCK_R rows) × (BLOCK_G groups) block ``(program_id(0), program_id(1))`` of y (M, N).
+                         HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr, DOT_F32: tl.constexpr,
+                         SPLIT: tl.constexpr):
+    """Verify the blocks of (BLOCK_R rows) × (BLOCK_G groups) of y (M, N), one per program (``n_split`` with
+    SPLIT).
 
     x (M, K); W (N, K) through strides ``swn``, ``swk`` (a (K, N) weight has them swapped); ``Wc`` (S, T_g, K)
     the checksum slices in x's dtype and ``Winv`` their fp32 inverse scale (`calls.group_operand`); ``Gc``
-    (T_g, 8) the groups' constants (`group_checksums`); ``P`` (T_g, M) the GEMM's group sums; ``Flag`` the
-    call's flag cell (`call_flag`); ``Cnt`` the (sites, kinds) int32 counters. DEBUG: (D, C, T) of every
-    unit into ``Dbg`` (M, T_g, 3)."""
-    pid_r = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    cbase = Cnt + _SITE_ROW * scn0
+    (T_g, 8) the groups' constants (`group_checksums`); ``P`` (T_g, M) the GEMM's group sums (with SPLIT
+    followed by the partials); ``Flag`` the call's flag cell (`call_flag`); ``Cnt`` the (sites, kinds) int32
+    counters. DEBUG: (D, C, T) of every unit into ``Dbg`` (M, T_g, 3).
+
+    SPLIT (calls of few blocks, `forms.verify_split`: a short prompt's 64 rows make one row block): each block
+    runs as ``n_split`` programs over ``kb_per`` K blocks each, program ``pid`` being split ``pid % n_split``
+    of block ``pid // n_split``. Each stores its partial checksums (n_split, blocks, BLOCK_R, BLOCK_G) and
+    statistics (n_split, blocks, BLOCK_R, 3) after the group sums in ``P`` and counts on
+    the block's cell ``Sem[9 + block]`` (0 between calls); the last to count resets it, sums the partials in
+    split order and checks the block."""
+    pid = tl.program_id(0)
+    Part = P + TG * M
+    blk = pid // n_split
+    split = pid % n_split
+    n_gb = tl.cdiv(TG, BLOCK_G)
+    pid_r = blk // n_gb
+    pid_g = blk % n_gb
     if w_finite == 0:  # a non-finite weight or bias: the call's checks are off, counted once
-        if (pid_r == 0) & (pid_g == 0):
-            tl.atomic_add(cbase + _NONF * scn1, 1)
+        if pid == 0:
+            tl.atomic_add(Cnt + _SITE_ROW * scn0 + _NONF * scn1, 1)
     else:
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = rows < M
         grps = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
         g_ok = grps < TG
-        # the group sums and constants first: their loads overlap the K loop
-        s = tl.load(P + grps[None, :] * M + rows[:, None], mask=r_ok[:, None] & g_ok[None, :], other=0.0)
-        gp = Gc + grps * 8
-        b1 = tl.load(gp, mask=g_ok, other=0.0)
-        det = tl.load(gp + 1, mask=g_ok, other=0.0)
-        v2 = tl.load(gp + 2, mask=g_ok, other=0.0)
-        v3 = tl.load(gp + 3, mask=g_ok, other=0.0)
-        v4 = tl.load(gp + 4, mask=g_ok, other=0.0)
-        bdet = tl.load(gp + 5, mask=g_ok, other=0.0)
-        bsd = tl.load(gp + 6, mask=g_ok, other=0.0)
-        sm, mx, mn, c = _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, K, TG, sxm, sxk, BLOCK_K, SLICES,
-                                                 DOT_F32)
-        c = c * tl.load(Winv) + b1[None, :]
-        # a row whose x is not finite is not verified (NaN makes the sum NaN; ±inf shows in max / min)
-        row_fin = (tl.abs(sm) < float("inf")) & (mx < float("inf")) & (mn > -float("inf"))
-        if tl.max((r_ok & ~row_fin).to(tl.int32), axis=0) > 0:
-            if tl.atomic_xchg(Flag, call_id) != call_id:  # the call's first program to see one counts it
-                tl.atomic_add(cbase + _NONF * scn1, 1)
-        mu = sm * inv_k
-        var = tl.maximum((mx - mu) * (mu - mn), 0.0)
-        # T (SPEC §5 over the group's n_g columns; `group_checksums`' constants)
-        thr = emax * (det[None, :] * tl.abs(mu)[:, None]
-                      + csigma * tl.sqrt((mu * mu)[:, None] * v2[None, :] + var[:, None] * v3[None, :])
-                      + csigma * v4[None, :] * tl.sqrt(var)[:, None] + bdet[None, :] + csigma * bsd[None, :])
-        d = s - c
-        unit_ok = (r_ok & row_fin)[:, None] & g_ok[None, :]
-        bad = unit_ok & ~(tl.abs(d) <= thr)
-        if DEBUG:
-            dp = Dbg + (rows[:, None] * TG + grps[None, :]) * 3
-            dm = r_ok[:, None] & g_ok[None, :]
-            tl.store(dp, d, mask=dm)
-            tl.store(dp + 1, c, mask=dm)
-            tl.store(dp + 2, thr, mask=dm)
-        n_bad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
-        if n_bad > 0:
-            tl.atomic_add(cbase + _DET * scn1, n_bad)
-            if CORRECT:
-                n_fix = n_bad * 0
-                n_rec = n_bad * 0
-                offs_g = tl.arange(0, BLOCK_G)
-                for gi in range(0, BLOCK_G):
-                    sel = offs_g[None, :] == gi
-                    bad_g = tl.sum(tl.where(sel, bad.to(tl.int32), 0), axis=1) > 0
-                    if tl.max(bad_g.to(tl.int32), axis=0) > 0:
-                        thr_g = tl.sum(tl.where(sel, thr, 0.0), axis=1)
-                        f, r = _repair_group(X, W, Y, Bias, rows, r_ok, bad_g, thr_g, pid_g * BLOCK_G + gi, N, K,
-                                             sxm, sxk, swn, swk, sym, syn, BLOCK_K, HAS_BIAS, DOT_F32)
-                        n_fix += f
-                        n_rec += r
-                if n_fix > 0:
-                    tl.atomic_add(cbase + _COR * scn1, n_fix)
-                if n_rec > 0:
-                    tl.atomic_add(cbase + _REC * scn1, n_rec)
-            else:
-                tl.atomic_add(cbase + _UNC * scn1, n_bad)
+        kb0, kb1 = k_blocks(split, kb_per, K, BLOCK_K, SPLIT)
+        sm, mx, mn, c = _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm, sxk,
+                                                 BLOCK_K, SLICES, DOT_F32)
+        if SPLIT:
+            n_blk = tl.cdiv(M, BLOCK_R) * n_gb
+            tile = tl.arange(0, BLOCK_R)[:, None] * BLOCK_G + tl.arange(0, BLOCK_G)[None, :]
+            cp = Part + blk * BLOCK_R * BLOCK_G + tile  # + split · blocks · BLOCK_R · BLOCK_G
+            sp = Part + n_split * n_blk * BLOCK_R * BLOCK_G + (blk * BLOCK_R + tl.arange(0, BLOCK_R)) * 3
+            tl.store(cp + split * n_blk * BLOCK_R * BLOCK_G, c)
+            tl.store(sp + split * n_blk * BLOCK_R * 3, sm)
+            tl.store(sp + split * n_blk * BLOCK_R * 3 + 1, mx)
+            tl.store(sp + split * n_blk * BLOCK_R * 3 + 2, mn)
+            tl.debug_barrier()  # every thread's partials before the count
+            if tl.atomic_add(Sem + 9 + blk, 1, sem="acq_rel") == n_split - 1:
+                tl.store(Sem + 9 + blk, 0)  # ready for the next call (every split has counted)
+                c = tl.zeros_like(c)
+                sm = tl.zeros_like(sm)
+                for s in range(0, n_split):  # a fixed order: the same sums whichever split came last
+                    c += tl.load(cp + s * n_blk * BLOCK_R * BLOCK_G, cache_modifier=".cg")
+                    so = sp + s * n_blk * BLOCK_R * 3
+                    sm += tl.load(so, cache_modifier=".cg")
+                    mx = tl.maximum(mx, tl.load(so + 1, cache_modifier=".cg"))
+                    mn = tl.minimum(mn, tl.load(so + 2, cache_modifier=".cg"))
+                _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, mx, mn,
+                             c, M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax, csigma,
+                             BLOCK_K, HAS_BIAS, CORRECT, DEBUG, DOT_F32)
+        else:
+            _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, mx, mn, c,
+                         M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax, csigma,
+                         BLOCK_K, HAS_BIAS, CORRECT, DEBUG, DOT_F32)
+
+
+@triton.jit
+def _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, mx, mn, c,
+                 M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax, csigma,
+                 BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """One block's check from its rows' statistics ``sm``, ``mx``, ``mn`` (BLOCK_R,) and checksum dots ``c``
+    (BLOCK_R, BLOCK_G): thresholds, comparison with the group sums, counts, repairs."""
+    BLOCK_G: tl.constexpr = grps.shape[0]
+    cbase = Cnt + _SITE_ROW * scn0
+    s = tl.load(P + grps[None, :] * M + rows[:, None], mask=r_ok[:, None] & g_ok[None, :], other=0.0)
+    gp = Gc + grps * 8
+    b1 = tl.load(gp, mask=g_ok, other=0.0)
+    det = tl.load(gp + 1, mask=g_ok, other=0.0)
+    v2 = tl.load(gp + 2, mask=g_ok, other=0.0)
+    v3 = tl.load(gp + 3, mask=g_ok, other=0.0)
+    v4 = tl.load(gp + 4, mask=g_ok, other=0.0)
+    bdet = tl.load(gp + 5, mask=g_ok, other=0.0)
+    bsd = tl.load(gp + 6, mask=g_ok, other=0.0)
+    c = c * tl.load(Winv) + b1[None, :]
+    # a row whose x is not finite is not verified (NaN makes the sum NaN; ±inf shows in max / min)
+    row_fin = (tl.abs(sm) < float("inf")) & (mx < float("inf")) & (mn > -float("inf"))
+    if tl.max((r_ok & ~row_fin).to(tl.int32), axis=0) > 0:
+        if tl.atomic_xchg(Flag, call_id) != call_id:  # the call's first program to see one counts it
+            tl.atomic_add(cbase + _NONF * scn1, 1)
+    mu = sm * inv_k
+    var = tl.maximum((mx - mu) * (mu - mn), 0.0)
+    # T (SPEC §5 over the group's n_g columns; `group_checksums`' constants)
+    thr = emax * (det[None, :] * tl.abs(mu)[:, None]
+                  + csigma * tl.sqrt((mu * mu)[:, None] * v2[None, :] + var[:, None] * v3[None, :])
+                  + csigma * v4[None, :] * tl.sqrt(var)[:, None] + bdet[None, :] + csigma * bsd[None, :])
+    d = s - c
+    unit_ok = (r_ok & row_fin)[:, None] & g_ok[None, :]
+    bad = unit_ok & ~(tl.abs(d) <= thr)
+    if DEBUG:
+        dp = Dbg + (rows[:, None] * TG + grps[None, :]) * 3
+        dm = r_ok[:, None] & g_ok[None, :]
+        tl.store(dp, d, mask=dm)
+        tl.store(dp + 1, c, mask=dm)
+        tl.store(dp + 2, thr, mask=dm)
+    n_bad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
+    if n_bad > 0:
+        tl.atomic_add(cbase + _DET * scn1, n_bad)
+        if CORRECT:
+            n_fix = n_bad * 0
+            n_rec = n_bad * 0
+            offs_g = tl.arange(0, BLOCK_G)
+            for gi in range(0, BLOCK_G):
+                sel = offs_g[None, :] == gi
+                bad_g = tl.sum(tl.where(sel, bad.to(tl.int32), 0), axis=1) > 0
+                if tl.max(bad_g.to(tl.int32), axis=0) > 0:
+                    thr_g = tl.sum(tl.where(sel, thr, 0.0), axis=1)
+                    f, r = _repair_group(X, W, Y, Bias, rows, r_ok, bad_g, thr_g, pid_g * BLOCK_G + gi, N, K,
+                                         sxm, sxk, swn, swk, sym, syn, BLOCK_K, HAS_BIAS, DOT_F32)
+                    n_fix += f
+                    n_rec += r
+            if n_fix > 0:
+                tl.atomic_add(cbase + _COR * scn1, n_fix)
+            if n_rec > 0:
+                tl.atomic_add(cbase + _REC * scn1, n_rec)
+        else:
+            tl.atomic_add(cbase + _UNC * scn1, n_bad)
