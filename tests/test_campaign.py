@@ -559,3 +559,19 @@ def test_one_arm_runs_the_same_trials(tiny, reference, tmp_path):
     assert "| on | 12 | all |" in C.silent_markdown(only_on)
     with pytest.raises(ValueError, match="arms"):
         _config(arms=["both"])
+
+
+@pytest.mark.slow  # two spawned processes import torch and transformers: ~20-50 s on 2 busy cores
+def test_workers_write_the_same_records(tmp_path):
+    cfg = _config(sampling="uniform", bits=["any"], sites=None, trials=6, max_new_tokens=3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = C.run_campaign(cfg, tmp_path / "one.jsonl", progress=False, log=_quiet)
+        two = C.run_campaign(cfg, tmp_path / "two.jsonl", progress=False, log=_quiet, workers=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert [_strip(r) for r in two] == [_strip(r) for r in one]
+    assert sorted(r["index"] for r in _trial_lines(tmp_path / "two.jsonl")) == list(range(6))
+    with pytest.raises(ValueError, match="model=None"):
+        C.run_campaign(cfg, tmp_path / "x.jsonl", model=object(), workers=2)

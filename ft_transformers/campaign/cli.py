@@ -77,6 +77,8 @@ def _prompts_from(args) -> list[dict] | None:
 def _common_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: on a loaded machine one thread is much faster)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="run the trials in this many processes (each loads the model; default 1)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-shortcut", action="store_true",
                    help="run every step of every faulty generation (default: stop once the state is bitwise "
@@ -103,7 +105,7 @@ def _run_and_report(config: CampaignConfig, args) -> int:
     t0 = time.perf_counter()
     try:
         records = run_campaign(config, args.out, progress=not args.no_progress, log=_say,
-                               shortcut=not args.no_shortcut)
+                               shortcut=not args.no_shortcut, workers=max(1, args.workers))
     except KeyboardInterrupt:
         print(f"\ninterrupted; every finished trial is in {args.out}. Re-run the same command (or "
               f"`ftt-campaign resume {args.out}`) to continue.", file=sys.stderr)

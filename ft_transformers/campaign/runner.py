@@ -271,14 +271,19 @@ def _postfix(counts: dict[str, list[int]]) -> str:
 
 def run_campaign(config: CampaignConfig, path: str | os.PathLike, *, model=None, tokenizer=None,
                  progress: bool = True, on_trial: Callable[[dict], None] | None = None,
-                 log: Callable[[str], None] | None = None, shortcut: bool = True) -> list[dict]:
+                 log: Callable[[str], None] | None = None, shortcut: bool = True,
+                 workers: int = 1) -> list[dict]:
     """Run (or resume) a campaign into the JSONL file ``path``; return every trial record, in order.
 
     Trials already in the file are skipped, a partial last line is dropped; the clean runs are
     recomputed and must reproduce the stored ones (same numerics), else ValueError.
     ``on_trial(record)`` is called after each trial is written (tests use it to simulate a kill).
     ``shortcut``: see `generation` (False runs every step of every faulty generation).
+    ``workers`` > 1 runs the trials in that many spawned processes, each loading the model itself (so
+    ``model`` must be None); records are written as they finish, in any order.
     """
+    if workers > 1 and model is not None:
+        raise ValueError("workers > 1 load the model in each process: pass model=None")
     say = log or _LOG.info
     warn = log or _LOG.warning
     path = Path(path)
@@ -332,10 +337,14 @@ def run_campaign(config: CampaignConfig, path: str | os.PathLike, *, model=None,
                    smoothing=0.05)
     counts = {arm: [sum(bool(r.get(arm, {}).get("silent")) for r in store.trials.values()),
                     sum(arm in r for r in store.trials.values())] for arm in config.arms}
+    if workers > 1:
+        records = _in_workers(config, todo, workers, shortcut,
+                              [session.cleans[("unprotected", i)].tokens for i in range(len(config.prompts))])
+    else:
+        records = (session.run_trial(plan_trial(config, i, lengths, session.targets, session.sites_used), ver)
+                   for i in todo)
     try:
-        for i in todo:
-            trial = plan_trial(config, i, lengths, session.targets, session.sites_used)
-            rec = session.run_trial(trial, ver)
+        for rec in records:
             store.append(rec)
             for arm in config.arms:
                 counts[arm][0] += bool(rec[arm]["silent"])
@@ -348,7 +357,77 @@ def run_campaign(config: CampaignConfig, path: str | os.PathLike, *, model=None,
     finally:
         if bar is not None:
             bar.close()
+        close = getattr(records, "close", None)
+        if close is not None:
+            close()  # stops the workers
     return [store.trials[trial_id(config.seed, i)] for i in range(config.trials)]
+
+
+def _worker(config: dict, indices: list[int], shortcut: bool, threads: int, clean_tokens: list[list[int]],
+            queue) -> None:
+    """A worker process: set the model up as the parent did, run ``indices``, send each record."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        torch.set_num_threads(threads)
+        cfg = CampaignConfig.from_dict(config)
+        model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
+        session = Session(model, tok, cfg, shortcut=shortcut)
+        session.run_cleans()
+        session.probe()
+        mine = [session.cleans[("unprotected", i)].tokens for i in range(len(cfg.prompts))]
+        if mine != clean_tokens:
+            raise RuntimeError("a worker's clean runs differ from the parent's (different numerics)")
+        lengths = [len(t) for t in mine]
+        ver = versions()
+        for i in indices:
+            queue.put(("trial", session.run_trial(plan_trial(cfg, i, lengths, session.targets, session.sites_used),
+                                                  ver)))
+        queue.put(("done", None))
+    except BaseException:  # the parent re-raises it
+        import traceback
+
+        queue.put(("error", traceback.format_exc()))
+
+
+def _in_workers(config: CampaignConfig, todo: list[int], workers: int, shortcut: bool,
+                clean_tokens: list[list[int]]):
+    """Records of the trials ``todo`` run by ``workers`` spawned processes (each loads the model and
+    redoes the clean runs and probes, ~1 min), in the order they finish. Closing the generator stops them."""
+    import multiprocessing
+    import queue as queue_mod
+
+    ctx = multiprocessing.get_context("spawn")  # fork after torch has run is not safe
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(config.to_dict(), todo[w::workers], shortcut, torch.get_num_threads(), clean_tokens,
+                               q)) for w in range(workers)]
+    for p in procs:
+        p.start()
+    try:
+        running = len(procs)
+        while running:
+            try:
+                kind, payload = q.get(timeout=10)
+            except queue_mod.Empty:
+                if not all(p.is_alive() for p in procs) and q.empty():
+                    dead = [p.exitcode for p in procs if not p.is_alive()]
+                    if any(code != 0 for code in dead):
+                        raise RuntimeError(f"a campaign worker died (exit codes {dead})") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"a campaign worker failed:\n{payload}")
+            if kind == "done":
+                running -= 1
+            else:
+                yield payload
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join()
 
 
 def _comparable(rec: dict) -> dict:
