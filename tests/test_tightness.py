@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,6 +60,18 @@ def test_layer_classes_from_module_names():
     names = ("model.layers.0.self_attn.q_proj", "model.layers.3.self_attn.o_proj", "model.layers.1.mlp.gate_proj",
              "lm_head", "h.0.attn.c_attn")
     assert [tightness.linear_class(n) for n in names] == ["q", "o", "gate", "lm_head", "c_attn"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ulp_is_the_spacing_of_the_dtype(dtype):
+    ity = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    x = (torch.rand(200, generator=torch.Generator().manual_seed(3)) * 100).to(dtype)
+    x = torch.cat([x, torch.tensor([1.0, 2.0, 0.5], dtype=dtype)])
+    nxt = (x.view(ity) + 1).view(dtype)  # the next representable value above x (x > 0)
+    for v, n in zip(x.tolist(), nxt.tolist()):
+        assert tightness._ulp(v, dtype) == n - v
+        assert tightness._ulp(-v, dtype) == n - v
+    assert tightness._ulp(0.0, dtype) == torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
 
 
 def test_linear_flips_find_a_planted_undetected_change_only_when_thresholds_are_huge():
@@ -175,3 +190,39 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "p.png"
     tightness.plot(rows, str(path), "t")
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+_TRITON_SNIPPET = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import tightness as t
+g = torch.Generator().manual_seed(1)
+w = torch.randn(130, 64, generator=g) / 8  # two full column groups and a ragged one
+b = torch.randn(130, generator=g)
+lay = t.LinearLayer("l", "up", w, b, [torch.randn(4, 64, generator=g) + 0.5])
+ratio, source = t.linear_clean_ratio(lay.inputs[0], w, b, emax=None, backend="triton")
+tiny, _ = t.linear_clean_ratio(lay.inputs[0], w, b, emax=1e-12, backend="triton")
+tight = t.linear_flips([lay], 32, backend="triton")
+loose = t.linear_flips([lay], 32, emax=1e6, backend="triton")
+print(json.dumps(dict(ratio=ratio, source=source, tiny=tiny,
+                      tight={b: [s.detected, s.max_rel, s.over_target] for b, s in tight.items()},
+                      loose={b: [s.detected, s.max_rel, s.over_target] for b, s in loose.items()})))
+"""
+
+
+def test_triton_backend_under_the_interpreter():
+    """The Triton path the GPU runs take (``gemm_residuals`` for E/T, the kernel's checked GEMM for flips), on
+    the CPU under ``TRITON_INTERPRET=1`` in a fresh process (triton picks the interpreter at import)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _TRITON_SNIPPET, str(Path(tightness.__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["source"] == "gemm_residuals" and 0.0 < res["ratio"] < 1.0 < res["tiny"]
+    tight = {int(b): v for b, v in res["tight"].items()}
+    loose = {int(b): v for b, v in res["loose"].items()}
+    assert sorted(tight) == list(range(32))
+    assert all(tight[b][0] == 1 for b in range(16, 32))  # every large flip detected
+    assert max(v[1] for v in tight.values()) < tightness.REL_TARGET and sum(v[2] for v in tight.values()) == 0
+    assert sum(v[2] for v in loose.values()) >= 5  # the planted misses with thresholds 1e6 times too wide
