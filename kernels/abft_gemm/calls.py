@@ -164,8 +164,8 @@ def _call_buffer(m: int, n: int, k: int, cfg, detect: bool, device: torch.device
         part = 0
         vs = verify_split(m, n, k, device)[0]
         if vs > 1:
-            br, bg, _ = VERIFY_BLOCK
-            part = vs * _cdiv(m, br) * _cdiv(tg, bg) * br * (bg + 3)
+            br, bg = VERIFY_BLOCK[:2]
+            part = vs * _cdiv(m, br) * _cdiv(tg, bg) * br * (bg + 2)
         return torch.empty(tg * m + part, dtype=torch.float32, device=device)
     n_split = split_plan(m, n, k, cfg, detect, device)[0]
     return torch.empty(n_split * m * n, dtype=torch.float32, device=device) if n_split > 1 else unused
@@ -206,12 +206,12 @@ def group_operand(wc: WeightChecksums, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def _grouped_buffer(m: int, n: int, k: int, cfg, device: torch.device) -> torch.Tensor | None:
-    """The decode kernel's split-K partials: (n_split, M, N) tiles, then (n_split, T, M, 4) checksums and
+    """The decode kernel's split-K partials: (n_split, M, N) tiles, then (n_split, T, M, 3) checksums and
     statistics; None without split-K."""
     s = grouped_split(n, k, cfg, device)[0]
     if s == 1:
         return None
-    return torch.empty(s * m * (n + _cdiv(n, cfg[1]) * 4), dtype=torch.float32, device=device)
+    return torch.empty(s * m * (n + _cdiv(n, cfg[1]) * 3), dtype=torch.float32, device=device)
 
 
 def _grouped_call(cfg, L: _Launch, *, bias, groups, P, inj, ver: _Verify, emax: float, csigma: float,
@@ -297,7 +297,7 @@ def _verify_call(L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, flag: t
     m, k = x2d.shape
     n = y.shape[1]
     tg = _cdiv(n, GROUP_COLS)
-    br, bg, bk = VERIFY_BLOCK
+    br, bg, bk = VERIFY_BLOCK[:3]
     wc, winv = operand
     c = ver.counters
     n_split, kb_per = verify_split(m, n, k, x2d.device)
@@ -308,5 +308,6 @@ def _verify_call(L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, flag: t
         1.0 / k, call_id, int(ver.w_finite), float(emax), float(csigma), n_split, kb_per,
     ), dict(
         BLOCK_R=br, BLOCK_G=bg, BLOCK_K=bk, SLICES=wc.shape[0], HAS_BIAS=bias is not None, CORRECT=ver.correct,
-        DEBUG=ver.debug is not None, DOT_F32=dot_f32, SPLIT=n_split > 1, num_warps=4,
+        DEBUG=ver.debug is not None, DOT_F32=dot_f32, SPLIT=n_split > 1, num_warps=VERIFY_BLOCK[3],
+        num_stages=VERIFY_BLOCK[4],
     )

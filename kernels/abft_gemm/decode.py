@@ -48,9 +48,9 @@ from .common import _COR, _DET, _NONF, _REC, _SITE_ROW, _UNC, k_blocks, round_an
 
 
 @triton.jit
-def _combine_stats(c1a, sma, mxa, mna, c1b, smb, mxb, mnb):
-    """`tl.reduce` of (x·w1_g, sum, max, min) together."""
-    return c1a + c1b, sma + smb, tl.maximum(mxa, mxb), tl.minimum(mna, mnb)
+def _combine_stats(c1a, sma, sqa, c1b, smb, sqb):
+    """`tl.reduce` of (x·w1_g, Σx, Σx²) together."""
+    return c1a + c1b, sma + smb, sqa + sqb
 
 
 @triton.jit
@@ -110,11 +110,11 @@ def _repair(v, yv, ref, rabs, c1, thr, bad, n_ok, n_g, K, n_split, reverify_scal
 
 
 @triton.jit
-def _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m, offs_am, m_ok, offs_n, offs_bn, n_ok,
+def _epilogue(acc, c1, sm, sq, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m, offs_am, m_ok, offs_n, offs_bn, n_ok,
               M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale, w_finite,
               BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr,
               DOT_F32: tl.constexpr, CORRECT: tl.constexpr):
-    """A tile's fp32 sum ``acc`` (BLOCK_M, G), ``x·w1_g`` ``c1`` and x's row sum / max / min of the
+    """A tile's fp32 sum ``acc`` (BLOCK_M, G), ``x·w1_g`` ``c1`` and x's row sums Σx, Σx² of the
     ROWS = next_pow2(M) rows (ROWS,), the group's constants ``gc`` (the tuple ``(b1, det, v2, v3, v4,
     bias_det, bias_sd, n_g)`` of `group_checksums`) and bias (G,) fp32: bias, rounding, injection, the
     check, repairs, the counts, y's store."""
@@ -124,13 +124,13 @@ def _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m, of
     yv, v = round_and_inject(acc, Y.dtype.element_ty, Inj, 0, 1, offs_m, offs_n, n_ok, INJ, VERIFY_OUTPUT)
     # T[m] (SPEC §5 over the group's n_g columns; `group_checksums`), in the rows' own layout
     mu = sm * inv_k
-    var = tl.maximum((mx - mu) * (mu - mn), 0.0)
+    var = tl.maximum(sq * inv_k - mu * mu, 0.0)  # x's row variance
     thr = emax * (det * tl.abs(mu) + csigma * tl.sqrt(mu * mu * v2 + var * v3) + csigma * v4 * tl.sqrt(var)
                   + bdet + csigma * bsd)
     # any x non-finite (a NaN makes the sum NaN, ±inf shows in max/min): then, as for non-finite W/b, the
     # call's checks are off
     r_ok = tl.arange(0, sm.shape[0]) < M
-    nf = r_ok & (~(tl.abs(sm) < float("inf")) | (mx == float("inf")) | (mn == -float("inf")))
+    nf = r_ok & (~(tl.abs(sm) < float("inf")) | ~(sq < float("inf")))
     nf = tl.max(nf.to(tl.int32), axis=0)
     # c1 and T onto the tile's BLOCK_M rows together (row r takes row r mod ROWS: r itself for r < M)
     c1, thr = tl.split(_on_tile_rows(tl.join(c1 + b1, thr), acc.shape[0]))
@@ -181,7 +181,7 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
     one weight, and N is the total. With SEGS = 1 the ``_b``/``_c`` arguments are not read. With SPLIT,
     ``n_split`` programs per tile over ``kb_per`` K blocks each (program ``pid`` is split
     ``pid % n_split`` of tile ``pid // n_split``): each stores its partial tile in ``Part``
-    (n_split, M, N) and its x·w1_g and statistics after them ((n_split, T, M, 4)), counts on the
+    (n_split, M, N) and its x·w1_g and statistics after them ((n_split, T, M, 3)), counts on the
     cell ``Sem[9 + tile]`` (0 between calls), and the last to count resets it and runs the epilogue
     on the partials summed in split order."""
     pid = tl.program_id(0)
@@ -235,8 +235,7 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
     wn = tl.load(w_ptrs, mask=kk < K, other=0.0)
     c1e = tl.zeros((ROWS, BLOCK_K), tl.float32)
     sme = tl.zeros((ROWS, BLOCK_K), tl.float32)
-    mxe = tl.full((ROWS, BLOCK_K), -float("inf"), tl.float32)
-    mne = tl.full((ROWS, BLOCK_K), float("inf"), tl.float32)
+    sqe = tl.zeros((ROWS, BLOCK_K), tl.float32)
     for kb in range(kb0, kb1):
         kk = kb * BLOCK_K + offs_k
         k_ok = kk < K
@@ -255,44 +254,38 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
         wn = tl.load(w_ptrs, mask=kk + BLOCK_K < K, other=0.0)
         c1e += xf * w1[None, :]
         sme += xf
-        if EVEN_K:
-            mxe = tl.maximum(mxe, xf)
-            mne = tl.minimum(mne, xf)
-        else:
-            mxe = tl.maximum(mxe, tl.where(k_ok[None, :], xf, -float("inf")))
-            mne = tl.minimum(mne, tl.where(k_ok[None, :], xf, float("inf")))
+        sqe += xf * xf  # (x is 0 past K)
         a_ptrs += BLOCK_K * sxk
         b_ptrs += BLOCK_K * swk
-    # all four in one reduction (one exchange between the warps instead of four)
-    c1, sm, mx, mn = tl.reduce((c1e, sme, mxe, mne), 1, _combine_stats)  # (ROWS,)
+    # all three in one reduction (one exchange between the warps instead of three)
+    c1, sm, sq = tl.reduce((c1e, sme, sqe), 1, _combine_stats)  # (ROWS,)
     if SPLIT:
         T = tl.cdiv(N, G)
         pmask = m_ok[:, None] & n_ok[None, :]
         part = Part + offs_m[:, None] * N + offs_n[None, :]
         r_ok = tl.arange(0, ROWS) < M
-        srow = Part + n_split * M * N + (pid_n * M + tl.arange(0, ROWS)) * 4  # + split · T · M · 4
+        srow = Part + n_split * M * N + (pid_n * M + tl.arange(0, ROWS)) * 3  # + split · T · M · 3
         tl.store(part + split * M * N, acc, mask=pmask)
-        tl.store(srow + split * T * M * 4, c1, mask=r_ok)
-        tl.store(srow + split * T * M * 4 + 1, sm, mask=r_ok)
-        tl.store(srow + split * T * M * 4 + 2, mx, mask=r_ok)
-        tl.store(srow + split * T * M * 4 + 3, mn, mask=r_ok)
+        tl.store(srow + split * T * M * 3, c1, mask=r_ok)
+        tl.store(srow + split * T * M * 3 + 1, sm, mask=r_ok)
+        tl.store(srow + split * T * M * 3 + 2, sq, mask=r_ok)
         tl.debug_barrier()  # every thread's partials before the count
         if tl.atomic_add(Sem + 9 + pid_n, 1, sem="acq_rel") == n_split - 1:
             tl.store(Sem + 9 + pid_n, 0)  # ready for the next call (every split has counted)
             acc = tl.zeros((BLOCK_M, G), tl.float32)
             c1 = tl.zeros((ROWS,), tl.float32)
             sm = tl.zeros((ROWS,), tl.float32)
+            sq = tl.zeros((ROWS,), tl.float32)
             for s in range(0, n_split):  # a fixed order: the same sums whichever split came last
-                so = srow + s * T * M * 4
+                so = srow + s * T * M * 3
                 acc += tl.load(part + s * M * N, mask=pmask, other=0.0, cache_modifier=".cg")
                 c1 += tl.load(so, mask=r_ok, other=0.0, cache_modifier=".cg")
                 sm += tl.load(so + 1, mask=r_ok, other=0.0, cache_modifier=".cg")
-                mx = tl.maximum(mx, tl.load(so + 2, mask=r_ok, other=-float("inf"), cache_modifier=".cg"))
-                mn = tl.minimum(mn, tl.load(so + 3, mask=r_ok, other=float("inf"), cache_modifier=".cg"))
-            _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
+                sq += tl.load(so + 2, mask=r_ok, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, c1, sm, sq, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
                       n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma,
                       reverify_scale, w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT)
     else:
-        _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
+        _epilogue(acc, c1, sm, sq, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
                   n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale,
                   w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT)

@@ -210,7 +210,7 @@ def verify_split(m: int, n: int, k: int, device: torch.device) -> tuple[int, int
     loops over up to SPLIT_PROGRAMS_PER_SM · SMs / blocks programs of at least SPLIT_MIN_BLOCKS K blocks, so
     that a call of few row blocks (a short prompt) still fills the GPU; ``(1, ·)`` for calls of enough blocks,
     and past SPLIT_MAX_TILES blocks (their counts live in `calls._cells`)."""
-    br, bg, bk = VERIFY_BLOCK
+    br, bg, bk = VERIFY_BLOCK[:3]
     blocks, nkb = cdiv(m, br) * cdiv(cdiv(n, GROUP_COLS), bg), cdiv(k, bk)
     sms = sm_count(device) if device.type == "cuda" else INTERPRET_SMS
     want = SPLIT_PROGRAMS_PER_SM * sms // blocks
