@@ -115,7 +115,8 @@ class Greedy:
         self.max_new_tokens = int(max_new_tokens)
         self.eos = {int(e) for e in eos}
 
-    def _new_cache(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, length: int = 0):
+    def new_cache(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, length: int = 0):
+        """A KV cache holding copies of the first ``length`` positions of ``layers`` (empty by default)."""
         from transformers import DynamicCache
 
         if not layers or length == 0:
@@ -124,7 +125,8 @@ class Greedy:
                             config=self.model.config)
 
     @staticmethod
-    def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The ``(keys, values)`` of each layer of a cache, each (1, Hkv, length, D)."""
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     def forward(self, inp: torch.Tensor, cache) -> torch.Tensor:
@@ -139,7 +141,7 @@ class Greedy:
         report = fault_report(self.model)
         report.reset()
         t0 = time.perf_counter()
-        cache = self._new_cache()
+        cache = self.new_cache()
         tokens: list[int] = []
         logits = []
         inp = ids
@@ -154,7 +156,7 @@ class Greedy:
         seconds = time.perf_counter() - t0
         stacked = torch.stack(logits)
         return CleanRun(ids=ids, tokens=tokens, logits=stacked, cache=[(k.clone(), v.clone()) for k, v in
-                                                                      self._layers(cache)],
+                                                                      self.layers(cache)],
                         events=event_rows(fault_report(self.model)), finite=bool(torch.isfinite(stacked).all()),
                         seconds=seconds)
 
@@ -168,9 +170,9 @@ class Greedy:
         report.reset()
         P = clean.prompt_len
         if start == 0:
-            cache, inp = self._new_cache(), clean.ids
+            cache, inp = self.new_cache(), clean.ids
         else:
-            cache = self._new_cache(clean.cache, P + start - 1)
+            cache = self.new_cache(clean.cache, P + start - 1)
             inp = torch.tensor([[clean.tokens[start - 1]]], device=clean.ids.device)
         tokens: list[int] = list(clean.tokens[:start])
         finite, error = True, None
@@ -215,7 +217,7 @@ class Greedy:
         """Whether the cache entries written since length ``before`` equal the clean run's, bit for bit
         (NaN ≠ NaN, so a NaN entry never passes)."""
         after = cache.get_seq_length()
-        for (k, v), (ck, cv) in zip(self._layers(cache), clean.cache, strict=True):
+        for (k, v), (ck, cv) in zip(self.layers(cache), clean.cache, strict=True):
             if not (torch.equal(k[:, :, before:after], ck[:, :, before:after])
                     and torch.equal(v[:, :, before:after], cv[:, :, before:after])):
                 return False

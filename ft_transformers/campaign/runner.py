@@ -171,9 +171,9 @@ class Session:
 
     # -- probes ---------------------------------------------------------------------------------
     def _prefill(self, ids: torch.Tensor):
-        cache = self.greedy._new_cache()
+        cache = self.greedy.new_cache()
         logits = self.greedy.forward(ids, cache)
-        return logits, [(k.clone(), v.clone()) for k, v in self.greedy._layers(cache)]
+        return logits, [(k.clone(), v.clone()) for k, v in self.greedy.layers(cache)]
 
     def probe(self) -> dict:
         """Run the probes (unprotected arm) and return the ``setup`` record."""
@@ -203,7 +203,7 @@ class Session:
             if names:
                 spec = FaultSpec(site=site, bit=0, count=1, layers=[names[0]], calls=[0], seed=0)
                 with inject_faults(self.model, spec) as log:
-                    self.greedy.forward(self.inputs[0], self.greedy._new_cache())
+                    self.greedy.forward(self.inputs[0], self.greedy.new_cache())
                 return log.injected > 0
         return False
 
