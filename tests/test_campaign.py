@@ -575,3 +575,23 @@ def test_workers_write_the_same_records(tmp_path):
     assert sorted(r["index"] for r in _trial_lines(tmp_path / "two.jsonl")) == list(range(6))
     with pytest.raises(ValueError, match="model=None"):
         C.run_campaign(cfg, tmp_path / "x.jsonl", model=object(), workers=2)
+
+
+def test_a_faulty_run_keeps_the_clean_prefix_events(tiny):
+    """Steps before the faulted one are not re-run; events the clean run recorded there still belong
+    to the trial (a trial with any event is not silent)."""
+    from ft_transformers import enable_fault_tolerance
+
+    model, tok = tiny
+    enable_fault_tolerance(model, C.ARM_CONFIGS["protected"])
+    greedy = C.Greedy(model, 4)
+    clean = greedy.clean(C.encode_prompt(tok, "hello world", False))
+    assert clean.events == []
+    prefix_event = [0, 0, "model.layers.0.self_attn", "attn.scores", "detected", 1]
+    clean = C.CleanRun(clean.ids, clean.tokens, clean.logits, clean.cache, [prefix_event], clean.finite, 0.0)
+    attn = C.model_targets(model)[1]["attention"]
+    spec = C.Trial(0, "x", 0, "attn.output", 0, "mantissa", None, 1, 1, attn, 2, 7).fault_spec()
+    run = greedy.run_from(clean, 2, spec)
+    assert run.events[0] == prefix_event and run.steps_run >= 1
+    assert all(r[0] >= 2 for r in run.events[1:])
+    assert run.records and run.records[0][1] == 2  # the module's call index is the generation step

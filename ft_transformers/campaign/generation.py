@@ -72,7 +72,8 @@ class FaultyRun:
         tokens: generated ids (None when the run raised).
         finite: every computed logit finite.
         error: the exception text, or None.
-        events: event rows, steps counted from the start of the generation.
+        events: event rows, steps counted from the start of the generation (the clean run's events
+            before the faulted step included: the skipped prefix would have recorded them).
         first_diff: first step whose token differs from the clean run's (a shorter or longer output
             differs at the first step one of them lacks), or None.
         logit_dev: largest |logit − clean logit| over the steps up to and including ``first_diff``
@@ -206,7 +207,9 @@ class Greedy:
                 error = f"{type(e).__name__}: {e}"
                 tokens = None
         try:
-            rows = [[r[0] + start, *r[1:]] for r in event_rows(fault_report(self.model))]
+            # the skipped clean prefix's events (false positives, if any) happened in this trial too
+            rows = [list(r) for r in clean.events if r[0] < start]
+            rows += [[r[0] + start, *r[1:]] for r in event_rows(fault_report(self.model))]
         except Exception as e:  # pragma: no cover - the report itself failing is a crash too
             rows, error = [], error or f"report: {type(e).__name__}: {e}"
         return FaultyRun(tokens=tokens, finite=finite, error=error, events=rows,
