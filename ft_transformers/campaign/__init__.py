@@ -1,8 +1,8 @@
 """Fault-injection campaigns: what a soft error does to a model, and what ft_transformers saves.
 
 A *campaign* runs N trials. A trial is one fault — (prompt, site, bit or BER, layer/module,
-generation step, seed) — injected into a greedy generation twice: once with protection off
-(``FTConfig(detect=False, correct=False)``) and once with full protection (``FTConfig()``).
+generation step, seed) — injected into a greedy generation in each of the campaign's arms: protection
+off (``FTConfig(detect=False, correct=False)``) and full protection (``FTConfig()``), both by default.
 Each arm's generated tokens are compared with the clean (fault-free) generation of the same
 configuration, and the trial is classified the way the field does:
 
