@@ -169,8 +169,8 @@ def _sci(x: float) -> str:
 
 
 def silent_markdown(trials: Sequence[dict], by: Sequence[str] = ()) -> str:
-    """Markdown table of `silent_summary`, plus the check of the masked flag: with protection off, a
-    trial whose flips all landed on never-used values must leave every logit bit for bit unchanged."""
+    """Markdown table of `silent_summary`, plus (ungrouped) the check of the masked flag: with protection
+    off, a trial whose flips all landed on never-used values must leave every logit bit for bit unchanged."""
     rows = silent_summary(trials, by)
     head = [*by, "protection", "trials", "scope", "token changes", "silent token changes", "of which near-tie",
             "rate (beyond noise) [Wilson 95 % upper]", "trials with events", "masked / undecided",
@@ -183,7 +183,7 @@ def silent_markdown(trials: Sequence[dict], by: Sequence[str] = ()) -> str:
             f"{_sci(r['rate_beyond_noise'])} [{_sci(r['upper_beyond_noise'])}]", str(r["events"]),
             f"{r['masked']} / {r['undecided']}", f"{r['max_silent_logit_dev']:.3g}"]) + " |")
     off = [t for t in trials if "unprotected" in t and t.get("masked_position") is True]
-    if off:
+    if off and not by:
         moved = sum(1 for t in off if t["unprotected"].get("logit_dev", 0.0) != 0.0
                     or t["unprotected"].get("token_change"))
         lines += ["", f"Masked-flag check (protection off): {moved} of {len(off)} trials whose flips all landed "
