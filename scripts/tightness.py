@@ -512,6 +512,41 @@ def write_csv(path: str, columns: Sequence[str], rows: Sequence[dict]) -> None:
             w.writerow({c: r[c] for c in columns})
 
 
+def read_csv(path: str) -> list[dict]:
+    """The rows of a ``flips.csv`` or ``clean.csv``, numbers parsed."""
+    ints = {"bit", "flips", "detected", "undetected", "undetected_changed", "over_target", "over_target_gt_1ulp",
+            "rows"}
+    floats = {"max_undetected_change", "row_rms_at_max", "max_undetected_rel", "max_undetected_ulps", "target",
+              "max_ratio"}
+    with open(path, newline="", encoding="utf-8") as fh:
+        return [{k: int(v) if k in ints else float(v) if k in floats else v for k, v in r.items()}
+                for r in csv.DictReader(fh)]
+
+
+def redraw(out: str, plot_too: bool = True) -> str:
+    """Rewrite ``out``'s summary.md (and undetected.png) from its flips.csv and clean.csv; returns the markdown."""
+    flips, clean = read_csv(os.path.join(out, "flips.csv")), read_csv(os.path.join(out, "clean.csv"))
+    r0 = flips[0] if flips else clean[0]
+    title = f"{r0['model']}, {r0['dtype']}, {r0['device']}"
+    md = summary_markdown(flips, clean, title)
+    run_path = os.path.join(out, "run.json")
+    if os.path.exists(run_path):
+        with open(run_path, encoding="utf-8") as fh:
+            md += _skipped_note(json.load(fh))
+    with open(os.path.join(out, "summary.md"), "w", encoding="utf-8") as fh:
+        fh.write(md)
+    if plot_too:
+        plot(flips, os.path.join(out, "undetected.png"), title)
+    return md
+
+
+def _skipped_note(run: dict) -> str:
+    if not run.get("skipped_sites"):
+        return ""
+    return (f"\nNo flip reaches the output through efta_attention ({run['args']['backend']} backend) at: "
+            f"{', '.join(run['skipped_sites'])} (model-level sites, or sites this backend does not compute).\n")
+
+
 def _fmt(v: float) -> str:
     if v == 0:
         return "0"
@@ -535,8 +570,7 @@ def summary_markdown(flips: Sequence[dict], clean: Sequence[dict], title: str) -
         lines.append(f"| {label} | {len(rs)} | {_fmt(ratios[-1])} | {_fmt(ratios[len(ratios) // 2])} | "
                      f"{rs[0]['source']} |")
     lines += ["", "| layer class | flips | detected | largest undetected change (bit) | largest undetected / row "
-              "RMS | largest undetected, output ulps | target | undetected beyond target (of which > 1 ulp) |",
-              "|---|---|---|---|---|---|---|---|"]
+              "RMS | target | undetected beyond target (of which > 1 ulp) |", "|---|---|---|---|---|---|---|"]
     groups: dict[str, list[dict]] = {}
     for r in flips:
         groups.setdefault(r["layer_class"], []).append(r)
@@ -545,15 +579,14 @@ def summary_markdown(flips: Sequence[dict], clean: Sequence[dict], title: str) -
         det = sum(r["detected"] for r in rs)
         worst = max(rs, key=lambda r: r["max_undetected_change"])
         rel = max(r["max_undetected_rel"] for r in rs)
-        ulps = max(r["max_undetected_ulps"] for r in rs)
         over = sum(r["over_target"] for r in rs)
         over_ulp = sum(r["over_target_gt_1ulp"] for r in rs)
         tgt = (f"≤ {rs[0]['target']:g}" if rs[0]["target_kind"] == "abs"
                else f"≤ {100 * rs[0]['target']:g} % RMS")
         change = (f"{_fmt(worst['max_undetected_change'])} ({worst['bit']})" if worst["max_undetected_change"] > 0
                   else "0")
-        lines.append(f"| {cls} | {n} | {100 * det / max(n, 1):.1f} % | {change} | {_fmt(rel)} | {_fmt(ulps)} | {tgt} "
-                     f"| {over} ({over_ulp}) |")
+        lines.append(f"| {cls} | {n} | {100 * det / max(n, 1):.1f} % | {change} | {_fmt(rel)} | {tgt} | {over} "
+                     f"({over_ulp}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -572,24 +605,27 @@ def plot(flips: Sequence[dict], path: str, title: str) -> None:
     for r in flips:
         groups.setdefault(r["layer_class"], []).append(r)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    for cls, rs in groups.items():
+    colors = plt.get_cmap("tab20").colors
+    for i, (cls, rs) in enumerate(groups.items()):
         pts = [(r["bit"], r["max_undetected_change"], r["max_undetected_rel"]) for r in rs
                if r["max_undetected_change"] > 0]
         if not pts:
             continue
         bits, ab, rel = zip(*pts)
         style = "--" if cls.startswith("attn.") else "-"
-        axes[0].plot(bits, [min(v, 1e38) for v in ab], style, marker=".", label=cls)
-        axes[1].plot(bits, [min(v, 1e38) for v in rel], style, marker=".", label=cls)
-    axes[0].axhline(LMHEAD_TARGET, color="k", lw=0.8, ls=":")
-    axes[1].axhline(REL_TARGET, color="k", lw=0.8, ls=":")
+        kw = dict(marker=".", label=cls, color=colors[i % len(colors)])
+        axes[0].plot(bits, [min(v, 1e38) for v in ab], style, **kw)
+        axes[1].plot(bits, [min(v, 1e38) for v in rel], style, **kw)
+    axes[0].axhline(LMHEAD_TARGET, color="k", lw=0.8, ls=":", label=f"lm_head target {LMHEAD_TARGET:g}")
+    axes[1].axhline(REL_TARGET, color="k", lw=0.8, ls=":", label=f"target {100 * REL_TARGET:g} % of the row RMS")
     axes[0].set_ylabel("largest undetected |Δy|")
     axes[1].set_ylabel("largest undetected |Δy| / row RMS")
     for ax in axes:
         ax.set_yscale("log")
         ax.set_xlabel("bit flipped (0 = mantissa LSB)")
         ax.grid(True, which="major", alpha=0.3)
-    axes[1].legend(fontsize=7, ncol=2)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=7, ncol=2)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -635,6 +671,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="tightness_out")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quick", action="store_true", help="64 flips per class, 1 prompt")
+    p.add_argument("--redraw", nargs="+", metavar="DIR",
+                   help="only rewrite DIR/summary.md and DIR/undetected.png from DIR's CSVs")
     a = p.parse_args(argv)
     if a.quick:
         a.flips, a.prompts = min(a.flips, 64), 1
@@ -683,6 +721,10 @@ def _source_state() -> dict:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Run the measurements of the command line ``argv``, write the outputs; returns the rows and run data."""
     a = parse_args(argv)
+    if a.redraw:
+        for d in a.redraw:
+            redraw(d, plot_too=not a.no_plot)
+        return {}
     threads = torch.get_num_threads()
     torch.set_num_threads(a.threads)
     try:
@@ -739,21 +781,12 @@ def _run(a: argparse.Namespace, argv: Sequence[str] | None) -> dict:
 
     write_csv(os.path.join(a.out, "flips.csv"), FLIP_COLUMNS, flip_out)
     write_csv(os.path.join(a.out, "clean.csv"), CLEAN_COLUMNS, clean_rows)
-    title = f"{label}, {a.dtype}, {a.device}"
-    md = summary_markdown(flip_out, clean_rows, title)
-    if skipped:
-        md += (f"\nNo flip reaches the output through efta_attention ({a.backend} backend) at: "
-               f"{', '.join(skipped)} (model-level sites, or sites this backend does not compute).\n")
-    with open(os.path.join(a.out, "summary.md"), "w", encoding="utf-8") as fh:
-        fh.write(md)
-    if not a.no_plot:
-        plot(flip_out, os.path.join(a.out, "undetected.png"), title)
     run = dict(argv=list(sys.argv[1:] if argv is None else argv), args=vars(a), environment=environment(a.device),
                source=_source_state(),
                seconds=time.monotonic() - t_start, seconds_per_class=timing, skipped_sites=skipped)
     with open(os.path.join(a.out, "run.json"), "w", encoding="utf-8") as fh:
         json.dump(run, fh, indent=1)
-    print(md)
+    print(redraw(a.out, plot_too=not a.no_plot))
     return dict(flips=flip_out, clean=clean_rows, run=run)
 
 

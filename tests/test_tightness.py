@@ -164,6 +164,10 @@ def test_main_writes_the_tables(tmp_path):
     md = (out / "summary.md").read_text()
     assert "| lm_head |" in md and "| attn.output |" in md
     assert res["run"]["skipped_sites"] == []
+    assert tightness.read_csv(str(out / "flips.csv")) == res["flips"]  # what --redraw reads back
+    assert tightness.read_csv(str(out / "clean.csv")) == [{c: r[c] for c in tightness.CLEAN_COLUMNS}
+                                                          for r in res["clean"]]
+    assert tightness.redraw(str(out), plot_too=False) == md
 
 
 def test_capture_records_every_linear_input_and_attention_call():
