@@ -30,6 +30,15 @@ _spec.loader.exec_module(tightness)
 HIGH_EXPONENT = 30  # fp32: flips 2^±128 into the value
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Single-threaded, as the script runs by default: many tiny GEMMs run fastest so on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _layer(n: int = 192, k: int = 96, m: int = 8, chunks: int = 2, bias: bool = True) -> tightness.LinearLayer:
     g = torch.Generator().manual_seed(1)
     w = torch.randn(n, k, generator=g) / math.sqrt(k)
