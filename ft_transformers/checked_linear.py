@@ -20,8 +20,9 @@ that rounding, so its threshold is set by the GEMM's fp32 accumulation, not by t
 Counts are per (row, group), as in the Triton kernels. Nothing on this path synchronises with the host
 (no ``.item()``, no data-dependent branch, no ``nonzero``): flags, locations and counts stay tensors,
 so it runs asynchronously on CUDA. (On CPU, where reading a flag costs nothing, idle repair steps are
-skipped; results are identical.) Non-finite x, W or b count one ``nonfinite_input`` and disable the
-checks for the call (masked, not branched); NaN/inf then propagate as in the plain layer.
+skipped; results are identical.) Rows of x holding NaN/inf are not verified and a non-finite W or b
+disables the checks for the call (masked, not branched); either counts one ``nonfinite_input``, and
+NaN/inf then propagate as in the plain layer.
 
 Site ``linear.output``: flips hit y as returned (logical shape (M, N), M = rows of x with leading dims
 flattened; y's dtype, so bits 0–15 for fp16/bf16); the check sees the flipped value where a flip
@@ -321,12 +322,13 @@ def _verify(x2d: torch.Tensor, v32: torch.Tensor, y2d: torch.Tensor, weight: tor
     x32 = x2d.float()
     groups = _groups(wc, weight, bias, weight_is_kn)
     d, thr, _ = _group_check(x32, v32, groups, emax, csigma)  # (M, T)
-    # Non-finite inputs (x, W or b): one `nonfinite_input`, checks masked off for the call.
-    valid = torch.isfinite(x32).all()  # 0-dim bool
+    # Non-finite inputs: a row of x holding NaN/inf is not verified (its checksum means nothing), a non-finite
+    # W or b switches the call's checks off; either counts one `nonfinite_input` for the call.
+    row_ok = torch.isfinite(x32).all(-1, keepdim=True)  # (M, 1)
     if not wc.finite:  # a host bool read when the weight checksums were built
-        valid = torch.zeros_like(valid)
-    add_count(counters, SITE, "nonfinite_input", (~valid).to(torch.int32))
-    bad = ~(d.abs() <= thr) & valid  # NaN/inf D counts as faulty
+        row_ok = torch.zeros_like(row_ok)
+    add_count(counters, SITE, "nonfinite_input", (~row_ok.all()).to(torch.int32))
+    bad = ~(d.abs() <= thr) & row_ok  # NaN/inf D counts as faulty
     n_bad = bad.sum()
     add_count(counters, SITE, "detected", n_bad)
     if not correct:

@@ -1,41 +1,34 @@
-"""The checked GEMM of a batch-1 decode call: V-ABFT per 64-column tile, inside the tile.
+"""The checked GEMM of a decode call (M ≤ 16): V-ABFT per 64-column tile, inside the tile.
 
-The row-checked kernel (`tile._gemm_kernel`) verifies whole output rows: ``Σ_n y[m, n]`` against
-``x[m]·w1`` with ``w1 = Σ_n W[n, :]``, which needs every tile's row sums in one place (atomics into
-cells, a last program that counts and verifies: 1.6-2.2 µs per decode call over the plain GEMM on an
-H200, ``docs/vabft.md``). Here each program computes one group of ``G = 64`` output
-columns (``GROUP_COLS``; the tile) and the group is its own checked GEMM (SPEC §5 with ``N``
-replaced by the group's width ``n_g``, 64 or less for the last):
+Each program computes one group of ``G = 64`` output columns (``GROUP_COLS``; the tile), and the group
+is its own checked GEMM (SPEC §5 with ``N`` replaced by the group's width ``n_g``, 64 or less for the
+last), verified in the tile's epilogue: no launch after the GEMM (the tile and persistent forms'
+`groups._group_verify_kernel`), no cell, no atomic on a clean call.
 
 * ``D1[m] = Σ_{n∈g} v[m, n] − (x[m]·w1_g + b1_g)``, ``w1_g = Σ_{n∈g} W[n, :]`` (fp32, cached per
   weight: ``(⌈N/64⌉, K)``, 1/32 of an fp16 weight's bytes), ``v`` the fp32 accumulators (or the
   rounded outputs in ``output`` mode), flips at ``linear.output`` included;
-* the threshold ``T[m]`` of SPEC §5 from x's row statistics and the group's weight statistics
-  (`group_checksums`: ``Σ_k |μ_gk|``, ``Σ_k σ²_gk``, ``Σ_k μ_gk²`` over the group's rows of W).
+* the threshold ``T[m]`` of SPEC §5 from x's row mean and variance (Σx, Σx²) and the group's weight
+  statistics (`group_checksums`: ``Σ_k |μ_gk|``, ``Σ_k σ²_gk``, ``Σ_k μ_gk²`` over the group's rows of W).
 
-Every K block passes through the tile, so it computes ``x·w1_g`` and x's statistics beside its dot
-and verifies its columns in its epilogue, before the store: no other program, no cell, no atomic
-on a clean call. With split-K (`forms.split_k`) the last split of a tile first sums the
-splits' fp32 partials (tile, checksum, statistics) in split order.
+Every K block passes through the tile, so it computes ``x·w1_g`` (plain fp32 on the CUDA cores: at
+M ≤ 16 the call is bound by reading W, and ``w1_g`` adds 1/32 of its bytes) and x's sums beside its dot.
+With split-K (`forms.split_k`) the last split of a tile first sums the splits' fp32 partials (tile,
+checksum, sums) in split order.
 
 A failing row (rare) is recomputed in fp32 by the tile (the same dot over all of K). The reference
 path's location test then runs on the exact differences ``d = v − ref``:
 ``t = G·Σ_j ((j+1)/G)·d_j / Σ_j d_j`` within 0.25 of an integer locates a single error, which is
 replaced by the recomputed value and re-verified (the row's group re-summed as stored, against the
-output-side threshold, as the reference path re-verifies a repair; in accumulator mode also the
-other elements' differences from the recomputation, against the accumulator-side one) →
-``corrected``; any other failing row of the tile takes the recomputed values → ``recomputed``.
-``correct=False``: ``detected`` + ``uncorrectable``.
+output-side threshold; in accumulator mode also the other elements' differences from the
+recomputation, against the accumulator-side one) → ``corrected``; any other failing row of the tile
+takes the recomputed values → ``recomputed``. ``correct=False``: ``detected`` + ``uncorrectable``.
 
-Counting is per (row, tile). Where N ≤ 64 (one tile per row), or a row has faults in one tile only,
-the counts are the reference path's; a row with faults in several tiles counts one event per tile
-(the reference counts the row once), each tile repairing its own. Non-finite x (every tile sees all
-of it) or W/b switch the call's checks off and count one ``nonfinite_input`` (tile 0), as on the
-reference path.
+Counting is per (row, group), as on every path. Rows of x holding NaN/inf are not verified and a
+non-finite W or b switches the call's checks off; either counts one ``nonfinite_input`` (tile 0).
 
-`forms.choose_form` sends a checked call here when M ≤ ``GROUPED_MAX_ROWS`` (1: batch-1 decode, where it was
-measured faster) and the call has at most ``GROUPED_MAX_TILES`` tiles; the kernel itself takes up to
-16 rows (ROWS = next_pow2(M) rows of statistics; the tests run it so).
+`forms.choose_form` sends a checked fp16/bf16 call here when M ≤ ``GROUPED_MAX_ROWS`` (ROWS =
+next_pow2(M) rows of statistics).
 """
 
 from __future__ import annotations
@@ -127,20 +120,23 @@ def _epilogue(acc, c1, sm, sq, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m, offs_a
     var = tl.maximum(sq * inv_k - mu * mu, 0.0)  # x's row variance
     thr = emax * (det * tl.abs(mu) + csigma * tl.sqrt(mu * mu * v2 + var * v3) + csigma * v4 * tl.sqrt(var)
                   + bdet + csigma * bsd)
-    # any x non-finite (a NaN makes the sum NaN, ±inf shows in max/min): then, as for non-finite W/b, the
-    # call's checks are off
+    # a row whose x is not finite (NaN makes the sums NaN, ±inf makes Σx² inf) is not verified: its T
+    # becomes NaN, which marks it after the mapping below; the call counts one `nonfinite_input` for it
     r_ok = tl.arange(0, sm.shape[0]) < M
-    nf = r_ok & (~(tl.abs(sm) < float("inf")) | ~(sq < float("inf")))
-    nf = tl.max(nf.to(tl.int32), axis=0)
+    row_fin = (tl.abs(sm) < float("inf")) & (sq < float("inf"))
+    nf = tl.max((r_ok & ~row_fin).to(tl.int32), axis=0)
+    thr = tl.where(row_fin, thr, float("nan"))
     # c1 and T onto the tile's BLOCK_M rows together (row r takes row r mod ROWS: r itself for r < M)
     c1, thr = tl.split(_on_tile_rows(tl.join(c1 + b1, thr), acc.shape[0]))
     d1 = tl.sum(v, axis=1) - c1
-    bad = ~(tl.abs(d1) <= thr) & m_ok
+    bad = ~(tl.abs(d1) <= thr) & m_ok & (thr == thr)
     cbase = Cnt + _SITE_ROW * scn0
     if (nf != 0) | (w_finite == 0):
         if tile == 0:  # the weight's first tile counts it
             tl.atomic_add(cbase + _NONF * scn1, 1)
-    elif tl.max(bad.to(tl.int32), axis=0) > 0:
+    if w_finite == 0:  # a non-finite weight or bias: the call's checks are off
+        bad = bad & (offs_m < 0)
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
         n_bad = tl.sum(bad.to(tl.int32), axis=0)
         tl.atomic_add(cbase + _DET * scn1, n_bad)
         if CORRECT:
