@@ -156,7 +156,8 @@ def _efta_forward(
         q: (B, Hq, M, D); k, v: (B, Hkv, N, D); same dtype (fp16/bf16/fp32) and device.
         bias, attn_mask: broadcastable to (B, Hq, M, N) (mask bool True = attend, or additive).
         plan: injection plan (attention sites only).
-        counters: int32 (sites, kinds) block on q's device (e.g. a (6, 5) view into a bigger tensor).
+        counters: int32 (sites, kinds) block (`contract.COUNTER_SHAPE`) on q's device (e.g. a view into a
+            bigger tensor).
         pasa: PASA shifted FP16 score GEMM (``docs/pasa.md``); fp16/bf16 inputs only.
         pasa_beta: PASA shift factor; None = optimal for fp16 and the backend's key block.
         pasa_precision: PASA's softmax-state precision, ``"fp32"`` or ``"fp16"`` (the PASA paper's full

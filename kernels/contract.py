@@ -22,15 +22,48 @@ import struct
 import torch
 
 SITES: tuple[str, ...] = (
+    # the values of EFTA's key loop, in the order one key block produces them (docs/algorithms.md)
     "attn.scores",  # S = Q·Kᵀ, fp32 accumulator of GEMM I
-    "attn.rowmax",  # running row max m of the online softmax
-    "attn.probs",  # P = exp(S - m)
-    "attn.rowsum",  # running row sum l of the online softmax
+    "attn.rowmax",  # running row max m of the online softmax (after the block)
+    "attn.exponent",  # x = S − m, the exponent fed to exp
+    "attn.probs",  # P = exp(x), fp32
+    "attn.probs_lp",  # P in the input dtype, as GEMM II reads it
+    "attn.alpha",  # α = exp(m_old − m_new), the rescale of the running state
+    "attn.rowsum",  # running row sum l of the online softmax (after the block)
+    "attn.acc",  # the output accumulator O between key blocks (after the block)
     "attn.output",  # normalised output O / l, before it is stored
+    "attn.checksum",  # checksum operands: GEMM I's Sc1 = Q·Kc1ᵀ and GEMM II's running Oc1
     "linear.output",  # y = x·Wᵀ + b, as the GEMM produces it
 )
-ATTENTION_SITES: tuple[str, ...] = SITES[:5]
-LINEAR_SITES: tuple[str, ...] = SITES[5:]
+ATTENTION_SITES: tuple[str, ...] = (
+    "attn.scores", "attn.rowmax", "attn.exponent", "attn.probs", "attn.probs_lp", "attn.alpha", "attn.rowsum",
+    "attn.acc", "attn.output", "attn.checksum",
+)
+LINEAR_SITES: tuple[str, ...] = ("linear.output",)
+assert sorted(ATTENTION_SITES + LINEAR_SITES) == sorted(SITES), "every site belongs to one kernel"
+
+# Logical shape of each attention site in a call (B, Hq, M, ·): the last dim is keys (N), key blocks
+# (nblocks), key blocks × head dim (one slice of D per block) or key blocks × the 2s checksum columns
+# of a block (s = the checksum stride; Sc1 in columns [0, s), Oc1 in [s, 2s)), or the head dim (D).
+_SITE_LAST_DIM = {
+    "attn.scores": "keys", "attn.exponent": "keys", "attn.probs": "keys", "attn.probs_lp": "keys",
+    "attn.rowmax": "blocks", "attn.alpha": "blocks", "attn.rowsum": "blocks",
+    "attn.acc": "blocks_d", "attn.checksum": "blocks_cs", "attn.output": "d",
+}
+
+
+def site_shape(site: str, B: int, Hq: int, M: int, N: int, D: int, nblocks: int, stride: int = 16
+               ) -> tuple[int, int, int, int]:
+    """The logical shape of attention ``site`` in a call: (B, Hq, M, last) (see ``_SITE_LAST_DIM``)."""
+    last = {"keys": N, "blocks": nblocks, "blocks_d": nblocks * D, "blocks_cs": nblocks * 2 * stride,
+            "d": D}[_SITE_LAST_DIM[site]]
+    return (B, Hq, M, last)
+
+
+def site_dtype(site: str, input_dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype of the values at attention ``site`` (the bits a flip can hit): the input dtype
+    for ``attn.probs_lp`` (P as GEMM II reads it), fp32 everywhere else."""
+    return input_dtype if site == "attn.probs_lp" else torch.float32
 
 KINDS: tuple[str, ...] = ("detected", "corrected", "recomputed", "uncorrectable", "nonfinite_input")
 
@@ -53,13 +86,34 @@ def derive_seed(*parts: object) -> int:
 
 
 # EFTA step 4, the product check of ``P = exp(x)`` per group (row i, residue r) of L keys: it compares
-# ``log2 Π P`` with ``log2(e)·Σ x`` within ``EXP_ULPS·u·log2(e)·(3L + |Σ x|)`` (u = 2^-24). x below
-# ``EXP_XMIN`` (masked keys included) counts as ``EXP_XMIN`` and P below ``P_MIN = exp(EXP_XMIN)`` as
-# ``P_MIN`` (a NaN-propagating fp32 max, so a NaN stays NaN and a negative P becomes ``P_MIN``). The
+# ``log2 Π P`` with ``log2(e)·Σ x`` within ``EXP_ULPS·u·log2(e)·(3L + |Σ x|)`` (u = 2^-24) plus the room of
+# two roundings named below. P is taken as GEMM II reads it (rounded to the input dtype), Σ x from the
+# scores the row max read (``Σ max(S, base + x_min) − L·base``), so faults in x and in the rounded P are
+# seen. x below ``x_min`` (masked keys included) counts as ``x_min`` and P below ``P_min = exp(x_min)`` as
+# ``P_min`` (a NaN-propagating fp32 max, so a NaN stays NaN and a negative P becomes ``P_min``). The
 # product of ``EXP_MAX_GROUP`` clamped values stays a normal fp32 number (≥ e^-80 > 2^-126), so it is
-# formed directly in fp32.
+# formed directly in fp32. (x_min, P_min) depend on the dtype P is held in (`exp_clamp`).
 EXP_ULPS = 64.0
 EXP_XMIN = -20.0
 EXP_MAX_GROUP = 4  # keys per group (L = block / stride = 64 / 16) for which P_MIN^L is still normal
 LOG2E = 1.4426950408889634
 P_MIN = struct.unpack("<f", struct.pack("<f", math.exp(EXP_XMIN)))[0]  # exp(−20) rounded to fp32
+# fp16 holds values below 2^-14 as subnormals, whose rounding is not relative: its clamp sits above
+# them, x_min = −9.5, P_min = exp(−9.5) ≈ 7.5e-5 > 2^-14 (fp32 and bf16 keep −20). Rounding to the input
+# dtype moves each log2 P by at most 1.01·LOWP_U·log2(e), so the group test gets
+# ``L·1.01·LOWP_U·log2(e)`` more room (0 for fp32).
+EXP_XMIN_FP16 = -9.5
+
+
+def exp_clamp(dtype: torch.dtype) -> tuple[float, float]:
+    """Step 4's clamp for P held in ``dtype`` (the dtype GEMM II reads P in): (x_min, P_min = exp(x_min)
+    rounded to fp32)."""
+    xmin = EXP_XMIN_FP16 if dtype == torch.float16 else EXP_XMIN
+    return xmin, struct.unpack("<f", struct.pack("<f", math.exp(xmin)))[0]
+
+
+# Rounding P to the dtype GEMM II reads it in moves it by at most ``LOWP_U·P`` (normal range) or
+# ``LOWP_ETA`` (half the smallest subnormal spacing). EFTA step 6: the row sum l accumulates the fp32 P,
+# its twin lc the rounded P, so the twin test gets ``LOWP_U·l + LOWP_ETA·nvalid`` more room.
+LOWP_U: dict[torch.dtype, float] = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+LOWP_ETA: dict[torch.dtype, float] = {torch.float32: 0.0, torch.float16: 2.0**-25, torch.bfloat16: 2.0**-134}

@@ -12,22 +12,27 @@ Three parts, each optional:
    MiniLM fits in a device call: ``python -c "from ft_transformers.embedded import minilm_dir;
    from transformers import AutoModel as A; A.from_pretrained(minilm_dir(), dtype='float16')
    .save_pretrained('.gpucarry/minilm')"`` plus its tokenizer files.)
-3. **Injections** (``--n`` per row): at each attention site, single bit flips either at fixed bits
-   (``--bits``) or at a random bit of a class (``--classes sign,exponent,mantissa``: bit 31, bits
-   23–30, bits 0–22 of the fp32 value), each call protected and unprotected. Per row:
+3. **Injections** (``--n`` per row): at each attention site (``--sites``, default all), single bit flips
+   either at fixed bits (``--bits``) or at a random bit of a class (``--classes sign,exponent,mantissa``
+   of the value's storage format at the site: bit 31, bits 23–30, bits 0–22 of fp32; bit 15, bits
+   10–14, bits 0–9 of fp16; bit 15, bits 7–14, bits 0–6 of bf16 — ``attn.probs_lp`` is stored in the
+   input dtype), each call protected and unprotected. Per row:
 
    - ``det``: calls with ``detected ≥ 1``; ``corr`` / ``reco``: calls whose faults were all corrected
      in place / needed a recompute;
    - ``exact``: protected output within ``--tol`` of the clean output; ``err``: the largest
      protected-vs-clean difference left (the residual error after correction);
    - ``harm``: unprotected output off by more than ``--harm`` (or non-finite);
-   - ``esc``: harmful flips the protected call did *not* detect; ``sdc``: protected output off by
-     more than ``--harm`` (silent corruption left). Both should be 0.
+   - ``esc``: escapes (``docs/reliability.md``): flips that no check flagged and that moved the output
+     beyond the clean tolerance ``ctol`` (the largest difference between the clean output and float64
+     attention on the same inputs, printed with the table); ``sdc``: protected output off by more than
+     ``--harm`` (silent corruption left, detected or not). Both should be 0.
 
 ``--backend auto`` uses the Triton kernel on CUDA and the reference on CPU. Writes ``--json``
 (everything) and ``--csv`` (the injection table) if given; progress bars on stderr.
 
     python scripts/efta_coverage.py --n 200 --clean-calls 200                      # CPU, reference
+    python scripts/efta_coverage.py --quick                                         # CPU smoke run (seconds)
     python3 scripts/efta_coverage.py --device cuda --dtype float16 --n 1000 \\
         --classes sign,exponent,mantissa --clean-calls 100000 --model minilm      # GPU campaign
 """
@@ -44,7 +49,7 @@ import time
 import zlib
 
 import torch
-from ft_transformers.kernels.contract import ATTENTION_SITES
+from ft_transformers.kernels.contract import ATTENTION_SITES, site_dtype
 from tqdm import tqdm
 
 from ft_transformers.efta import efta_attention
@@ -54,7 +59,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import device_label, versions  # noqa: E402
 from calibrate_emax import sample_matrix  # noqa: E402
 
-CLASSES = {"sign": (31, 31), "exponent": (23, 30), "mantissa": (0, 22)}
+# bit classes of a value's storage format: (sign, exponent, mantissa) bit ranges
+CLASSES = {
+    torch.float32: {"sign": (31, 31), "exponent": (23, 30), "mantissa": (0, 22)},
+    torch.float16: {"sign": (15, 15), "exponent": (10, 14), "mantissa": (0, 9)},
+    torch.bfloat16: {"sign": (15, 15), "exponent": (7, 14), "mantissa": (0, 6)},
+}
+QUICK = dict(n=4, clean_calls=8, shape="1,2,1,8,100,32")  # --quick: a CPU smoke run
 DISTS = ("N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)")
 
 
@@ -126,52 +137,78 @@ def model_calls(name: str, device: str, dtype: torch.dtype) -> dict:
             "attention_events": sum(e.count for e in events if e.kind in ("detected", "nonfinite_input"))}
 
 
-def injections(args, shape, causal, dtype, device) -> list[dict]:
+def _float64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """softmax(q·kᵀ/√D)·v in float64 (GQA by repetition, bottom-right causal): the clean tolerance's oracle."""
+    q, k, v = q.double(), k.double(), v.double()
+    M, N = q.shape[2], k.shape[2]
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        hide = torch.arange(N, device=q.device)[None, :] > torch.arange(M, device=q.device)[:, None] + (N - M)
+        s = s.masked_fill(hide, -math.inf)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def _site_bits(site: str, dtype: torch.dtype, args) -> list[tuple[str, tuple[int, int]]]:
+    """The rows of one site: fixed bits (``--bits``, those the site's storage format has), or classes."""
+    store = site_dtype(site, dtype)
+    if args.bits:
+        nbits = torch.finfo(store).bits
+        return [(f"bit {b}", (b, b)) for b in (int(x) for x in args.bits.split(",")) if b < nbits]
+    return [(c, CLASSES[store][c]) for c in args.classes.split(",")]
+
+
+def injections(args, shape, causal, dtype, device) -> tuple[list[dict], float]:
+    """The injection table (one row per site and bit class) and the clean tolerance it used."""
     g = torch.Generator(device=device).manual_seed(1)
     q, k, v = _qkv(shape, "N(1e-6,1)", g, dtype)
     with torch.no_grad():
         clean, st = efta_attention(q, k, v, causal=causal, backend=args.backend)
     if st["detected"]:
         raise RuntimeError(f"the clean reference call raised events: {dict(st)}")
-    rows_spec = [(f"bit {b}", (b, b)) for b in (int(x) for x in args.bits.split(","))] if args.bits else \
-        [(c, CLASSES[c]) for c in args.classes.split(",")]
+    ctol = _maxdiff(clean, _float64_attention(q, k, v, causal))
+    sites = args.sites.split(",") if args.sites else list(ATTENTION_SITES)
+    plan_rows = [(site, label, lo_hi) for site in sites for label, lo_hi in _site_bits(site, dtype, args)]
     rows = []
-    total = len(ATTENTION_SITES) * len(rows_spec) * args.n
-    bar = tqdm(total=total, desc="injections", disable=args.no_progress)
-    for site in ATTENTION_SITES:
-        for label, (lo, hi) in rows_spec:
-            c = dict(site=site, bits=label, n=args.n, det=0, corr=0, reco=0, exact=0, harm=0, esc=0, sdc=0,
-                     max_err=0.0)
-            rng = torch.Generator().manual_seed(zlib.crc32(f"{site}/{label}".encode()))
-            for seed in range(args.n):
-                bit = int(torch.randint(lo, hi + 1, (1,), generator=rng))
-                spec = FaultSpec(site=site, bit=bit, seed=seed)
-                plan = FaultPlan(spec)
-                with torch.no_grad():
-                    out, st = efta_attention(q, k, v, causal=causal, inject=plan, backend=args.backend)
-                    bare, _ = efta_attention(q, k, v, causal=causal, inject=spec, detect=False, backend=args.backend)
-                if plan.injected != 1:
-                    raise RuntimeError(f"expected one flip, got {plan.injected} ({site}, bit {bit}, seed {seed})")
-                d = st["detected"] > 0
-                err = _maxdiff(out, clean)
-                h = _maxdiff(bare, clean) > args.harm
-                c["det"] += d
-                c["corr"] += d and st["recomputed"] == 0
-                c["reco"] += st["recomputed"] > 0
-                c["exact"] += err <= args.tol
-                c["sdc"] += err > args.harm
-                c["harm"] += h
-                c["esc"] += h and not d
-                c["max_err"] = max(c["max_err"], err)
-                bar.update()
-            rows.append(c)
+    bar = tqdm(total=len(plan_rows) * args.n, desc="injections", disable=args.no_progress)
+    for site, label, (lo, hi) in plan_rows:
+        c = dict(site=site, bits=label, n=args.n, det=0, corr=0, reco=0, exact=0, harm=0, esc=0, sdc=0,
+                 max_err=0.0)
+        rng = torch.Generator().manual_seed(zlib.crc32(f"{site}/{label}".encode()))
+        for seed in range(args.n):
+            bit = int(torch.randint(lo, hi + 1, (1,), generator=rng))
+            spec = FaultSpec(site=site, bit=bit, seed=seed)
+            plan = FaultPlan(spec)
+            with torch.no_grad():
+                out, st = efta_attention(q, k, v, causal=causal, inject=plan, backend=args.backend)
+                bare, _ = efta_attention(q, k, v, causal=causal, inject=spec, detect=False, backend=args.backend)
+            if plan.injected != 1:
+                raise RuntimeError(f"expected one flip, got {plan.injected} ({site}, bit {bit}, seed {seed})")
+            d = st["detected"] > 0
+            err = _maxdiff(out, clean)
+            h = _maxdiff(bare, clean) > args.harm
+            c["det"] += d
+            c["corr"] += d and st["recomputed"] == 0
+            c["reco"] += st["recomputed"] > 0
+            c["exact"] += err <= args.tol
+            c["sdc"] += err > args.harm
+            c["harm"] += h
+            c["esc"] += err > ctol and not d
+            c["max_err"] = max(c["max_err"], err)
+            bar.update()
+        rows.append(c)
     bar.close()
-    return rows
+    return rows, ctol
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a CPU smoke run: {QUICK['n']} flips per row, {QUICK['clean_calls']} clean calls, "
+                         f"shape {QUICK['shape']} (overrides --n, --clean-calls, --shape)")
     ap.add_argument("--n", type=int, default=200, help="injections per (site, bit or class); 0: none")
+    ap.add_argument("--sites", default=None, help="comma-separated attention sites (default: all)")
     ap.add_argument("--bits", default=None, help="fixed bits, e.g. 0,10,16,20,22,27,28,29,30,31")
     ap.add_argument("--classes", default="sign,exponent,mantissa", help="bit classes (when --bits is not given)")
     ap.add_argument("--shape", default="2,4,2,64,200,64", help="B,Hq,Hkv,M,N,D")
@@ -187,6 +224,10 @@ def main() -> None:
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
+    if args.quick:
+        args.n, args.clean_calls, args.shape = QUICK["n"], QUICK["clean_calls"], QUICK["shape"]
+    if args.sites and not set(args.sites.split(",")) <= set(ATTENTION_SITES):
+        ap.error(f"--sites: choose among {', '.join(ATTENTION_SITES)}")
     shape = tuple(int(x) for x in args.shape.split(","))
     if len(shape) != 6:
         ap.error("--shape needs six integers B,Hq,Hkv,M,N,D")
@@ -213,14 +254,16 @@ def main() -> None:
         print(f"model {mc['model']}: {mc['attention_layers']} attention layers × {mc['model_calls']} model calls "
               f"= {mc['attention_calls']} attention calls, {mc['attention_events']} attention events", flush=True)
     if args.n:
-        rows = injections(args, shape, causal, dtype, args.device)
+        rows, ctol = injections(args, shape, causal, dtype, args.device)
         result["injections"] = rows
-        hdr = (f"{'site':<12} {'bits':>9} | {'det':>6} {'corr':>6} {'reco':>6} {'exact':>6} {'err':>8} | "
+        result["clean_tolerance"] = ctol
+        hdr = (f"{'site':<14} {'bits':>9} | {'det':>6} {'corr':>6} {'reco':>6} {'exact':>6} {'err':>8} | "
                f"{'harm':>6} {'esc':>4} {'sdc':>4}")
-        print(f"\n{args.n} single-bit injections per row\n" + hdr + "\n" + "-" * len(hdr))
+        print(f"\n{args.n} single-bit injections per row; clean tolerance ctol = {ctol:.2e}\n" + hdr + "\n"
+              + "-" * len(hdr))
         for c in rows:
             pct = lambda x, c=c: f"{100.0 * x / c['n']:5.1f}%"
-            print(f"{c['site']:<12} {c['bits']:>9} | {pct(c['det'])} {pct(c['corr'])} {pct(c['reco'])} "
+            print(f"{c['site']:<14} {c['bits']:>9} | {pct(c['det'])} {pct(c['corr'])} {pct(c['reco'])} "
                   f"{pct(c['exact'])} {c['max_err']:8.1e} | {pct(c['harm'])} {c['esc']:>4} {c['sdc']:>4}")
         if args.csv:
             with open(args.csv, "w", newline="") as f:

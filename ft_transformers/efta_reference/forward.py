@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from .. import pasa as _pasa
 from ..injection import FaultPlan
+from ..kernels.contract import ATTENTION_SITES, site_dtype, site_shape
 from . import output, scores, softmax
 from .checksums import key_checksums, value_checksums
 from .common import count
@@ -163,14 +164,9 @@ def efta_reference(
         detect = correct = False
 
     nb = -(-N // block_n)
-    if plan:
-        sf_scores = plan.for_site("attn.scores", full4, f32, dev)
-        sf_rowmax = plan.for_site("attn.rowmax", (B, Hq, M, nb), f32, dev)
-        sf_probs = plan.for_site("attn.probs", full4, f32, dev)
-        sf_rowsum = plan.for_site("attn.rowsum", (B, Hq, M, nb), f32, dev)
-        sf_output = plan.for_site("attn.output", (B, Hq, M, D), f32, dev)
-    else:
-        sf_scores = sf_rowmax = sf_probs = sf_rowsum = sf_output = None
+    pv_dtype = f16 if half_state else v.dtype  # the dtype GEMM II reads P in
+    sfs = {site: plan.for_site(site, site_shape(site, B, Hq, M, N, D, nb, stride), site_dtype(site, pv_dtype), dev)
+           if plan else None for site in ATTENTION_SITES}
 
     s = stride
     L = block_n // s
@@ -218,10 +214,11 @@ def efta_reference(
         kb = kp[:, :, j0:j0 + block_n]
         kb16 = kp16[:, :, j0:j0 + block_n] if pasa else None
         # 1. GEMM I and its checksum check.
-        S = scores.block_scores(qs, kb, sf_scores, block_site, j0, q16=q16, kb16=kb16)
+        S = scores.block_scores(qs, kb, sfs["attn.scores"], block_site, j0, q16=q16, kb16=kb16)
         if detect:
             S = scores.check_scores(S, qs, kb, kc[:, :, j], kabs[:, :, j], qn1, s_floor, width=w, stride=s,
-                                    correct=correct, counters=counters, q16=q16, kb16=kb16)
+                                    correct=correct, counters=counters, q16=q16, kb16=kb16,
+                                    sf_cs=sfs["attn.checksum"], cs_site=(B, Hq, M, s), j=j)
         if pasa:
             S, m = frame.enter(S, m, j, w)
         # 2. bias and masks (−inf where masked, the key padding included).
@@ -230,22 +227,24 @@ def efta_reference(
         S = S5.view(B, Hkv, GM, block_n)
         if detect:
             nvalid += (S > NEG_INF).sum(-1, keepdim=True, dtype=torch.int32)
-        # 3. running max (SNVR check); 4. P = exp(x) (product check); 5. rescale and accumulate.
-        m_new, x = softmax.running_max(S, m, sf_rowmax, row_site, j, detect=detect, correct=correct,
-                                       counters=counters)
-        P = softmax.probabilities(x, sf_probs, block_site, j0, stride=s, half_state=half_state, detect=detect,
-                                  correct=correct, counters=counters)
-        l, acc = softmax.accumulate(P, m, m_new, l, acc, vaug[:, :, j0:j0 + block_n], sf_rowsum, row_site, j,
-                                    vb16=vp16[:, :, j0:j0 + block_n] if half_state else None)
+        # 3. running max (SNVR check); 4. x, P = exp(x) (product check); 5. rescale (checked), accumulate.
+        chk = dict(detect=detect, correct=correct, counters=counters)
+        m_new, base = softmax.running_max(S, m, sfs["attn.rowmax"], row_site, j, **chk)
+        P, pd = softmax.probabilities(S, base, sfs, block_site, j0, stride=s, pv_dtype=pv_dtype,
+                                      half_state=half_state, **chk)
+        alpha = softmax.rescale(m, m_new, sfs["attn.alpha"], row_site, j, **chk)
+        vb = vp16[:, :, j0:j0 + block_n] if half_state else vaug[:, :, j0:j0 + block_n]
+        l, acc = softmax.accumulate(P, pd, alpha, l, acc, vb, sfs, block_site, j, head_dim=D, stride=s,
+                                    half_state=half_state)
         m = m_new
 
     # 6. row sum check; 7. normalise, inject, unified verification, recompute the flagged rows.
     redo_rows = None
     if detect:
-        redo_rows = output.check_row_sums(l, acc, nvalid, block_n=block_n, nblocks=nb, correct=correct,
-                                          counters=counters)
+        redo_rows = output.check_row_sums(l, acc, nvalid, block_n=block_n, nblocks=nb, pv_dtype=pv_dtype,
+                                          correct=correct, counters=counters)
     acc = output.normalise(l, acc, half_state)
-    O = output.extract(acc, D, sf_output, (B, Hq, M, D))
+    O = output.extract(acc, D, sfs["attn.output"], (B, Hq, M, D))
     if detect:
         O, redo_rows = output.verify_output(O, acc, vmax, redo_rows, stride=s, block_n=block_n, nblocks=nb,
                                             correct=correct, counters=counters)

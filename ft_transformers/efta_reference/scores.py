@@ -63,7 +63,8 @@ def block_scores(qs: torch.Tensor, kb: torch.Tensor, sf: SiteFaults | None, site
 def check_scores(S: torch.Tensor, qs: torch.Tensor, kb: torch.Tensor, kc: torch.Tensor, kabs: torch.Tensor,
                  qn1: torch.Tensor, s_floor: float | None, *, width: int, stride: int, correct: bool,
                  counters: torch.Tensor | None, q16: torch.Tensor | None = None,
-                 kb16: torch.Tensor | None = None) -> torch.Tensor:
+                 kb16: torch.Tensor | None = None, sf_cs: SiteFaults | None = None,
+                 cs_site: tuple[int, ...] = (), j: int = 0) -> torch.Tensor:
     """Step 1's check of one key block; counts at ``attn.scores`` and returns the repaired scores.
 
     ``D1[i,r] = Sc1[i,r] − Σ_l S[i,l·s+r]``, ``D2`` with weights (l+1). A group with
@@ -82,12 +83,17 @@ def check_scores(S: torch.Tensor, qs: torch.Tensor, kb: torch.Tensor, kc: torch.
         q16, kb16: PASA's fp16 operands: a located element is recomputed with the FP16 GEMM's own
             arithmetic (the same bits), a row with fp32 accumulation (which also repairs a genuine
             fp16 overflow of the row).
+        sf_cs, cs_site = (B, Hq, M, s), j: the ``attn.checksum`` faults, on Sc1 of block j (columns
+            [2s·j, 2s·j + s) of the site). A wrong checksum fails its group; ``Sc2 = Q·Kc2ᵀ`` does not
+            follow it, so ``D2/D1`` stays near 0, the group is not located and the row is recomputed.
     Returns:
         S, or a repaired copy of it.
     """
     s = stride
     L = kb.shape[-2] // s
     sc = torch.matmul(qs, kc.transpose(-1, -2))  # (B, Hkv, G·M, 2s)
+    if sf_cs is not None:
+        sc[..., :s] = inject(sf_cs, sc[..., :s], cs_site, j * 2 * s)
     g1, g2 = group_sums(S, L, s)
     d1 = sc[..., :s] - g1
     d2 = sc[..., s:] - g2

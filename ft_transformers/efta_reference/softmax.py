@@ -1,6 +1,9 @@
 """The online softmax of one key block with its checks (``docs/algorithms.md`` steps 3–5): the
-running max and its SNVR check, ``P = exp(x)`` and the product check per group, and the rescaled
-accumulation of the row sum ``l``, the output ``O`` and its checksum columns.
+running max and its SNVR check, the exponent ``x = S − m``, ``P = exp(x)`` and P rounded to the dtype
+GEMM II reads it in, with the product check per group (on that rounded P, against exponents taken from
+the scores, so that faults in x and in the rounded P are seen too), and the rescaled accumulation (α
+checked against its recomputation) of the row sum ``l`` (fp32 P), the output ``O``, its checksum columns
+and the twin ``lc`` (the rounded P).
 
 Shapes: GQA rows, (B, Hkv, G·M, ·); m, l: (B, Hkv, G·M, 1); the accumulator (B, Hkv, G·M, DA) holds
 ``[O | Oc1 | Oc2 | lc]`` when checking (DA = D + 2s + 1), ``O`` alone otherwise.
@@ -12,8 +15,8 @@ import torch
 
 from .. import pasa as _pasa
 from ..injection import SiteFaults
-from ..kernels.contract import EXP_MAX_GROUP, EXP_ULPS, EXP_XMIN, LOG2E, P_MIN
-from .checksums import U
+from ..kernels.contract import EXP_MAX_GROUP, EXP_ULPS, LOG2E, LOWP_U, exp_clamp
+from .checksums import U, g
 from .common import count, inject
 from .masks import NEG_INF
 
@@ -36,30 +39,48 @@ def exp_ftz(x: torch.Tensor) -> torch.Tensor:
     return p.masked_fill_(x < _FTZ_XMIN, 0.0)
 
 
-def exp_group_test(x: torch.Tensor, P: torch.Tensor, s: int) -> torch.Tensor:
+def exp_group_test(S: torch.Tensor, base: torch.Tensor, P: torch.Tensor, s: int,
+                   p_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Step 4: the product identity Π_l P[i, l·s+r] = exp(Σ_l x[i, l·s+r]) per group (row i, residue r),
-    checked in log2 on the fp32 product of the group.
+    checked in log2 on the fp32 product of the group, with the exponents taken from the scores S (the
+    values the row max read) rather than from x: ``Σ_l max(x, x_min) = Σ_l max(S, base + x_min) − L·base``.
+    A fault in x (or in the subtraction that made it) then breaks the identity like a fault in P does;
+    checked against x itself, P = exp(x) would agree with a wrong x.
 
-    Below x_min = −20 (masked keys included) x counts as x_min and P as P_min = exp(x_min) unless it is
-    larger (a NaN-propagating max: a NaN P stays NaN, a negative one becomes P_min), so a product of
-    up to 4 clamped values cannot underflow; larger groups (L > 4, other block/stride choices than
-    the kernel's) are multiplied in chunks of 4 and the chunks' log2 summed. x, P: (..., L·s) fp32.
-    Returns (..., s) bool: |log2 Π P − log2(e)·Σ x| > 64·u·log2(e)·(3L + |Σ x|).
+    Below x_min (masked keys included) x counts as x_min and P as P_min = exp(x_min) unless it is larger
+    (a NaN-propagating max: a NaN P stays NaN, a negative one becomes P_min); (x_min, P_min) =
+    `contract.exp_clamp` of ``p_dtype`` (−20, or −9.5 for fp16, whose subnormals round absolutely). A
+    product of up to 4 clamped values cannot underflow; larger groups (L > 4, other block/stride choices
+    than the kernel's) are multiplied in chunks of 4 and the chunks' log2 summed.
+
+    Args:
+        S: (..., L·s) fp32 masked scores of the block (−inf where masked).
+        base: (..., 1) the row's base (m_new, or 0 for a row masked so far), as x = S − base used it.
+        P: (..., L·s) fp32 values of P as GEMM II reads them: rounded to ``p_dtype``.
+        s: the stride. p_dtype: the dtype P was rounded to (each log2 P moved by ≤ 1.01·u_lp·log2 e).
+    Returns:
+        (..., s) bool: ``|log2 Π P − log2(e)·Σ x| > log2(e)·(64·u·(3L + |Σ x|) + g(L+3)·L·(|base| + |x_min|)
+        + 1.01·L·u_lp)``; the second term bounds the rounding of ``base + x_min``, of the sum of L scores of
+        size |base| and of the subtraction of L·base, the third P's rounding to ``p_dtype``
+        (``docs/algorithms.md`` step 4).
     """
-    L = x.shape[-1] // s
-    xs = torch.fmax(x, x.new_tensor(EXP_XMIN)).view(*x.shape[:-1], L, s).sum(-2)
-    pc = torch.maximum(P, P.new_tensor(P_MIN)).view(*x.shape[:-1], L, s)  # torch.maximum propagates NaN
+    L = S.shape[-1] // s
+    xmin, pmin = exp_clamp(p_dtype)
+    y = torch.maximum(S, base + xmin).view(*S.shape[:-1], L, s).sum(-2)  # NaN-propagating max
+    xs = y - base * L
+    pc = torch.maximum(P, P.new_tensor(pmin)).view(*S.shape[:-1], L, s)  # torch.maximum propagates NaN
     lp = sum(torch.log2(pc[..., c:c + EXP_MAX_GROUP, :].prod(-2)) for c in range(0, L, EXP_MAX_GROUP))
     d = lp - xs * LOG2E
-    return ~(d.abs() <= (xs.abs() + 3.0 * L) * (EXP_ULPS * U * LOG2E))
+    tol = ((xs.abs() + 3.0 * L) * (EXP_ULPS * U * LOG2E) + (base.abs() - xmin) * (g(L + 3) * L * LOG2E)
+           + 1.01 * L * LOWP_U[p_dtype] * LOG2E)
+    return ~(d.abs() <= tol)
 
 
-def _shifted(S: torch.Tensor, m: torch.Tensor, mb: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
-    """``x = S − m_new``, with base 0 only where m_new, m and the block max are all −inf (a fully
-    masked row so far: its x stays −inf)."""
+def _base(m: torch.Tensor, mb: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
+    """The base of ``x = S − base``: m_new, or 0 only where m_new, m and the block max are all −inf (a
+    fully masked row so far: its x stays −inf)."""
     all_masked = (m_new == NEG_INF) & (mb == NEG_INF) & (m == NEG_INF)
-    base = torch.where(all_masked, torch.zeros_like(m_new), m_new)
-    return S - base, base
+    return torch.where(all_masked, torch.zeros_like(m_new), m_new)
 
 
 def running_max(S: torch.Tensor, m: torch.Tensor, sf: SiteFaults | None, site_shape4: tuple[int, ...], j: int,
@@ -69,7 +90,7 @@ def running_max(S: torch.Tensor, m: torch.Tensor, sf: SiteFaults | None, site_sh
 
     With ``τ_m = min(2^-20·(1 + |m_new|), 1)`` a row is faulty if ``max_n x > τ_m`` (exp would exceed
     1; NaN too), or if ``m_new ≠ m`` and ``max_n x < −τ_m`` (this block raised the max to a wrong
-    value). Faulty rows are ``recomputed``: m_new and x again from m and the block max.
+    value). Faulty rows are ``recomputed``: m_new again from m and the block max.
 
     Why the cap and the base rule: uncapped, τ_m would be +inf whenever m_new is ±inf (a bit-30 flip
     turns ±1.0 into ±inf) and disable both comparisons; a max corrupted to −inf would then pass with
@@ -86,12 +107,13 @@ def running_max(S: torch.Tensor, m: torch.Tensor, sf: SiteFaults | None, site_sh
         sf, site_shape4 = (B, Hq, M, 1), j: the site's faults at block j.
         detect, correct, counters: as `efta_reference`.
     Returns:
-        ``m_new`` (B, Hkv, G·M, 1) and ``x = S − m_new`` (B, Hkv, G·M, block_n).
+        ``m_new`` (B, Hkv, G·M, 1) and the base of the exponent (B, Hkv, G·M, 1): ``m_new``, or 0 where
+        m_new, m and the block max are all −inf (`_base`).
     """
     mb = S.amax(-1, keepdim=True)
     m_new = torch.maximum(m, mb)
     m_new = inject(sf, m_new, site_shape4, j)
-    x, base = _shifted(S, m, mb, m_new)
+    base = _base(m, mb, m_new)
     if detect:
         xmax = mb - base  # = max_n (S - base): subtraction rounding is monotone
         tau = m_new.abs().add_(1.0).mul_(2.0**-20).clamp_(max=1.0)
@@ -104,33 +126,40 @@ def running_max(S: torch.Tensor, m: torch.Tensor, sf: SiteFaults | None, site_sh
             else:
                 count(counters, "attn.rowmax", "recomputed", nbad)
                 m_new = torch.where(bad, torch.maximum(m, mb), m_new)
-                x, _ = _shifted(S, m, mb, m_new)
-    return m_new, x
+                base = _base(m, mb, m_new)
+    return m_new, base
 
 
-def probabilities(x: torch.Tensor, sf: SiteFaults | None, site_shape4: tuple[int, ...], j0: int, *, stride: int,
-                  half_state: bool, detect: bool, correct: bool, counters: torch.Tensor | None) -> torch.Tensor:
-    """Step 4: ``P = exp(x)``, the ``attn.probs`` faults, the product check per group (`exp_group_test`);
-    counts at ``attn.probs``. A faulty group is ``corrected``: exp recomputed for its members.
+def probabilities(S: torch.Tensor, base: torch.Tensor, sfs: dict[str, SiteFaults | None], site_shape4: tuple[int, ...],
+                  j0: int, *, stride: int, pv_dtype: torch.dtype, half_state: bool, detect: bool, correct: bool,
+                  counters: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 4: the exponent ``x = S − base`` (then the ``attn.exponent`` faults), ``P = exp(x)`` (then the
+    ``attn.probs`` faults), P rounded to ``pv_dtype`` as GEMM II reads it (then the ``attn.probs_lp``
+    faults), and the product check per group on that rounded P (`exp_group_test`, anchored on S); counts
+    at ``attn.probs``. A faulty group is ``corrected``: x, P and its rounding again for its members.
 
     ``P`` is flushed to 0 where ``x < −87`` (`exp_ftz`): the check treats those as exp(−87) anyway.
 
     Args:
-        x: (B, Hkv, G·M, block_n) fp32 shifted scores from `running_max`.
-        sf, site_shape4 = (B, Hq, M, block_n), j0: the site's faults at the block's first key.
-        stride: s. half_state: PASA's fp16 softmax state (x and P rounded to fp16).
+        S: (B, Hkv, G·M, block_n) fp32 masked scores; base: (B, Hkv, G·M, 1) from `running_max`.
+        sfs: the call's `SiteFaults` by site; site_shape4 = (B, Hq, M, block_n), j0: the block's first key.
+        stride: s. pv_dtype: the dtype GEMM II reads P in. half_state: PASA's fp16 softmax state (x and P
+            rounded to fp16).
         detect, correct, counters: as `efta_reference`.
     Returns:
-        P, (B, Hkv, G·M, block_n) fp32.
+        (P fp32, the rounded P held in fp32), both (B, Hkv, G·M, block_n).
     """
+    x = S - base
     if half_state:
         x = round16(x)
+    x = inject(sfs["attn.exponent"], x, site_shape4, j0)
     P = exp_ftz(x)
     if half_state:
         P = round16(P)
-    P = inject(sf, P, site_shape4, j0)
+    P = inject(sfs["attn.probs"], P, site_shape4, j0)
+    pd = inject(sfs["attn.probs_lp"], P.to(pv_dtype), site_shape4, j0).to(torch.float32)
     if detect:
-        bad = exp_group_test(x, P, stride)  # (B, Hkv, G·M, s): groups (row, residue) that fail
+        bad = exp_group_test(S, base, pd, stride, pv_dtype)  # (B, Hkv, G·M, s): groups (row, residue) that fail
         if bool(bad.any()):
             nbad = bad.sum()
             count(counters, "attn.probs", "detected", nbad)
@@ -139,37 +168,79 @@ def probabilities(x: torch.Tensor, sf: SiteFaults | None, site_shape4: tuple[int
             else:
                 count(counters, "attn.probs", "corrected", nbad)
                 redo = bad.unsqueeze(-2).expand(*bad.shape[:-1], P.shape[-1] // stride, stride).reshape(P.shape)
-                P = torch.where(redo, exp_ftz(x), P)
-    return P
+                P = torch.where(redo, exp_ftz(S - base), P)
+                pd = torch.where(redo, P.to(pv_dtype).to(torch.float32), pd)
+    return P, pd
 
 
-def accumulate(P: torch.Tensor, m: torch.Tensor, m_new: torch.Tensor, l: torch.Tensor, acc: torch.Tensor,
-               vb: torch.Tensor, sf: SiteFaults | None, site_shape4: tuple[int, ...], j: int, *,
-               vb16: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 5: rescale by ``α = exp(m − m_new)`` (1 where both are −inf) and accumulate,
-    ``l = α·l + Σ_n P`` (then the ``attn.rowsum`` faults) and ``acc = α·acc + P·vb``. ``l`` and
-    ``acc`` are updated in place.
+def rescale(m: torch.Tensor, m_new: torch.Tensor, sf: SiteFaults | None, site_shape4: tuple[int, ...], j: int,
+            *, detect: bool, correct: bool, counters: torch.Tensor | None) -> torch.Tensor:
+    """Step 5's rescale ``α = exp(m − m_new)`` (1 where both are −inf), then the ``attn.alpha`` faults,
+    and its check; counts at ``attn.alpha``.
+
+    α scales l, lc, O and Oc alike, so no later check can see a wrong α. It is checked against a second
+    evaluation from the negated difference, ``exp(−(m_new − m))``: bit for bit the same number in a
+    clean run (round to nearest is symmetric, and exp(±0) = 1), a separate chain of instructions in the
+    kernel (no common subexpression). A row whose α differs (while the recomputation is a number: a
+    NaN max is step 3's fault) is ``detected`` and ``corrected`` with the recomputed value.
 
     Args:
-        P: (B, Hkv, G·M, block_n) fp32.
         m, m_new: (B, Hkv, G·M, 1) the running max before and after the block.
-        l: (B, Hkv, G·M, 1); acc: (B, Hkv, G·M, DA).
-        vb: (B, Hkv, block_n, DA) the block of ``[V | Vc1 | Vc2 | 1]`` (or V alone).
         sf, site_shape4 = (B, Hq, M, 1), j: the site's faults at block j.
-        vb16: PASA's fp16 state: the block of V in fp16; every update is then rounded to fp16 and
-            P·V is an FP16 GEMM with FP16 accumulation.
+        detect, correct, counters: as `efta_reference`.
+    Returns:
+        α, (B, Hkv, G·M, 1) fp32.
+    """
+    both_inf = (m == NEG_INF) & (m_new == NEG_INF)
+    alpha = torch.where(both_inf, torch.ones_like(m), torch.exp(m - m_new))
+    alpha = inject(sf, alpha, site_shape4, j)
+    if detect:
+        again = torch.where(both_inf, torch.ones_like(m), torch.exp(-(m_new - m)))
+        bad = (alpha != again) & (again == again)
+        if bool(bad.any()):
+            nbad = bad.sum()
+            count(counters, "attn.alpha", "detected", nbad)
+            if not correct:
+                count(counters, "attn.alpha", "uncorrectable", nbad)
+            else:
+                count(counters, "attn.alpha", "corrected", nbad)
+                alpha = torch.where(bad, again, alpha)
+    return alpha
+
+
+def accumulate(P: torch.Tensor, pd: torch.Tensor, alpha: torch.Tensor, l: torch.Tensor, acc: torch.Tensor,
+               vb: torch.Tensor, sfs: dict[str, SiteFaults | None], block_site: tuple[int, ...], j: int, *,
+               head_dim: int, stride: int, half_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 5: ``l = α·l + Σ_n P`` (fp32 P; then the ``attn.rowsum`` faults), ``acc = α·acc + pd·vb`` with
+    the rounded P that GEMM II reads (then the ``attn.acc`` faults on O and the ``attn.checksum`` faults
+    on Oc1). ``l`` and ``acc`` are updated in place. The ones column of vb makes the twin ``lc`` a sum of
+    the rounded P: a fault there moves O, Oc and lc together, and step 6 compares lc with l.
+
+    Args:
+        P: (B, Hkv, G·M, block_n) fp32; pd: the same rounded as GEMM II reads it (held in fp32), from
+            `probabilities`; alpha: (B, Hkv, G·M, 1) from `rescale`.
+        l: (B, Hkv, G·M, 1); acc: (B, Hkv, G·M, DA).
+        vb: (B, Hkv, block_n, DA) the block of ``[V | Vc1 | Vc2 | 1]`` (or V alone), fp32.
+        sfs: the call's `SiteFaults` by site; block_site = (B, Hq, M, block_n); j: the block index.
+        head_dim: D; stride: s (the checksum columns).
+        half_state: PASA's fp16 state: every update is then rounded to fp16 and P·V is an FP16 GEMM with
+            FP16 accumulation (vb is then fp16 V).
     Returns:
         (l, acc).
     """
-    alpha = torch.exp(m - m_new)
-    alpha = torch.where((m == NEG_INF) & (m_new == NEG_INF), torch.ones_like(alpha), alpha)
-    if vb16 is not None:
+    row_site = (*block_site[:3], 1)
+    if half_state:
         alpha = round16(alpha)
         l = round16(round16(l * alpha) + round16(P.sum(-1, keepdim=True)))
-        l = inject(sf, l, site_shape4, j)
-        pv = _pasa.fp16_matmul(P.to(torch.float16), vb16).to(torch.float32)
-        return l, round16(round16(acc * alpha) + pv)
-    l = l.mul_(alpha).add_(P.sum(-1, keepdim=True))
-    l = inject(sf, l, site_shape4, j)
-    acc = acc.mul_(alpha).add_(torch.matmul(P, vb))
+        l = inject(sfs["attn.rowsum"], l, row_site, j)
+        acc = round16(round16(acc * alpha) + _pasa.fp16_matmul(pd.to(torch.float16), vb).to(torch.float32))
+    else:
+        l = l.mul_(alpha).add_(P.sum(-1, keepdim=True))
+        l = inject(sfs["attn.rowsum"], l, row_site, j)
+        acc = acc.mul_(alpha).add_(torch.matmul(pd, vb))
+    D, s = head_dim, stride
+    if sfs["attn.acc"] is not None:
+        acc[..., :D] = inject(sfs["attn.acc"], acc[..., :D], (*block_site[:3], D), j * D)
+    if sfs["attn.checksum"] is not None and acc.shape[-1] > D:  # the checksum columns: Oc1
+        acc[..., D:D + s] = inject(sfs["attn.checksum"], acc[..., D:D + s], (*block_site[:3], s), j * 2 * s + s)
     return l, acc

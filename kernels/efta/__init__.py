@@ -32,10 +32,12 @@ additive mask tile when it is loaded, K with its block checksums, and V through 
 Σ|V| (NaN-propagating, inspected once after the loop). Keys that no program visits (outside every
 row's sliding window) are not inspected.
 
-Counters: atomics into the caller's (6, 5) int32 block (any strides), site rows as in
-`ft_transformers.kernels.contract`: step 1 → ``attn.scores``, 3 → ``attn.rowmax``, 4 →
-``attn.probs``, 6 → ``attn.rowsum``, 7 → ``attn.output``; non-finite inputs count one
-``nonfinite_input`` at ``attn.scores`` per call.
+Counters: atomics into the caller's (sites, kinds) int32 block (`contract.COUNTER_SHAPE`, any strides),
+site rows as in `ft_transformers.kernels.contract`: step 1 → ``attn.scores``, 3 → ``attn.rowmax``, 4 →
+``attn.probs``, 5 (the α check) → ``attn.alpha``, 6 → ``attn.rowsum``, 7 → ``attn.output``; non-finite
+inputs count one ``nonfinite_input`` at ``attn.scores`` per call. Injection reaches every attention site
+of the contract (``docs/algorithms.md``, "Fault model of the key loop"); its code compiles away when no
+site is injected (the ``INJ_*`` constexprs are 0), so the clean kernel does not change.
 
 Interpreter (``TRITON_INTERPRET=1``, CPU tensors): one fixed small config; a few helpers take an
 ``INTERP`` switch (tl.log2 and tl.exp instead of the PTX ``lg2.approx`` and ``ex2.approx.ftz``; a

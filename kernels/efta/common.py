@@ -1,13 +1,14 @@
 """Device-side pieces every step of the EFTA kernel uses: the event slots of a program's counters, the
 NaN-propagating maximum, and the fault injection of a site's values.
 
-Counters: a program keeps its events in a (32,) int32 vector, slot = site row · 5 + kind column of the
-contract's (6, 5) counter block (`ft_transformers.kernels.contract`): ``_SCORES + _DET`` is
+Counters: a program keeps its events in a (`_NSLOT`,) int32 vector, slot = site row · 5 + kind column of
+the contract's (sites, kinds) counter block (`ft_transformers.kernels.contract`): ``_SCORES + _DET`` is
 ``attn.scores``/``detected``. `_finish` adds the vector into the caller's block with one atomic each.
 
 Injection table (built on the host, ``host._injection_table``): a header of ``_HDR`` int32 per
-attention site (mode, bit, seed, ber bits, csr offset, positions offset), then per bit-mode site a CSR
-over ``b·Hq + h`` and the (row, column) pairs of its flips.
+attention site (in the contract's ``ATTENTION_SITES`` order: mode, bit, seed, ber bits, csr offset,
+positions offset), then per bit-mode site a CSR over ``b·Hq + h`` and the (row, column) pairs of its
+flips. ``_I_<SITE>`` is a site's place in that order.
 """
 
 from __future__ import annotations
@@ -15,9 +16,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..contract import ATTENTION_SITES, KIND_INDEX, KINDS, SITE_INDEX, SITES
+
+
+def _slot(site: str) -> tl.constexpr:
+    return tl.constexpr(len(KINDS) * SITE_INDEX[site])
+
+
 # counter slot of an event inside the kernel = site row · 5 + kind column (contract.SITES, contract.KINDS)
-_SCORES, _ROWMAX, _PROBS, _ROWSUM, _OUTPUT = (tl.constexpr(5 * i) for i in range(5))
-_DET, _COR, _REC, _UNC, _NONF = (tl.constexpr(i) for i in range(5))
+_SCORES, _ROWMAX, _PROBS, _ALPHA, _ROWSUM, _OUTPUT = (_slot(s) for s in (
+    "attn.scores", "attn.rowmax", "attn.probs", "attn.alpha", "attn.rowsum", "attn.output"))
+_DET, _COR, _REC, _UNC, _NONF = (tl.constexpr(KIND_INDEX[k]) for k in
+                                 ("detected", "corrected", "recomputed", "uncorrectable", "nonfinite_input"))
+_NSLOT = tl.constexpr(1 << (len(SITES) * len(KINDS) - 1).bit_length())  # slots per program, a power of two
+_NKIND = tl.constexpr(len(KINDS))
+# a site's place in the injection table
+(_I_SCORES, _I_ROWMAX, _I_EXPONENT, _I_PROBS, _I_PROBS_LP, _I_ALPHA, _I_ROWSUM, _I_ACC, _I_OUTPUT,
+ _I_CHECKSUM) = (tl.constexpr(ATTENTION_SITES.index(s)) for s in (
+    "attn.scores", "attn.rowmax", "attn.exponent", "attn.probs", "attn.probs_lp", "attn.alpha", "attn.rowsum",
+    "attn.acc", "attn.output", "attn.checksum"))
 _HDR = 6  # ints per site in the injection table header
 _HDR_K = tl.constexpr(_HDR)
 
@@ -41,18 +58,43 @@ def _nanmax(x, AXIS: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _round_to(x, DT: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 x rounded to nearest (ties to even) in DT, as the GPU's conversion does. Triton 3.6's
+    interpreter truncates fp32 → bf16 whatever the rounding mode asked: there the rounding is done on the
+    bits first (add half an ulp of bf16, minus one unless the kept LSB is odd; inf and NaN stay), so that
+    the interpreted kernel reads the same P as the reference."""
+    if INTERP and DT == tl.bfloat16:
+        xi = x.to(tl.int32, bitcast=True)
+        xi = (xi + (0x7FFF + ((xi >> 16) & 1))) & -65536
+        x = xi.to(tl.float32, bitcast=True)
+    return x.to(DT)
+
+
+@triton.jit
 def _bump(cnt, SLOT: tl.constexpr, val):
-    """cnt[SLOT] += val (cnt: the program's (32,) int32 event counts, slot = site·5 + kind)."""
-    return cnt + tl.where(tl.arange(0, 32) == SLOT, val, 0)
+    """cnt[SLOT] += val (cnt: the program's (_NSLOT,) int32 event counts, slot = site·5 + kind)."""
+    return cnt + tl.where(tl.arange(0, _NSLOT) == SLOT, val, 0)
+
+
+@triton.jit
+def _add_events(Cnt, cst0, cst1, cnt):
+    """Add a program's event slots ``cnt`` (_NSLOT,) into the caller's counter block (strides cst0, cst1)."""
+    slots = tl.arange(0, _NSLOT)
+    tl.atomic_add(Cnt + (slots // _NKIND) * cst0 + (slots % _NKIND) * cst1, cnt, mask=cnt != 0)
 
 
 @triton.jit
 def _inject(x, Inj, SITE: tl.constexpr, MODE: tl.constexpr, bh, rr, cc, nrows, ncols):
-    """Flip bits of the fp32 values x at the site's logical coordinates (bh, rr, cc) of (B·Hq, nrows,
-    ncols); rr and cc broadcast to x's shape (a tile: rows[:, None], cols[None, :]; a per-row vector:
-    rows, and the block index as a scalar)."""
+    """Flip bits of the values x (fp32, or a 16-bit float: ``attn.probs_lp`` in the input dtype) at the
+    site's logical coordinates (bh, rr, cc) of (B·Hq, nrows, ncols); rr and cc broadcast to x's shape (a
+    tile: rows[:, None], cols[None, :]; a per-row vector: rows, and the block index as a scalar).
+    Coordinates at or past ``ncols`` never flip (callers map padding there)."""
     hdr = Inj + SITE * _HDR_K
-    xi = x.to(tl.int32, bitcast=True)
+    NB: tl.constexpr = x.dtype.primitive_bitwidth
+    if NB == 32:
+        xi = x.to(tl.int32, bitcast=True)
+    else:  # 16 bits, widened (the xor only touches the low 16)
+        xi = x.to(tl.int16, bitcast=True).to(tl.int32)
     if MODE == 1:  # positions, sorted by bh (CSR)
         bit = tl.load(hdr + 1)
         csr = tl.load(hdr + 4)
@@ -69,5 +111,9 @@ def _inject(x, Inj, SITE: tl.constexpr, MODE: tl.constexpr, bh, rr, cc, nrows, n
         lin = (bh * nrows + rr) * ncols + cc
         r0, r1, _, _ = tl.randint4x(seed, lin)
         hit = (tl.uint_to_uniform_float(r0) < ber) & (rr < nrows) & (cc < ncols)
-        xi = xi ^ tl.where(hit, 1 << (r1 % 32).to(tl.int32), 0)
-    return xi.to(tl.float32, bitcast=True)
+        xi = xi ^ tl.where(hit, 1 << (r1 % NB).to(tl.int32), 0)
+    if NB == 32:
+        y = xi.to(tl.float32, bitcast=True)
+    else:
+        y = xi.to(tl.int16).to(x.dtype, bitcast=True)
+    return y

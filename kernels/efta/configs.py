@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..contract import EXP_ULPS, EXP_XMIN
+from ..contract import EXP_ULPS
 from ..tl_common import gpu_time, sm_count
 from .kernel import _efta_fwd
 
@@ -35,12 +35,17 @@ class Bounds:
     snvr_rel: float = 2.0**-20  # step 3: τ_m = min(snvr_rel·(1 + |m_new|), snvr_cap)
     snvr_cap: float = 1.0
     exp_ulps: float = EXP_ULPS  # step 4: |Σ log2 P − log2(e)·Σ x| ≤ exp_ulps·u·log2(e)·(3L + |Σ x|) per group
-    exp_xmin: float = EXP_XMIN  # step 4: x below it counts as exp_xmin, P as exp(exp_xmin) unless larger
+    # (+ the room of `exp_base`, and of P's rounding; its clamp x_min by the dtype: `contract.exp_clamp`)
     gemm_slack_cuda: float = 2.0
     gemm_slack_interp: float = 1.0
 
     def gemm_slack(self, interpreted: bool) -> float:
         return self.gemm_slack_interp if interpreted else self.gemm_slack_cuda
+
+    def exp_base(self, L: int) -> float:
+        """Step 4's room for exponents taken from the scores, per unit of |base|: ``g(L+3)·L`` (the
+        rounding of ``base + x_min``, of a sum of L scores of size |base| and of subtracting L·base)."""
+        return self.gamma * (L + 3) * self.u * L
 
 
 BOUNDS = Bounds()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _max_nan
+from .common import _NSLOT, _max_nan
 from .masks import _key_range
 from .output import _finish
 
@@ -115,8 +115,8 @@ def _efta_combine(
     lo, hi = _key_range(qblk, M, N, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     base = W + ((b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + start_m) * nsplit * REC
     m_i, l_i, lc, nvalid, acc, oc1, oc2, vmax, nf = _merge_splits(base, nsplit, BLOCK_M, BLOCK_D, REC)
-    _finish(acc, l_i, lc, m_i, nvalid, oc1, oc2, 1, vmax, nf, tl.zeros((32,), tl.int32), q, Kb, Vb, skn, skd, svn, svd,
-            b, h, bh, offs_m, offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, nsplit, gu,
+    _finish(acc, l_i, lc, m_i, nvalid, oc1, oc2, 1, vmax, nf, tl.zeros((_NSLOT,), tl.int32), q, Kb, Vb, skn, skd, svn,
+            svd, b, h, bh, offs_m, offs_d, row_ok, io_ok, M, N, D, scale, window, lo, hi, nblocks, nsplit, gu,
             Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, Inj, Out, sob, soh, som, sod,
             Cnt, cst0, cst1, Flag, call_id, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND,
             DETECT, CORRECT, INJ_O, DOT_F32, EVEN_D, FOLD)

@@ -8,14 +8,15 @@ Replay: a call whose signature (tensor metadata, settings, the `Options` in forc
 seen before replays that call's launches with its own tensors (`_Replay`), skipping validation, the
 config lookup and the argument building; calls with injection and PASA calls take the full path.
 
-Injection: the five attention sites, at the points the contract names, fp32 values, bits 0–31. Bit
-mode: positions from ``plan.for_site`` (logical shapes (B, Hq, M, N), (B, Hq, M, nblocks),
-(B, Hq, M, D)) are handed to the kernel as a small int32 table sorted by (batch, head); each program
-xors the ones in its tile. BER mode: Philox (``tl.randint4x``) per logical element. While anything
-is injected the kernel uses a fixed config with BLOCK_N = 64 (the reference's block, so
-``attn.rowmax``/``attn.rowsum`` positions mean the same block) and visits every key block (no
-skipping), so faults land exactly where they land in the reference. A plan is duck-typed (the
-contract's docstring): anything with ``for_site``.
+Injection: the attention sites of the contract (``ATTENTION_SITES``), at the points it names, in the
+logical shapes and storage dtypes it gives (`contract.site_shape`, `contract.site_dtype`: fp32, or
+the input dtype for ``attn.probs_lp``). Bit mode: positions from ``plan.for_site`` are handed to the
+kernel as a small int32 table sorted by (batch, head); each program xors the ones in its tile. BER
+mode: Philox (``tl.randint4x``) per logical element. While anything is injected the kernel uses a
+fixed config with BLOCK_N = 64 (the reference's block, so per-block positions mean the same block)
+and visits every key block (no skipping), so faults land exactly where they land in the reference.
+``attn.checksum`` only exists with the checks on (like the reference, a call without them injects
+nothing there). A plan is duck-typed (the contract's docstring): anything with ``for_site``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..contract import ATTENTION_SITES, COUNTER_SHAPE
+from ..contract import ATTENTION_SITES, COUNTER_SHAPE, exp_clamp, site_dtype, site_shape
 from ..launch import DirectLauncher, record_launches, replay_launches
 from ..options import Options, options
 from ..tl_common import call_flag, on_tensor_device, runs_interpreted
@@ -127,20 +128,23 @@ def _seed32(seed: int) -> int:
     return (seed ^ (seed >> 31) ^ (seed >> 62)) & 0x7FFFFFFF
 
 
-def _injection_table(plan: Any, B: int, Hq: int, M: int, N: int, D: int, nblocks: int,
-                     device: torch.device) -> tuple[torch.Tensor | None, list[int]]:
+def _injection_table(plan: Any, B: int, Hq: int, M: int, N: int, D: int, nblocks: int, pv_dtype: torch.dtype,
+                     detect: bool, device: torch.device) -> tuple[torch.Tensor | None, list[int]]:
     """int32 table: header (6 ints per site: mode, bit, seed, ber bits, csr offset, positions
     offset), then per bit-mode site a CSR over b·Hq + h (B·Hq + 1 offsets) and (row, col) pairs.
-    ``plan``: a fault plan (contract's docstring) or None."""
+    ``plan``: a fault plan (contract's docstring) or None; ``pv_dtype``: the dtype GEMM II reads P in
+    (``attn.probs_lp``'s storage); ``detect``: the checks run (else ``attn.checksum`` has no value)."""
     modes = [_SITE_MODE_NONE] * len(ATTENTION_SITES)
     if not plan:
         return None, modes
-    shapes = [(B, Hq, M, N), (B, Hq, M, nblocks), (B, Hq, M, N), (B, Hq, M, nblocks), (B, Hq, M, D)]
     header = [0] * (_HDR * len(ATTENTION_SITES))
     body: list[int] = []
     base = len(header)
     for si, site in enumerate(ATTENTION_SITES):
-        sf = plan.for_site(site, shapes[si], torch.float32, device)
+        if site == "attn.checksum" and not detect:
+            continue
+        sf = plan.for_site(site, site_shape(site, B, Hq, M, N, D, nblocks, STRIDE), site_dtype(site, pv_dtype),
+                           device)
         if sf is None:
             continue
         if sf.spec.bit is not None:
@@ -335,7 +339,7 @@ def _pasa_scalars(shift: PasaShift, D: int, slack: float) -> tuple[float, ...]:
     return (t1, s_floor, gamma, gamma_l, diag, off, diag_l, off_l)
 
 
-def _layout(B, Hq, Hkv, M, N, cfg, modes, no_skip, pasa, detect, correct, dev, interp, opts: Options):
+def _layout(B, Hq, Hkv, M, N, cfg, in_loop, no_skip, pasa, detect, correct, dev, interp, opts: Options):
     """The grid of a call: (pack, qrows, ax1, block_m, nsplit, phased).
 
     pack: GQA decode, the query heads of a kv head share a program's rows (`decode._program_rows`); not
@@ -345,13 +349,13 @@ def _layout(B, Hq, Hkv, M, N, cfg, modes, no_skip, pasa, detect, correct, dev, i
     with correction runs the repairing pass in a second launch, only for the query blocks whose clean
     pass raised a flag (it holds more state than the clean loop: compiled into the same kernel, it
     makes ptxas spill inside the clean loop, ~20 % of the call on the H100); `Options.efta_two_launch`
-    off keeps both passes in one launch (benchmarks, diagnosis)."""
+    off keeps both passes in one launch (benchmarks, diagnosis). ``in_loop``: faults are injected at a
+    site of the key loop (every site but ``attn.output``), whose positions index the unsplit loop."""
     pack = M == 1 and Hq > Hkv and not no_skip and not pasa
     qrows, ax1 = (Hq // Hkv, Hkv) if pack else (M, Hq)
     block_m = cfg[0] if cfg is not None else 16  # the autotuner's decode configs all have BLOCK_M = 16
     row_blocks = B * ax1 * _cdiv(qrows, block_m)
-    nsplit = 1 if pasa else _num_splits(row_blocks, M, N, cfg, any(modes[:4]), dev, interp, bool(detect),
-                                        opts.efta_split)
+    nsplit = 1 if pasa else _num_splits(row_blocks, M, N, cfg, in_loop, dev, interp, bool(detect), opts.efta_split)
     if not detect and row_blocks > SPLIT_BLOCKS:  # more row blocks than arrival cells
         nsplit = 1
     phased = correct and nsplit == 1 and M > 16 and opts.efta_two_launch
@@ -444,7 +448,8 @@ def efta_triton_forward(
         attn_mask: bool (True = attend) or additive float, broadcastable likewise, or None.
         detect, correct: run the checks / repair what they find (correct implies detect).
         plan: fault injection plan (attention sites; duck-typed, the contract's docstring), or None.
-        counters: int32 (6, 5) block on q's device (any strides) the events are added into.
+        counters: int32 (sites, kinds) block (`contract.COUNTER_SHAPE`) on q's device (any strides) the events
+            are added into.
         pasa: PASA (the PASA paper, ``docs/pasa.md``) with this key shift (`PasaShift`, resolved by the
             caller), or None: every key block shifted by β times its mean, the score GEMM in FP16
             with FP16 accumulation, the pseudo-average frame; float16 inputs.
@@ -488,8 +493,10 @@ def efta_triton_forward(
     shape4 = (B, Hq, M, N)
     has_bias, bias4, mask_kind, mask4 = _score_operands(q, bias, attn_mask, shape4)
 
-    inj, modes = _injection_table(plan, B, Hq, M, N, D, -(-N // INJECT_BLOCK_N), dev)
+    inj, modes = _injection_table(plan, B, Hq, M, N, D, -(-N // INJECT_BLOCK_N), v.dtype, bool(detect), dev)
+    mode = dict(zip(ATTENTION_SITES, modes))
     no_skip = any(modes)
+    in_loop = any(m for site, m in mode.items() if site != "attn.output")
     cfg = _fixed_config(no_skip, interp, opts)
     if inj is None:
         inj = counters  # unused
@@ -501,7 +508,7 @@ def efta_triton_forward(
     if (detect or use_pasa) and cfg is not None and cfg[1] != CS_BLOCK_N:
         raise ValueError(f"the checked kernel runs key blocks of {CS_BLOCK_N}; efta_config (FTT_EFTA_CONFIG) "
                          f"asks for {cfg[1]}")
-    pack, qrows, ax1, block_m, nsplit, phased = _layout(B, Hq, Hkv, M, N, cfg, modes, no_skip, use_pasa, detect,
+    pack, qrows, ax1, block_m, nsplit, phased = _layout(B, Hq, Hkv, M, N, cfg, in_loop, no_skip, use_pasa, detect,
                                                         correct, dev, interp, opts)
     # checks off never touch the flag: no captured memset for it (the self-resetting cell stays 0)
     flag, call_id = call_flag(dev, self_reset=not detect)
@@ -527,17 +534,21 @@ def efta_triton_forward(
     args = (
         q, k, v, out, counters, flag, bias4, mask4, inj, *tables, work, kshift, rep_buf, arrive, *strides,
         Hq, Hkv, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit,
-        gu, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_xmin,
+        gu, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_base(CS_BLOCK_N // STRIDE), exp_clamp(v.dtype)[0],
         BOUNDS.snvr_rel, BOUNDS.snvr_cap, *pasa_args[:4],
         min(_pow2_bucket(M), 256), _pow2_bucket(N),
     )
     meta = dict(
         BLOCK_D=block_d, CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_BIAS=has_bias,
         MASK_KIND=mask_kind, DETECT=bool(detect), CORRECT=correct,
-        INJ_S=modes[0], INJ_M=modes[1], INJ_P=modes[2], INJ_L=modes[3], INJ_O=modes[4],
+        INJ_S=mode["attn.scores"], INJ_M=mode["attn.rowmax"], INJ_X=mode["attn.exponent"], INJ_P=mode["attn.probs"],
+        INJ_PL=mode["attn.probs_lp"], INJ_A=mode["attn.alpha"], INJ_L=mode["attn.rowsum"], INJ_ACC=mode["attn.acc"],
+        INJ_O=mode["attn.output"], INJ_CS=mode["attn.checksum"],
         NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
         EVEN_D=D == block_d, SPLIT=nsplit > 1, PASA=use_pasa, HALF_STATE=half_state, PHASE=int(phased),
-        FOLD=_fold(interp, use_pasa or has_bias or mask_kind == 2 or bool(modes[0]), opts.efta_fold),
+        # (faults at S, x or Sc1 strike the scaled values, as in the reference: FOLD off)
+        FOLD=_fold(interp, use_pasa or has_bias or mask_kind == 2
+                   or any(mode[s] for s in ("attn.scores", "attn.exponent", "attn.checksum")), opts.efta_fold),
         PACK=pack,
     )
 

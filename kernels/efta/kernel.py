@@ -32,13 +32,13 @@ specialisation and the launch path, so the signature stays as it is):
   launch's flags for the repair launch), ``Arr`` (split-key arrival cells);
 * strides: ``sq*, sk*, sv*, so*`` (b, h, row, d), ``sb*, sm*`` (bias, mask), ``cst0, cst1`` (counters);
 * sizes and call scalars: ``Hq, Hkv, M, N, D, GROUP, scale, window, call_id, nsplit``;
-* thresholds (`configs.Bounds`): ``gu, exp_tol, exp_xmin, snvr_rel, snvr_cap``; PASA's ``pasa_t1,
+* thresholds (`configs.Bounds`): ``gu, exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap``; PASA's ``pasa_t1,
   s_floor, gamma, gamma_last``;
 * autotune keys only: ``M_KEY, N_KEY``;
 * constexprs: shape (``BLOCK_D, EVEN_D, BLOCK_M, BLOCK_N``), masks (``CAUSAL, HAS_WINDOW, HAS_BIAS,
-  MASK_KIND``), checks (``DETECT, CORRECT``), injection (``INJ_S, INJ_M, INJ_P, INJ_L, INJ_O,
-  NO_SKIP``), checksum operands (``PARTS, SCALE_CS, DOT_F32``), form (``INTERP, SPLIT, PASA,
-  HALF_STATE, PHASE, FOLD, PACK``).
+  MASK_KIND``), checks (``DETECT, CORRECT``), injection (one mode per attention site: ``INJ_S, INJ_M,
+  INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_O, INJ_CS``; and ``NO_SKIP``), checksum operands
+  (``PARTS, SCALE_CS, DOT_F32``), form (``INTERP, SPLIT, PASA, HALF_STATE, PHASE, FOLD, PACK``).
 """
 
 from __future__ import annotations
@@ -48,18 +48,31 @@ import triton.language as tl
 
 from ..tl_common import dot as _dot
 from .checksums import _fold_parts, _load_parts, _scaled
-from .common import _DET, _REC, _SCORES, _UNC, _bump, _inject, _max_nan
+from .common import (
+    _DET,
+    _I_ACC,
+    _I_CHECKSUM,
+    _I_ROWSUM,
+    _NSLOT,
+    _REC,
+    _SCORES,
+    _UNC,
+    _add_events,
+    _bump,
+    _inject,
+    _max_nan,
+)
 from .decode import _merge_splits, _program_rows
 from .masks import _early_mask, _edge_block, _key_range
 from .output import _finish, _output_tests
-from .scores import _score_checksum, _score_margin, _score_repair, _score_test, _scores
-from .softmax import _exp, _exp_limit, _softmax_steps
+from .scores import _checksum_faults, _score_checksum, _score_margin, _score_repair, _score_test, _scores
+from .softmax import _exp_limit, _rescale, _softmax_steps
 
 
 @triton.jit
 def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Empty loop state: m (−inf), l, O (BLOCK_M, BLOCK_D), the row-sum twin lc, the GEMM II checksums
-    Oc1, Oc2 (BLOCK_M, 16), nvalid (int32), vmax (16,), and the event slots (32,) int32.
+    Oc1, Oc2 (BLOCK_M, 16), nvalid (int32), vmax (16,), and the event slots (_NSLOT,) int32.
 
     The GEMM II checksums Oc1 = P·Vc1 and Oc2 = P·Vc2 go through the same α rescale as O. Vc comes
     from the pre-pass's table, stored K-major (`checksums`): built in registers inside the loop, that
@@ -67,18 +80,20 @@ def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     return (tl.full((BLOCK_M,), -float("inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
             tl.zeros((BLOCK_M, BLOCK_D), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
             tl.zeros((BLOCK_M, 16), tl.float32), tl.zeros((BLOCK_M, 16), tl.float32),
-            tl.zeros((BLOCK_M,), tl.int32), tl.zeros((16,), tl.float32), tl.zeros((32,), tl.int32))
+            tl.zeros((BLOCK_M,), tl.int32), tl.zeros((16,), tl.float32), tl.zeros((_NSLOT,), tl.int32))
 
 
 @triton.jit
 def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, cs_row, Inj, b, h, bh,
-              start_m, offs_m, offs_d, row_ok, d_ok, M, N, nblocks, window, scale, scan_lo, scan_hi,
+              start_m, offs_m, offs_d, row_ok, d_ok, M, N, D, nblocks, window, scale, scan_lo, scan_hi,
               Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
-              exp_tol, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
+              exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, DETECT: tl.constexpr,
-              CORRECT: tl.constexpr, INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr,
-              INJ_L: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr, DOT_F32: tl.constexpr,
+              CORRECT: tl.constexpr, INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_X: tl.constexpr,
+              INJ_P: tl.constexpr, INJ_PL: tl.constexpr, INJ_A: tl.constexpr, INJ_L: tl.constexpr,
+              INJ_ACC: tl.constexpr, INJ_CS: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
+              DOT_F32: tl.constexpr,
               INTERP: tl.constexpr, EVEN_D: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr,
               OC2: tl.constexpr, REPAIR: tl.constexpr, FOLD: tl.constexpr):
     """Steps 1–5 over the key blocks [scan_lo, scan_hi) for one block of query rows.
@@ -91,7 +106,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
 
     Returns the online-softmax state m_i, l_i (BLOCK_M,), acc (BLOCK_M, BLOCK_D); the checksum
     state lc (BLOCK_M,), oc1, oc2 (BLOCK_M, 16), nvalid (BLOCK_M,) int32, vmax (16,); the event
-    slots cnt (32,) int32 (REPAIR only); nf; and the clean pass's flags: rows with a raised flag
+    slots cnt (_NSLOT,) int32 (REPAIR only); nf; and the clean pass's flags: rows with a raised flag
     (BLOCK_M,) bool and failing step-1 groups per row (BLOCK_M,) int32 (groups (row, residue) that
     failed in some key block: a group failing in two blocks counts once).
     """
@@ -127,7 +142,9 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
         s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32, FOLD)
         if DETECT or PASA:
             cb = cs_row + jblk  # this key block's row in the checksum tables
-            sc1, kabs, knf = _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D, PARTS, DOT_F32, PASA, FOLD)
+            sc1_raw, kabs, knf = _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D, PARTS, DOT_F32, PASA,
+                                                 FOLD)
+            sc1 = _checksum_faults(sc1_raw, Inj, bh, offs_m, jblk, M, nblocks, INJ_CS)
         if DETECT:
             vtile = tl.load(VA + cb * 16 + r16)
             nf = nf | knf  # a non-finite key is an input problem, not a fault
@@ -145,7 +162,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
             # pseudo-average S̄' = Σ_r Sc1[:, r] / w (from the checksum dot, not the fp16 scores),
             # F̄ ← (j·F̄ + S̄')/(j + 1); the block enters as S' + Δm'_j, the state moves by Δm'_{j−1}
             w = tl.minimum(N - start_n, BLOCK_N).to(tl.float32)
-            sbar = tl.sum(sc1, axis=1) / w
+            sbar = tl.sum(sc1_raw, axis=1) / w
             f_new = tl.where(nvis == 0, sbar, (f_avg * nvis + sbar) / (nvis + 1))
             dcur = (sbar - f_new) * gamma
             dcur = tl.where(w < BLOCK_N, dcur + sbar * (gamma_last - gamma), dcur)
@@ -155,13 +172,15 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
             s_in = s + dcur[:, None]
 
         # ---- 2.–4. bias and masks, running max, exp (clean path: the checks only raise flags) ----
-        sm, m_new, p, bad_row, e4, cnt, nf = _softmax_steps(
+        sm, m_new, p, pd, bad_row, e4, cnt, nf = _softmax_steps(
             s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge, scale,
-            Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, mtile, Inj, exp_tol, exp_xmin, snvr_rel, snvr_cap,
-            HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P, INTERP, False, HALF_STATE, FOLD)
+            Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, mtile, Inj, exp_tol, exp_base, exp_xmin, snvr_rel,
+            snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_X, INJ_P, INJ_PL, v.dtype,
+            INTERP, False, HALF_STATE, FOLD)
         if DETECT:
             if REPAIR:
-                bad4 = ~(e4 <= _exp_limit(exp_tol, L, INTERP, FOLD)) & row_ok[:, None] & (nf == 0)
+                lim4 = _exp_limit(exp_tol, exp_base, exp_xmin, L, v.dtype, INTERP, FOLD)
+                bad4 = ~(e4 <= lim4) & row_ok[:, None] & (nf == 0)
                 bad_row = bad_row | (tl.max(bad4.to(tl.int32), axis=1) > 0)
                 # One block-wide test per key block (step-1 groups that failed, plus rows that raised a
                 # step 3/4 flag ·2^16). A failing block takes the branch that recomputes its scores,
@@ -172,6 +191,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
                     s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32, FOLD)
                     sc1, kabs, knf = _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D, PARTS, DOT_F32,
                                                      PASA, FOLD)
+                    sc1 = _checksum_faults(sc1, Inj, bh, offs_m, jblk, M, nblocks, INJ_CS)
                     sg, d1, bad = _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L, INTERP)
                     nbad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
                     if nbad > 0:
@@ -191,11 +211,11 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
                     s_in = s
                     if PASA:
                         s_in = s + dcur[:, None]
-                    sm, m_new, p, bad_row, _, cnt, nf = _softmax_steps(
+                    sm, m_new, p, pd, bad_row, _, cnt, nf = _softmax_steps(
                         s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge,
-                        scale, Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, mtile, Inj, exp_tol, exp_xmin,
-                        snvr_rel, snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_P,
-                        INTERP, True, HALF_STATE, FOLD)
+                        scale, Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, mtile, Inj, exp_tol, exp_base,
+                        exp_xmin, snvr_rel, snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M,
+                        INJ_X, INJ_P, INJ_PL, v.dtype, INTERP, True, HALF_STATE, FOLD)
             else:  # the clean pass only raises flags: rows (step 3), and the step-4 margins
                 flag_rows = flag_rows | bad_row
                 worst4 = _max_nan(worst4, tl.where(nf == 0, e4, NEG_INF))
@@ -203,9 +223,11 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
             if HAS_BIAS or MASK_KIND != 0:  # without them the count has a closed form (after the loop)
                 nvalid += tl.sum((sm > -float("inf")).to(tl.int32), axis=1)
 
-        # ---- 5. rescale, row sum, GEMM II (+ checksum columns) ----
-        # (`_exp`: ex2.approx.ftz, an α below 2^-126 is 0; it scales O, l, lc and Oc alike)
-        alpha = tl.where((m_i == -float("inf")) & (m_new == -float("inf")), 1.0, _exp(m_i - m_new, INTERP, False))
+        # ---- 5. rescale (checked), row sum, GEMM II (+ checksum columns) ----
+        alpha, bad_a, cnt = _rescale(m_i, m_new, cnt, row_ok, nf == 0, Inj, bh, offs_m, jblk, M, nblocks, INJ_A,
+                                     DETECT, CORRECT, REPAIR, INTERP)
+        if DETECT and not REPAIR:
+            flag_rows = flag_rows | bad_a
         if HALF_STATE:  # the PASA paper's full FP16 allocation: every state update rounded to fp16
             alpha = alpha.to(tl.float16).to(tl.float32)
             l_i = ((l_i * alpha).to(tl.float16).to(tl.float32)
@@ -213,16 +235,19 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
         else:
             l_i = l_i * alpha + tl.sum(p, axis=1)
         if INJ_L != 0:
-            l_i = _inject(l_i, Inj, 3, INJ_L, bh, offs_m, jblk, M, nblocks)
-        pd = p.to(v.dtype)
+            l_i = _inject(l_i, Inj, _I_ROWSUM, INJ_L, bh, offs_m, jblk, M, nblocks)
         if HALF_STATE:  # P·V an FP16 GEMM with FP16 accumulation
             pv = tl.dot(pd, v, out_dtype=tl.float16).to(tl.float32)
             acc = ((acc * alpha[:, None]).to(tl.float16).to(tl.float32) + pv).to(tl.float16).to(tl.float32)
         else:
             acc = _dot(pd, v, acc * alpha[:, None], DOT_F32)
+        if INJ_ACC != 0:  # columns past D (BLOCK_D's padding) map past the site's last column: never hit
+            acc = _inject(acc, Inj, _I_ACC, INJ_ACC, bh, offs_m[:, None],
+                          tl.where(offs_d < D, jblk * D + offs_d, nblocks * D)[None, :], M, nblocks * D)
         if DETECT:
-            # the twin per group (in-thread sums; one cross-thread sum after the loop)
-            lc16 = lc16 * alpha[:, None] + tl.sum(tl.reshape(p, (BLOCK_M, L, 16)), axis=1)
+            # the twin per group (in-thread sums; one cross-thread sum after the loop), of the P that GEMM
+            # II read: step 6 compares it with l, the sum of the fp32 P, so a fault in pd shows there
+            lc16 = lc16 * alpha[:, None] + tl.sum(tl.reshape(pd.to(tl.float32), (BLOCK_M, L, 16)), axis=1)
             # Oc += P·Vc, the slices side by side in one dot (one tensor-core wait, not one per slice).
             # Two other orders make ptxas serialise every wgmma of the loop (warning C7515, 2.2× the
             # time in one case): Oc accumulated in place like O (in units of each block's slice scale),
@@ -233,6 +258,9 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
             zero = tl.zeros((BLOCK_M, a.shape[1]), tl.float32)
             oc1 = oc1 * alpha[:, None] + _scaled(_fold_parts(_dot(pd, a, zero, DOT_F32 or PARTS == 1)), aic,
                                                  SCALE_CS)
+            if INJ_CS != 0:  # the `attn.checksum` faults on Oc1: columns [32·jblk + 16, 32·jblk + 32)
+                oc1 = _inject(oc1, Inj, _I_CHECKSUM, INJ_CS, bh, offs_m[:, None], (jblk * 32 + 16 + r16)[None, :], M,
+                              nblocks * 32)
             if OC2:  # the weighted checksum only locates output faults: carried when it may be needed
                 c = _load_parts(vbase + PARTS * 16 * BLOCK_N, offs_j, PARTS, BLOCK_N)
                 cic = tl.load(SC + cb * 4 + 2)
@@ -244,7 +272,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
     if DETECT and not REPAIR:
         # the clean pass's tests of steps 1 and 4, once: a group fails if it failed in some key block
         n1_rows = tl.sum((~(worst1 <= s_floor) & row_ok[:, None]).to(tl.int32), axis=1)
-        lim4 = _exp_limit(exp_tol, L, INTERP, FOLD)
+        lim4 = _exp_limit(exp_tol, exp_base, exp_xmin, L, Vb.dtype.element_ty, INTERP, FOLD)
         flag_rows = flag_rows | (tl.max((~(worst4 <= lim4) & row_ok[:, None]).to(tl.int32), axis=1) > 0)
     if DETECT and not (HAS_BIAS or MASK_KIND != 0):
         # unmasked keys per row: those in [scan_lo, scan_hi) below N, the causal limit and above the
@@ -266,13 +294,14 @@ def _efta_fwd(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     sbb, sbh, sbm, sbn, smb, smh, smm, smn, cst0, cst1,
     Hq, Hkv, M, N, D, GROUP, scale, window, call_id, nsplit,
-    gu, exp_tol, exp_xmin, snvr_rel, snvr_cap,
+    gu, exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap,
     pasa_t1, s_floor, gamma, gamma_last,  # PASA: step-1 bound coefficient and floor, recovery factors
     M_KEY, N_KEY,  # autotune keys only (bucketed M, N)
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
     MASK_KIND: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
-    INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_P: tl.constexpr, INJ_L: tl.constexpr,
-    INJ_O: tl.constexpr, NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
+    INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_X: tl.constexpr, INJ_P: tl.constexpr, INJ_PL: tl.constexpr,
+    INJ_A: tl.constexpr, INJ_L: tl.constexpr, INJ_ACC: tl.constexpr, INJ_O: tl.constexpr, INJ_CS: tl.constexpr,
+    NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
     DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr,
     SPLIT: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr, PHASE: tl.constexpr, FOLD: tl.constexpr,
     PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -356,11 +385,12 @@ def _efta_fwd(
             if todo > 0:
                 m_i, l_i, acc, lc, oc1, oc2, nvalid, vmax, cnt, nf_loop, flag_rows, n1_rows = _key_loop(
                     q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, cs_row, Inj, b, h, bh,
-                    qblk, offs_m, offs_d, row_ok, d_ok, M, N, nblocks, window, scale, scan_lo, scan_hi,
+                    qblk, offs_m, offs_d, row_ok, d_ok, M, N, D, nblocks, window, scale, scan_lo, scan_hi,
                     Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
-                    exp_tol, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
+                    exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
-                    INJ_S, INJ_M, INJ_P, INJ_L, PARTS, SCALE_CS, DOT_F32, INTERP, EVEN_D, PASA, HALF_STATE,
+                    INJ_S, INJ_M, INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_CS, PARTS, SCALE_CS, DOT_F32,
+                    INTERP, EVEN_D, PASA, HALF_STATE,
                     OC2_CLEAN or (CORRECT and rep == 1), rep == 1, FOLD)
         if rep == 0:
             if PHASE == 2:  # the clean launch flagged this block
@@ -374,7 +404,7 @@ def _efta_fwd(
                         if todo == 0:  # the clean pass carried no Oc2: if steps 6–7 will find something, redo
                             _, _, _, _, bad6, bad7, _ = _output_tests(acc, l_i, lc, m_i, nvalid, oc1, vmax, nf_loop,
                                                                       bh, offs_m, offs_d, row_ok, M, D, nblocks, 1, gu,
-                                                                      Inj, BLOCK_N, BLOCK_D, INJ_O, FOLD)
+                                                                      Inj, Vb, BLOCK_N, BLOCK_D, INJ_O, FOLD)
                             todo = (tl.sum(bad6.to(tl.int32), axis=0)
                                     + tl.sum(tl.sum(bad7.to(tl.int32), axis=1), axis=0))
             if PHASE == 1:
@@ -403,9 +433,8 @@ def _efta_fwd(
         tl.store(ocp + 16 * BLOCK_M, oc2)
         tl.store(rec + (36 + BLOCK_D) * BLOCK_M + r16, vmax)
         tl.store(rec + (36 + BLOCK_D) * BLOCK_M + 16, nf.to(tl.float32))
-        if DETECT:  # the loop's events (steps 1, 3, 4); steps 6–7 count in the merge
-            slots = tl.arange(0, 32)
-            tl.atomic_add(Cnt + (slots // 5) * cst0 + (slots % 5) * cst1, cnt, mask=cnt != 0)
+        if DETECT:  # the loop's events (steps 1, 3, 4, 5); steps 6–7 count in the merge
+            _add_events(Cnt, cst0, cst1, cnt)
         else:  # checks off: the row block's last program merges and finishes (`_efta_combine` with the checks on)
             nq = tl.num_programs(0) // nsplit
             blk = (b * tl.num_programs(1) + tl.program_id(1)) * nq + start_m  # this row block's cell

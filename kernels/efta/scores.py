@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..tl_common import dot as _dot
 from .checksums import _fold_parts, _load_parts, _parts_dot, _split
-from .common import _COR, _REC, _SCORES, _bump, _inject
+from .common import _COR, _I_CHECKSUM, _I_SCORES, _REC, _SCORES, _bump, _inject
 
 
 @triton.jit
@@ -38,8 +38,21 @@ def _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S: tl.constexpr, PAS
         if not FOLD:
             s = s * scale
     if INJ_S != 0:
-        s = _inject(s, Inj, 0, INJ_S, bh, offs_m[:, None], offs_n[None, :], M, N)
+        s = _inject(s, Inj, _I_SCORES, INJ_S, bh, offs_m[:, None], offs_n[None, :], M, N)
     return s
+
+
+@triton.jit
+def _checksum_faults(sc1, Inj, bh, offs_m, jblk, M, nblocks, INJ_CS: tl.constexpr):
+    """The `attn.checksum` faults on Sc1 (BLOCK_M, 16) of key block jblk: columns [32·jblk, 32·jblk + 16)
+    of the site (B·Hq, M, nblocks·32). A wrong Sc1 fails its group in step 1; the weighted checksum,
+    made from the keys in `_score_repair`, does not follow it, so the group is not located and the
+    row's scores are recomputed: a false alarm, never a wrong correction."""
+    if INJ_CS != 0:
+        r16 = tl.arange(0, 16)
+        sc1 = _inject(sc1, Inj, _I_CHECKSUM, INJ_CS, bh, offs_m[:, None], (jblk * 32 + r16)[None, :], M,
+                      nblocks * 32)
+    return sc1
 
 
 @triton.jit

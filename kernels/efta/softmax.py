@@ -1,14 +1,18 @@
-"""Steps 3–5: the running row max with its SNVR check, ``P = exp(x)`` with its product check, and the
-row sum.
+"""Steps 3–5: the running row max with its SNVR check, the exponent x and ``P = exp(x)`` with the product
+check, the rescale α with its check, and the row sum.
 
 * Step 3 (SNVR, the EFTA paper §4.2): a row-max error cancels out unless it makes exp overflow; the check
   tests that the block's max does not exceed the new running max by more than
   ``τ_m = min(snvr_rel·(1 + |m_new|), snvr_cap)`` and that a changed max is not far below it.
 * Step 4: the product check of ``P = exp(x)`` per group (row i, residue r) of L keys, the fp32 product
   of the group's clamped P and one ``lg2`` of it per group (`_exp_test`, constants of the contract).
-* Step 5: row sum ``l`` (fp32 sum of P) and its independent twin ``lc`` (a differently ordered
-  reduction of the same P: carried per residue group, summed across them after the loop), ``O += P·V``
-  with P rounded to the input dtype (as flash attention does), all rescaled by the same α
+  P is taken as GEMM II reads it (rounded to V's dtype), and the exponents it is compared with come
+  from the masked scores the row max read, ``Σ_l max(S, base + x_min) − L·base``, not from x: a fault in
+  x (the FMA that makes it, or its register) or in the rounded P would otherwise go unseen.
+* Step 5: the rescale ``α = exp(m_old − m_new)``, checked against ``exp(−(m_new − m_old))`` (`_rescale`: α
+  scales l, lc, O and Oc alike, so nothing later sees a wrong α); row sum ``l`` (fp32 sum of P) and its
+  twin ``lc`` (the sum of the P that GEMM II reads, rounded to the input dtype, carried per residue
+  group and summed across them after the loop), ``O += P·V``, all rescaled by the same α
   (`kernel._key_loop`).
 
 One FFMA per score on the GPU (FOLD): the scores stay unscaled and the exponent is
@@ -22,15 +26,37 @@ for the group product.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from ..contract import EXP_MAX_GROUP, LOG2E, P_MIN
-from .common import _COR, _DET, _PROBS, _REC, _ROWMAX, _UNC, _bump, _inject, _max_nan, _nanmax
+from ..contract import EXP_MAX_GROUP, LOG2E, LOWP_U, exp_clamp
+from .common import (
+    _ALPHA,
+    _COR,
+    _DET,
+    _I_ALPHA,
+    _I_EXPONENT,
+    _I_PROBS,
+    _I_PROBS_LP,
+    _I_ROWMAX,
+    _PROBS,
+    _REC,
+    _ROWMAX,
+    _UNC,
+    _bump,
+    _inject,
+    _max_nan,
+    _nanmax,
+    _round_to,
+)
 from .masks import _bias_mask
 
 _LOG2E = tl.constexpr(LOG2E)
-_P_MIN = tl.constexpr(P_MIN)  # step 4: fp32 exp(EXP_XMIN), the floor of P in the product check
+# step 4's floor of P (the contract's `exp_clamp`) and the room for P's rounding (1.01·L·u_lp·log2 e per
+# unit of L), by the dtype GEMM II reads P in
+_P_MIN32, _P_MIN16 = (tl.constexpr(exp_clamp(t)[1]) for t in (torch.float32, torch.float16))
+_LP16, _LPBF16 = (tl.constexpr(1.01 * LOWP_U[t] * LOG2E) for t in (torch.float16, torch.bfloat16))
 _EXP_MAX_GROUP = tl.constexpr(EXP_MAX_GROUP)
 
 
@@ -72,61 +98,125 @@ def _mul(a, b):
 
 
 @triton.jit
-def _exp_test(x, p, exp_tol, exp_xmin, INTERP: tl.constexpr, LOG2: tl.constexpr):
-    """Step-4 check of one key block, per group (row i, residue r): the product identity
-    Π_l P[i, l·16+r] = exp(Σ_l x[i, l·16+r]) (the EFTA paper §4.2, case 2), in log2 on the fp32 product.
-    x < exp_xmin (masked keys included) counts as exp_xmin and P as P_min = exp(exp_xmin) unless it
-    is larger (NaN-propagating max: a NaN stays, a negative P becomes P_min); with L ≤ 4 the product
-    of clamped values stays a normal fp32 number (the contract's exp check constants).
-
-    x, p: (BLOCK_M, BLOCK_N) fp32. Returns the margin (BLOCK_M, 16) fp32 of each group: the group
-    fails the test where it is not ≤ `_exp_limit` (NaN included). The margin is
-    |log2 Π P − log2(e)·Σ x| − exp_tol·log2(e)·|Σ x| (one FFMA), the limit exp_tol·log2(e)·3L;
-    the interpreter, unless LOG2, keeps the reference's rounding: margin
-    |log2 Π P − log2(e)·Σ x| − exp_tol·log2(e)·(3L + |Σ x|), limit 0. LOG2: x is given as x·log2(e)
-    (the folded path), and the same test is written in those units.
-    """
-    BM: tl.constexpr = x.shape[0]
-    L: tl.constexpr = x.shape[1] // 16
-    tl.static_assert(L <= _EXP_MAX_GROUP)
-    if LOG2:
-        xs = tl.sum(tl.reshape(tl.maximum(x, exp_xmin * _LOG2E), (BM, L, 16)), axis=1)
+def _lowp_clamp(PVDT: tl.constexpr):
+    """(P_min, room per key of the group for P's rounding in log2 units) for P held in PVDT (the contract's
+    `exp_clamp`, ``1.01·u_lp·log2 e``)."""
+    if PVDT == tl.float16:
+        pmin = _P_MIN16
+        lp = _LP16
+    elif PVDT == tl.bfloat16:
+        pmin = _P_MIN32
+        lp = _LPBF16
     else:
-        xs = tl.sum(tl.reshape(tl.maximum(x, exp_xmin), (BM, L, 16)), axis=1)
-    pc = tl.reshape(tl.maximum(p, _P_MIN, propagate_nan=tl.PropagateNan.ALL), (BM, L, 16))
+        pmin = _P_MIN32
+        lp = 0.0
+    return pmin, lp
+
+
+@triton.jit
+def _exp_test(s, base, p, scale, exp_tol, exp_base, exp_xmin, PVDT: tl.constexpr, INTERP: tl.constexpr,
+              LOG2: tl.constexpr):
+    """Step-4 check of one key block, per group (row i, residue r): the product identity
+    Π_l P[i, l·16+r] = exp(Σ_l x[i, l·16+r]) (the EFTA paper §4.2, case 2), in log2 on the fp32 product,
+    with Σ_l max(x, x_min) taken from the masked scores s the row max read:
+    ``Σ_l max(s, base + x_min) − L·base`` (LOG2: ``scale·log2(e)·Σ_l max(s, (base + x_min)/scale) −
+    L·log2(e)·base``, s unscaled), so that x itself is checked too. P is the value GEMM II reads (rounded
+    to PVDT, held in fp32); below P_min = exp(x_min) it counts as P_min (NaN-propagating max: a NaN stays,
+    a negative P becomes P_min); with L ≤ 4 the product of clamped values stays a normal fp32 number (the
+    contract's exp check constants; x_min and P_min by PVDT, `contract.exp_clamp`).
+
+    s: (BLOCK_M, BLOCK_N) fp32 masked scores (−inf where masked); base: (BLOCK_M,) the base of x
+    (m_new, or 0 for a row masked so far); p: (BLOCK_M, BLOCK_N) fp32. Returns the margin (BLOCK_M, 16)
+    fp32 of each group: the group fails the test where it is not ≤ `_exp_limit` (NaN included). The
+    margin is |log2 Π P − log2(e)·Σ x| − exp_tol·log2(e)·|Σ x| − exp_base·log2(e)·|base| (the last
+    term bounds the rounding of the L scores of size |base| and of L·base, ``exp_base = g(L+3)·L``);
+    the interpreter, unless LOG2, keeps the reference's rounding: margin |log2 Π P − log2(e)·Σ x| −
+    log2(e)·(exp_tol·(3L + |Σ x|) + exp_base·(|base| − x_min)) − L·(P's rounding room), limit 0. LOG2:
+    the same test in base-2 units.
+    """
+    BM: tl.constexpr = s.shape[0]
+    L: tl.constexpr = s.shape[1] // 16
+    tl.static_assert(L <= _EXP_MAX_GROUP)
+    pmin, lp_room = _lowp_clamp(PVDT)
+    if LOG2:
+        floor = (base + exp_xmin) / scale
+        ys = tl.sum(tl.reshape(tl.maximum(s, floor[:, None], propagate_nan=tl.PropagateNan.ALL), (BM, L, 16)),
+                    axis=1)
+        xs = tl.fma(ys, scale * _LOG2E, -(base * (L * _LOG2E))[:, None])
+    else:
+        ys = tl.sum(tl.reshape(tl.maximum(s, (base + exp_xmin)[:, None], propagate_nan=tl.PropagateNan.ALL),
+                               (BM, L, 16)), axis=1)
+        xs = ys - (base * L)[:, None]
+    pc = tl.reshape(tl.maximum(p, pmin, propagate_nan=tl.PropagateNan.ALL), (BM, L, 16))
     if INTERP:  # the interpreter runs custom reductions element by element
         lp = tl.sum(tl.log2(pc), axis=1)
     else:
         lp = _lg2(tl.reduce(pc, 1, _mul))
+    room = tl.abs(base) * (exp_base * _LOG2E)  # (BLOCK_M,): one subtraction per group
     if LOG2:
-        e = tl.fma(tl.abs(xs), -exp_tol, tl.abs(lp - xs))
+        e = tl.fma(tl.abs(xs), -exp_tol, tl.abs(lp - xs)) - room[:, None]
     elif INTERP:
-        e = tl.abs(lp - xs * _LOG2E) - exp_tol * _LOG2E * (3.0 * L + tl.abs(xs))
+        e = (tl.abs(lp - xs * _LOG2E) - exp_tol * _LOG2E * (3.0 * L + tl.abs(xs))
+             - ((tl.abs(base) - exp_xmin) * (exp_base * _LOG2E))[:, None] - L * lp_room)
     else:
-        e = tl.fma(tl.abs(xs), -(exp_tol * _LOG2E), tl.abs(lp - xs * _LOG2E))
+        e = tl.fma(tl.abs(xs), -(exp_tol * _LOG2E), tl.abs(lp - xs * _LOG2E)) - room[:, None]
     return e
 
 
 @triton.jit
-def _exp_limit(exp_tol, L: tl.constexpr, INTERP: tl.constexpr, LOG2: tl.constexpr):
+def _exp_limit(exp_tol, exp_base, exp_xmin, L: tl.constexpr, PVDT: tl.constexpr, INTERP: tl.constexpr,
+               LOG2: tl.constexpr):
     """The bound of `_exp_test`'s margin for groups of L keys."""
+    _, lp_room = _lowp_clamp(PVDT)
     if INTERP and not LOG2:
         lim = 0.0
     else:
-        lim = exp_tol * (3.0 * L * _LOG2E)
+        lim = exp_tol * (3.0 * L * _LOG2E) - exp_base * _LOG2E * exp_xmin + L * lp_room
     return lim
+
+
+@triton.jit
+def _rescale(m_i, m_new, cnt, row_ok, chk, Inj, bh, offs_m, jblk, M, nblocks, INJ_A: tl.constexpr,
+             DETECT: tl.constexpr, CORRECT: tl.constexpr, REPAIR: tl.constexpr, INTERP: tl.constexpr):
+    """Step 5's rescale α = exp(m_i − m_new) (BLOCK_M,) (1 where both are −inf; `_exp`: ex2.approx.ftz, an
+    α below 2^-126 is 0), the `attn.alpha` faults, and its check: α scales O, l, lc and Oc alike, so a
+    wrong α is invisible to every later check. It is compared with ``exp(−(m_new − m_i))``, the same
+    number in a clean run (round to nearest is symmetric) from a separate chain of instructions (no
+    common subexpression to merge). Rows that differ while the recomputation is a number (a NaN max is
+    step 3's fault) raise a flag; REPAIR counts them at ``attn.alpha`` and takes the recomputed α.
+    Returns (α, rows that differ (BLOCK_M,) bool, cnt)."""
+    both_inf = (m_i == -float("inf")) & (m_new == -float("inf"))
+    alpha = tl.where(both_inf, 1.0, _exp(m_i - m_new, INTERP, False))
+    if INJ_A != 0:
+        alpha = _inject(alpha, Inj, _I_ALPHA, INJ_A, bh, offs_m, jblk, M, nblocks)
+    bad = row_ok & False
+    if DETECT:
+        again = tl.where(both_inf, 1.0, _exp(-(m_new - m_i), INTERP, False))
+        bad = (alpha != again) & (again == again) & row_ok & chk
+        if REPAIR:
+            nba = tl.sum(bad.to(tl.int32), axis=0)
+            cnt = _bump(cnt, _ALPHA + _DET, nba)
+            if CORRECT:
+                cnt = _bump(cnt, _ALPHA + _COR, nba)
+                alpha = tl.where(bad, again, alpha)
+            else:
+                cnt = _bump(cnt, _ALPHA + _UNC, nba)
+    return alpha, bad, cnt
 
 
 @triton.jit
 def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge, scale,
                    Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, mtile, Inj,
-                   exp_tol, exp_xmin, snvr_rel, snvr_cap,
+                   exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap,
                    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
-                   INJ_M: tl.constexpr, INJ_P: tl.constexpr, INTERP: tl.constexpr, REPAIR: tl.constexpr,
-                   HALF: tl.constexpr, FOLD: tl.constexpr):
-    """Steps 2–4 for one key block: bias and masks, running max (SNVR check), P = exp(x) (product
-    check). s: (BLOCK_M, BLOCK_N) scores after step 1; m_i: (BLOCK_M,) running max (scaled units).
+                   INJ_M: tl.constexpr, INJ_X: tl.constexpr, INJ_P: tl.constexpr, INJ_PL: tl.constexpr,
+                   PVDT: tl.constexpr, INTERP: tl.constexpr, REPAIR: tl.constexpr, HALF: tl.constexpr,
+                   FOLD: tl.constexpr):
+    """Steps 2–4 for one key block: bias and masks, running max (SNVR check), the exponent x (then the
+    `attn.exponent` faults), P = exp(x) (then the `attn.probs` faults), P in PVDT as GEMM II reads it
+    (then the `attn.probs_lp` faults; product check on it). s: (BLOCK_M, BLOCK_N) scores after step 1;
+    m_i: (BLOCK_M,) running max (scaled units).
 
     FOLD: s is the unscaled Q·Kᵀ. Its row max is scaled afterwards (scale > 0 and rounding is
     monotonic, so this equals the max of the scaled scores), and the exponent in base 2,
@@ -137,9 +227,9 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
     Without REPAIR (the clean path) the checks only raise flags: step 3 per row, and step 4 as the
     margin of each group (`_exp_test`), which the caller folds into a running maximum (a test after
     the loop instead of a reduction per block); with REPAIR (taken when some flag of the block is
-    raised) they count and repair exactly as the contract orders them, step 3 before step 4. Returns
-    (S masked, m_new, P, rows with a raised flag (BLOCK_M,) bool, step-4 margins (BLOCK_M, 16) (the
-    clean path; else 0), cnt, nf).
+    raised) they count and repair exactly as the contract orders them, step 3 before step 4 (a failing
+    group gets x, P and its rounding again). Returns (S masked, m_new, P fp32, P in PVDT, rows with a
+    raised flag (BLOCK_M,) bool, step-4 margins (BLOCK_M, 16) (the clean path; else 0), cnt, nf).
     """
     s, nfb = _bias_mask(s, offs_m, offs_n, b, h, M, N, window, edge, Bias, sbb, sbh, sbm, sbn,
                         Mask, smb, smh, smm, smn, mtile, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, INTERP)
@@ -151,7 +241,7 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
         mb = mb * scale
     m_new = _max_nan(m_i, mb)
     if INJ_M != 0:
-        m_new = _inject(m_new, Inj, 1, INJ_M, bh, offs_m, jblk, M, nblocks)
+        m_new = _inject(m_new, Inj, _I_ROWMAX, INJ_M, bh, offs_m, jblk, M, nblocks)
     all_inf = (m_new == -float("inf")) & (mb == -float("inf")) & (m_i == -float("inf"))
     base = tl.where(all_inf, 0.0, m_new)
     bad_row = row_ok & False
@@ -171,34 +261,41 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
                     base = tl.where(all_inf, 0.0, m_new)
                 else:
                     cnt = _bump(cnt, _ROWMAX + _UNC, nbm)
-    # ---- 4. P = exp(x), product check per group ----
+    # ---- 4. x, P = exp(x), product check per group (anchored on s, not on x) ----
     if FOLD:  # x in base-2 units (x·log2 e), one FFMA
         x = tl.fma(s, scale * _LOG2E, -(base * _LOG2E)[:, None])
-        p = _exp(x, INTERP, True)
     else:
         x = s - base[:, None]
         if HALF:  # PASA's full FP16 allocation: x and P held in fp16
             x = x.to(tl.float16).to(tl.float32)
-        p = _exp(x, INTERP, False)
-        if HALF:
-            p = p.to(tl.float16).to(tl.float32)
+    x_raw = x
+    if INJ_X != 0:  # (the host keeps FOLD off while injecting here: x in natural units, as in the reference)
+        x = _inject(x, Inj, _I_EXPONENT, INJ_X, bh, offs_m[:, None], offs_n[None, :], M, N)
+    p = _exp(x, INTERP, FOLD)
+    if HALF:
+        p = p.to(tl.float16).to(tl.float32)
     if INJ_P != 0:
-        p = _inject(p, Inj, 2, INJ_P, bh, offs_m[:, None], offs_n[None, :], M, N)
+        p = _inject(p, Inj, _I_PROBS, INJ_P, bh, offs_m[:, None], offs_n[None, :], M, N)
+    pd = _round_to(p, PVDT, INTERP)  # P as GEMM II reads it
+    if INJ_PL != 0:
+        pd = _inject(pd, Inj, _I_PROBS_LP, INJ_PL, bh, offs_m[:, None], offs_n[None, :], M, N)
     e4 = tl.zeros((x.shape[0], 16), tl.float32)
     if DETECT and not REPAIR:
-        e4 = _exp_test(x, p, exp_tol, exp_xmin, INTERP, FOLD)
+        e4 = _exp_test(s, base, pd.to(tl.float32), scale, exp_tol, exp_base, exp_xmin, PVDT, INTERP, FOLD)
     if DETECT and REPAIR:
-        badg = (~(_exp_test(x, p, exp_tol, exp_xmin, INTERP, FOLD) <= _exp_limit(exp_tol, x.shape[1] // 16, INTERP,
-                                                                                 FOLD)) & row_ok[:, None] & chk)
+        lim = _exp_limit(exp_tol, exp_base, exp_xmin, x.shape[1] // 16, PVDT, INTERP, FOLD)
+        e4r = _exp_test(s, base, pd.to(tl.float32), scale, exp_tol, exp_base, exp_xmin, PVDT, INTERP, FOLD)
+        badg = ~(e4r <= lim) & row_ok[:, None] & chk
         bad_row = bad_row | (tl.max(badg.to(tl.int32), axis=1) > 0)
         nbp = tl.sum(tl.sum(badg.to(tl.int32), axis=1), axis=0)
         if nbp > 0:
             cnt = _bump(cnt, _PROBS + _DET, nbp)
-            if CORRECT:  # recompute exp over every member of a failing group
+            if CORRECT:  # x, exp and the rounding again over every member of a failing group
                 cnt = _bump(cnt, _PROBS + _COR, nbp)
                 redo = tl.reshape(tl.broadcast_to(badg[:, None, :], (x.shape[0], x.shape[1] // 16, 16)),
                                   (x.shape[0], x.shape[1]))
-                p = tl.where(redo, _exp(x, INTERP, FOLD), p)
+                p = tl.where(redo, _exp(x_raw, INTERP, FOLD), p)
+                pd = tl.where(redo, _round_to(p, PVDT, INTERP), pd)
             else:
                 cnt = _bump(cnt, _PROBS + _UNC, nbp)
-    return s, m_new, p, bad_row, e4, cnt, nf
+    return s, m_new, p, pd, bad_row, e4, cnt, nf
