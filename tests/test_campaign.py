@@ -557,6 +557,12 @@ def test_one_arm_runs_the_same_trials(tiny, reference, tmp_path):
                {k: b[k] for k in ("site", "bit", "module", "step", "seed")}
         assert _strip(a)["protected"] == b["protected"]
     assert "| on | 12 | all |" in C.silent_markdown(only_on)
+    files = C.write_report(tmp_path / "on.jsonl", tmp_path / "rep_on", "on")
+    assert files["events_json"].exists() and "| on | 12 | all |" in files["summary_md"].read_text()
+    only_off = _run(_config(arms=["unprotected"], trials=3), tmp_path / "off.jsonl", tiny)
+    assert [_strip(r)["unprotected"] for r in only_off] == [r["unprotected"] for r in ref[:3]]
+    files = C.write_report(tmp_path / "off.jsonl", tmp_path / "rep_off", "off")  # no events to export
+    assert "events_json" not in files and "| off | 3 | all |" in files["summary_md"].read_text()
     with pytest.raises(ValueError, match="arms"):
         _config(arms=["both"])
 

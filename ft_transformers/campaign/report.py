@@ -373,7 +373,8 @@ def write_report(path: str | os.PathLike, out_dir: str | os.PathLike, prefix: st
     """Summary (markdown + JSON), per-bit table, plots and per-step × layer events of a campaign file.
 
     Tables and event exports go to ``out_dir``, PNGs to ``img_dir`` (default ``out_dir``); with
-    ``trial`` the events (JSON, CSV, heatmap) are those of that trial only.
+    ``trial`` the events (JSON, CSV, heatmap) are those of that trial only. A campaign with protection
+    off only has no events to export.
     """
     header, cleans, trials = load_campaign(path)
     out = Path(out_dir)
@@ -409,6 +410,8 @@ def write_report(path: str | os.PathLike, out_dir: str | os.PathLike, prefix: st
     sel = trials if trial is None else [t for t in trials if t["trial_id"] == trial]
     if not sel:
         raise ValueError(f"no trial {trial!r} in {path}")
+    if "protected" not in _arms(sel):  # events exist only with protection on
+        return files
     grouped = events_by_step_layer(sel)
     tag = "events" if trial is None else f"events_{trial}"
     files["events_json"] = out / f"{prefix}_{tag}.json"
