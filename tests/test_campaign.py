@@ -393,6 +393,9 @@ def test_landing_rules():
     assert C.landing("attn.scores", (0, 0, 1, 3), (1, 4, 5, 5), **kw) == "masked_key"
     assert C.landing("attn.scores", (0, 0, 1, 1), (1, 4, 5, 5), **kw) == "used"
     assert C.landing("attn.probs", (0, 0, 1, 3), (1, 4, 5, 5), **kw) == "masked_key_used"
+    assert C.landing("attn.exponent", (0, 0, 1, 3), (1, 4, 5, 5), **kw) == "masked_key_used"
+    assert C.landing("attn.probs_lp", (0, 0, 1, 3), (1, 4, 5, 5), **kw) == "masked_key_used"
+    assert C.landing("attn.acc", (0, 0, 1, 3), (1, 4, 5, 128), **kw) == "used"  # key blocks x D: no key index
     # decode, M = 1, N = 6: the one query sees every key
     assert C.landing("attn.scores", (0, 2, 0, 5), (1, 4, 1, 6), **kw) == "used"
     # an additive mask keeps +inf / NaN: an exponent flip there is undecided, a mantissa flip is not
@@ -446,10 +449,12 @@ def test_masked_score_flip_is_never_used_but_a_masked_probability_is(tiny):
     assert C.landing("attn.scores", pos, shape, module="", unused_rows=(), mask_form="causal", window=None,
                      exponent_bit=True) == "masked_key"
     assert torch.equal(clean, out)  # overwritten by the mask: not one logit bit moved
-    clean, out, (pos, shape) = _masked_flip_logits(tiny, "attn.probs")
-    assert C.landing("attn.probs", pos, shape, module="", unused_rows=(), mask_form="causal", window=None,
-                     exponent_bit=True) == "masked_key_used"
-    assert not torch.equal(clean, out)  # P = 0 flipped to 2.0 enters P·V: it is used
+    # x = −inf flipped to −1 feeds exp; P = 0 (fp32 or as GEMM II reads it) flipped to 2 enters P·V
+    for site in ("attn.exponent", "attn.probs", "attn.probs_lp"):
+        clean, out, (pos, shape) = _masked_flip_logits(tiny, site)
+        assert C.landing(site, pos, shape, module="", unused_rows=(), mask_form="causal", window=None,
+                         exponent_bit=True) == "masked_key_used"
+        assert not torch.equal(clean, out), site  # used
 
 
 def test_masked_flag_holds_in_a_campaign(tiny, tmp_path):

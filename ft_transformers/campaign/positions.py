@@ -14,19 +14,22 @@ feeds no padding, so padded keys and padded query rows do not occur):
   reads it: never used (the score check still sees it and may flag it). With a mask tensor the mask
   is *added*, so a flip to +inf or NaN would survive: then only sign and mantissa flips (which keep a
   finite value finite) are ``masked_key``, an exponent flip is ``undecided``.
-- ``masked_key_used``: a probability of such a key (``attn.probs``). P is 0 there, and the flipped
-  value still enters the row sum and P·V (the path does not mask again), so it is *used*: it is
-  reported apart, not counted as never used.
+- ``masked_key_used``: the exponent x, the probability P or its rounded copy that GEMM II reads
+  (``attn.exponent``, ``attn.probs``, ``attn.probs_lp``) of such a key. x is −inf and P is 0 there,
+  and the flipped value still feeds exp, the row sum and P·V (the path does not mask again), so it is
+  *used*: it is reported apart, not counted as never used.
 - ``unused_row``: a prefill row other than the last in a module whose other rows `probe_unused_rows`
   found unread (in a decoder the last block's per-token work: only the last position reaches
   ``lm_head``, and that block's keys and values come from its input). Every attention site is
   row-local in the query, so the attention module's result decides its sites' rows.
 - ``not_injected``: the call never reached the position (nothing flipped).
 - ``undecided``: a site that is not an attention site of the contract nor ``linear.output``; a masked
-  key of a key-indexed site whose handling of masked keys has not been checked here (`_KEY_SITES`);
-  BER mode (no positions); an unknown mask form; a key outside a sliding window. Counted neither as
-  used nor as never used.
-- ``used``: anything else.
+  key of a key-indexed site whose masked-key handling is not known here (`_KEY_SITES`); BER mode (no
+  positions); an unknown mask form; a key outside a sliding window. Counted neither as used nor as
+  never used.
+- ``used``: anything else, among it every ``attn.rowmax`` / ``attn.alpha`` / ``attn.rowsum`` /
+  ``attn.acc`` / ``attn.checksum`` / ``attn.output`` value of a row that is read (the checksum
+  operands only feed the checks, and through a correction they could still move the output).
 """
 
 from __future__ import annotations
@@ -40,11 +43,18 @@ from ..kernels import contract
 LANDINGS: tuple[str, ...] = ("used", "masked_key", "masked_key_used", "unused_row", "not_injected", "undecided")
 NEVER_USED: frozenset[str] = frozenset({"masked_key", "unused_row", "not_injected"})
 # Key-indexed attention sites and what the reference path does with the value at a masked key:
-# "overwritten" (replaced by the mask before anything reads it), "used" (read as it is), or None (not
-# checked here: undecided).
-_KEY_SITES: dict[str, str | None] = {"attn.scores": "overwritten", "attn.probs": "used", "attn.exponent": None,
-                                     "attn.probs_lp": None}
+# "overwritten" (replaced by the mask before anything reads it) or "used" (read as it is: x = −inf
+# flipped feeds exp, P = 0 flipped feeds the row sum and P·V). A key-indexed site of the contract
+# missing here is undecided at masked keys.
+_KEY_SITES: dict[str, str] = {"attn.scores": "overwritten", "attn.exponent": "used", "attn.probs": "used",
+                              "attn.probs_lp": "used"}
 _ROW_SITES = ("linear.output",)  # (tokens, features): row = token
+
+
+def _by_key(site: str) -> bool:
+    """Whether attention ``site``'s last dim is the key index (from the contract's `site_shape`)."""
+    n = 7919  # a key count no other extent of the probe shape equals
+    return contract.site_shape(site, 1, 1, 1, n, 3, 5)[3] == n
 
 
 def landing(site: str, pos: Sequence[int], shape: Sequence[int], *, module: str, unused_rows: Iterable[str],
@@ -63,17 +73,16 @@ def landing(site: str, pos: Sequence[int], shape: Sequence[int], *, module: str,
         i, M = int(pos[2]), int(shape[2])
         if unused and i < M - 1:
             return "unused_row"
-        if site not in _KEY_SITES:
+        if not _by_key(site):  # indexed by key block, head dim or checksum column
             return "used"
         if mask_form not in ("causal", "tensor"):
             return "undecided"
         j, N = int(pos[3]), int(shape[3])
         last_seen = i + N - M
         if j > last_seen:
-            at_masked = _KEY_SITES[site]
-            if at_masked is None:
+            if site not in _KEY_SITES:
                 return "undecided"
-            if at_masked == "used":
+            if _KEY_SITES[site] == "used":
                 return "masked_key_used"
             return "masked_key" if mask_form == "causal" or not exponent_bit else "undecided"
         if window is not None and j <= last_seen - window:
