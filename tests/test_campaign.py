@@ -467,10 +467,12 @@ def test_masked_flag_holds_in_a_campaign(tiny, tmp_path):
     assert "model.layers.1.self_attn" in setup["unused_rows"] and "model.layers.1.mlp.down_proj" in setup["unused_rows"]
     assert not any(n.endswith(("k_proj", "v_proj")) for n in setup["unused_rows"])
     assert setup["mask_form"] == "causal"
-    masked = [r for r in recs if r["masked_position"] is True]
-    assert masked and any(r["masked_position"] is False for r in recs)
+    masked = [r for r in recs if r["unprotected"]["masked_position"] is True]
+    assert masked and any(r["unprotected"]["masked_position"] is False for r in recs)
+    for r in recs:  # the same flips land the same way in both arms at these sites
+        assert r["unprotected"]["landings"] == r["protected"]["landings"]
     for r in masked:
-        assert set(r["landings"]) <= C.NEVER_USED
+        assert set(r["unprotected"]["landings"]) <= C.NEVER_USED
         assert r["unprotected"]["logit_dev"] == 0.0 and not r["unprotected"]["token_change"]
     for r in recs:
         for arm in C.ARMS:
@@ -606,3 +608,19 @@ def test_a_faulty_run_keeps_the_clean_prefix_events(tiny):
     assert run.events[0] == prefix_event and run.steps_run >= 1
     assert all(r[0] >= 2 for r in run.events[1:])
     assert run.records and run.records[0][1] == 2  # the module's call index is the generation step
+
+
+def test_checksum_site_exists_only_with_protection(tiny, tmp_path):
+    """The checks' own operands are probed and sampled with protection on; with protection off a flip
+    there finds nothing (not injected: never used), per arm."""
+    cfg = _config(sampling="uniform", sites=["attn.checksum", "linear.output"], bits=["any"], trials=8,
+                  max_new_tokens=3)
+    recs = _run(cfg, tmp_path / "cs.jsonl", tiny)
+    setup = [json.loads(x) for x in (tmp_path / "cs.jsonl").read_text().splitlines() if '"setup"' in x][-1]
+    assert setup["sites_used"] == ["attn.checksum", "linear.output"]
+    cs = [r for r in recs if r["site"] == "attn.checksum"]
+    assert cs
+    for r in cs:
+        assert r["protected"]["injected"] == 1 and r["protected"]["masked_position"] is not True
+        assert r["unprotected"]["injected"] == 0 and r["unprotected"]["landings"] == ["not_injected"]
+        assert r["unprotected"]["masked_position"] is True and not r["unprotected"]["token_change"]

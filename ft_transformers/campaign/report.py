@@ -123,6 +123,11 @@ def summary_markdown(trials: Sequence[dict], cleans: Sequence[dict] = (),
     return out
 
 
+def masked_of(trial: dict, arm: str) -> bool | None:
+    """``masked_position`` of one arm of a trial (files that kept it per trial: that one)."""
+    return trial[arm]["masked_position"] if "masked_position" in trial[arm] else trial.get("masked_position")
+
+
 def silent_summary(trials: Sequence[dict], by: Sequence[str] = ()) -> list[dict]:
     """Silent token changes per group × protection arm, over all trials and over the trials whose flips
     did not all land on a masked, never-used value (``masked_position`` True is left out there;
@@ -144,13 +149,13 @@ def silent_summary(trials: Sequence[dict], by: Sequence[str] = ()) -> list[dict]
         for arm in _arms(ts_all):
             with_arm = [t for t in ts_all if arm in t]
             for scope, ts in (("all", with_arm),
-                              ("excluding masked", [t for t in with_arm if t.get("masked_position") is not True])):
+                              ("excluding masked", [t for t in with_arm if masked_of(t, arm) is not True])):
                 n = len(ts)
                 silent = [t for t in ts if t[arm].get("silent")]
                 near = sum(1 for t in silent if t[arm].get("near_tie"))
                 beyond = len(silent) - near
                 dev = [t[arm].get("logit_dev", 0.0) for t in ts
-                       if not any(t[arm]["totals"].values()) and t.get("masked_position") is not True]
+                       if not any(t[arm]["totals"].values()) and masked_of(t, arm) is not True]
                 rows.append({**dict(zip(by, key, strict=True)), "arm": arm, "scope": scope, "n": n,
                              "token_change": sum(bool(t[arm].get("token_change")) for t in ts),
                              "silent": len(silent), "silent_near_tie": near, "silent_beyond_noise": beyond,
@@ -158,8 +163,8 @@ def silent_summary(trials: Sequence[dict], by: Sequence[str] = ()) -> list[dict]
                              "rate_beyond_noise": beyond / n if n else 0.0,
                              "upper_beyond_noise": wilson_upper(beyond, n),
                              "events": sum(1 for t in ts if any(t[arm]["totals"].values())),
-                             "masked": sum(1 for t in ts if t.get("masked_position") is True),
-                             "undecided": sum(1 for t in ts if "masked_position" in t and t["masked_position"] is None),
+                             "masked": sum(1 for t in ts if masked_of(t, arm) is True),
+                             "undecided": sum(1 for t in ts if masked_of(t, arm) is None),
                              "max_silent_logit_dev": max(dev, default=0.0)})
     return rows
 
@@ -182,7 +187,7 @@ def silent_markdown(trials: Sequence[dict], by: Sequence[str] = ()) -> str:
             str(r["silent"]), str(r["silent_near_tie"]),
             f"{_sci(r['rate_beyond_noise'])} [{_sci(r['upper_beyond_noise'])}]", str(r["events"]),
             f"{r['masked']} / {r['undecided']}", f"{r['max_silent_logit_dev']:.3g}"]) + " |")
-    off = [t for t in trials if "unprotected" in t and t.get("masked_position") is True]
+    off = [t for t in trials if "unprotected" in t and masked_of(t, "unprotected") is True]
     if off and not by:
         moved = sum(1 for t in off if t["unprotected"].get("logit_dev", 0.0) != 0.0
                     or t["unprotected"].get("token_change"))

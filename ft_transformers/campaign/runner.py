@@ -176,7 +176,13 @@ class Session:
         return logits, [(k.clone(), v.clone()) for k, v in self.greedy.layers(cache)]
 
     def probe(self) -> dict:
-        """Run the probes (unprotected arm) and return the ``setup`` record."""
+        """Run the probes and return the ``setup`` record.
+
+        Unread rows are probed without protection (the data flow of the model). Sites are probed with
+        protection on, whatever the campaign's arms: the checks' own operands (``attn.checksum``) exist
+        only there, and the trial plan must not depend on the arms. With protection off a flip at such
+        a site then finds nothing to hit (``not_injected``).
+        """
         self.use("unprotected")
         self.targets = model_targets(self.model)
         blocks = [layer for layer in self.targets if layer >= 0]
@@ -184,6 +190,7 @@ class Session:
         candidates = [n for n in [last["attention"], *last["linear"]] if n]
         self.unused_rows = probe_unused_rows(self.model, self._prefill, self.inputs[0], candidates)
         used, unused = [], []
+        self.use("protected")
         for site in self.config.sites:
             (used if self._site_reached(site) else unused).append(site)
         self.sites_used = used
@@ -217,16 +224,15 @@ class Session:
                      "campaign_seed": cfg.seed, "versions": ver or versions()}
         answers = cfg.prompts[trial.prompt_index].get("answer")
         start = trial.step if trial.step is not None else 0
-        lands: list[str] | None = None
         for arm in cfg.arms:
             self.use(arm)
             clean = self.cleans[(arm, trial.prompt_index)]
             t0 = time.perf_counter()
             run = self.greedy.run_from(clean, start, spec, shortcut=self.shortcut)
             seconds = time.perf_counter() - t0
-            flips, arm_lands = flip_landings(trial, run.records, unused_rows=self.unused_rows,
-                                             mask_form=self.mask_form, window=self.window)
-            lands = arm_lands if lands is None else lands
+            # per arm: the checks' own operands (attn.checksum) exist only with protection on
+            flips, lands = flip_landings(trial, run.records, unused_rows=self.unused_rows,
+                                         mask_form=self.mask_form, window=self.window)
             tot = _totals(run.events)
             hit_step = (lambda s: True) if trial.step is None else (lambda s: s == trial.step)
             elsewhere = sum(int(r[5]) for r in run.events
@@ -244,10 +250,9 @@ class Session:
                 "token_agreement": round(token_agreement(run.tokens, clean.tokens), 6),
                 "answer_correct": answer_correct(text, answers),
                 "events": run.events, "totals": tot, "detected_elsewhere": elsewhere,
+                "landings": lands, "masked_position": masked_position(lands),
                 "logit_dev": run.logit_dev, "steps_run": run.steps_run, "seconds": round(seconds, 3),
             }
-        rec["landings"] = lands or []
-        rec["masked_position"] = masked_position(lands or [])
         return rec
 
 
