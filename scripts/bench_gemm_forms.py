@@ -1,8 +1,8 @@
-"""Forms of a Triton GEMM on the GPU, and what each piece of a checked GEMM's extra work costs in them.
+"""Forms of a Triton GEMM on the GPU, and what each piece of a checksum check's extra work costs in them.
 
 A study for issue 4 (``docs/vabft.md``), not the library's kernel: the plain GEMM
 ``y = x·Wᵀ + b`` (fp16, W stored (N, K)) in several forms, then the persistent TMA form with one
-piece of the V-ABFT checks added at a time, each timed as a CUDA-graph replay against cuBLAS
+piece of a V-ABFT row check added at a time, each timed as a CUDA-graph replay against cuBLAS
 (``F.linear``) in interleaved rounds (`_timing.interleaved`: every variant once per round, the
 order rotated), median µs and the ratio to cuBLAS of the same run. Variants (names in the CSV):
 
@@ -11,20 +11,23 @@ order rotated), median µs and the ratio to cuBLAS of the same run. Variants (na
 * ``persistent`` — one program per SM looping over the tiles, pointer loads;
 * ``tma``        — persistent, operands through TMA descriptors made in the kernel
   (``tl.make_tensor_descriptor``), y stored through one; ``tma_flat`` the same with the tile and K
-  loops flattened into one software pipeline (``tl.range(..., flatten=True)``);
-* ``tma_rowsums`` — ``tma_flat`` plus the epilogue of the checked GEMM: bias, the two fp32 row partial
-  sums per tile (``Σ_n v``, ``Σ_n (n+1)/N·v``) stored to a (T, M, 2) buffer;
-* ``tma_share``  — ``tma_rowsums`` plus the checked GEMM's checksum share inside the K loop: in the
-  K blocks ``kb ≡ pid_n (mod T)`` the tile reloads its x block through pointers and accumulates
-  ``x·w1``, ``x·w2`` and x's row max / min / sum in fp32 on the CUDA cores;
+  loops flattened into one software pipeline (``tl.range(..., flatten=True)``, as
+  `kernels.abft_gemm.persistent` runs it);
+* ``tma_rowsums`` — ``tma_flat`` plus a row check's epilogue: bias, the two fp32 row partial sums per
+  tile (``Σ_n v``, ``Σ_n (n+1)/N·v``) stored to a (T, M, 2) buffer;
+* ``tma_share``  — ``tma_rowsums`` plus a checksum share inside the K loop: in the K blocks
+  ``kb ≡ pid_n (mod T)`` the tile reloads its x block through pointers and accumulates ``x·w1``,
+  ``x·w2`` and x's row max / min / sum in fp32 on the CUDA cores;
 * ``tma_csumdot`` — ``tma_rowsums`` plus a second tensor-core dot per K step, x against a 16-column
   checksum operand (what ``x·w1``, ``x·w2`` and ``Σx`` would be in slices of the input dtype);
 * ``tma_regstats`` — ``tma_rowsums`` plus x's row max / min taken from the loaded x tile in
   registers (Triton 3.6 gave wrong y with the flattened loop: reported as ``wrong``);
-* ``stats_pass`` — a separate kernel reading x once for ``x·w1``, ``x·w2``, max / min / sum per row
-  (the library's `kernels.abft_gemm.persistent._stats_kernel`, which the checked GEMM's persistent form runs
-  where its idle programs have no room for the pass),
-  and ``tma_rowsums+stats`` both launches.
+* ``stats_pass`` — a separate kernel (`_stats_pass_kernel`) reading x once for ``x·w1``, ``x·w2`` and
+  max / min / sum per row, and ``tma_rowsums+stats`` both launches.
+
+The library's persistent form runs none of these pieces beside its GEMM: its epilogue stores the
+64-column group sums, and `kernels.abft_gemm.groups._group_verify_kernel` reads x itself in a launch
+after it (x's statistics and the group checksums on the tensor cores).
 
 Every output is compared with ``F.linear``'s (``max_err``); a variant off by more than 0.05 is marked
 ``wrong`` and not timed. Needs a Hopper GPU (TMA), Triton ≥ 3.4.
@@ -54,10 +57,8 @@ try:
 except ImportError:  # pragma: no cover - the script needs a GPU with triton
     sys.exit("bench_gemm_forms.py needs triton")
 
-# the library's pass over x and grouped tile order
+# the library's grouped tile order
 from ft_transformers.kernels.abft_gemm.common import _grouped_tile  # noqa: E402
-from ft_transformers.kernels.abft_gemm.configs import STATS_COLS, STATS_ROWS  # noqa: E402
-from ft_transformers.kernels.abft_gemm.persistent import _stats_kernel  # noqa: E402
 
 # Qwen2-0.5B's prefill GEMMs at 4,096 tokens (q/o, k/v, gate/up, down) and the issue's squares
 SHAPES = [(4096, 896, 896), (4096, 128, 896), (4096, 4864, 896), (4096, 896, 4864), (2048, 2048, 2048),
@@ -66,6 +67,7 @@ CONFIGS = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4)]  # 
 VARIANTS = ("tiles", "persistent", "tma", "tma_flat", "tma_rowsums", "tma_share", "tma_csumdot", "tma_regstats",
             "stats_pass", "tma_rowsums+stats")
 GROUP = 8
+STATS_ROWS, STATS_CHUNK = 8, 256  # `_stats_pass_kernel`: rows per program, columns of x per K step
 
 
 @triton.jit
@@ -175,6 +177,36 @@ def _tma_kernel(X, W, Y, B, C, W12, P, S, M, N, K, BM: tl.constexpr, BN: tl.cons
         yd.store([pid_m * BM, pid_n * BN], acc.to(Y.dtype.element_ty))
 
 
+@triton.jit
+def _stats_pass_kernel(X, W12, S, M, K, R: tl.constexpr, CK: tl.constexpr):
+    """One pass over x (M, K), R rows per program, x read once in CK-column chunks: ``x·w1``, ``x·w2``
+    (W12 (K, 2) fp32), x's row max, min and sum in fp32 into slots 0-4 of S (M, 8) fp32."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    r_ok = rows < M
+    offs = tl.arange(0, CK)
+    c1 = tl.zeros((R,), tl.float32)
+    c2 = tl.zeros((R,), tl.float32)
+    sm = tl.zeros((R,), tl.float32)
+    mx = tl.full((R,), -float("inf"), tl.float32)
+    mn = tl.full((R,), float("inf"), tl.float32)
+    for k0 in range(0, K, CK):
+        kk = k0 + offs
+        k_ok = kk < K
+        ok = r_ok[:, None] & k_ok[None, :]
+        xf = tl.load(X + rows[:, None] * K + kk[None, :], mask=ok, other=0.0).to(tl.float32)
+        c1 += tl.sum(xf * tl.load(W12 + kk * 2, mask=k_ok, other=0.0)[None, :], axis=1)
+        c2 += tl.sum(xf * tl.load(W12 + kk * 2 + 1, mask=k_ok, other=0.0)[None, :], axis=1)
+        sm += tl.sum(xf, axis=1)
+        mx = tl.maximum(mx, tl.max(tl.where(ok, xf, -float("inf")), axis=1))
+        mn = tl.minimum(mn, tl.min(tl.where(ok, xf, float("inf")), axis=1))
+    srow = S + rows * 8
+    tl.store(srow, c1, mask=r_ok)
+    tl.store(srow + 1, c2, mask=r_ok)
+    tl.store(srow + 2, mx, mask=r_ok)
+    tl.store(srow + 3, mn, mask=r_ok)
+    tl.store(srow + 4, sm, mask=r_ok)
+
+
 def _alloc(size: int, align: int, stream) -> torch.Tensor:
     """Global scratch for the in-kernel TMA descriptors (`triton.set_allocator`)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
@@ -204,7 +236,6 @@ def make_variant(name: str, cfg: tuple[int, ...], x: torch.Tensor, w: torch.Tens
                    p=torch.zeros(t, m, 2, device=dev), s=torch.zeros(t, m, 8, device=dev),
                    s_rows=torch.zeros(m, 8, device=dev))
     w12, c, p, s, s_rows = buffers.values()
-    flag = torch.zeros(2, dtype=torch.int32, device=dev)  # the pass's non-finite flag and recompute counter
     grid_tiles = (triton.cdiv(m, bm) * t,)
     grid_sms = (min(sms, grid_tiles[0]),)
     opts = dict(num_warps=nw, num_stages=ns)
@@ -217,9 +248,9 @@ def make_variant(name: str, cfg: tuple[int, ...], x: torch.Tensor, w: torch.Tens
         elif name in _TMA_FLAGS:
             _tma_kernel[grid_sms](x, w, y, b, c, w12, p, s, m, n, k, bm, bn, bk, GROUP, sms, *_TMA_FLAGS[name],
                                   **opts)
-        if name in ("stats_pass", "tma_rowsums+stats"):  # (T = 0: the slot is s_rows itself)
-            _stats_kernel[(triton.cdiv(m, STATS_ROWS),)](x, w12, s_rows, flag, flag[1:], m, k, 0, k, 1, R=STATS_ROWS,
-                                                         CK=STATS_COLS, num_warps=4)
+        if name in ("stats_pass", "tma_rowsums+stats"):
+            _stats_pass_kernel[(triton.cdiv(m, STATS_ROWS),)](x, w12, s_rows, m, k, R=STATS_ROWS, CK=STATS_CHUNK,
+                                                              num_warps=4)
     run.buffers = buffers
     return run
 

@@ -34,7 +34,10 @@ import tempfile
 import time
 
 import triton
+from ft_transformers.kernels.abft_gemm import configs as gc
 from ft_transformers.kernels.abft_gemm.decode import grouped_gemm_kernel
+from ft_transformers.kernels.abft_gemm.groups import _group_verify_kernel
+from ft_transformers.kernels.abft_gemm.persistent import _persistent_kernel
 from ft_transformers.kernels.abft_gemm.tile import _gemm_kernel
 from ft_transformers.kernels.efta.kernel import _efta_fwd
 from triton.backends.compiler import GPUTarget
@@ -111,70 +114,103 @@ def compile_variant(dtype: str, over: dict, num_warps: int, num_stages: int, arc
                                                                           "num_stages": num_stages})
 
 
-# The checked GEMM (`ft_transformers.kernels.abft_gemm.tile._gemm_kernel`): (name, dtype, (BLOCK_M, BLOCK_N,
-# BLOCK_K, num_warps, num_stages), overrides of GEMM_BASE). The decode config with one launch and with
-# two (injection, bias and a ragged K), the fp32 path (IEEE dots, accumulator-side re-verification),
-# the output-side check, and the TMA prefill config.
-GEMM_BASE = dict(GROUP=8, HAS_BIAS=False, DETECT=True, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
-                 TMA=False, W_KN=False, TMA_STORE=False, ONE_LAUNCH=True, VERIFY_R=16, VBLOCK_N=64, VBLOCK_K=64,
-                 VBLOCK_T=16, CORRECT=True, DEBUG=False, CSUM=False, CSUM_R=1, CSUM_K=16, SPLIT=False)
+# The checked GEMM's kernels, compiled as `kernels.abft_gemm.calls` launches them: the tile GEMM
+# (`tile._gemm_kernel`), the group verification after it (`groups._group_verify_kernel`), the persistent
+# GEMM (`persistent._persistent_kernel`) and the decode kernel (`decode.grouped_gemm_kernel`).
+GEMM_KERNELS = {"tile": _gemm_kernel, "verify": _group_verify_kernel, "persistent": _persistent_kernel,
+                "decode": grouped_gemm_kernel}
+# each kernel's constexprs before a variant's overrides; its config tuple's entries go to CFG_NAMES
+GEMM_BASE = {
+    "tile": dict(GROUP=gc.GROUP_M, HAS_BIAS=False, DETECT=True, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False,
+                 EVEN_K=True, TMA=False, W_KN=False, TMA_STORE=False, SPLIT=False),
+    "verify": dict(HAS_BIAS=False, CORRECT=True, DEBUG=False, DOT_F32=False, SPLIT=False),
+    "persistent": dict(GROUP=gc.GROUP_M, NUM_SMS=132, HAS_BIAS=False, W_KN=False, VERIFY_OUTPUT=False, DOT_F32=False),
+    "decode": dict(ROWS=1, HAS_BIAS=False, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
+                   CORRECT=True, SPLIT=False, SEGS=1),
+}
+CFG_NAMES = {"tile": ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "verify": ("BLOCK_R", "BLOCK_G", "BLOCK_K"),
+             "persistent": ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "decode": ("BLOCK_M", "G", "BLOCK_K")}
+SLICES = {"fp16": 2, "bf16": 3, "fp32": 1}  # the verification's checksum slices (`calls.group_operand`)
+# (name, kernel, dtype, (block sizes..., num_warps, num_stages), overrides of GEMM_BASE[kernel])
 GEMM_VARIANTS = [
-    ("decode, one launch, tiles' checksum share", "fp16", (16, 64, 128, 4, 4), {}),
-    ("decode M = 1, checksum programs", "fp16", (16, 64, 128, 4, 4), dict(CSUM=True, CSUM_R=1, CSUM_K=4096)),
-    ("decode M = 16, checksum programs", "bf16", (16, 64, 128, 4, 4), dict(CSUM=True, CSUM_R=16, CSUM_K=256)),
-    ("decode M = 1, checksum programs, split-K", "fp16", (16, 64, 128, 4, 4),
-     dict(CSUM=True, CSUM_R=1, CSUM_K=4096, SPLIT=True)),
-    ("fp32 decode, checksum programs", "fp32", (64, 64, 32, 4, 3),
-     dict(DOT_F32=True, VERIFY_R=64, CSUM=True, CSUM_R=16, CSUM_K=256)),
-    ("decode, two launches, injection", "bf16", (16, 64, 128, 4, 4),
-     dict(ONE_LAUNCH=False, CORRECT=False, INJ=True, HAS_BIAS=True, EVEN_K=False)),
-    ("fp32 IEEE dots, one launch", "fp32", (64, 64, 32, 4, 3), dict(DOT_F32=True, VERIFY_R=64)),
-    ("output-side check, one launch", "bf16", (64, 128, 64, 4, 4), dict(VERIFY_OUTPUT=True, VERIFY_R=64)),
-    ("prefill, TMA, two launches", "fp16", (128, 256, 64, 8, 3),
-     dict(TMA=True, TMA_STORE=True, ONE_LAUNCH=False, CORRECT=False, VERIFY_R=64)),
-    # the decode kernel (`abft_gemm.decode.grouped_gemm_kernel`: DECODE=True, overrides of DECODE_BASE)
-    ("decode kernel, 64-column groups", "fp16", (16, 64, 128, 4, 4), dict(DECODE=True)),
-    ("decode kernel, BLOCK_K 256, split-K, bias", "bf16", (16, 64, 256, 4, 3),
-     dict(DECODE=True, SPLIT=True, HAS_BIAS=True)),
-    ("decode kernel, M = 16", "fp16", (16, 64, 128, 4, 4), dict(DECODE=True, ROWS=16)),
-    ("decode kernel, injection, ragged K", "fp16", (16, 64, 128, 4, 4), dict(DECODE=True, INJ=True, EVEN_K=False)),
-    ("decode kernel, output-side check", "bf16", (16, 64, 256, 4, 3), dict(DECODE=True, VERIFY_OUTPUT=True)),
-    ("decode kernel, 3 sibling weights, bias", "fp16", (16, 64, 128, 4, 4), dict(DECODE=True, SEGS=3, HAS_BIAS=True)),
-    ("decode kernel, 2 sibling weights, M = 16, split-K", "bf16", (16, 64, 128, 4, 4),
-     dict(DECODE=True, SEGS=2, ROWS=16, SPLIT=True)),
+    # the tile GEMM: checks off at M <= 16 (checked fp16/bf16 decode calls take the decode kernel), with
+    # split-K; the prefill config through TMA descriptors, with the group sums in its epilogue (a (N, K)
+    # weight and a (K, N) one); fp32 in IEEE FMAs; the output-side sums; injection with a ragged K
+    ("tile, decode-like plain", "tile", "fp16", gc.CONFIGS_SMALL[0], dict(DETECT=False)),
+    ("tile, split-K plain", "tile", "bf16", gc.CONFIGS_SMALL[0], dict(DETECT=False, SPLIT=True)),
+    ("tile, prefill TMA, group sums", "tile", "fp16", gc.CONFIGS_LARGE[0], dict(TMA=True, TMA_STORE=True)),
+    ("tile, prefill TMA, W (K, N), bias", "tile", "bf16", gc.CONFIGS_LARGE[0],
+     dict(TMA=True, TMA_STORE=True, W_KN=True, HAS_BIAS=True)),
+    ("tile, fp32 IEEE dots, group sums", "tile", "fp32", gc.CONFIGS_FP32[0], dict(DOT_F32=True)),
+    ("tile, output-side group sums, bias", "tile", "bf16", gc.CONFIGS_MID[0], dict(VERIFY_OUTPUT=True, HAS_BIAS=True)),
+    ("tile, injection, ragged K", "tile", "fp16", gc.CONFIG_INJECT, dict(INJ=True, HAS_BIAS=True, EVEN_K=False)),
+    # the group verification: the checksum operand in 2 (fp16), 3 (bf16) or 1 (fp32, IEEE) slices of x's
+    # dtype; unsplit and split over K; detection only; the debug record
+    ("verify, 2 slices", "verify", "fp16", gc.VERIFY_BLOCK, {}),
+    ("verify, 3 slices, bias", "verify", "bf16", gc.VERIFY_BLOCK, dict(HAS_BIAS=True)),
+    ("verify, 1 slice, IEEE dots", "verify", "fp32", gc.VERIFY_BLOCK, dict(DOT_F32=True)),
+    ("verify, 2 slices, split-K", "verify", "fp16", gc.VERIFY_BLOCK, dict(SPLIT=True)),
+    ("verify, 3 slices, split-K", "verify", "bf16", gc.VERIFY_BLOCK, dict(SPLIT=True)),
+    ("verify, 1 slice, IEEE dots, split-K", "verify", "fp32", gc.VERIFY_BLOCK, dict(DOT_F32=True, SPLIT=True)),
+    ("verify, 2 slices, detection only", "verify", "fp16", gc.VERIFY_BLOCK, dict(CORRECT=False)),
+    ("verify, 3 slices, debug record", "verify", "bf16", gc.VERIFY_BLOCK, dict(DEBUG=True)),
+    # the persistent GEMM (132 programs: an H100 SXM's SMs)
+    ("persistent", "persistent", "fp16", gc.PERSISTENT_CONFIG, {}),
+    ("persistent, W (K, N), bias, output-side", "persistent", "bf16", gc.PERSISTENT_CONFIG,
+     dict(W_KN=True, HAS_BIAS=True, VERIFY_OUTPUT=True)),
+    # the decode kernel (one 64-column group per program, checked in its epilogue)
+    ("decode kernel, M = 1", "decode", "fp16", gc.CONFIGS_GROUPED[0], {}),
+    ("decode kernel, BLOCK_K 256, split-K, bias", "decode", "bf16", gc.CONFIGS_GROUPED[1],
+     dict(SPLIT=True, HAS_BIAS=True)),
+    ("decode kernel, M = 16", "decode", "fp16", gc.CONFIGS_GROUPED[0], dict(ROWS=16)),
+    ("decode kernel, detection only", "decode", "bf16", gc.CONFIGS_GROUPED[0], dict(CORRECT=False)),
+    ("decode kernel, injection, ragged K", "decode", "fp16", gc.CONFIGS_GROUPED[0], dict(INJ=True, EVEN_K=False)),
+    ("decode kernel, output-side check", "decode", "bf16", gc.CONFIGS_GROUPED[1], dict(VERIFY_OUTPUT=True)),
+    ("decode kernel, 3 sibling weights, bias", "decode", "fp16", gc.CONFIGS_GROUPED[0], dict(SEGS=3, HAS_BIAS=True)),
+    ("decode kernel, 2 sibling weights, M = 16, split-K", "decode", "bf16", gc.CONFIGS_GROUPED[0],
+     dict(SEGS=2, ROWS=16, SPLIT=True)),
 ]
-DECODE_BASE = dict(ROWS=1, HAS_BIAS=False, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
-                   CORRECT=True, SPLIT=False, SEGS=1)
-_GEMM_INTS_1 = ("sxk", "swk", "syn")  # unit inner strides (contiguous x, W, y)
-_GEMM_NOT_DIV16 = ("call_id", "w_finite", "scn0", "scn1", "capacity", "n_csum", "n_split", "kb_per", "t_b", "t_c")
+# pointer arguments: in x's dtype (the descriptors Xd, Wd, Yd too, without TMA), int32 (counters, cells,
+# injection tables), fp32 (group sums, partials, checksum constants)
+_GEMM_DATA = {"X", "W", "Y", "Xd", "Wd", "Yd", "Bias", "W_b", "W_c", "Bias_b", "Bias_c", "Wc"}
+_GEMM_I32 = {"Inj", "Sem", "Flag", "Cnt", "Cnt_b", "Cnt_c"}
+_GEMM_F32 = {"P", "Part", "Winv", "Gc", "Dbg", "W1g", "Gc_b", "Gc_c", "W1g_b", "W1g_c"}
+_GEMM_FLOATS = {"inv_k", "emax", "csigma", "reverify_scale"}
+_GEMM_INTS_1 = ("sxk", "swk", "syn", "scn1")  # unit inner strides (contiguous x, W, y, counters)
+# integers that are not multiples of 16 (or are not specialised: call_id, and the verification's w_finite)
+_GEMM_NOT_DIV16 = ("call_id", "w_finite", "scn0", "n_split", "kb_per", "t_b", "t_c", "TG")
 
 
-def compile_gemm_variant(dtype: str, cfg: tuple, over: dict, arch: int):
-    """Compile the checked GEMM's `_gemm_kernel` (or with ``DECODE`` its decode kernel) as a call on
-    contiguous, 16-byte aligned tensors would specialise it (TMA: descriptors of the config's block shapes)."""
-    decode = over.get("DECODE", False)
-    fn = grouped_gemm_kernel if decode else _gemm_kernel
-    bm, bn, bk, warps, stages = cfg
-    consts = {**(DECODE_BASE if decode else GEMM_BASE), **{k: v for k, v in over.items() if k != "DECODE"},
-              "BLOCK_M": bm, "BLOCK_K": bk, ("G" if decode else "BLOCK_N"): bn}
-    consts.update({name: 1 for name in _GEMM_INTS_1})
-    blocks = {"Xd": (bm, bk), "Wd": (bn, bk), "Yd": (bm, bn)}
-    data = {"X", "W", "Y", "Bias", "W_b", "W_c", "Bias_b", "Bias_c"}
-    ints = {"Inj", "Flag", "Ws", "Sem", "Cnt", "Cnt_b", "Cnt_c"}
-    floats = {"inv_n", "fn", "inv_k", "th_det", "th_v2", "th_v3", "th_var23", "th_var4", "th_bias", "reverify_scale",
-              "emax", "csigma"}
+def compile_gemm_variant(kernel: str, dtype: str, cfg: tuple, over: dict, arch: int):
+    """Compile one of the checked GEMM's kernels (``kernel``: a key of GEMM_KERNELS) as a call on contiguous,
+    16-byte aligned tensors would specialise it: unit inner strides, and the integers the runtime turns into
+    constants when they are 1 (a call without split-K has ``n_split`` = 1, the tile GEMM's ``kb_per`` then
+    too; the decode kernel's ``M`` at M = 1 and its ``w_finite`` on a finite weight). TMA: descriptors of the
+    config's block shapes; a W (K, N) has its strides swapped (``swn`` = 1)."""
+    fn = GEMM_KERNELS[kernel]
+    *blocks, warps, stages = cfg[:5]
+    consts = {**GEMM_BASE[kernel], **over, **dict(zip(CFG_NAMES[kernel], blocks))}
+    if kernel == "verify":
+        consts["SLICES"] = SLICES[dtype]
+    kn = bool(consts.get("W_KN"))  # a (K, N) weight: its unit stride is swn
+    ones = [n for n in _GEMM_INTS_1 if not (kn and n == "swk")] + ["swn"] * kn
+    if not consts.get("SPLIT"):
+        ones += ["n_split"] + (["kb_per"] if kernel == "tile" else [])
+    if kernel == "decode":
+        ones += ["w_finite"] + (["M"] if consts["ROWS"] == 1 else [])
+    consts.update({n: 1 for n in ones if n in fn.arg_names})
+    bm, bn, bk = blocks
+    tma_blocks = {"Xd": (bm, bk), "Wd": (bk, bn) if kn else (bn, bk), "Yd": (bm, bn)}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
-        elif name in blocks:
-            bm_, bn_ = blocks[name]
-            sig[name] = f"tensordesc<{dtype}[{bm_},{bn_}]>" if consts.get("TMA") else f"*{dtype}"
-        elif name in data or name in ints or name in ("W12", "P", "B12", "Dbg", "Acc", "W1g", "Gc", "Part", "W1g_b",
-                                                        "W1g_c", "Gc_b", "Gc_c"):
-            sig[name] = f"*{dtype}" if name in data else "*i32" if name in ints else "*fp32"
+        elif name in tma_blocks and consts.get("TMA"):
+            sig[name] = f"tensordesc<{dtype}[{tma_blocks[name][0]},{tma_blocks[name][1]}]>"
+        elif name in _GEMM_DATA or name in _GEMM_I32 or name in _GEMM_F32:
+            sig[name] = f"*{dtype}" if name in _GEMM_DATA else "*i32" if name in _GEMM_I32 else "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in floats:
+        elif name in _GEMM_FLOATS:
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -280,7 +316,7 @@ def main() -> int:
     rows = []
     only = [w for w in args.only.split(",") if w]
     if args.kernel == "gemm":
-        todo = [(name, dtype, (cfg, over), cfg[3], cfg[4]) for name, dtype, cfg, over in GEMM_VARIANTS]
+        todo = [(name, dtype, (kernel, cfg, over), cfg[3], cfg[4]) for name, kernel, dtype, cfg, over in GEMM_VARIANTS]
     else:
         todo = VARIANTS
     for name, dtype, over, nw, ns in todo:
@@ -289,7 +325,7 @@ def main() -> int:
         t0 = time.time()
         try:
             if args.kernel == "gemm":
-                c = compile_gemm_variant(dtype, *over, args.arch)
+                c = compile_gemm_variant(over[0], dtype, *over[1:], args.arch)
             else:
                 c = compile_variant(dtype, over, nw, ns, args.arch)
         except Exception as exc:  # report and go on: a compile error is a finding

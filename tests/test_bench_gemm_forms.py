@@ -102,6 +102,25 @@ def test_the_checks_pieces_compute_what_the_checked_gemm_verifies(operands):
     assert torch.allclose(sr[:, 4].double(), x64.sum(1), rtol=1e-5, atol=1e-4)
 
 
+def test_stats_pass_on_ragged_rows_and_k():
+    """The pass over x on rows that leave its last program partial and a K of two chunks, the second
+    partial: every row's x·w1, x·w2, max, min and sum against float64; the rows past M are not written."""
+    m, k = forms.STATS_ROWS + 5, forms.STATS_CHUNK + 44
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(m, k, generator=g) - 3.0).half().to(DEV)  # rows mostly below 0: a padded 0 in the max would show
+    w12 = torch.randn(k, 2, generator=g).to(DEV)
+    s = torch.full((m + 3, 8), 7.0, device=DEV)
+    forms._stats_pass_kernel[(triton.cdiv(m, forms.STATS_ROWS),)](x, w12, s, m, k, R=forms.STATS_ROWS,
+                                                                  CK=forms.STATS_CHUNK, num_warps=4)
+    x64, w64 = x.double(), w12.double()
+    assert torch.allclose(s[:m, 0].double(), x64 @ w64[:, 0], rtol=1e-5, atol=1e-3)
+    assert torch.allclose(s[:m, 1].double(), x64 @ w64[:, 1], rtol=1e-5, atol=1e-3)
+    assert torch.equal(s[:m, 2], x.float().amax(1))
+    assert torch.equal(s[:m, 3], x.float().amin(1))
+    assert torch.allclose(s[:m, 4].double(), x64.sum(1), rtol=1e-5, atol=1e-3)
+    assert (s[m:] == 7.0).all() and (s[:m, 5:] == 7.0).all()
+
+
 def test_unknown_variant_is_refused(operands):
     x, w, b = operands
     with pytest.raises(ValueError, match="unknown variant"):

@@ -7,9 +7,10 @@ with the repair code compiled in can crash Triton's lowering (``where(mask != 0,
 loaded mask), which stops every masked model on the GPU: decode against a static cache, batched
 generation with padding, BERT. The interpreter tests cannot see it.
 
-The checked GEMM's variants (decode, the fp32 path with its accumulator-side re-verification, the
-output-side check, TMA descriptors; ``kernel_resources.GEMM_VARIANTS``) are compiled the same way,
-with the installed Triton. The GPU image has Triton 3.6, whose passes differ: a loop of reductions
+The checked GEMM's kernels (the tile GEMM, the group verification, the persistent GEMM and the decode
+kernel, in the variants of ``kernel_resources.GEMM_VARIANTS``: dtypes, checksum slices, split-K, TMA
+descriptors, injection, sibling weights) are compiled the same way, with the installed Triton, every
+variant of one kernel in one process. The GPU image has Triton 3.6, whose passes differ: a loop of reductions
 whose results have two uses each fails 3.6's thread-locality pass for fp32 and compiles with 3.9.
 For such version-specific failures run the script against a 3.6 wheel (``pip install --target DIR
 triton==3.6.0 --no-deps``, then ``PYTHONPATH=DIR python scripts/kernel_resources.py --kernel gemm``).
@@ -65,11 +66,27 @@ def test_compiles_for_sm90(variant):
                            "compiled = kr.compile_variant(dtype, over, warps, stages, 90)")
 
 
-@pytest.mark.parametrize("index", range(len(kernel_resources.GEMM_VARIANTS)),
-                         ids=[v[0] for v in kernel_resources.GEMM_VARIANTS])
-def test_gemm_compiles_for_sm90(index):
-    _compile_in_subprocess(f"name, dtype, cfg, over = kr.GEMM_VARIANTS[{index}]\n"
-                           "compiled = kr.compile_gemm_variant(dtype, cfg, over, 90)")
+_GEMM_COMPILE = """
+failed = []
+for name, kernel, dtype, cfg, over in kr.GEMM_VARIANTS:
+    if kernel != {kernel!r}:
+        continue
+    try:
+        c = kr.compile_gemm_variant(kernel, dtype, cfg, over, 90)
+        info = kr.ptxas_info(c.asm["ptx"])
+        assert c.asm.get("cubin") and info.get("registers", -1) > 0, info
+    except Exception as exc:
+        failed.append(f"{{name}} [{{dtype}}]: {{type(exc).__name__}}: {{str(exc)[-1500:]}}")
+assert not failed, failed
+name, compiled = "all of " + {kernel!r}, c
+"""
+
+
+@pytest.mark.parametrize("kernel", list(kernel_resources.GEMM_KERNELS))
+def test_gemm_compiles_for_sm90(kernel):
+    """Every variant of one of the checked GEMM's kernels compiles to a cubin with registers counted."""
+    assert any(v[1] == kernel for v in kernel_resources.GEMM_VARIANTS)
+    _compile_in_subprocess(_GEMM_COMPILE.format(kernel=kernel))
 
 
 _SASS = """
