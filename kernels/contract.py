@@ -112,8 +112,6 @@ def exp_clamp(dtype: torch.dtype) -> tuple[float, float]:
     return xmin, struct.unpack("<f", struct.pack("<f", math.exp(xmin)))[0]
 
 
-# Rounding P to the dtype GEMM II reads it in moves it by at most ``LOWP_U·P`` (normal range) or
-# ``LOWP_ETA`` (half the smallest subnormal spacing). EFTA step 6: the row sum l accumulates the fp32 P,
-# its twin lc the rounded P, so the twin test gets ``LOWP_U·l + LOWP_ETA·nvalid`` more room.
+# Unit roundoff of the dtype GEMM II reads P in: rounding P to it (to nearest, normal range) moves P by at
+# most ``LOWP_U·P`` (step 4's room for it, above).
 LOWP_U: dict[torch.dtype, float] = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-LOWP_ETA: dict[torch.dtype, float] = {torch.float32: 0.0, torch.float16: 2.0**-25, torch.bfloat16: 2.0**-134}

@@ -241,8 +241,8 @@ def efta_reference(
     # 6. row sum check; 7. normalise, inject, unified verification, recompute the flagged rows.
     redo_rows = None
     if detect:
-        redo_rows = output.check_row_sums(l, acc, nvalid, block_n=block_n, nblocks=nb, pv_dtype=pv_dtype,
-                                          correct=correct, counters=counters)
+        redo_rows = output.check_row_sums(l, acc, nvalid, block_n=block_n, nblocks=nb, correct=correct,
+                                          counters=counters)
     acc = output.normalise(l, acc, half_state)
     O = output.extract(acc, D, sfs["attn.output"], (B, Hq, M, D))
     if detect:

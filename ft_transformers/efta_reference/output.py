@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from ..injection import SiteFaults
-from ..kernels.contract import LOWP_ETA, LOWP_U
 from .checksums import g, group_sums, locate, rebuild
 from .common import count, inject
 from .masks import NEG_INF, Masks
@@ -65,28 +64,24 @@ class RowRecompute:
 
 
 def check_row_sums(l: torch.Tensor, acc: torch.Tensor, nvalid: torch.Tensor, *, block_n: int, nblocks: int,
-                   pv_dtype: torch.dtype, correct: bool, counters: torch.Tensor | None) -> torch.Tensor | None:
+                   correct: bool, counters: torch.Tensor | None) -> torch.Tensor | None:
     """Step 6: the row sum's range and its twin; counts at ``attn.rowsum``.
 
     With ``τ_l = 2·g(block_n + 2·nblocks + 4)``, a row with unmasked keys is faulty unless
-    ``1 − τ_l ≤ l ≤ nvalid·(1 + τ_l)`` and ``|l − lc| ≤ (τ_l + u_lp)·l + η_lp·nvalid``; a fully masked
-    row is faulty if ``l ≠ 0``. l sums the fp32 P, lc the P that GEMM II read (rounded to nearest in
-    ``pv_dtype``: each moved by at most u_lp·P or η_lp, `contract.LOWP_U`, `contract.LOWP_ETA`), so a
-    fault in that low-precision P shows here. Faulty rows are ``recomputed`` (from scratch, after step 7).
+    ``1 − τ_l ≤ l ≤ nvalid·(1 + τ_l)`` and ``|l − lc| ≤ τ_l·l``; a fully masked row is faulty if
+    ``l ≠ 0``. Faulty rows are ``recomputed`` (from scratch, after step 7).
 
     Args:
         l: (B, Hkv, G·M, 1) fp32 row sums; acc: the accumulator (its last column is lc).
         nvalid: (B, Hkv, G·M, 1) int32 unmasked keys per row.
-        block_n, nblocks: the key blocking. pv_dtype: the dtype GEMM II reads P in.
-        correct, counters: as `efta_reference`.
+        block_n, nblocks: the key blocking. correct, counters: as `efta_reference`.
     Returns:
         (B, Hkv, G·M, 1) bool, the rows to recompute, or None when none is (or ``correct`` is off).
     """
     tau_l = 2.0 * g(block_n + 2 * nblocks + 4)
     lc = acc[..., -1:]
     nv = nvalid.to(torch.float32)
-    twin = (tau_l + LOWP_U[pv_dtype]) * l + LOWP_ETA[pv_dtype] * nv
-    fine = (l >= 1.0 - tau_l) & (l <= nv * (1.0 + tau_l)) & ((l - lc).abs() <= twin)
+    fine = (l >= 1.0 - tau_l) & (l <= nv * (1.0 + tau_l)) & ((l - lc).abs() <= tau_l * l)
     bad6 = torch.where(nvalid > 0, ~fine, l != 0)
     if not bool(bad6.any()):
         return None

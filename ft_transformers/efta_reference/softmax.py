@@ -2,8 +2,8 @@
 running max and its SNVR check, the exponent ``x = S − m``, ``P = exp(x)`` and P rounded to the dtype
 GEMM II reads it in, with the product check per group (on that rounded P, against exponents taken from
 the scores, so that faults in x and in the rounded P are seen too), and the rescaled accumulation (α
-checked against its recomputation) of the row sum ``l`` (fp32 P), the output ``O``, its checksum columns
-and the twin ``lc`` (the rounded P).
+checked against its recomputation) of the row sum ``l`` and its twin ``lc`` (both of the fp32 P), the
+output ``O`` and its checksum columns (of the rounded P).
 
 Shapes: GQA rows, (B, Hkv, G·M, ·); m, l: (B, Hkv, G·M, 1); the accumulator (B, Hkv, G·M, DA) holds
 ``[O | Oc1 | Oc2 | lc]`` when checking (DA = D + 2s + 1), ``O`` alone otherwise.
@@ -213,8 +213,8 @@ def accumulate(P: torch.Tensor, pd: torch.Tensor, alpha: torch.Tensor, l: torch.
                head_dim: int, stride: int, half_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 5: ``l = α·l + Σ_n P`` (fp32 P; then the ``attn.rowsum`` faults), ``acc = α·acc + pd·vb`` with
     the rounded P that GEMM II reads (then the ``attn.acc`` faults on O and the ``attn.checksum`` faults
-    on Oc1). ``l`` and ``acc`` are updated in place. The ones column of vb makes the twin ``lc`` a sum of
-    the rounded P: a fault there moves O, Oc and lc together, and step 6 compares lc with l.
+    on Oc1), except the ones column of vb: the twin ``lc`` sums the fp32 P, like l (as the kernel's
+    twin does; step 4 checks pd). ``l`` and ``acc`` are updated in place.
 
     Args:
         P: (B, Hkv, G·M, block_n) fp32; pd: the same rounded as GEMM II reads it (held in fp32), from
@@ -237,7 +237,11 @@ def accumulate(P: torch.Tensor, pd: torch.Tensor, alpha: torch.Tensor, l: torch.
     else:
         l = l.mul_(alpha).add_(P.sum(-1, keepdim=True))
         l = inject(sfs["attn.rowsum"], l, row_site, j)
-        acc = acc.mul_(alpha).add_(torch.matmul(pd, vb))
+        if acc.shape[-1] > head_dim:  # [O | Oc1 | Oc2] from pd, the twin lc (the ones column) from P
+            upd = torch.cat([torch.matmul(pd, vb[..., :-1]), torch.matmul(P, vb[..., -1:])], dim=-1)
+        else:
+            upd = torch.matmul(pd, vb)
+        acc = acc.mul_(alpha).add_(upd)
     D, s = head_dim, stride
     if sfs["attn.acc"] is not None:
         acc[..., :D] = inject(sfs["attn.acc"], acc[..., :D], (*block_site[:3], D), j * D)

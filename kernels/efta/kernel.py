@@ -245,9 +245,10 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
             acc = _inject(acc, Inj, _I_ACC, INJ_ACC, bh, offs_m[:, None],
                           tl.where(offs_d < D, jblk * D + offs_d, nblocks * D)[None, :], M, nblocks * D)
         if DETECT:
-            # the twin per group (in-thread sums; one cross-thread sum after the loop), of the P that GEMM
-            # II read: step 6 compares it with l, the sum of the fp32 P, so a fault in pd shows there
-            lc16 = lc16 * alpha[:, None] + tl.sum(tl.reshape(pd.to(tl.float32), (BLOCK_M, L, 16)), axis=1)
+            # the twin per group (in-thread sums; one cross-thread sum after the loop). Of the fp32 P, like
+            # l: summing pd instead would see a fault in pd above u_lp·l, but keeps pd's fp32 copy alive
+            # (~35 more registers, spills at D = 128 on sm_90); step 4 checks pd
+            lc16 = lc16 * alpha[:, None] + tl.sum(tl.reshape(p, (BLOCK_M, L, 16)), axis=1)
             # Oc += P·Vc, the slices side by side in one dot (one tensor-core wait, not one per slice).
             # Two other orders make ptxas serialise every wgmma of the loop (warning C7515, 2.2× the
             # time in one case): Oc accumulated in place like O (in units of each block's slice scale),
@@ -404,7 +405,7 @@ def _efta_fwd(
                         if todo == 0:  # the clean pass carried no Oc2: if steps 6–7 will find something, redo
                             _, _, _, _, bad6, bad7, _ = _output_tests(acc, l_i, lc, m_i, nvalid, oc1, vmax, nf_loop,
                                                                       bh, offs_m, offs_d, row_ok, M, D, nblocks, 1, gu,
-                                                                      Inj, Vb, BLOCK_N, BLOCK_D, INJ_O, FOLD)
+                                                                      Inj, BLOCK_N, BLOCK_D, INJ_O, FOLD)
                             todo = (tl.sum(bad6.to(tl.int32), axis=0)
                                     + tl.sum(tl.sum(bad7.to(tl.int32), axis=1), axis=0))
             if PHASE == 1:

@@ -12,20 +12,15 @@ Recompute: flagged rows (step 6, or step 1/7 groups that cannot be located) run 
 (unchecked, uninjected) flash pass over the key blocks for the whole query block (`_plain_pass`),
 only when some row of that block is flagged, and take the flagged rows from it.
 
-Row-sum twin: l sums the fp32 P, lc the P that GEMM II read (rounded to V's dtype), so step 6 allows
-for that rounding (`_twin_room`) and sees a fault in the rounded P.
-
 Non-finite inputs count one ``nonfinite_input`` at ``attn.scores`` per call: ``Flag`` holds the last
 call id that counted, so the programs of one call count it once.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ..contract import LOWP_ETA, LOWP_U
 from ..tl_common import dot as _dot
 from .common import _COR, _DET, _I_OUTPUT, _NONF, _OUTPUT, _REC, _ROWSUM, _UNC, _add_events, _bump, _inject
 from .masks import _bias_mask, _early_mask
@@ -75,35 +70,16 @@ def _normalise(acc, l_i, bh, offs_m, offs_d, M, D, Inj, INJ_O: tl.constexpr):
     return o
 
 
-_LOWP_U16, _LOWP_ETA16, _LOWP_UBF16 = (tl.constexpr(c) for c in (LOWP_U[torch.float16], LOWP_ETA[torch.float16],
-                                                                  LOWP_U[torch.bfloat16]))
-
-
-@triton.jit
-def _twin_room(l_i, nvalid, Vb):
-    """What rounding P to V's dtype (GEMM II's operand, which lc sums) adds to step 6's twin bound:
-    ``u_lp·l + η_lp·nvalid`` (BLOCK_M,), the contract's LOWP_U and LOWP_ETA (bf16's η, 2^-134, is 0 in
-    fp32 arithmetic at any row length); 0 for fp32 V."""
-    if Vb.dtype.element_ty == tl.float16:
-        room = _LOWP_U16 * l_i + _LOWP_ETA16 * nvalid.to(tl.float32)
-    elif Vb.dtype.element_ty == tl.bfloat16:
-        room = _LOWP_UBF16 * l_i
-    else:
-        room = l_i * 0.0
-    return room
-
-
 @triton.jit
 def _output_tests(acc, l_i, lc, m_i, nvalid, oc1, vmax, nf, bh, offs_m, offs_d, row_ok, M, D, nblocks, nsplit, gu,
-                  Inj, Vb, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INJ_O: tl.constexpr, FOLD: tl.constexpr):
+                  Inj, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INJ_O: tl.constexpr, FOLD: tl.constexpr):
     """The tests of steps 6–7, counting nothing. Returns O (normalised, output faults applied), O
     grouped (BLOCK_M, LVP, 16), O1 = Oc1/l and D1 = O1 − Σ_l O (BLOCK_M, 16), the rows failing the
     row-sum test (BLOCK_M,), the (row, group) pairs failing the output test (BLOCK_M, 16), and nf with
     non-finite V folded in. `_finish` counts and repairs from these; on the clean pass, which carries
     no Oc2, any failure sends the query block through the repairing pass first. m_i (BLOCK_M,) is the
     final row max: with FOLD the max element's P is 2^y with |y| ≤ 2·u·|m·log2 e| (`_softmax_steps`),
-    so the lower bound 1 − τ_l gets 4·g·|m| more room (u·|m| per rounding, a factor 2 spare). The twin
-    test allows for lc summing P rounded to V's dtype (Vb, `_twin_room`)."""
+    so the lower bound 1 − τ_l gets 4·g·|m| more room (u·|m| per rounding, a factor 2 spare)."""
     BLOCK_M: tl.constexpr = acc.shape[0]
     LVP: tl.constexpr = BLOCK_D // 16
     FLT_MAX: tl.constexpr = 3.4028234663852886e38
@@ -113,8 +89,7 @@ def _output_tests(acc, l_i, lc, m_i, nvalid, oc1, vmax, nf, bh, offs_m, offs_d, 
     tau_l = 2.0 * gu * (BLOCK_N + 2 * (nblocks + nsplit - 1) + 4)
     if FOLD:
         tau_l = tau_l + tl.where(tl.abs(m_i) < FLT_MAX, 4.0 * gu * tl.abs(m_i), 0.0)
-    twin = tau_l * l_i + _twin_room(l_i, nvalid, Vb)
-    fine = (l_i >= 1.0 - tau_l) & (l_i <= nvalid.to(tl.float32) * (1.0 + tau_l)) & (tl.abs(l_i - lc) <= twin)
+    fine = (l_i >= 1.0 - tau_l) & (l_i <= nvalid.to(tl.float32) * (1.0 + tau_l)) & (tl.abs(l_i - lc) <= tau_l * l_i)
     bad6 = tl.where(nvalid > 0, ~fine, l_i != 0.0) & row_ok & chk
     # ---- 7. normalise, inject, unified verification ----
     o = _normalise(acc, l_i, bh, offs_m, offs_d, M, D, Inj, INJ_O)
@@ -150,8 +125,8 @@ def _finish(acc, l_i, lc, m_i, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb,
         o = _normalise(acc, l_i, bh, offs_m, offs_d, M, D, Inj, INJ_O)
     else:
         o, og, o1, d1, bad6, bad7, nf = _output_tests(acc, l_i, lc, m_i, nvalid, oc1, vmax, nf, bh, offs_m, offs_d,
-                                                      row_ok, M, D, nblocks, nsplit, gu, Inj, Vb, BLOCK_N,
-                                                      BLOCK_D, INJ_O, FOLD)
+                                                      row_ok, M, D, nblocks, nsplit, gu, Inj, BLOCK_N, BLOCK_D,
+                                                      INJ_O, FOLD)
         # ---- 6. row sum: count; the rows are recomputed ----
         n6 = tl.sum(bad6.to(tl.int32), axis=0)
         cnt = _bump(cnt, _ROWSUM + _DET, n6)
