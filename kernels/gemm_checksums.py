@@ -158,9 +158,10 @@ def group_checksums(weight: torch.Tensor, bias: torch.Tensor | None, weight_is_k
         ``n_g·|μ_b|``, ``sqrt(n_g)·σ_b`` and ``n_g`` (μ_gk, σ²_gk: mean and variance of column k of the
         group's rows; μ_b, σ_b: those of the group's bias), so that
         ``T = e·(det·|μ| + c·sqrt(μ²·v2 + σ²·v3) + c·v4·σ + bias_det + c·bias_sd)`` (SPEC §5, with x's row
-        mean μ and variance σ² taken per call). The variances are exact, not SPEC §5's Bhatia–Davis bound
-        ``(max − μ)(μ − min)``: over 64 rows that bound is ~6× a Gaussian column's variance, and an
-        activation row's outliers make it looser still, so every threshold would be as much wider.
+        mean μ and variance bound σ² taken per call). The weight groups' variances are exact, not SPEC §5's
+        Bhatia–Davis bound ``(max − μ)(μ − min)``: over 64 rows of a weight that bound is ~6× a Gaussian
+        column's variance. (x keeps the bound: an activation row's outliers set the GEMM's rounding, which
+        its exact variance understates.)
     """
     w = weight.detach()
     w_nk = w.t() if weight_is_kn else w

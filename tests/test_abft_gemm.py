@@ -137,11 +137,11 @@ def _group_sums64(y, n):
 def _thr64(x, w_nk, b, emax, csigma=2.5):
     """SPEC §5's threshold of every (row, 64-column group) in float64, from the operands alone: the
     V-ABFT threshold of ``x`` (M, K) times the group's rows of ``w_nk`` (N, K), plus the bias share of the
-    group's bias values, with exact (population) variances where SPEC §5 bounds them (Bhatia–Davis), as the
-    library takes them."""
+    group's bias values: x's row variance bounded as SPEC §5 bounds it (Bhatia–Davis, (max − μ)(μ − min)),
+    the weight groups' and the bias's exact (population) variances, as the library takes them."""
     x64, w64 = x.double().cpu(), w_nk.double().cpu()
     mu = x64.mean(1)
-    var = x64.var(1, unbiased=False)
+    var = ((x64.amax(1) - mu) * (mu - x64.amin(1))).clamp_min(0.0)
     out = []
     for g0 in range(0, w64.shape[0], GC):
         wg = w64[g0:g0 + GC]  # (n_g, K): per k, statistics over the group's rows
@@ -876,7 +876,8 @@ def test_decode_kernel_group_constants_against_float64():
     assert torch.equal(w1g, wkn) and torch.equal(consts, consts_kn)
     assert w1g.shape == (4, k) and consts.shape == (4, 8)
     x64 = x.double()
-    c, mu64, var64 = consts.double(), x64.mean(1, keepdim=True), x64.var(1, unbiased=False, keepdim=True)
+    c, mu64 = consts.double(), x64.mean(1, keepdim=True)
+    var64 = (x64.amax(1, keepdim=True) - mu64) * (mu64 - x64.amin(1, keepdim=True))  # SPEC §5's bound for x
     # `decode._epilogue`'s and `groups._group_verify_kernel`'s T from the constants
     # (b1, det, v2, v3, v4, bias_det, bias_sd, n_g)
     got = 1e-6 * (c[:, 1] * mu64.abs() + 2.5 * torch.sqrt(mu64 * mu64 * c[:, 2] + var64 * c[:, 3])

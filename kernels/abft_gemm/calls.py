@@ -165,7 +165,7 @@ def _call_buffer(m: int, n: int, k: int, cfg, detect: bool, device: torch.device
         vs = verify_split(m, n, k, device)[0]
         if vs > 1:
             br, bg = VERIFY_BLOCK[:2]
-            part = vs * _cdiv(m, br) * _cdiv(tg, bg) * br * (bg + 2)
+            part = vs * _cdiv(m, br) * _cdiv(tg, bg) * br * (bg + 3)
         return torch.empty(tg * m + part, dtype=torch.float32, device=device)
     n_split = split_plan(m, n, k, cfg, detect, device)[0]
     return torch.empty(n_split * m * n, dtype=torch.float32, device=device) if n_split > 1 else unused
@@ -206,12 +206,12 @@ def group_operand(wc: WeightChecksums, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def _grouped_buffer(m: int, n: int, k: int, cfg, device: torch.device) -> torch.Tensor | None:
-    """The decode kernel's split-K partials: (n_split, M, N) tiles, then (n_split, T, M, 3) checksums and
+    """The decode kernel's split-K partials: (n_split, M, N) tiles, then (n_split, T, M, 4) checksums and
     statistics; None without split-K."""
     s = grouped_split(n, k, cfg, device)[0]
     if s == 1:
         return None
-    return torch.empty(s * m * (n + _cdiv(n, cfg[1]) * 3), dtype=torch.float32, device=device)
+    return torch.empty(s * m * (n + _cdiv(n, cfg[1]) * 4), dtype=torch.float32, device=device)
 
 
 def _grouped_call(cfg, L: _Launch, *, bias, groups, P, inj, ver: _Verify, emax: float, csigma: float,

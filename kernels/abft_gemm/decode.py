@@ -8,13 +8,13 @@ last), verified in the tile's epilogue: no launch after the GEMM (the tile and p
 * ``D1[m] = Σ_{n∈g} v[m, n] − (x[m]·w1_g + b1_g)``, ``w1_g = Σ_{n∈g} W[n, :]`` (fp32, cached per
   weight: ``(⌈N/64⌉, K)``, 1/32 of an fp16 weight's bytes), ``v`` the fp32 accumulators (or the
   rounded outputs in ``output`` mode), flips at ``linear.output`` included;
-* the threshold ``T[m]`` of SPEC §5 from x's row mean and variance (Σx, Σx²) and the group's weight
+* the threshold ``T[m]`` of SPEC §5 from x's row mean and variance bound (sum, max, min) and the group's weight
   statistics (`group_checksums`: ``Σ_k |μ_gk|``, ``Σ_k σ²_gk``, ``Σ_k μ_gk²`` over the group's rows of W).
 
 Every K block passes through the tile, so it computes ``x·w1_g`` (plain fp32 on the CUDA cores: at
-M ≤ 16 the call is bound by reading W, and ``w1_g`` adds 1/32 of its bytes) and x's sums beside its dot.
+M ≤ 16 the call is bound by reading W, and ``w1_g`` adds 1/32 of its bytes) and x's statistics beside its dot.
 With split-K (`forms.split_k`) the last split of a tile first sums the splits' fp32 partials (tile,
-checksum, sums) in split order.
+checksum, statistics) in split order.
 
 A failing row (rare) is recomputed in fp32 by the tile (the same dot over all of K). The reference
 path's location test then runs on the exact differences ``d = v − ref``:
@@ -41,9 +41,9 @@ from .common import _COR, _DET, _NONF, _REC, _SITE_ROW, _UNC, k_blocks, round_an
 
 
 @triton.jit
-def _combine_stats(c1a, sma, sqa, c1b, smb, sqb):
-    """`tl.reduce` of (x·w1_g, Σx, Σx²) together."""
-    return c1a + c1b, sma + smb, sqa + sqb
+def _combine_stats(c1a, sma, mxa, mna, c1b, smb, mxb, mnb):
+    """`tl.reduce` of (x·w1_g, sum, max, min) together."""
+    return c1a + c1b, sma + smb, tl.maximum(mxa, mxb), tl.minimum(mna, mnb)
 
 
 @triton.jit
@@ -103,11 +103,11 @@ def _repair(v, yv, ref, rabs, c1, thr, bad, n_ok, n_g, K, n_split, reverify_scal
 
 
 @triton.jit
-def _epilogue(acc, c1, sm, sq, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m, offs_am, m_ok, offs_n, offs_bn, n_ok,
+def _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m, offs_am, m_ok, offs_n, offs_bn, n_ok,
               M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale, w_finite,
               BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr,
               DOT_F32: tl.constexpr, CORRECT: tl.constexpr):
-    """A tile's fp32 sum ``acc`` (BLOCK_M, G), ``x·w1_g`` ``c1`` and x's row sums Σx, Σx² of the
+    """A tile's fp32 sum ``acc`` (BLOCK_M, G), ``x·w1_g`` ``c1`` and x's row sum / max / min of the
     ROWS = next_pow2(M) rows (ROWS,), the group's constants ``gc`` (the tuple ``(b1, det, v2, v3, v4,
     bias_det, bias_sd, n_g)`` of `group_checksums`) and bias (G,) fp32: bias, rounding, injection, the
     check, repairs, the counts, y's store."""
@@ -117,13 +117,13 @@ def _epilogue(acc, c1, sm, sq, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m, offs_a
     yv, v = round_and_inject(acc, Y.dtype.element_ty, Inj, 0, 1, offs_m, offs_n, n_ok, INJ, VERIFY_OUTPUT)
     # T[m] (SPEC §5 over the group's n_g columns; `group_checksums`), in the rows' own layout
     mu = sm * inv_k
-    var = tl.maximum(sq * inv_k - mu * mu, 0.0)  # x's row variance
+    var = tl.maximum((mx - mu) * (mu - mn), 0.0)  # x's row variance, bounded (SPEC §5)
     thr = emax * (det * tl.abs(mu) + csigma * tl.sqrt(mu * mu * v2 + var * v3) + csigma * v4 * tl.sqrt(var)
                   + bdet + csigma * bsd)
-    # a row whose x is not finite (NaN makes the sums NaN, ±inf makes Σx² inf) is not verified: its T
+    # a row whose x is not finite (NaN makes the sum NaN, ±inf shows in max / min) is not verified: its T
     # becomes NaN, which marks it after the mapping below; the call counts one `nonfinite_input` for it
     r_ok = tl.arange(0, sm.shape[0]) < M
-    row_fin = (tl.abs(sm) < float("inf")) & (sq < float("inf"))
+    row_fin = (tl.abs(sm) < float("inf")) & (mx < float("inf")) & (mn > -float("inf"))
     nf = tl.max((r_ok & ~row_fin).to(tl.int32), axis=0)
     thr = tl.where(row_fin, thr, float("nan"))
     # c1 and T onto the tile's BLOCK_M rows together (row r takes row r mod ROWS: r itself for r < M)
@@ -177,7 +177,7 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
     one weight, and N is the total. With SEGS = 1 the ``_b``/``_c`` arguments are not read. With SPLIT,
     ``n_split`` programs per tile over ``kb_per`` K blocks each (program ``pid`` is split
     ``pid % n_split`` of tile ``pid // n_split``): each stores its partial tile in ``Part``
-    (n_split, M, N) and its x·w1_g and statistics after them ((n_split, T, M, 3)), counts on the
+    (n_split, M, N) and its x·w1_g and statistics after them ((n_split, T, M, 4)), counts on the
     cell ``Sem[9 + tile]`` (0 between calls), and the last to count resets it and runs the epilogue
     on the partials summed in split order."""
     pid = tl.program_id(0)
@@ -231,7 +231,8 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
     wn = tl.load(w_ptrs, mask=kk < K, other=0.0)
     c1e = tl.zeros((ROWS, BLOCK_K), tl.float32)
     sme = tl.zeros((ROWS, BLOCK_K), tl.float32)
-    sqe = tl.zeros((ROWS, BLOCK_K), tl.float32)
+    mxe = tl.full((ROWS, BLOCK_K), -float("inf"), tl.float32)
+    mne = tl.full((ROWS, BLOCK_K), float("inf"), tl.float32)
     for kb in range(kb0, kb1):
         kk = kb * BLOCK_K + offs_k
         k_ok = kk < K
@@ -250,38 +251,44 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
         wn = tl.load(w_ptrs, mask=kk + BLOCK_K < K, other=0.0)
         c1e += xf * w1[None, :]
         sme += xf
-        sqe += xf * xf  # (x is 0 past K)
+        if EVEN_K:
+            mxe = tl.maximum(mxe, xf)
+            mne = tl.minimum(mne, xf)
+        else:
+            mxe = tl.maximum(mxe, tl.where(k_ok[None, :], xf, -float("inf")))
+            mne = tl.minimum(mne, tl.where(k_ok[None, :], xf, float("inf")))
         a_ptrs += BLOCK_K * sxk
         b_ptrs += BLOCK_K * swk
-    # all three in one reduction (one exchange between the warps instead of three)
-    c1, sm, sq = tl.reduce((c1e, sme, sqe), 1, _combine_stats)  # (ROWS,)
+    # all four in one reduction (one exchange between the warps instead of four)
+    c1, sm, mx, mn = tl.reduce((c1e, sme, mxe, mne), 1, _combine_stats)  # (ROWS,)
     if SPLIT:
         T = tl.cdiv(N, G)
         pmask = m_ok[:, None] & n_ok[None, :]
         part = Part + offs_m[:, None] * N + offs_n[None, :]
         r_ok = tl.arange(0, ROWS) < M
-        srow = Part + n_split * M * N + (pid_n * M + tl.arange(0, ROWS)) * 3  # + split · T · M · 3
+        srow = Part + n_split * M * N + (pid_n * M + tl.arange(0, ROWS)) * 4  # + split · T · M · 4
         tl.store(part + split * M * N, acc, mask=pmask)
-        tl.store(srow + split * T * M * 3, c1, mask=r_ok)
-        tl.store(srow + split * T * M * 3 + 1, sm, mask=r_ok)
-        tl.store(srow + split * T * M * 3 + 2, sq, mask=r_ok)
+        tl.store(srow + split * T * M * 4, c1, mask=r_ok)
+        tl.store(srow + split * T * M * 4 + 1, sm, mask=r_ok)
+        tl.store(srow + split * T * M * 4 + 2, mx, mask=r_ok)
+        tl.store(srow + split * T * M * 4 + 3, mn, mask=r_ok)
         tl.debug_barrier()  # every thread's partials before the count
         if tl.atomic_add(Sem + 9 + pid_n, 1, sem="acq_rel") == n_split - 1:
             tl.store(Sem + 9 + pid_n, 0)  # ready for the next call (every split has counted)
             acc = tl.zeros((BLOCK_M, G), tl.float32)
             c1 = tl.zeros((ROWS,), tl.float32)
             sm = tl.zeros((ROWS,), tl.float32)
-            sq = tl.zeros((ROWS,), tl.float32)
             for s in range(0, n_split):  # a fixed order: the same sums whichever split came last
-                so = srow + s * T * M * 3
+                so = srow + s * T * M * 4
                 acc += tl.load(part + s * M * N, mask=pmask, other=0.0, cache_modifier=".cg")
                 c1 += tl.load(so, mask=r_ok, other=0.0, cache_modifier=".cg")
                 sm += tl.load(so + 1, mask=r_ok, other=0.0, cache_modifier=".cg")
-                sq += tl.load(so + 2, mask=r_ok, other=0.0, cache_modifier=".cg")
-            _epilogue(acc, c1, sm, sq, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
+                mx = tl.maximum(mx, tl.load(so + 2, mask=r_ok, other=-float("inf"), cache_modifier=".cg"))
+                mn = tl.minimum(mn, tl.load(so + 3, mask=r_ok, other=float("inf"), cache_modifier=".cg"))
+            _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
                       n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma,
                       reverify_scale, w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT)
     else:
-        _epilogue(acc, c1, sm, sq, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
+        _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
                   n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale,
                   w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT)

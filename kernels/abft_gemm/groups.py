@@ -10,7 +10,7 @@ whole row let the rounding noise of a 49k–152k-wide lm_head hide a change of s
 
 ``C`` is a GEMM of 1/64 of the layer's: ``x (M, K) · w1gᵀ (K, T_g)`` on the tensor cores, with ``w1g``
 held in fp32 accuracy as S slices of x's dtype (`calls.group_operand`: 2 for fp16, 3 for bf16, 1 for
-fp32 in IEEE FMAs), every product of x and a slice exact in fp32. x's row sums Σx and Σx²
+fp32 in IEEE FMAs), every product of x and a slice exact in fp32. x's row sum, max and min
 for the threshold come from the same loads of x, so the GEMM's K loop carries no checksum work.
 
 A failing unit (rare) is recomputed in fp32 (its 64 columns for the program's rows, one dot over K);
@@ -40,7 +40,7 @@ G: tl.constexpr = tl.constexpr(64)  # = gemm_checksums.GROUP_COLS
 @triton.jit
 def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm, sxk, BLOCK_K: tl.constexpr,
                              SLICES: tl.constexpr, DOT_F32: tl.constexpr):
-    """x's row sums Σx, Σx² (BLOCK_R,) and the checksum dots (BLOCK_R, BLOCK_G) of ``Wc``'s S slices
+    """x's row sum, max and min (BLOCK_R,) and the checksum dots (BLOCK_R, BLOCK_G) of ``Wc``'s S slices
     (S, T_g, K) summed, over the K blocks ``[kb0, kb1)``."""
     BLOCK_R: tl.constexpr = rows.shape[0]
     BLOCK_G: tl.constexpr = grps.shape[0]
@@ -48,13 +48,15 @@ def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm
     c0 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
     c1 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
     c2 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
-    # Σx and Σx²: reduced per K block for tensor-core dtypes (element-wise accumulators would hold register
-    # tiles as large as x's); element-wise for fp32, whose IEEE dot's operand Triton 3.6 failed to lower
-    # ("PassManager::run failed" on an H200) once it also fed a reduction in the loop
+    # sum, max, min: reduced per K block for tensor-core dtypes (element-wise accumulators would hold
+    # register tiles as large as x's); element-wise for fp32, whose IEEE dot's operand Triton 3.6 failed to
+    # lower ("PassManager::run failed" on an H200) once it also fed a reduction in the loop
     sm = tl.zeros((BLOCK_R,), tl.float32)
-    sq = tl.zeros((BLOCK_R,), tl.float32)
+    mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
+    mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
     sme = tl.zeros((BLOCK_R, BLOCK_K if DOT_F32 else 1), tl.float32)
-    sqe = tl.zeros((BLOCK_R, BLOCK_K if DOT_F32 else 1), tl.float32)
+    mxe = tl.full((BLOCK_R, BLOCK_K if DOT_F32 else 1), -float("inf"), tl.float32)
+    mne = tl.full((BLOCK_R, BLOCK_K if DOT_F32 else 1), float("inf"), tl.float32)
     for kb in range(kb0, kb1):
         kk = kb * BLOCK_K + offs_k
         k_ok = kk < K
@@ -66,18 +68,21 @@ def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm
             c1 = _mma(xa, tl.load(wp + TG * K, mask=wm, other=0.0), c1, DOT_F32)
         if SLICES > 2:
             c2 = _mma(xa, tl.load(wp + 2 * TG * K, mask=wm, other=0.0), c2, DOT_F32)
-        xf = xa.to(tl.float32)  # (x is 0 past K)
+        xf = xa.to(tl.float32)  # (x is 0 past K: masked for max / min)
         if DOT_F32:
             sme += xf
-            sqe += xf * xf
+            mxe = tl.maximum(mxe, tl.where(k_ok[None, :], xf, -float("inf")))
+            mne = tl.minimum(mne, tl.where(k_ok[None, :], xf, float("inf")))
         else:
             sm += tl.sum(xf, axis=1)
-            sq += tl.sum(xf * xf, axis=1)
+            mx = tl.maximum(mx, tl.max(tl.where(k_ok[None, :], xf, -float("inf")), axis=1))
+            mn = tl.minimum(mn, tl.min(tl.where(k_ok[None, :], xf, float("inf")), axis=1))
     if DOT_F32:
         sm = tl.sum(sme, axis=1)
-        sq = tl.sum(sqe, axis=1)
+        mx = tl.max(mxe, axis=1)
+        mn = tl.min(mne, axis=1)
     # the slices' partial dots summed smallest first
-    return sm, sq, c0 + (c1 + c2)
+    return sm, mx, mn, c0 + (c1 + c2)
 
 
 @triton.jit
@@ -152,7 +157,7 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Sem, Flag, Cnt, Dbg,
     SPLIT (calls of few blocks, `forms.verify_split`: a short prompt's 64 rows make one row block): each block
     runs as ``n_split`` programs over ``kb_per`` K blocks each, program ``pid`` being split ``pid % n_split``
     of block ``pid // n_split``. Each stores its partial checksums (n_split, blocks, BLOCK_R, BLOCK_G) and
-    statistics (n_split, blocks, BLOCK_R, 2) after the group sums in ``P`` and counts on
+    statistics (n_split, blocks, BLOCK_R, 3) after the group sums in ``P`` and counts on
     the block's cell ``Sem[9 + block]`` (0 between calls); the last to count resets it, sums the partials in
     split order and checks the block."""
     pid = tl.program_id(0)
@@ -171,42 +176,43 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Sem, Flag, Cnt, Dbg,
         grps = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
         g_ok = grps < TG
         kb0, kb1 = k_blocks(split, kb_per, K, BLOCK_K, SPLIT)
-        sm, sq, c = _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm, sxk,
+        sm, mx, mn, c = _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm, sxk,
                                                  BLOCK_K, SLICES, DOT_F32)
         if SPLIT:
             n_blk = tl.cdiv(M, BLOCK_R) * n_gb
             tile = tl.arange(0, BLOCK_R)[:, None] * BLOCK_G + tl.arange(0, BLOCK_G)[None, :]
             cp = Part + blk * BLOCK_R * BLOCK_G + tile  # + split · blocks · BLOCK_R · BLOCK_G
-            sp = Part + n_split * n_blk * BLOCK_R * BLOCK_G + (blk * BLOCK_R + tl.arange(0, BLOCK_R)) * 2
+            sp = Part + n_split * n_blk * BLOCK_R * BLOCK_G + (blk * BLOCK_R + tl.arange(0, BLOCK_R)) * 3
             tl.store(cp + split * n_blk * BLOCK_R * BLOCK_G, c)
-            tl.store(sp + split * n_blk * BLOCK_R * 2, sm)
-            tl.store(sp + split * n_blk * BLOCK_R * 2 + 1, sq)
+            tl.store(sp + split * n_blk * BLOCK_R * 3, sm)
+            tl.store(sp + split * n_blk * BLOCK_R * 3 + 1, mx)
+            tl.store(sp + split * n_blk * BLOCK_R * 3 + 2, mn)
             tl.debug_barrier()  # every thread's partials before the count
             if tl.atomic_add(Sem + 9 + blk, 1, sem="acq_rel") == n_split - 1:
                 tl.store(Sem + 9 + blk, 0)  # ready for the next call (every split has counted)
                 c = tl.zeros_like(c)
                 sm = tl.zeros_like(sm)
-                sq = tl.zeros_like(sq)
                 for s in range(0, n_split):  # a fixed order: the same sums whichever split came last
                     c += tl.load(cp + s * n_blk * BLOCK_R * BLOCK_G, cache_modifier=".cg")
-                    so = sp + s * n_blk * BLOCK_R * 2
+                    so = sp + s * n_blk * BLOCK_R * 3
                     sm += tl.load(so, cache_modifier=".cg")
-                    sq += tl.load(so + 1, cache_modifier=".cg")
-                _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, sq,
+                    mx = tl.maximum(mx, tl.load(so + 1, cache_modifier=".cg"))
+                    mn = tl.minimum(mn, tl.load(so + 2, cache_modifier=".cg"))
+                _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, mx, mn,
                              c, M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax, csigma,
                              BLOCK_K, HAS_BIAS, CORRECT, DEBUG, DOT_F32)
         else:
-            _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, sq, c,
+            _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, mx, mn, c,
                          M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax, csigma,
                          BLOCK_K, HAS_BIAS, CORRECT, DEBUG, DOT_F32)
 
 
 @triton.jit
-def _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, sq, c,
+def _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, mx, mn, c,
                  M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax, csigma,
                  BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
                  DOT_F32: tl.constexpr):
-    """One block's check from its rows' sums ``sm`` = Σx, ``sq`` = Σx² (BLOCK_R,) and checksum dots ``c``
+    """One block's check from its rows' sum ``sm``, max ``mx`` and min ``mn`` (BLOCK_R,) and checksum dots ``c``
     (BLOCK_R, BLOCK_G): thresholds, comparison with the group sums, counts, repairs."""
     BLOCK_G: tl.constexpr = grps.shape[0]
     cbase = Cnt + _SITE_ROW * scn0
@@ -220,13 +226,13 @@ def _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g
     bdet = tl.load(gp + 5, mask=g_ok, other=0.0)
     bsd = tl.load(gp + 6, mask=g_ok, other=0.0)
     c = c * tl.load(Winv) + b1[None, :]
-    # a row whose x is not finite is not verified (NaN makes the sums NaN, ±inf makes Σx² inf)
-    row_fin = (tl.abs(sm) < float("inf")) & (sq < float("inf"))
+    # a row whose x is not finite is not verified (NaN makes the sum NaN, ±inf shows in max / min)
+    row_fin = (tl.abs(sm) < float("inf")) & (mx < float("inf")) & (mn > -float("inf"))
     if tl.max((r_ok & ~row_fin).to(tl.int32), axis=0) > 0:
         if tl.atomic_xchg(Flag, call_id) != call_id:  # the call's first program to see one counts it
             tl.atomic_add(cbase + _NONF * scn1, 1)
     mu = sm * inv_k
-    var = tl.maximum(sq * inv_k - mu * mu, 0.0)  # x's row variance
+    var = tl.maximum((mx - mu) * (mu - mn), 0.0)  # x's row variance, bounded (SPEC §5)
     # T (SPEC §5 over the group's n_g columns; `group_checksums`' constants)
     thr = emax * (det[None, :] * tl.abs(mu)[:, None]
                   + csigma * tl.sqrt((mu * mu)[:, None] * v2[None, :] + var[:, None] * v3[None, :])
