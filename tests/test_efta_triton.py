@@ -28,7 +28,11 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from ft_transformers.kernels import efta as K  # noqa: E402
-from ft_transformers.kernels.contract import ATTENTION_SITES  # noqa: E402
+from ft_transformers.kernels.contract import COUNTER_SHAPE, SITE_INDEX  # noqa: E402
+
+# The loop values these tests were written for; the fault model's other sites (x, the low-precision P, α,
+# the O accumulator, the checksum operands) have their own tests in tests/test_attention_sites.py.
+ATTENTION_SITES = ("attn.scores", "attn.rowmax", "attn.probs", "attn.rowsum", "attn.output")
 from ft_transformers.kernels.efta import configs as C  # noqa: E402
 from ft_transformers.kernels.efta import host as H  # noqa: E402
 from ft_transformers.kernels.options import override  # noqa: E402
@@ -198,7 +202,7 @@ def test_noncontiguous_inputs_and_counter_view():
     q = torch.randn(B, M, Hq, D, generator=g).to(DEV).transpose(1, 2)
     k = torch.randn(B, N, Hkv, D, generator=g).to(DEV).transpose(1, 2)
     v = torch.randn(B, N, Hkv, D, generator=g).to(DEV).transpose(1, 2)
-    big = torch.zeros(3, 6, 5, dtype=torch.int32, device=DEV)
+    big = torch.zeros(3, *COUNTER_SHAPE, dtype=torch.int32, device=DEV)
     out, stats, _ = kernel(q, k, v, causal=True, counters=big[1],
                            inject=FaultSpec(site="attn.probs", bit=30, count=3, seed=1))
     assert maxdiff(out, ref_attention(q, k, v, causal=True)) <= TOL[torch.float32]
@@ -309,7 +313,7 @@ def test_correct_false_counts_uncorrectable(site, inj_data):
         ref_out, rstats = reference(q, k, v, inject=spec, correct=False)
         # the injected site's events agree exactly; what the unrepaired fault does downstream
         # (e.g. a wrong l scaling O) can sit at the rounding threshold and differ by one
-        row = ATTENTION_SITES.index(site)
+        row = SITE_INDEX[site]
         assert counts(stats)[row] == counts(rstats)[row], (site, seed, stats.by_site(), rstats.by_site())
         assert torch.equal(torch.isnan(out.cpu()), torch.isnan(ref_out))
 

@@ -109,7 +109,8 @@ def checked_gemm(
         detect / correct: verify / repair (``correct=False`` counts ``detected`` + ``uncorrectable``).
         plan: faults at ``linear.output`` (logical shape (M, N), y's dtype), a fault plan as
             `ft_transformers.kernels.contract` describes it, or None.
-        counters: (6, 5) int32 counter block on x's device (required when ``detect``).
+        counters: (sites, kinds) int32 counter block (`contract.COUNTER_SHAPE`) on x's device (required
+            when ``detect``).
         mode: ``"accumulator"`` (verify the fp32 accumulators, default) or ``"output"`` (verify the
             rounded output, like the PyTorch path; for studies and calibration).
         debug: optional (M, ⌈N/64⌉, 3) fp32 tensor receiving per (row, 64-column group) the checksum
@@ -265,7 +266,7 @@ def checked_gemm_siblings(x2d: torch.Tensor, weights: Sequence[torch.Tensor], bi
         weights: 2 or 3 tensors (N_i, K), contiguous, x's dtype and device.
         biases: (N_i,) each, or all None.
         wcs: each weight's `WeightChecksums` (of exactly that weight and bias), all finite.
-        counters: each weight's (6, 5) int32 counter block.
+        counters: each weight's (sites, kinds) int32 counter block.
         emax / emax_table / csigma / correct: as `checked_gemm`'s.
     Returns:
         y (M, ΣN_i) in x's dtype; ``y[:, :N_0]`` is layer 0's output, and so on.

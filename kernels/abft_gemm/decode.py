@@ -168,7 +168,7 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
     its own columns (ROWS = next_pow2(M)).
 
     W (N, K) through strides ``swn``, ``swk`` (a (K, N) weight has them swapped); ``W1g`` (⌈N/G⌉, K)
-    and ``Gc`` (⌈N/G⌉, 8) from `group_checksums`; ``Cnt`` the (6, 5) int32 counters.
+    and ``Gc`` (⌈N/G⌉, 8) from `group_checksums`; ``Cnt`` the (sites, kinds) int32 counters.
 
     Sibling weights (SEGS = 2 or 3, `api.checked_gemm_siblings`): y = x · [W; W_b; W_c]ᵀ + [b; b_b; b_c]
     in one launch, the weights left where they are. Tiles ``[0, t_b)`` are W's, ``[t_b, t_c)`` W_b's

@@ -50,7 +50,7 @@ class PreparedCall:
         return self
 
     def __call__(self, x2d: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-        """y (M, N) of x2d (M, K), events into counters (6, 5)."""
+        """y (M, N) of x2d (M, K), events into counters (sites, kinds)."""
         if self.device.type == "cuda" and self.device.index != torch.cuda.current_device():
             with torch.cuda.device(self.device):  # launches go to the current device's stream
                 return self(x2d, counters)
