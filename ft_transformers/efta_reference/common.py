@@ -30,3 +30,15 @@ def count(counters: torch.Tensor | None, site: str, kind: str, value: int | torc
     """Add ``value`` events of ``kind`` at ``site`` into the (sites, kinds) int32 block, if any."""
     if counters is not None:
         add_count(counters, site, kind, value)
+
+
+def count_detected(counters: torch.Tensor | None, site: str, nbad: int | torch.Tensor, correct: bool,
+                   repaired: str | None = None) -> None:
+    """Count ``nbad`` faults found at ``site``: ``detected``, and each also ``uncorrectable`` without
+    correction, or ``repaired`` (``corrected`` / ``recomputed``) with it; ``repaired=None``: the caller
+    counts the repairs itself (they split into kinds)."""
+    count(counters, site, "detected", nbad)
+    if not correct:
+        count(counters, site, "uncorrectable", nbad)
+    elif repaired is not None:
+        count(counters, site, repaired, nbad)

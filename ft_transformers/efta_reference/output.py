@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..injection import SiteFaults
 from .checksums import g, group_sums, locate, rebuild
-from .common import count, inject
+from .common import count, count_detected, inject
 from .masks import NEG_INF, Masks
 from .softmax import round16
 
@@ -86,11 +86,9 @@ def check_row_sums(l: torch.Tensor, acc: torch.Tensor, nvalid: torch.Tensor, *, 
     if not bool(bad6.any()):
         return None
     nbad = bad6.sum()
-    count(counters, "attn.rowsum", "detected", nbad)
+    count_detected(counters, "attn.rowsum", nbad, correct, "recomputed")
     if not correct:
-        count(counters, "attn.rowsum", "uncorrectable", nbad)
         return None
-    count(counters, "attn.rowsum", "recomputed", nbad)
     return bad6
 
 
@@ -152,9 +150,8 @@ def verify_output(O: torch.Tensor, acc: torch.Tensor, vmax: torch.Tensor, redo_r
     if not bool(bad.any()):
         return O, redo_rows
     nbad = bad.sum()
-    count(counters, "attn.output", "detected", nbad)
+    count_detected(counters, "attn.output", nbad, correct)
     if not correct:
-        count(counters, "attn.output", "uncorrectable", nbad)
         return O, redo_rows
     loc, ok = locate(d1, d2, bad, Lv)
     ok &= loc * s + torch.arange(s, device=O.device) < D  # a real column

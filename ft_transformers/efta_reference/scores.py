@@ -16,7 +16,7 @@ import torch
 from .. import pasa as _pasa
 from ..injection import SiteFaults
 from .checksums import FP16_ETA, g, g16, group_sums, locate, rebuild
-from .common import count, inject
+from .common import count, count_detected, inject
 
 
 def query_bound(qs: torch.Tensor, nkeys_group: int, pasa: bool) -> tuple[torch.Tensor, float | None]:
@@ -104,9 +104,8 @@ def check_scores(S: torch.Tensor, qs: torch.Tensor, kb: torch.Tensor, kc: torch.
     if not bool(bad.any()):
         return S
     nbad = bad.sum()
-    count(counters, "attn.scores", "detected", nbad)
+    count_detected(counters, "attn.scores", nbad, correct)
     if not correct:
-        count(counters, "attn.scores", "uncorrectable", nbad)
         return S
     loc, ok = locate(d1, d2, bad, L)
     ok &= loc * s + torch.arange(s, device=S.device) < width  # a real key

@@ -17,7 +17,7 @@ from .. import pasa as _pasa
 from ..injection import SiteFaults
 from ..kernels.contract import EXP_MAX_GROUP, EXP_ULPS, LOG2E, LOWP_U, exp_clamp
 from .checksums import U, g
-from .common import count, inject
+from .common import count_detected, inject
 from .masks import NEG_INF
 
 _FTZ_XMIN = -87.0  # exp(x) below it is subnormal: flushed to 0 (`exp_ftz`)
@@ -120,11 +120,8 @@ def running_max(S: torch.Tensor, m: torch.Tensor, sf: SiteFaults | None, site_sh
         bad = ~(xmax <= tau) | ((m_new != m) & (xmax < -tau))
         if bool(bad.any()):
             nbad = bad.sum()
-            count(counters, "attn.rowmax", "detected", nbad)
-            if not correct:
-                count(counters, "attn.rowmax", "uncorrectable", nbad)
-            else:
-                count(counters, "attn.rowmax", "recomputed", nbad)
+            count_detected(counters, "attn.rowmax", nbad, correct, "recomputed")
+            if correct:
                 m_new = torch.where(bad, torch.maximum(m, mb), m_new)
                 base = _base(m, mb, m_new)
     return m_new, base
@@ -162,11 +159,8 @@ def probabilities(S: torch.Tensor, base: torch.Tensor, sfs: dict[str, SiteFaults
         bad = exp_group_test(S, base, pd, stride, pv_dtype)  # (B, Hkv, G·M, s): groups (row, residue) that fail
         if bool(bad.any()):
             nbad = bad.sum()
-            count(counters, "attn.probs", "detected", nbad)
-            if not correct:
-                count(counters, "attn.probs", "uncorrectable", nbad)
-            else:
-                count(counters, "attn.probs", "corrected", nbad)
+            count_detected(counters, "attn.probs", nbad, correct, "corrected")
+            if correct:
                 redo = bad.unsqueeze(-2).expand(*bad.shape[:-1], P.shape[-1] // stride, stride).reshape(P.shape)
                 P = torch.where(redo, exp_ftz(S - base), P)
                 pd = torch.where(redo, P.to(pv_dtype).to(torch.float32), pd)
@@ -199,11 +193,8 @@ def rescale(m: torch.Tensor, m_new: torch.Tensor, sf: SiteFaults | None, site_sh
         bad = (alpha != again) & (again == again)
         if bool(bad.any()):
             nbad = bad.sum()
-            count(counters, "attn.alpha", "detected", nbad)
-            if not correct:
-                count(counters, "attn.alpha", "uncorrectable", nbad)
-            else:
-                count(counters, "attn.alpha", "corrected", nbad)
+            count_detected(counters, "attn.alpha", nbad, correct, "corrected")
+            if correct:
                 alpha = torch.where(bad, again, alpha)
     return alpha
 
