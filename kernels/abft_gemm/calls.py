@@ -146,11 +146,11 @@ _CELLS: dict[torch.device, torch.Tensor] = {}
 
 def _cells(device: torch.device) -> torch.Tensor:
     """Per-device int32 cells that outlive calls (no allocation per call, fixed addresses for CUDA graphs),
-    all 0 between calls: ``[9 + t]`` counts the splits of tile t of a split-K call (the tile and decode
+    all 0 between calls: ``[t]`` counts the splits of tile t of a split-K call (the tile and decode
     kernels' SPLIT; the last split resets it)."""
     c = _CELLS.get(device)
     if c is None:
-        c = _CELLS[device] = torch.zeros(9 + SPLIT_MAX_TILES, dtype=torch.int32, device=device)
+        c = _CELLS[device] = torch.zeros(SPLIT_MAX_TILES, dtype=torch.int32, device=device)
     return c
 
 

@@ -178,7 +178,7 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
     ``n_split`` programs per tile over ``kb_per`` K blocks each (program ``pid`` is split
     ``pid % n_split`` of tile ``pid // n_split``): each stores its partial tile in ``Part``
     (n_split, M, N) and its x·w1_g and statistics after them ((n_split, T, M, 4)), counts on the
-    cell ``Sem[9 + tile]`` (0 between calls), and the last to count resets it and runs the epilogue
+    cell ``Sem[tile]`` (0 between calls), and the last to count resets it and runs the epilogue
     on the partials summed in split order."""
     pid = tl.program_id(0)
     pid_n = pid // n_split
@@ -273,8 +273,8 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
         tl.store(srow + split * T * M * 4 + 2, mx, mask=r_ok)
         tl.store(srow + split * T * M * 4 + 3, mn, mask=r_ok)
         tl.debug_barrier()  # every thread's partials before the count
-        if tl.atomic_add(Sem + 9 + pid_n, 1, sem="acq_rel") == n_split - 1:
-            tl.store(Sem + 9 + pid_n, 0)  # ready for the next call (every split has counted)
+        if tl.atomic_add(Sem + pid_n, 1, sem="acq_rel") == n_split - 1:
+            tl.store(Sem + pid_n, 0)  # ready for the next call (every split has counted)
             acc = tl.zeros((BLOCK_M, G), tl.float32)
             c1 = tl.zeros((ROWS,), tl.float32)
             sm = tl.zeros((ROWS,), tl.float32)

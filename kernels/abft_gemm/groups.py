@@ -158,7 +158,7 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Sem, Flag, Cnt, Dbg,
     runs as ``n_split`` programs over ``kb_per`` K blocks each, program ``pid`` being split ``pid % n_split``
     of block ``pid // n_split``. Each stores its partial checksums (n_split, blocks, BLOCK_R, BLOCK_G) and
     statistics (n_split, blocks, BLOCK_R, 3) after the group sums in ``P`` and counts on
-    the block's cell ``Sem[9 + block]`` (0 between calls); the last to count resets it, sums the partials in
+    the block's cell ``Sem[block]`` (0 between calls); the last to count resets it, sums the partials in
     split order and checks the block."""
     pid = tl.program_id(0)
     Part = P + TG * M
@@ -188,8 +188,8 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Sem, Flag, Cnt, Dbg,
             tl.store(sp + split * n_blk * BLOCK_R * 3 + 1, mx)
             tl.store(sp + split * n_blk * BLOCK_R * 3 + 2, mn)
             tl.debug_barrier()  # every thread's partials before the count
-            if tl.atomic_add(Sem + 9 + blk, 1, sem="acq_rel") == n_split - 1:
-                tl.store(Sem + 9 + blk, 0)  # ready for the next call (every split has counted)
+            if tl.atomic_add(Sem + blk, 1, sem="acq_rel") == n_split - 1:
+                tl.store(Sem + blk, 0)  # ready for the next call (every split has counted)
                 c = tl.zeros_like(c)
                 sm = tl.zeros_like(sm)
                 for s in range(0, n_split):  # a fixed order: the same sums whichever split came last

@@ -129,7 +129,7 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, Sem, M, N, K, sxm, sxk, swn,
     SPLIT (the plain GEMM of one row block and few tiles, `forms.split_plan`): each tile runs as ``n_split``
     programs over ``kb_per`` K blocks each (split-K; see `_gemm_tile`), program ``pid`` being split
     ``pid % n_split`` of tile ``pid // n_split``, the partial tiles in ``P`` (n_split, M, N) and the tiles'
-    split counts in the cells ``Sem[9 + pid_n]`` (`calls._cells`, 0 between calls)."""
+    split counts in the cells ``Sem[pid_n]`` (`calls._cells`, 0 between calls)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -143,6 +143,6 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, Sem, M, N, K, sxm, sxk, swn,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_am = offs_m % M  # wrapped rows: in-bounds loads without a mask, never stored
-    _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, P, Sem + 9, pid_m, pid_n, split, kb_per, num_pid_m, offs_m,
+    _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, P, Sem, pid_m, pid_n, split, kb_per, num_pid_m, offs_m,
                offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, n_split, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS,
                DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K, TMA, W_KN, TMA_STORE, SPLIT)
