@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .config import UncorrectableFaultError
+from .distributed import rank as _rank
 from .kernels.contract import COUNTER_SHAPE, KIND_INDEX, KINDS, SITES
 
 
@@ -39,7 +40,9 @@ class FaultEvent:
 
     ``step`` is the model forward-call index since protection was enabled (or the report was
     reset): in ``generate`` that is the generation step (0 = prefill). ``layer`` is the
-    transformer block index (-1 for modules outside the blocks, e.g. ``lm_head``).
+    transformer block index (-1 for modules outside the blocks, e.g. ``lm_head``). ``rank`` is the
+    torch.distributed rank of the process whose computation it was (0 when not distributed): under
+    tensor parallelism, the shard the fault was found in.
     """
 
     step: int
@@ -48,6 +51,7 @@ class FaultEvent:
     site: str
     kind: str
     count: int
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,10 @@ class ModuleSlot:
     index: int
     name: str
     layer: int
+
+
+def _event_order(e: FaultEvent) -> tuple:
+    return (e.step, e.layer, e.module, SITES.index(e.site), KINDS.index(e.kind), e.rank)
 
 
 class EventRecorder:
@@ -185,6 +193,7 @@ class EventRecorder:
         entries = list(self._history)
         if self._current:
             entries.append((self.step, self._current))
+        here = _rank()
         for step, tensors in entries:
             for t in tensors.values():
                 host = t.detach().cpu()
@@ -192,8 +201,8 @@ class EventRecorder:
                     mod, site, kind = idx
                     slot = self.slots[mod]
                     out.append(FaultEvent(step, slot.layer, slot.name, SITES[site], KINDS[kind],
-                                          int(host[mod, site, kind])))
-        out.sort(key=lambda e: (e.step, e.layer, e.module, SITES.index(e.site), KINDS.index(e.kind)))
+                                          int(host[mod, site, kind]), here))
+        out.sort(key=_event_order)
         return out
 
     def reset(self) -> None:
@@ -221,15 +230,23 @@ class FTReport:
 
     ``unchecked`` is ``{module name: why}``: modules whose products no check covers at all (MoE
     experts stored as fused 3-D parameters, a router's bare weight; `ft_transformers.discovery`).
+
+    ``ranks`` lists the torch.distributed ranks whose events the report holds: this process's rank for
+    a report of its own recorder, every rank for a gathered one (`merge`); the table then has a rank
+    column. A report pickles without its recorder (a detached copy, e.g. to send it to another rank).
     """
 
     def __init__(self, events: list[FaultEvent], recorder: EventRecorder | None = None,
                  steps: int = 0, unprotected: dict[str, int] | None = None,
                  unprotected_routes: dict[str, str] | None = None,
-                 unprotected_layers: dict[str, int] | None = None, unchecked: dict[str, str] | None = None) -> None:
+                 unprotected_layers: dict[str, int] | None = None, unchecked: dict[str, str] | None = None,
+                 ranks: Iterable[int] | None = None) -> None:
         self.events = events
         self.steps = steps
         self._recorder = recorder
+        if ranks is None:
+            ranks = (_rank(),) if recorder is not None else ({e.rank for e in events} or (0,))
+        self.ranks: tuple[int, ...] = tuple(sorted(set(ranks)))
         rec = recorder
         self.unprotected: dict[str, int] = dict(
             unprotected if unprotected is not None else (rec.unprotected if rec is not None else {}))
@@ -238,6 +255,31 @@ class FTReport:
         self.unprotected_layers: dict[str, int] = dict(
             unprotected_layers if unprotected_layers is not None else (rec.unprotected_layers if rec else {}))
         self.unchecked: dict[str, str] = dict(unchecked or {})
+
+    @classmethod
+    def merge(cls, reports: Iterable[FTReport]) -> FTReport:
+        """One report of several ranks' reports (what ``fault_report(model, all_ranks=True)`` returns).
+
+        Events are kept apart by their ``rank``; ``steps`` is the most model calls any rank made;
+        ``unprotected`` calls are summed per module name over the ranks and ``unchecked`` joined. The
+        result has no recorder: its `reset` forgets only the merged report."""
+        reports = list(reports)
+        if not reports:
+            raise ValueError("FTReport.merge needs at least one report")
+        unprotected: dict[str, int] = {}
+        for r in reports:
+            for name, n in r.unprotected.items():
+                unprotected[name] = unprotected.get(name, 0) + n
+        return cls(sorted((e for r in reports for e in r.events), key=_event_order), None,
+                   steps=max(r.steps for r in reports), unprotected=unprotected,
+                   unprotected_routes={k: v for r in reports for k, v in r.unprotected_routes.items()},
+                   unprotected_layers={k: v for r in reports for k, v in r.unprotected_layers.items()},
+                   unchecked={k: v for r in reports for k, v in r.unchecked.items()},
+                   ranks=[x for r in reports for x in r.ranks])
+
+    def __getstate__(self) -> dict:
+        # the recorder holds device tensors and belongs to this process's model
+        return {**self.__dict__, "_recorder": None}
 
     def totals(self) -> dict[str, int]:
         tot = dict.fromkeys(KINDS, 0)
@@ -262,11 +304,19 @@ class FTReport:
         order = {site: i for i, site in enumerate((*SITES, "unprotected"))}
         return dict(sorted(out.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])))
 
-    def _event_summary(self) -> dict[tuple[int, str], dict[str, int]]:
-        acc: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(KINDS, 0))
+    def _event_summary(self, by_rank: bool = False) -> dict[tuple, dict[str, int]]:
+        """``{(layer, site): {kind: count}}``; with ``by_rank`` ``{(rank, layer, site): ...}``."""
+        acc: dict[tuple, dict[str, int]] = defaultdict(lambda: dict.fromkeys(KINDS, 0))
         for e in self.events:
-            acc[(e.layer, e.site)][e.kind] += e.count
-        return dict(sorted(acc.items(), key=lambda kv: (kv[0][0], SITES.index(kv[0][1]))))
+            acc[(e.rank, e.layer, e.site) if by_rank else (e.layer, e.site)][e.kind] += e.count
+        return dict(sorted(acc.items(), key=lambda kv: (*kv[0][:-1], SITES.index(kv[0][-1]))))
+
+    def by_rank(self) -> dict[int, dict[str, int]]:
+        """``{rank: {kind: count}}`` summed over steps, modules and sites, for every rank of the report."""
+        acc: dict[int, dict[str, int]] = {r: dict.fromkeys(KINDS, 0) for r in self.ranks}
+        for e in self.events:
+            acc.setdefault(e.rank, dict.fromkeys(KINDS, 0))[e.kind] += e.count
+        return dict(sorted(acc.items()))
 
     def by_step(self) -> dict[tuple[int, int], dict[str, int]]:
         """``{(step, layer): {kind: count}}`` summed over modules and sites."""
@@ -286,7 +336,7 @@ class FTReport:
         self.unprotected_layers = {}
 
     def to_json(self, path: str | Path) -> None:
-        data = {"steps": self.steps, "totals": self.totals(),
+        data = {"steps": self.steps, "ranks": list(self.ranks), "totals": self.totals(),
                 "events": [asdict(e) for e in self.events], "unchecked": self.unchecked,
                 "unprotected": [{"module": name, "layer": self.unprotected_layers.get(name, -1), "calls": n,
                                  "route": self.unprotected_routes.get(name, "")}
@@ -296,22 +346,26 @@ class FTReport:
     def to_csv(self, path: str | Path) -> None:
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["step", "layer", "module", "site", "kind", "count"])
+            w.writerow(["step", "layer", "module", "site", "kind", "count", "rank"])
             for e in self.events:
-                w.writerow([e.step, e.layer, e.module, e.site, e.kind, e.count])
+                w.writerow([e.step, e.layer, e.module, e.site, e.kind, e.count, e.rank])
 
     def __str__(self) -> str:
-        summ = self._event_summary()
+        by_rank = len(self.ranks) > 1
+        summ = self._event_summary(by_rank)
         head = f"ft_transformers fault report: {self.steps} model call(s), "
+        if by_rank:
+            head = head[:-2] + f" on {len(self.ranks)} ranks, "
         if not summ:
             return head + "no events" + self._unprotected_table() + self._unchecked_line()
         tot = self.totals()
         head += ", ".join(f"{tot[k]} {k}" for k in KINDS if tot[k]) + "\n"
-        cols = ["layer", "site", *KINDS]
-        rows = [[("-" if layer < 0 else str(layer)), site, *(str(c[k]) for k in KINDS)]
-                for (layer, site), c in summ.items()]
+        keys = ["rank", "layer", "site"] if by_rank else ["layer", "site"]
+        cols = [*keys, *KINDS]
+        rows = [[*map(str, key[:-2]), ("-" if key[-2] < 0 else str(key[-2])), key[-1], *(str(c[k]) for k in KINDS)]
+                for key, c in summ.items()]
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(cols)]
-        fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
+        fmt = "  ".join(f"{{:<{w}}}" if i < len(keys) else f"{{:>{w}}}" for i, w in enumerate(widths))
         lines = [fmt.format(*cols), "  ".join("-" * w for w in widths)]
         lines += [fmt.format(*r) for r in rows]
         return head + "\n".join(lines) + self._unprotected_table() + self._unchecked_line()
@@ -339,4 +393,5 @@ class FTReport:
 
     def __repr__(self) -> str:
         extra = f", unprotected={sum(self.unprotected.values())}" if self.unprotected else ""
+        extra += f", ranks={list(self.ranks)}" if len(self.ranks) > 1 else ""
         return f"FTReport(steps={self.steps}, events={len(self.events)}, totals={self.totals()}{extra})"

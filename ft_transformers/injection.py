@@ -54,6 +54,9 @@ class FaultSpec:
         calls: forward-call indices (0-based) of each targeted module; a bare int is one call;
             ``None`` = all.
         seed: seeds positions and bits (an int); the same seed gives the same faults.
+        ranks: the torch.distributed ranks (0-based ints; a bare int is one rank) whose processes inject
+            the spec, e.g. one shard of a tensor-parallel model; ``None`` = every rank. A rank the run does
+            not have is refused by `inject_faults`.
     """
 
     site: str
@@ -63,6 +66,7 @@ class FaultSpec:
     layers: Sequence[int | str] | int | str | None = None
     calls: Sequence[int] | int | None = None
     seed: int = 0
+    ranks: Sequence[int] | int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.site, str) or self.site not in SITE_INDEX:
@@ -91,6 +95,13 @@ class FaultSpec:
             if any(c < 0 for c in calls):
                 raise ValueError(f"FaultSpec.calls must be non-negative, got {calls}")
             object.__setattr__(self, "calls", calls)
+        if self.ranks is not None:
+            ranks = _indices("FaultSpec.ranks", self.ranks)
+            if not ranks:  # (a spec that injects nowhere would pass unnoticed)
+                raise ValueError("FaultSpec.ranks must name at least one rank (None = every rank), got none")
+            if any(r < 0 for r in ranks):
+                raise ValueError(f"FaultSpec.ranks must be non-negative, got {ranks}")
+            object.__setattr__(self, "ranks", ranks)
 
     @property
     def is_attention(self) -> bool:

@@ -37,6 +37,7 @@ from .attention import ATTN_IMPLEMENTATION
 from .bypass import watch as _watch_bypass
 from .checked_linear import _FAST_PATH_ATTR, _autocast_dtype, _checked_linear_forward
 from .config import FTConfig
+from .distributed import gather, is_sharded, local_shard, rank, tp_forward_of, with_inner_forward, world_size
 from .events import EventRecorder, FTReport, ModuleSlot
 from .injection import FaultPlan, FaultSpec, derive_seed
 from .siblings import install_siblings, sibling_output
@@ -134,8 +135,33 @@ class _ProtectionState:
 
 def _checked_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``forward`` of a protected Linear / Conv1D: x (..., K) -> y (..., N)."""
-    if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
-                                    or (self.bias is not None and self.bias.requires_grad)):
+    return _checked_call(self, x, self.weight, self.bias)
+
+
+def _checked_shard_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The own forward of a protected tensor-parallel Linear, inside transformers' TP forward
+    (`distributed.with_inner_forward`): x (..., K_local) -> y (..., N_local) on this rank's shard.
+
+    transformers has made x and the parameters local (and hidden a rowwise layer's bias, added after the
+    all-reduce), so a rowwise layer's partial product is verified here, before the reduction."""
+    weight, bias = self.weight, self.bias
+    if is_sharded(x) or is_sharded(weight):
+        # A DTensor product would run through DTensor's own dispatch (its collectives included), not as this
+        # rank's shard: there is no local product to check.
+        raise RuntimeError(
+            f"the tensor-parallel Linear {self._ftt.slot.name!r} was handed DTensors instead of local shards: "
+            "transformers runs colwise / rowwise Linear layers on local shards only with grad mode off. Run the "
+            "protected model under torch.no_grad() or torch.inference_mode() (model.generate does); other "
+            "parallel styles of a Linear are not supported by protection")
+    return _checked_call(self, x, local_shard(weight), local_shard(bias))
+
+
+def _checked_call(self: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """The checked GEMM of a protected Linear / Conv1D with the given weight (N, K) or (K, N) and bias (N,)
+    (the module's own, or their local shards): x (..., K) -> y (..., N)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
         # The checked GEMM has no backward: raise rather than hand out gradients that silently stop here.
         raise RuntimeError(
             f"ft_transformers protection is inference-only (no backward): the checked Linear "
@@ -148,22 +174,23 @@ def _checked_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return y
     if torch.compiler.is_compiling():
         if faults_may_hit(st) or _autocast_dtype(x.device.type) is not None:
-            return _checked_forward_outside_graph(self, x)
+            return _checked_forward_outside_graph(self, x, weight, bias)
         cfg = _STATES[st.state_key].config
         return torch.ops.ftt.checked_linear_module(
-            x, self.weight, self.bias, step_block(st, x.device), st.index, id(self), st.kn, cfg.emax,
+            x, weight, bias, step_block(st, x.device), st.index, id(self), st.kn, cfg.emax,
             float(cfg.csigma), st.detect, st.correct, cfg.on_uncorrectable == "raise", st.name)
-    return _checked_forward_eager(self, x)
+    return _checked_forward_eager(self, x, weight, bias)
 
 
-def _checked_forward_eager(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _checked_forward_eager(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
     """The protected GEMM as run eagerly: plan the call's faults, verify, count."""
     ctx: _ModuleContext = module._ftt
     plan = ctx.plan_for_call()
     counters = ctx.counters(x.device)
     cfg = ctx.state.config
     y = _checked_linear_forward(
-        x, module.weight, module.bias, weight_is_kn=ctx.layout == "kn", emax=cfg.emax, csigma=cfg.csigma,
+        x, weight, bias, weight_is_kn=ctx.layout == "kn", emax=cfg.emax, csigma=cfg.csigma,
         detect=ctx.detect, correct=ctx.correct, plan=plan, counters=counters, cache_owner=module,
     )
     ctx.after_call(counters)
@@ -256,6 +283,7 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
         raise TypeError(f"config must be an FTConfig, got {type(config).__name__}")
     adapter = discover(model, require_attention=config.attention)
     config._check_layers({adapter.layer_of(name) for name, _ in model.named_modules()} - {-1})
+    tensor_parallel = config.linear and _tensor_parallel(model, adapter)
     original_attn = None
     if getattr(model, _STATE_ATTR, None) is not None:
         original_attn = _state(model).original_attn
@@ -288,7 +316,8 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
         module._ftt = ctx
         state.contexts.append(ctx)
     if config.linear:
-        state.patched += install_siblings(model, adapter, _install_forward)
+        if not tensor_parallel:  # (a parent's sibling launch would read the members' DTensor weights)
+            state.patched += install_siblings(model, adapter, _install_forward)
         state.unchecked = {n: why for n, why in adapter.unchecked.items() if in_scope(adapter.layer_of(n))}
         warn_unchecked(state.unchecked)
     # its `_states` entries go when protection is disabled, or with the model if it is dropped protected
@@ -298,6 +327,25 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
     state.hooks.append(_watch_bypass(model, state))  # attention leaving EFTA, modules swapped out
     setattr(model, _STATE_ATTR, state)
     return model
+
+
+def _tensor_parallel(model: torch.nn.Module, adapter) -> bool:
+    """Whether transformers' tensor parallelism shards a Linear of ``model`` (its parameters are DTensors).
+
+    Raises ValueError, before anything is changed, for a sharded layer that does not run through
+    transformers' TP forward (`distributed.tp_forward_of`): nothing would hand the checked GEMM local shards."""
+    sharded = False
+    for name, module in model.named_modules():
+        layout = adapter.linear_layout(module)
+        if layout is None or not any(is_sharded(p) for p in module.parameters(recurse=False)):
+            continue
+        if layout != "nk" or tp_forward_of(module) is None:
+            raise ValueError(
+                f"{name} ({type(module).__name__}) holds DTensor parameters but does not run through "
+                "transformers' tensor-parallel forward (from_pretrained with tp_plan): protection checks each "
+                "rank's local shard inside that forward and supports no other sharding")
+        sharded = True
+    return sharded
 
 
 def _install_forward(module: torch.nn.Module, fn, swap: type | None = None) -> None:
@@ -310,11 +358,20 @@ def _install_forward(module: torch.nn.Module, fn, swap: type | None = None) -> N
     A module that accelerate hooked (``device_map``, offloading) keeps its hook: ``fn`` replaces the
     hook's inner ``_old_forward``, so the hook still moves the input to the weight's device first
     (e.g. a tied ``lm_head`` whose weight sits on another GPU than the last block).
+
+    A module sharded by transformers' tensor parallelism keeps its TP forward (local inputs and shards in,
+    the rowwise all-reduce after): ``fn`` replaces the module's own forward inside it
+    (`distributed.with_inner_forward`; the checked GEMM as `_checked_shard_forward`).
     """
     bound = types.MethodType(fn, module)
+    tp_forward = tp_forward_of(module)
     if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__:
         module._ftt_inner_forward = module._old_forward
         module._old_forward = bound
+    elif tp_forward is not None:
+        inner = types.MethodType(_checked_shard_forward, module) if fn is _checked_forward else bound
+        module._ftt_tp_forward = tp_forward
+        module.forward = with_inner_forward(tp_forward, inner)
     elif swap is not None and "forward" not in module.__dict__:
         module.__class__ = swap
     else:
@@ -324,6 +381,8 @@ def _install_forward(module: torch.nn.Module, fn, swap: type | None = None) -> N
 def _uninstall_forward(module: torch.nn.Module) -> None:
     if "_ftt_inner_forward" in module.__dict__:
         module._old_forward = module.__dict__.pop("_ftt_inner_forward")
+    elif "_ftt_tp_forward" in module.__dict__:
+        module.forward = module.__dict__.pop("_ftt_tp_forward")
     elif "forward" in module.__dict__:
         del module.forward
     base = type(module).__dict__.get("_ftt_base")
@@ -352,12 +411,21 @@ def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def fault_report(model: torch.nn.Module) -> FTReport:
-    """Everything detected / corrected / recomputed since protection was enabled or reset."""
+def fault_report(model: torch.nn.Module, *, all_ranks: bool = False) -> FTReport:
+    """Everything detected / corrected / recomputed since protection was enabled or reset.
+
+    Each event carries the torch.distributed rank of the process that recorded it (0 when not
+    distributed). ``all_ranks=True`` gathers the reports of every rank of the default process group into
+    one (`FTReport.merge`): a collective, so every rank must call it, and each rank receives the whole
+    report. Nothing is gathered until then; the gathered report's ``reset`` forgets only that report
+    (each rank resets its own with ``fault_report(model).reset()``).
+    """
+    if not isinstance(all_ranks, bool):
+        raise TypeError(f"all_ranks must be a bool, got {type(all_ranks).__name__} {all_ranks!r}")
     state = _state(model)
     rec = state.recorder
-    return FTReport(rec.events(), rec, steps=rec.step, unchecked=state.unchecked)
-
+    report = FTReport(rec.events(), rec, steps=rec.step, unchecked=state.unchecked)
+    return FTReport.merge(gather(report)) if all_ranks else report
 
 
 
@@ -396,13 +464,20 @@ def inject_faults(model: torch.nn.Module, spec: FaultSpec | Sequence[FaultSpec])
 
     The model must have gone through `enable_fault_tolerance` (with ``FTConfig(detect=False,
     correct=False)`` for an unprotected run). ``FaultSpec.calls`` counts each targeted module's
-    forward calls from the moment the context opens. Yields a `FaultLog`.
+    forward calls from the moment the context opens. ``FaultSpec.ranks`` limits a spec to those
+    torch.distributed ranks: every rank opens the context with the same specs (they are checked
+    everywhere), and a spec injects only on its ranks. Yields a `FaultLog` (this rank's injections).
     """
     state = _state(model)
     specs = [spec] if isinstance(spec, FaultSpec) else list(spec)
+    n_ranks = world_size()
     for s in specs:
         if not isinstance(s, FaultSpec):
             raise TypeError(f"inject_faults takes FaultSpec(s), got {type(s).__name__}")
+        absent = [r for r in (s.ranks or ()) if r >= n_ranks]
+        if absent:
+            raise ValueError(f"FaultSpec(site={s.site!r}) ranks {absent} do not exist: this run has {n_ranks} "
+                             f"rank(s) (torch.distributed ranks 0..{n_ranks - 1})")
         if s.is_attention and model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(f"cannot inject at {s.site}: attention is not running through EFTA "
                              "(enable_fault_tolerance with FTConfig(attention=True))")
@@ -422,9 +497,11 @@ def inject_faults(model: torch.nn.Module, spec: FaultSpec | Sequence[FaultSpec])
     for c in state.contexts:
         c.calls = 0
     start = len(state.injection_log)
-    state.active_faults.extend(specs)
+    here = rank()
+    mine = [s for s in specs if s.ranks is None or here in s.ranks]
+    state.active_faults.extend(mine)
     try:
         yield FaultLog(state.injection_log, start)
     finally:
-        for s in specs:
+        for s in mine:
             state.active_faults.remove(s)
