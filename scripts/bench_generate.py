@@ -119,19 +119,26 @@ def model_config(name: str, *, tiny: bool, max_positions: int):
             dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257)
         return GPT2Config(n_positions=max(1024, max_positions), activation_function="gelu_new", resid_pdrop=0.0,
                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, **dims)
-    if name in ("qwen2-0.5b", "qwen2-1.5b"):
+    if name in ("qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "qwen2-72b"):
         if tiny:
             dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=512)
         elif name == "qwen2-0.5b":
             dims = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                         num_key_value_heads=2, vocab_size=151936)
-        else:
+        elif name == "qwen2-1.5b":
             dims = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                         num_key_value_heads=2, vocab_size=151936)
-        return Qwen2Config(max_position_embeddings=max(32768, max_positions), rope_theta=1e6, rms_norm_eps=1e-6,
-                           use_sliding_window=False, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                           **dims)
+        elif name == "qwen2-7b":
+            dims = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                        num_key_value_heads=4, vocab_size=152064)
+        else:  # qwen2-72b
+            dims = dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, vocab_size=152064, rms_norm_eps=1e-5)
+        # 0.5B and 1.5B tie lm_head to the embedding; 7B and 72B have their own
+        return Qwen2Config(**{"rms_norm_eps": 1e-6, **dims}, max_position_embeddings=max(32768, max_positions),
+                           rope_theta=1e6, use_sliding_window=False,
+                           tie_word_embeddings=name in ("qwen2-0.5b", "qwen2-1.5b"), bos_token_id=1, eos_token_id=2)
     raise ValueError(f"no config for {name!r}")
 
 
