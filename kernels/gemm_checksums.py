@@ -1,5 +1,5 @@
-"""What the checked GEMM's kernels and its PyTorch reference path share: the weight-side checksums of
-V-ABFT (`WeightChecksums`, and the decode kernel's per-column-group ones, `group_checksums`), the row
+"""What the checked GEMM's kernels and its PyTorch reference path share: a weight version's state
+(`WeightChecksums`) with its per-64-column-group checksums (`group_checksums`), the row
 statistics both sides take (`row_stats`), and the dtype autocast runs a GEMM in (`autocast_dtype`).
 
 Pure PyTorch (no Triton): the reference path imports it where Triton is not installed. The e_max
@@ -8,7 +8,6 @@ tables stay with the library (`ft_transformers.vabft`); callers pass e_max in.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -48,40 +47,24 @@ def row_stats(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tenso
 
 @dataclass(frozen=True)
 class WeightChecksums:
-    """Everything V-ABFT needs from one weight (and bias), computed once in fp32.
+    """One weight version's (and bias's) state for the checked GEMM, built once.
 
     With W the logical (N, K) weight (``nn.Linear`` layout) and b the (N,) bias:
 
     Attributes:
-        w12: (K, 2) fp32, columns ``w1 = Σ_n W[n,:]`` and ``w2 = Σ_n (n+1)·W[n,:]``.
-        b12: (2,) fp32, ``b1 = Σ_n b_n`` and ``b2 = Σ_n (n+1)·b_n`` (zeros without bias).
-        colw: (N,) fp32, the checksum weights ``n+1``.
-        sum_abs_mu: ``Σ_k |μ_Bk|`` (μ_Bk = mean_n W[n,k]).
-        sum_var: ``Σ_k σ²_Bk`` (Bhatia–Davis bounds over n).
-        sum_mu2: ``Σ_k μ_Bk²``.
-        bias_mu: mean of b (0 without bias).
-        bias_sd: sqrt of b's Bhatia–Davis variance bound (0 without bias).
-        finite: whether W and b are all finite.
+        finite: whether W and b are all finite (a non-finite weight makes every check fail, so its
+            calls go straight to the plain product and count ``nonfinite_input``).
         n, k: the output and input features.
         launches: the checked GEMM's prepared calls for this weight version, by call signature
             (`ft_transformers.kernels.abft_gemm.prepared`; they go with the checksums).
-        groups: operands the kernels derive from the weight, built by its first checked fp16/bf16 GEMM
-            call and kept with the checksums: the decode kernel's per-64-column checksums
-            (`group_checksums`, key GROUP_COLS) and the persistent form's checksum operand (key
-            ``("stats", dtype)``).
+        groups: the per-64-column-group checksums and threshold constants (`group_checksums`, key
+            GROUP_COLS) and the operands the kernels and the reference path derive from them (the
+            tensor-core checksum slices, the float64 copy), each built by the first call that needs it
+            and kept with this weight version.
 
-    The scalars are host numbers: building the checksums reads them once (one synchronisation
-    per weight version), so that each call's threshold costs a handful of (M,)-sized ops.
+    Building it reads one host number (the non-finite count): one synchronisation per weight version.
     """
 
-    w12: torch.Tensor
-    b12: torch.Tensor
-    colw: torch.Tensor
-    sum_abs_mu: float
-    sum_var: float
-    sum_mu2: float
-    bias_mu: float
-    bias_sd: float
     finite: bool
     n: int
     k: int
@@ -93,49 +76,14 @@ class WeightChecksums:
                 weight_is_kn: bool = False) -> WeightChecksums:
         """Build from ``weight`` ((N, K), or (K, N) with ``weight_is_kn``) and ``bias`` (N,)."""
         w = weight.detach()
-        w_kn = w if weight_is_kn else w.t()  # (K, N): row k of B
-        k, n = w_kn.shape
-        dev = w.device
-        colw = torch.arange(1, n + 1, device=dev, dtype=torch.float32)
-        w12 = torch.empty((k, 2), device=dev, dtype=torch.float32)
-        acc = torch.zeros(6, device=dev, dtype=torch.float32)  # Σ|μ|, Σσ², Σμ², μ_b, σ_b, #non-finite
-        step = max(1, _CHUNK_ELEMS // max(n, 1))
-        for k0 in range(0, k, step):
-            blk = w_kn[k0:k0 + step].float()  # (kc, N)
-            w12[k0:k0 + step, 0] = blk.sum(1)
-            w12[k0:k0 + step, 1] = (blk * colw).sum(1)
-            mu, var = row_stats(blk, dim=1)
-            acc[0] += mu.abs().sum()
-            acc[1] += var.sum()
-            acc[2] += mu.square().sum()
-            acc[5] += (~torch.isfinite(blk)).sum()
+        k, n = w.shape if weight_is_kn else w.shape[::-1]
+        bad = torch.zeros((), device=w.device, dtype=torch.int64)
+        step = max(1, _CHUNK_ELEMS // max(w.shape[1], 1))
+        for r in range(0, w.shape[0], step):  # bounded temporaries on huge weights
+            bad += (~torch.isfinite(w[r:r + step])).sum()
         if bias is not None:
-            b32 = bias.detach().float()
-            b12 = torch.stack([b32.sum(), (b32 * colw).sum()])
-            bmu, bvar = row_stats(b32, dim=0)
-            acc[3] += bmu
-            acc[4] += bvar.sqrt()
-            acc[5] += (~torch.isfinite(b32)).sum()
-        else:
-            b12 = torch.zeros(2, device=dev, dtype=torch.float32)
-        s_abs, s_var, s_mu2, bmu_f, bsd_f, nonfinite = acc.tolist()  # the one host read
-        return cls(w12=w12, b12=b12, colw=colw, sum_abs_mu=s_abs, sum_var=s_var, sum_mu2=s_mu2,
-                   bias_mu=bmu_f, bias_sd=bsd_f, finite=nonfinite == 0, n=n, k=k)
-
-    def thresholds(self, mu_a: torch.Tensor, var_a: torch.Tensor, emax: float, csigma: float) -> torch.Tensor:
-        """(M,) fp32 thresholds for rows with statistics ``mu_a``, ``var_a`` (M,), bias included.
-
-        SPEC §5's ``T_m`` plus the bias's share of the output rounding,
-        ``e_max·(N·|μ_b| + cσ·sqrt(N)·σ_b)`` (the bias as a (K+1)-th row of B met by a constant 1
-        in A; zero without bias). Same arithmetic as `vabft_threshold`, with the weight side folded
-        into host constants.
-        """
-        n = float(self.n)
-        t = torch.sqrt(mu_a.square().mul_(n * self.sum_var).add_(var_a, alpha=n * n * self.sum_mu2))
-        t.mul_(emax * csigma)
-        t.add_(mu_a.abs().mul_(emax * n * self.sum_abs_mu))
-        t.add_(var_a.sqrt().mul_(emax * csigma * math.sqrt(n * self.sum_var)))
-        return t.add_(emax * (n * abs(self.bias_mu) + csigma * math.sqrt(n) * self.bias_sd))
+            bad += (~torch.isfinite(bias.detach())).sum()
+        return cls(finite=int(bad) == 0, n=n, k=k)  # the one host read
 
 
 def _moments(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
