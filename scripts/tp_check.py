@@ -46,6 +46,7 @@ more than its shards, and the 72B model's ~145 GB are never written to disk.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -373,7 +374,8 @@ def markdown(result: dict, reference: dict | None) -> str:
     lines = [f"# tp_check: {result['model']} ({result['dtype']}), tensor parallel {tp}", "",
              f"device: {result['device']} × {tp}; " + ", ".join(f"{k} {x}" for k, x in result["versions"].items()),
              f"prompt {result['prompt']} tokens, {result['new_tokens']} generated; weights per rank "
-             f"{max(result['weights_mib_per_rank']):.1f} MiB", ""]
+             f"{max(result['weights_mib_per_rank']):.1f} MiB; one-launch sibling GEMMs "
+             f"{'on' if result['siblings'] else 'off'}", ""]
     if "timing" in v["protected"]:
         ref_t = (reference or {}).get("variants", {})
         lines += ["| workload | unprotected ms | protected ms | protected / unprotected | same ratio at tp = 1 "
@@ -389,6 +391,9 @@ def markdown(result: dict, reference: dict | None) -> str:
             peaks = " / ".join(", ".join(f"{x:.0f}" for x in t["peak_mib_per_rank"]) for t in (u, p))
             lines.append(f"| {kind} ({unit}) | {u['ms']:.3f} | {p['ms']:.3f} | {ratio:.3f} | {r1} | {diff} "
                          f"| {peaks} |")
+        if reference is not None:
+            lines.append(f"\ntp = 1: {reference['device']}, one-launch sibling GEMMs "
+                         f"{'on' if reference.get('siblings') else 'off'}")
         lines.append("")
     for name, cmp in result.get("comparison", {}).items():
         lines.append(f"- {name} vs unsharded {name}: {cmp['verdict']} over {cmp['steps']} tokens"
@@ -409,8 +414,25 @@ def markdown(result: dict, reference: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_reference(path: Path, args: argparse.Namespace) -> dict:
+    """The tp = 1 run's JSON, refused unless it ran the same model, weights and prompt."""
+    ref = json.loads(path.read_text())
+    same = ("model", "tiny", "dtype", "prompt", "seed")
+    diff = {k: (ref.get(k), getattr(args, k)) for k in same if ref.get(k) != getattr(args, k)}
+    if ref.get("weight_std") != args.weight_std:
+        diff["weight_std"] = (ref.get("weight_std"), args.weight_std)
+    if diff:
+        raise SystemExit(f"--reference {path} ran another model or prompt: " + ", ".join(
+            f"{k} {a!r} there, {b!r} here" for k, (a, b) in diff.items()))
+    return ref
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and importlib.util.find_spec("accelerate") is None:
+        # transformers' tensor-parallel loading places the shards through a device map, which needs it
+        raise SystemExit("tensor-parallel loading needs the accelerate package (carry its wheel: it is pure "
+                         "Python; pip install --no-deps accelerate-*.whl)")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -429,10 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     weights = sum(t.numel() * t.element_size() for t in map(local_shard, model.parameters())) / 2**20
     say(f"loaded: {weights:.0f} MiB of weights on rank 0")
     ids = prompt_ids(cfg.vocab_size, args.prompt, args.seed, device)
-    reference = json.loads(args.reference.read_text()) if args.reference else None
+    reference = read_reference(args.reference, args) if args.reference else None
 
     results = {"unprotected": variant(model, args, device, ids, cfg, "unprotected")}
     ftt.enable_fault_tolerance(model, ftt.FTConfig())
+    # the one-launch Q/K/V and gate/up GEMMs (`ft_transformers.siblings`): CUDA, unsharded models only
+    siblings = device.type == "cuda" and any("_ftt_sibling_key" in m.__dict__ for m in model.modules())
     results["protected"] = variant(model, args, device, ids, cfg, "protected")
 
     block = (cfg.num_hidden_layers - 1) // 2  # (with two layers the first: the last one's flips reach no later layer)
@@ -458,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results.values():
         del r["_logits"]
     result = {"model": args.model, "tiny": args.tiny, "dtype": args.dtype, "tp": n, "prompt": args.prompt,
-              "new_tokens": args.new_tokens, "seed": args.seed, "device": device_label(device),
+              "new_tokens": args.new_tokens, "seed": args.seed, "weight_std": args.weight_std,
+              "siblings": siblings, "device": device_label(device),
               "versions": versions(), "weights_mib_per_rank": gather(weights), "variants": results,
               "injection": injection, "comparison": comparison,
               "reference": str(args.reference) if args.reference else None}
@@ -472,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         stem.with_suffix(".md").write_text(text)
         print(text, flush=True)
         print("OK" if ok else "FAILED", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0 if ok else 1
 
 
