@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import _indices, _integer, _real
+from .distributed import rank, world_size
 from .kernels.contract import SITE_INDEX, SITES, derive_seed
 
 _INT_VIEW = {
@@ -55,8 +56,9 @@ class FaultSpec:
             ``None`` = all.
         seed: seeds positions and bits (an int); the same seed gives the same faults.
         ranks: the torch.distributed ranks (0-based ints; a bare int is one rank) whose processes inject
-            the spec, e.g. one shard of a tensor-parallel model; ``None`` = every rank. A rank the run does
-            not have is refused by `inject_faults`.
+            the spec, e.g. one shard of a tensor-parallel model; ``None`` = every rank. Other ranks take it
+            as no fault (`inject_faults`, and ``inject=`` of the kernel-level calls alike); a rank the run
+            does not have is refused there (`check_ranks`).
     """
 
     site: str
@@ -106,6 +108,18 @@ class FaultSpec:
     @property
     def is_attention(self) -> bool:
         return self.site.startswith("attn.")
+
+
+def check_ranks(spec: FaultSpec) -> bool:
+    """Whether ``spec`` injects on this process's rank; ValueError if it names a rank this run lacks."""
+    if spec.ranks is None:
+        return True
+    n = world_size()
+    absent = [r for r in spec.ranks if r >= n]
+    if absent:
+        raise ValueError(f"FaultSpec(site={spec.site!r}) ranks {absent} do not exist: this run has {n} rank(s) "
+                         f"(torch.distributed ranks 0..{n - 1})")
+    return rank() in spec.ranks
 
 
 def storage_bits(dtype: torch.dtype) -> int:
@@ -224,7 +238,8 @@ class FaultPlan:
 
     ``inject`` may be ``None``, a `FaultSpec`, or a sequence of them; `for_site` returns the
     faults for one site (or ``None``) given the site's logical shape and dtype. ``seed`` is mixed
-    into every spec's own seed (the model-level injector passes module and call index).
+    into every spec's own seed (the model-level injector passes module and call index). ``specs`` holds
+    the specs of this process's rank (`FaultSpec.ranks`); `check_sites` checks them all.
     """
 
     def __init__(self, inject: FaultSpec | Sequence[FaultSpec] | None, *, seed: int | None = None) -> None:
@@ -237,7 +252,8 @@ class FaultPlan:
             for s in specs:
                 if not isinstance(s, FaultSpec):
                     raise TypeError(f"inject must be FaultSpec(s), got {type(s).__name__}")
-        self.specs = specs
+        self._given = specs
+        self.specs = tuple(s for s in specs if check_ranks(s))
         self.seed = seed
         self.sites: dict[str, SiteFaults] = {}
 
@@ -259,6 +275,6 @@ class FaultPlan:
         return sum(sf.injected for sf in self.sites.values())
 
     def check_sites(self, allowed: Sequence[str], where: str) -> None:
-        for spec in self.specs:
+        for spec in self._given:
             if spec.site not in allowed:
                 raise ValueError(f"{where} has no fault site {spec.site!r}; its sites are {', '.join(allowed)}")

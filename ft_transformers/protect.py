@@ -37,9 +37,9 @@ from .attention import ATTN_IMPLEMENTATION
 from .bypass import watch as _watch_bypass
 from .checked_linear import _FAST_PATH_ATTR, _autocast_dtype, _checked_linear_forward
 from .config import FTConfig
-from .distributed import gather, is_sharded, local_shard, rank, tp_forward_of, with_inner_forward, world_size
+from .distributed import gather, is_sharded, local_shard, tp_forward_of, with_inner_forward
 from .events import EventRecorder, FTReport, ModuleSlot
-from .injection import FaultPlan, FaultSpec, derive_seed
+from .injection import FaultPlan, FaultSpec, check_ranks, derive_seed
 from .siblings import install_siblings, sibling_output
 
 _STATE_ATTR = "_ftt_state"
@@ -470,14 +470,10 @@ def inject_faults(model: torch.nn.Module, spec: FaultSpec | Sequence[FaultSpec])
     """
     state = _state(model)
     specs = [spec] if isinstance(spec, FaultSpec) else list(spec)
-    n_ranks = world_size()
     for s in specs:
         if not isinstance(s, FaultSpec):
             raise TypeError(f"inject_faults takes FaultSpec(s), got {type(s).__name__}")
-        absent = [r for r in (s.ranks or ()) if r >= n_ranks]
-        if absent:
-            raise ValueError(f"FaultSpec(site={s.site!r}) ranks {absent} do not exist: this run has {n_ranks} "
-                             f"rank(s) (torch.distributed ranks 0..{n_ranks - 1})")
+        check_ranks(s)  # (a rank the run lacks is refused before the context opens)
         if s.is_attention and model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(f"cannot inject at {s.site}: attention is not running through EFTA "
                              "(enable_fault_tolerance with FTConfig(attention=True))")
@@ -497,8 +493,7 @@ def inject_faults(model: torch.nn.Module, spec: FaultSpec | Sequence[FaultSpec])
     for c in state.contexts:
         c.calls = 0
     start = len(state.injection_log)
-    here = rank()
-    mine = [s for s in specs if s.ranks is None or here in s.ranks]
+    mine = [s for s in specs if check_ranks(s)]
     state.active_faults.extend(mine)
     try:
         yield FaultLog(state.injection_log, start)

@@ -116,6 +116,10 @@ def _worker(ckpt: str, out: str) -> None:
         res["rank2_refused"] = ""
     except ValueError as exc:
         res["rank2_refused"] = str(exc)
+    g = torch.Generator().manual_seed(5)
+    _, stats = ftt.checked_linear(torch.randn(4, 64, generator=g), torch.randn(96, 64, generator=g),
+                                  inject=ftt.FaultSpec(site="linear.output", bit=30, ranks=[1]))
+    res["kernel_level_detected"] = stats["detected"]
 
     # the same rowwise flip with the checks off: it must move the output (else the test above proves nothing)
     ftt.enable_fault_tolerance(sharded, ftt.FTConfig(detect=False, correct=False))
@@ -201,6 +205,10 @@ def test_a_rank_the_run_lacks_is_refused(ranks):
     assert "ranks [2] do not exist" in ranks[0]["rank2_refused"]
 
 
+def test_kernel_level_injection_follows_the_ranks(ranks):
+    assert [res["kernel_level_detected"] for res in ranks] == [0, 1]
+
+
 def test_protection_leaves_transformers_tp_forward_in_place(ranks):
     assert all(res["tp_forward_restored"] for res in ranks)
 
@@ -262,6 +270,11 @@ def test_rank_targeting_without_torch_distributed():
     assert "rank" not in str(report).splitlines()[1]
     with pytest.raises(TypeError, match="all_ranks must be a bool"):
         ftt.fault_report(model, all_ranks=1)
+    x, w = torch.randn(3, 64), torch.randn(64, 64)
+    with pytest.raises(ValueError, match=r"ranks \[2\] do not exist"):
+        ftt.checked_linear(x, w, inject=ftt.FaultSpec(site="linear.output", bit=30, ranks=[2]))
+    _, stats = ftt.checked_linear(x, w, inject=ftt.FaultSpec(site="linear.output", bit=30, ranks=0))
+    assert stats["detected"] == 1 and stats["corrected"] == 1
 
 
 def test_merged_report_keeps_ranks_apart(tmp_path):
