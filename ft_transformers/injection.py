@@ -43,11 +43,12 @@ class FaultSpec:
             exp), ``attn.probs`` (P = exp(x)), ``attn.probs_lp`` (P in the input dtype, as the P·V GEMM
             reads it), ``attn.alpha`` (the rescale exp(m_old − m_new)), ``attn.rowsum`` (the running
             row sum), ``attn.acc`` (the output accumulator between key blocks), ``attn.output`` (the
-            normalised output), ``attn.checksum`` (the checksum operands Sc1 and Oc1); and
-            ``linear.output``.
+            normalised output), ``attn.checksum`` (the checksum operands Sc1 and Oc1); the stored
+            KV cache, ``attn.kv_cache`` (an entry of the K or V the call reads, flipped in place before
+            the call: the flip stays in the cache for later steps); and ``linear.output``.
         bit: bit to flip (an int), 0 = mantissa LSB of the value's storage format at the site
-            (fp32 for the attention sites but ``attn.probs_lp``, which has the input dtype's bits; the
-            GEMM output dtype for ``linear.output``).
+            (fp32 for the attention sites but ``attn.probs_lp`` and ``attn.kv_cache``, which have the
+            input dtype's bits; the GEMM output dtype for ``linear.output``).
         count: number of flips per targeted call (random positions), with ``bit``.
         ber: per-element flip probability in (0, 1] (random bit), instead of ``bit``.
         layers: transformer block indices (0-based ints; -1 = the modules outside the blocks) or

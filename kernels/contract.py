@@ -33,14 +33,18 @@ SITES: tuple[str, ...] = (
     "attn.acc",  # the output accumulator O between key blocks (after the block)
     "attn.output",  # normalised output O / l, before it is stored
     "attn.checksum",  # checksum operands: GEMM I's Sc1 = Q·Kc1ᵀ and GEMM II's running Oc1
+    "attn.kv_cache",  # a stored K/V cache entry, between the step that wrote it and the call that reads it
     "linear.output",  # y = x·Wᵀ + b, as the GEMM produces it
 )
 ATTENTION_SITES: tuple[str, ...] = (
     "attn.scores", "attn.rowmax", "attn.exponent", "attn.probs", "attn.probs_lp", "attn.alpha", "attn.rowsum",
     "attn.acc", "attn.output", "attn.checksum",
 )
+# Sites of an attention call's inputs in memory, flipped by the caller before the kernel reads them (the
+# kernels' injection tables hold ATTENTION_SITES only)
+CACHE_SITES: tuple[str, ...] = ("attn.kv_cache",)
 LINEAR_SITES: tuple[str, ...] = ("linear.output",)
-assert sorted(ATTENTION_SITES + LINEAR_SITES) == sorted(SITES), "every site belongs to one kernel"
+assert sorted(ATTENTION_SITES + CACHE_SITES + LINEAR_SITES) == sorted(SITES), "every site belongs to one kernel"
 
 # Logical shape of each attention site in a call (B, Hq, M, ·): the last dim is keys (N), key blocks
 # (nblocks), key blocks × head dim (one slice of D per block) or key blocks × the 2s checksum columns
@@ -52,9 +56,15 @@ _SITE_LAST_DIM = {
 }
 
 
-def site_shape(site: str, B: int, Hq: int, M: int, N: int, D: int, nblocks: int, stride: int = 16
-               ) -> tuple[int, int, int, int]:
-    """The logical shape of attention ``site`` in a call: (B, Hq, M, last) (see ``_SITE_LAST_DIM``)."""
+def site_shape(site: str, B: int, Hq: int, M: int, N: int, D: int, nblocks: int, stride: int = 16,
+               Hkv: int | None = None) -> tuple[int, int, int, int]:
+    """The logical shape of attention ``site`` in a call: (B, Hq, M, last) (see ``_SITE_LAST_DIM``);
+    ``attn.kv_cache``: (B, Hkv, N, 2·D), key n of kv head h with its key in columns [0, D) and its value
+    in [D, 2·D) (``Hkv`` required)."""
+    if site == "attn.kv_cache":
+        if Hkv is None:
+            raise ValueError("site_shape('attn.kv_cache', ...) needs Hkv")
+        return (B, Hkv, N, 2 * D)
     last = {"keys": N, "blocks": nblocks, "blocks_d": nblocks * D, "blocks_cs": nblocks * 2 * stride,
             "d": D}[_SITE_LAST_DIM[site]]
     return (B, Hq, M, last)
@@ -62,8 +72,9 @@ def site_shape(site: str, B: int, Hq: int, M: int, N: int, D: int, nblocks: int,
 
 def site_dtype(site: str, input_dtype: torch.dtype) -> torch.dtype:
     """Storage dtype of the values at attention ``site`` (the bits a flip can hit): the input dtype
-    for ``attn.probs_lp`` (P as GEMM II reads it), fp32 everywhere else."""
-    return input_dtype if site == "attn.probs_lp" else torch.float32
+    for ``attn.probs_lp`` (P as GEMM II reads it) and ``attn.kv_cache`` (the cache's K and V), fp32
+    everywhere else."""
+    return input_dtype if site in ("attn.probs_lp", "attn.kv_cache") else torch.float32
 
 KINDS: tuple[str, ...] = ("detected", "corrected", "recomputed", "uncorrectable", "nonfinite_input")
 
