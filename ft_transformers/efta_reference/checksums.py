@@ -5,7 +5,8 @@ the head dim for GEMM II (Lv = Dp/s groups, D padded with zeros to Dp). Group (r
 of a row x holds the L members ``x[l·s+r]``. Here:
 
 * the tables of one call: ``[Kc1 | Kc2]`` and ``max_d Σ_l |K|`` per key block (`key_checksums`),
-  V augmented with ``[Vc1 | Vc2 | 1]`` and ``max_n Σ_l |V|`` (`value_checksums`);
+  V augmented with ``[Vc1 | Vc2 | 1]`` and ``max_n Σ_l |V|`` (`value_checksums`), all summed in one
+  order (`ordered_sums`);
 * the group sums ``Σ_l x[l·s+r]`` and ``Σ_l (l+1)·x[l·s+r]`` they are compared with (`group_sums`);
 * the location of a single fault from ``D2/D1`` (`locate`) and its rebuild from the checksum and
   the other members of its group (`rebuild`);
@@ -32,6 +33,22 @@ def g16(k: float) -> float:
     return 1.01 * k * U16
 
 
+def ordered_sums(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Σ_l x_l``, ``Σ_l (l+1)·x_l`` and ``Σ_l |x_l|`` over ``dim``, each added in the order l = 0, 1, …
+
+    One fixed order, the kernels' too: tables extended a token at a time (`efta_reference.stored`) add
+    the same terms in the same order as tables built at once, so both hold the same bits.
+    """
+    x0 = x.select(dim, 0)
+    s1, s2, sa = x0.clone(), x0.clone(), x0.abs()
+    for i in range(1, x.shape[dim]):
+        xi = x.select(dim, i)
+        s1 = s1 + xi
+        s2 = s2 + xi * float(i + 1)
+        sa = sa + xi.abs()
+    return s1, s2, sa
+
+
 def key_checksums(kp: torch.Tensor, nblocks: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM I's checksum operands, every key block at once (step 1).
 
@@ -46,11 +63,24 @@ def key_checksums(kp: torch.Tensor, nblocks: int, stride: int) -> tuple[torch.Te
     """
     B, Hkv, Np, D = kp.shape
     L = Np // nblocks // stride
-    wk = torch.arange(1, L + 1, dtype=torch.float32, device=kp.device)
-    k6 = kp.view(B, Hkv, nblocks, L, stride, D)
-    kc = torch.cat([k6.sum(3), (k6 * wk.view(L, 1, 1)).sum(3)], dim=3)
-    kabs = k6.abs().sum(3).amax(-1)
-    return kc, kabs
+    kc1, kc2, ka = ordered_sums(kp.view(B, Hkv, nblocks, L, stride, D), 3)
+    return torch.cat([kc1, kc2], dim=3), ka.amax(-1)
+
+
+def value_sums(vp: torch.Tensor, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per key, the head-dim checksums of GEMM II and their magnitude.
+
+    Args:
+        vp: (B, Hkv, n, D) fp32 values; stride: s (D is zero-padded to Dp, a multiple of s).
+    Returns:
+        ``vc`` (B, Hkv, n, 2s): ``[Vc1 | Vc2]`` with ``Vc1[n, r] = Σ_l V[n, l·s+r]`` and
+        ``Vc2[n, r] = Σ_l (l+1)·V[n, l·s+r]``; ``vabs`` (B, Hkv, n, s): ``Σ_l |V[n, l·s+r]|``.
+    """
+    B, Hkv, n, D = vp.shape
+    Dp = -(-D // stride) * stride
+    vpd = F.pad(vp, (0, Dp - D)) if Dp != D else vp
+    vc1, vc2, va = ordered_sums(vpd.reshape(B, Hkv, n, Dp // stride, stride), 3)
+    return torch.cat([vc1, vc2], dim=-1), va
 
 
 def value_checksums(vp: torch.Tensor, n_keys: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,23 +90,18 @@ def value_checksums(vp: torch.Tensor, n_keys: int, stride: int) -> tuple[torch.T
         vp: (B, Hkv, Np, D) fp32 values, zero-padded to whole key blocks (Np ≥ n_keys).
         n_keys: N, the real keys; stride: s.
     Returns:
-        ``vaug`` (B, Hkv, Np, D + 2s + 1): ``[V | Vc1 | Vc2 | 1]`` with ``Vc1[n, r] = Σ_l V[n, l·s+r]``,
-        ``Vc2[n, r] = Σ_l (l+1)·V[n, l·s+r]`` over the zero-padded head dim; the ones column
+        ``vaug`` (B, Hkv, Np, D + 2s + 1): ``[V | Vc1 | Vc2 | 1]`` (`value_sums`); the ones column
         accumulates ``lc``, the row sum's independent twin (step 6). ``vmax`` (B, Hkv, 1, s):
         ``max_n Σ_l |V[n, l·s+r]|`` over the real keys.
     """
-    B, Hkv, Np, D = vp.shape
-    Dp = -(-D // stride) * stride
-    Lv = Dp // stride
-    dev = vp.device
-    wv = torch.arange(1, Lv + 1, dtype=torch.float32, device=dev)
-    vpd = F.pad(vp, (0, Dp - D)) if Dp != D else vp
-    v5 = vpd.view(B, Hkv, Np, Lv, stride)
-    vc1 = v5.sum(3)
-    vc2 = (v5 * wv.view(Lv, 1)).sum(3)
-    vaug = torch.cat([vp, vc1, vc2, torch.ones(B, Hkv, Np, 1, dtype=torch.float32, device=dev)], dim=-1)
-    vmax = v5[:, :, :n_keys].abs().sum(3).amax(2).unsqueeze(2)
-    return vaug, vmax
+    vc, va = value_sums(vp, stride)
+    return augment_values(vp, vc), va[:, :, :n_keys].amax(2).unsqueeze(2)
+
+
+def augment_values(vp: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    """``[V | Vc1 | Vc2 | 1]`` (B, Hkv, Np, D + 2s + 1) from vp (B, Hkv, Np, D) and vc (B, Hkv, Np, 2s)."""
+    ones = torch.ones(*vp.shape[:3], 1, dtype=torch.float32, device=vp.device)
+    return torch.cat([vp, vc, ones], dim=-1)
 
 
 def group_sums(x: torch.Tensor, ngroups: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,9 +13,10 @@ from .. import pasa as _pasa
 from ..injection import FaultPlan
 from ..kernels.contract import ATTENTION_SITES, site_dtype, site_shape
 from . import output, scores, softmax
-from .checksums import key_checksums, value_checksums
+from .checksums import augment_values, key_checksums, value_checksums
 from .common import count
 from .masks import NEG_INF, Masks
+from .stored import StoredReference
 
 PASA_PRECISIONS = ("fp32", "fp16")
 
@@ -95,6 +96,7 @@ def efta_reference(
     pasa_precision: str = "fp32",
     pasa_mean: str = "keys",
     out_dtype: torch.dtype | None = None,
+    stored: StoredReference | None = None,
 ) -> torch.Tensor:
     """Fault-tolerant attention, blocked like the Triton kernel (inputs are assumed validated).
 
@@ -127,6 +129,11 @@ def efta_reference(
             fp16 scores themselves (PASA's Algorithm 1 line 13 to the letter; γ = β/(1−β)
             amplifies their rounding error, see ``docs/pasa.md``).
         out_dtype: dtype of the result; None = q's dtype.
+        stored: the checksum tables of k and v made when they entered a KV cache
+            (`stored.ReferenceTables.view` of N keys, ``block_n`` and ``stride`` as here), used instead
+            of tables made from k and v now: a fault in the stored k or v since then fails the checks.
+            Whether k and v are finite is then read from the tables (an entry that turned non-finite in
+            the cache is a fault, not an input). Not with PASA (its checks run on the shifted keys).
 
     Returns:
         (B, Hq, M, D) in ``out_dtype``. Runs under ``torch.no_grad()``: EFTA is inference-only.
@@ -159,7 +166,10 @@ def efta_reference(
 
     # Non-finite inputs: −inf in q, k or v is as bad as +inf there; in bias and additive masks it
     # is a mask value. The call then runs unchecked (NaN propagates), counted once.
-    if detect and not (all(bool(torch.isfinite(t).all()) for t in (q, k, v)) and not masks.nonfinite()):
+    if pasa and stored is not None:
+        raise ValueError("stored checksum tables are K's, not PASA's shifted keys: pass stored=None with pasa")
+    kv = (k, v) if stored is None else (stored.kabs, stored.vtile)
+    if detect and not (all(bool(torch.isfinite(t).all()) for t in (q, *kv)) and not masks.nonfinite()):
         count(counters, "attn.scores", "nonfinite_input", 1)
         detect = correct = False
 
@@ -194,7 +204,14 @@ def efta_reference(
         frame = _PasaFrame(gamma, gamma_last, sbar_all, softmax.round16 if half_state else _identity)
     recompute = output.RowRecompute(qs5, k32, v32, masks)
 
-    if detect:
+    if detect and stored is not None:
+        if tuple(stored.kc.shape) != (B, Hkv, nb, 2 * s, D) or tuple(stored.vc.shape) != (B, Hkv, Np, 2 * s):
+            raise ValueError(f"stored tables of shapes {tuple(stored.kc.shape)}, {tuple(stored.vc.shape)} do not "
+                             f"belong to k, v of shape {tuple(k.shape)} in blocks of {block_n}")
+        kc, kabs = stored.kc, stored.kabs
+        qn1, s_floor = scores.query_bound(qs, L, pasa)
+        vaug, vmax = augment_values(vp, stored.vc), stored.vtile.amax(2, keepdim=True)
+    elif detect:
         kc, kabs = key_checksums(kp, nb, s)
         qn1, s_floor = scores.query_bound(qs, L, pasa)
         vaug, vmax = value_checksums(vp, N, s)
