@@ -45,14 +45,14 @@ from triton.compiler import ASTSource
 
 POINTERS = {"Q": "in", "K": "in", "V": "in", "Out": "in", "KC": "in", "VC": "in", "KS": "*fp16", "Cnt": "*i32",
             "Flag": "*i32", "Inj": "*i32", "Bias": "*fp32", "Mask": "*fp32", "KA": "*fp32", "VA": "*fp32",
-            "SC": "*fp32", "W": "*fp32", "Rep": "*i32", "Arr": "*i32"}
+            "SC": "*fp32", "KC2": "*fp32", "W": "*fp32", "Rep": "*i32", "Arr": "*i32"}
 FLOATS = {"scale", "gu", "exp_tol", "exp_base", "exp_xmin", "snvr_rel", "snvr_cap", "pasa_t1", "s_floor",
           "gamma", "gamma_last"}
 BASE = dict(BLOCK_D=64, CAUSAL=True, HAS_WINDOW=False, HAS_BIAS=False, MASK_KIND=0, DETECT=True, CORRECT=True,
             INJ_S=0, INJ_M=0, INJ_X=0, INJ_P=0, INJ_PL=0, INJ_A=0, INJ_L=0, INJ_ACC=0, INJ_O=0, INJ_CS=0,
             NO_SKIP=False, PARTS=2, SCALE_CS=True, DOT_F32=False,
             INTERP=False, EVEN_D=True, SPLIT=False, PASA=False, HALF_STATE=False, PHASE=0, FOLD=True, PACK=False,
-            BLOCK_M=128, BLOCK_N=64)
+            KC2_TABLE=False, BLOCK_M=128, BLOCK_N=64)
 FP = {"fp16": dict(PARTS=2, SCALE_CS=True), "bf16": dict(PARTS=3, SCALE_CS=False),
       "fp32": dict(PARTS=1, SCALE_CS=False, DOT_F32=True)}
 # (name, dtype, overrides of BASE, num_warps, num_stages)
@@ -72,6 +72,8 @@ VARIANTS = [
     ("decode split detect+correct, bool mask", "fp16", dict(BLOCK_M=16, SPLIT=True, MASK_KIND=1), 4, 3),
     ("decode GQA packed, split detect+correct, bool mask", "fp16",
      dict(BLOCK_M=16, SPLIT=True, MASK_KIND=1, PACK=True), 4, 3),
+    ("decode GQA packed, split detect+correct, bool mask, stored tables", "fp16",
+     dict(BLOCK_M=16, SPLIT=True, MASK_KIND=1, PACK=True, KC2_TABLE=True), 4, 3),
     ("decode GQA packed, split checks off (merged in the launch), bool mask", "fp16",
      dict(BLOCK_M=16, SPLIT=True, MASK_KIND=1, PACK=True, DETECT=False, CORRECT=False), 4, 3),
     ("prefill detect+correct BM=64, bool mask", "fp16", dict(BLOCK_M=64, MASK_KIND=1, PHASE=1), 4, 3),

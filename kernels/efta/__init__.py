@@ -8,8 +8,10 @@ step 7 skipping the rows step 6 already flagged, −inf in q/k/v counting as non
 
 The modules, by role (the reference path is split by the same names):
 
-* `checksums` — the pre-pass that builds the K/V checksum tables once per key block, and the
-  input-dtype slices the checksum dots read them as;
+* `checksums` — the pre-pass that builds the K/V checksum tables once per key block, the launch that
+  extends a KV cache's tables as tokens enter it, and the input-dtype slices the checksum dots read them as;
+* `stored` — a KV cache's checksum tables (`CacheTables`), made as tokens enter the cache, read instead of
+  the pre-pass;
 * `masks` — step 2: causal, sliding window, padding, bool and additive masks, additive bias;
 * `scores` — step 1: GEMM I and its tensor-checksum test;
 * `softmax` — steps 3–5: SNVR row max, the exp product check, the row sum;
@@ -54,6 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 
 from .configs import BOUNDS, CS_BLOCK_N, Bounds
 from .host import PASA_SUPPORTED, EftaUnsupported, PasaShift, efta_triton_forward, interpreting
+from .stored import CacheTables, StoredTables
 
-__all__ = ["efta_triton_forward", "Bounds", "BOUNDS", "CS_BLOCK_N", "EftaUnsupported", "PASA_SUPPORTED",
-           "PasaShift", "interpreting"]
+__all__ = ["efta_triton_forward", "Bounds", "BOUNDS", "CS_BLOCK_N", "CacheTables", "EftaUnsupported",
+           "PASA_SUPPORTED", "PasaShift", "StoredTables", "interpreting"]

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _dot
-from .common import _nanmax
+from .common import _max_nan, _nanmax
 
 
 @triton.jit
@@ -83,46 +83,47 @@ def _kabs_nonfinite(kabs_rd):
 
 @triton.jit
 def _k_checksums(k, L: tl.constexpr):
-    """GEMM I checksums of a key block k (L·16, BLOCK_D): Kc1 = Σ_l K[l·16+r] (16, BLOCK_D) fp32,
-    kabs[r] = max_d Σ_l |K[l·16+r, d]| (16,), and 1 if the block holds a non-finite value, else 0."""
+    """GEMM I sums of a key block k (L·16, BLOCK_D) held in registers (PASA's shifted keys): Kc1 =
+    Σ_l K[l·16+r] and Σ_l |K[l·16+r]|, (16, BLOCK_D) fp32 each."""
     kg = tl.reshape(k.to(tl.float32), (L, 16, k.shape[1]))
-    kabs, knf = _kabs_nonfinite(tl.sum(tl.abs(kg), axis=0))
-    return tl.sum(kg, axis=0), kabs, knf
+    return tl.sum(kg, axis=0), tl.sum(tl.abs(kg), axis=0)
 
 
 @triton.jit
-def _k_checksums_by_group(Kb, skn, skd, n0, N, D, offs_d, L: tl.constexpr, EVEN_D: tl.constexpr):
-    """`_k_checksums` of the key block starting at row n0, loaded one group of 16 keys at a time: every
-    (16, BLOCK_D) load has the same layout, so the sums over the L groups stay in each thread (the
-    whole-tile reshape reduced across threads: 609 shuffles per program at D = 128)."""
+def _k_sums_by_group(Kb, skn, skd, n0, lo, hi, D, offs_d, kc1, kc2, kabs_rd, L: tl.constexpr, EVEN_D: tl.constexpr,
+                     KC2: tl.constexpr):
+    """Add the keys n ∈ [lo, hi) of the key block starting at row n0 into its GEMM I sums, loaded one group
+    of 16 keys at a time (every (16, BLOCK_D) load has the same layout, so the sums over the L groups stay
+    in each thread; the whole-tile reshape reduced across threads: 609 shuffles per program at D = 128):
+    kc1 += Σ_l K[l·16+r] (Kc1), with KC2 kc2 += Σ_l (l+1)·K[l·16+r] (Kc2), kabs_rd += Σ_l |K[l·16+r]|, all
+    (16, BLOCK_D) fp32, each group added in the order l = 0, 1, … (so a block summed in parts holds the
+    bits of one summed at once)."""
     r16 = tl.arange(0, 16)
-    kc1 = tl.zeros((16, offs_d.shape[0]), tl.float32)
-    kabs_rd = tl.zeros((16, offs_d.shape[0]), tl.float32)
     for l in tl.static_range(L):
-        ok = (n0 + l * 16 + r16)[:, None] < N
+        rows = n0 + l * 16 + r16
+        ok = ((rows >= lo) & (rows < hi))[:, None]
         if not EVEN_D:
             ok = ok & (offs_d < D)[None, :]
-        kl = tl.load(Kb + (n0 + l * 16 + r16)[:, None] * skn + offs_d[None, :] * skd, mask=ok, other=0.0)
+        kl = tl.load(Kb + rows[:, None] * skn + offs_d[None, :] * skd, mask=ok, other=0.0)
         kl = kl.to(tl.float32)
         kc1 += kl
+        if KC2:
+            kc2 += kl * (l + 1.0)  # exact for fp16/bf16 keys (an integer ≤ 8); fp32 keys round alike in both orders
         kabs_rd += tl.abs(kl)
-    kabs, knf = _kabs_nonfinite(kabs_rd)
-    return kc1, kabs, knf
+    return kc1, kc2, kabs_rd
 
 
 @triton.jit
-def _v_checksums_by_group(Vb, svn, svd, offs_n, N, D, LVP: tl.constexpr, EVEN_D: tl.constexpr,
-                          INTERP: tl.constexpr):
-    """GEMM II checksums of the value block at rows offs_n, over the head dim, loaded one group of 16
-    dims at a time (the sums stay in each thread): Vc1[n, r] = Σ_l V[n, l·16+r] and
-    Vc2[n, r] = Σ_l (l+1)·V[n, l·16+r] (BLOCK_N, 16) fp32, and vtile[r] = max_n Σ_l |V[n, l·16+r]| (16,),
-    NaN-propagating (a non-finite V shows up there)."""
+def _v_sums_by_group(Vb, svn, svd, offs_n, row_ok, D, LVP: tl.constexpr, EVEN_D: tl.constexpr):
+    """GEMM II checksums of the values at rows offs_n where row_ok, over the head dim, loaded one group of 16
+    dims at a time (the sums stay in each thread): Vc1[n, r] = Σ_l V[n, l·16+r],
+    Vc2[n, r] = Σ_l (l+1)·V[n, l·16+r] and Σ_l |V[n, l·16+r]|, (BLOCK_N, 16) fp32 each, 0 on other rows."""
     r16 = tl.arange(0, 16)
     v1 = tl.zeros((offs_n.shape[0], 16), tl.float32)
     v2 = tl.zeros((offs_n.shape[0], 16), tl.float32)
     vabs = tl.zeros((offs_n.shape[0], 16), tl.float32)
     for l in tl.static_range(LVP):
-        ok = offs_n[:, None] < N
+        ok = row_ok[:, None]
         if not EVEN_D:
             ok = ok & (l * 16 + r16 < D)[None, :]
         vl = tl.load(Vb + offs_n[:, None] * svn + (l * 16 + r16)[None, :] * svd, mask=ok, other=0.0)
@@ -130,7 +131,49 @@ def _v_checksums_by_group(Vb, svn, svd, offs_n, N, D, LVP: tl.constexpr, EVEN_D:
         v1 += vl
         v2 += vl * (l + 1.0)  # exact: an fp16/bf16 value times an integer ≤ 8
         vabs += tl.abs(vl)
-    return v1, v2, _nanmax(vabs, 0, INTERP)
+    return v1, v2, vabs
+
+
+@triton.jit
+def _store_block(KC, VC, KA, VA, SC, KC2, cb, kc1, kc2, kabs_rd, v1, v2, vtile, KDT: tl.constexpr,
+                 VDT: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, KC2_OUT: tl.constexpr):
+    """Row cb of the tables from a key block's sums: Kc1 kc1, Kc2 kc2 and Σ_l |K| kabs_rd (16, BLOCK_D),
+    Vc1 v1 and Vc2 v2 (BLOCK_N, 16), vtile (16,) = max_n Σ_l |V|; KDT, VDT the key and value dtypes
+    (the slices'). Writes KC's slices of Kc1 (`_split`), VC's of Vc1 and Vc2 (transposed), KA = max_d kabs_rd,
+    VA = vtile, SC = (the inverse scales of Kc1, Vc1, Vc2, 1.0 if the keys are non-finite) and, with KC2_OUT,
+    KC2 = kc2 in fp32 (the weighted checksum of keys kept in a cache: it locates a fault in the stored keys)."""
+    LVP: tl.constexpr = BLOCK_D // 16
+    r16 = tl.arange(0, 16)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_j = tl.arange(0, BLOCK_N)
+    kabs, knf = _kabs_nonfinite(kabs_rd)
+    k0, k1, k2, kic = _split(kc1, tl.max(kabs, axis=0), KDT, PARTS, SCALE_CS)
+    kp = KC + cb * (PARTS * 16 * BLOCK_D) + r16[:, None] * BLOCK_D + offs_d[None, :]
+    tl.store(kp, k0)
+    if PARTS >= 2:
+        tl.store(kp + 16 * BLOCK_D, k1)
+    if PARTS == 3:
+        tl.store(kp + 32 * BLOCK_D, k2)
+    if KC2_OUT:
+        tl.store(KC2 + cb * (16 * BLOCK_D) + r16[:, None] * BLOCK_D + offs_d[None, :], kc2)
+    vcmax = tl.max(vtile, axis=0)  # ≥ max |Vc1|; ·LVP ≥ max |Vc2|
+    vp = VC + cb * (2 * PARTS * 16 * BLOCK_N) + offs_j[:, None] + r16[None, :] * BLOCK_N  # stored as (16, BLOCK_N)
+    a0, a1, a2, aic = _split(v1, vcmax, VDT, PARTS, SCALE_CS)
+    c0, c1, c2, cic = _split(v2, vcmax * LVP, VDT, PARTS, SCALE_CS)
+    tl.store(vp, a0)
+    tl.store(vp + PARTS * 16 * BLOCK_N, c0)
+    if PARTS >= 2:
+        tl.store(vp + 16 * BLOCK_N, a1)
+        tl.store(vp + (PARTS + 1) * 16 * BLOCK_N, c1)
+    if PARTS == 3:
+        tl.store(vp + 32 * BLOCK_N, a2)
+        tl.store(vp + (PARTS + 2) * 16 * BLOCK_N, c2)
+    tl.store(KA + cb * 16 + r16, kabs)
+    tl.store(VA + cb * 16 + r16, vtile)
+    four = tl.arange(0, 4)
+    sc = tl.where(four == 0, kic, tl.where(four == 1, aic, tl.where(four == 2, cic, knf.to(tl.float32))))
+    tl.store(SC + cb * 4 + four, sc)
 
 
 @triton.jit
@@ -170,34 +213,36 @@ def _fold_parts(z):
 
 
 @triton.jit
-def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, skb, skh, skn, skd, svb, svh, svn, svd, Hkv, N, D,
-                    scale, diag, off, diag_last, off_last,
+def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, KC2, skb, skh, skn, skd, svb, svh, svn, svd, Hkv, N, D,
+                    scale, diag, off, diag_last, off_last, j0, nbt,
                     BLOCK_D: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr, INTERP: tl.constexpr,
-                    EVEN_D: tl.constexpr, PASA: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pre-pass: the checksums of every key block, once per call instead of once per query block.
+                    EVEN_D: tl.constexpr, PASA: tl.constexpr, BLOCK_N: tl.constexpr, KC2_OUT: tl.constexpr):
+    """Pre-pass: the checksums of every key block, once per call instead of once per query block; or, for
+    the tables of a KV cache (`stored`), of the key blocks [j0, j0 + grid) that tokens filled.
 
-    Program (key block j, kv head, batch) → row cb = (b·Hkv + hk)·nblocks + j of the tables:
-    KC (rows, PARTS, 16, BLOCK_D) the slices of Kc1 (`_split`, input dtype), VC (rows, 2, PARTS, 16,
-    BLOCK_N) the slices of Vc1 and Vc2, transposed, KA (rows, 16) max_d Σ_l |K|, VA (rows, 16) max_n Σ_l |V|,
-    SC (rows, 4) fp32: the inverse scales of Kc1, Vc1, Vc2 and 1.0 if the key block is non-finite.
+    Program (j − j0, kv head, batch) → row cb = (b·Hkv + hk)·nbt + j of the tables (nbt rows per (batch,
+    kv head)): KC (rows, PARTS, 16, BLOCK_D) the slices of Kc1 (`_split`, input dtype), VC (rows, 2, PARTS,
+    16, BLOCK_N) the slices of Vc1 and Vc2, transposed, KA (rows, 16) max_d Σ_l |K|, VA (rows, 16)
+    max_n Σ_l |V|, SC (rows, 4) fp32: the inverse scales of Kc1, Vc1, Vc2 and 1.0 if the key block is
+    non-finite; with KC2_OUT, KC2 (rows, 16, BLOCK_D) fp32 Kc2 (`_store_block`).
 
-    PASA: the block is first shifted by β times its mean with the fp16 shifting matrix
-    ``M = (diag − off)·I + off·J`` (``diag_last``/``off_last`` for a short last block) and scaled,
+    PASA (j0 = 0, nbt = the grid): the block is first shifted by β times its mean with the fp16 shifting
+    matrix ``M = (diag − off)·I + off·J`` (``diag_last``/``off_last`` for a short last block) and scaled,
     ``K' = fl16(scale·M·K)`` (the PASA paper, Algorithm 1 line 6; `ft_transformers.pasa.shift_keys`), stored
     in KS (B, Hkv, nblocks·BLOCK_N, BLOCK_D) fp16 (zeros past N and D); the checksums are K''s.
     """
     L: tl.constexpr = BLOCK_N // 16
     LVP: tl.constexpr = BLOCK_D // 16
-    j = tl.program_id(0)
+    j = j0 + tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    cb = (b * Hkv + hk) * tl.num_programs(0) + j
+    cb = (b * Hkv + hk) * nbt + j
     offs_j = tl.arange(0, BLOCK_N)
     offs_n = j * BLOCK_N + offs_j
     offs_d = tl.arange(0, BLOCK_D)
-    r16 = tl.arange(0, 16)
     Kb = K + b * skb + hk * skh
     Vb = V + b * svb + hk * svh
+    kc2 = tl.zeros((16, BLOCK_D), tl.float32)
     if PASA:
         kv_ok = offs_n[:, None] < N
         if not EVEN_D:
@@ -209,32 +254,81 @@ def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, skb, skh, skn, skd, svb, svh, 
         k32 = k.to(tl.float32)
         ks = ((dg - of) * k32 + of * tl.sum(k32, axis=0)[None, :]) * scale
         k = tl.where(offs_n[:, None] < N, ks, 0.0).to(tl.float16)
-        tl.store(KS + ((b * Hkv + hk) * tl.num_programs(0) * BLOCK_N + offs_n[:, None]) * BLOCK_D + offs_d[None, :], k)
-        kc1, kabs, knf = _k_checksums(k, L)
+        tl.store(KS + ((b * Hkv + hk) * nbt * BLOCK_N + offs_n[:, None]) * BLOCK_D + offs_d[None, :], k)
+        kc1, kabs_rd = _k_checksums(k, L)
     else:
-        kc1, kabs, knf = _k_checksums_by_group(Kb, skn, skd, j * BLOCK_N, N, D, offs_d, L, EVEN_D)
-    v1, v2, vtile = _v_checksums_by_group(Vb, svn, svd, offs_n, N, D, LVP, EVEN_D, INTERP)
-    k0, k1, k2, kic = _split(kc1, tl.max(kabs, axis=0), K.dtype.element_ty, PARTS, SCALE_CS)
-    kp = KC + cb * (PARTS * 16 * BLOCK_D) + r16[:, None] * BLOCK_D + offs_d[None, :]
-    tl.store(kp, k0)
-    if PARTS >= 2:
-        tl.store(kp + 16 * BLOCK_D, k1)
-    if PARTS == 3:
-        tl.store(kp + 32 * BLOCK_D, k2)
-    vcmax = tl.max(vtile, axis=0)  # ≥ max |Vc1|; ·LVP ≥ max |Vc2|
-    vp = VC + cb * (2 * PARTS * 16 * BLOCK_N) + offs_j[:, None] + r16[None, :] * BLOCK_N  # stored as (16, BLOCK_N)
-    a0, a1, a2, aic = _split(v1, vcmax, V.dtype.element_ty, PARTS, SCALE_CS)
-    c0, c1, c2, cic = _split(v2, vcmax * LVP, V.dtype.element_ty, PARTS, SCALE_CS)
-    tl.store(vp, a0)
-    tl.store(vp + PARTS * 16 * BLOCK_N, c0)
-    if PARTS >= 2:
-        tl.store(vp + 16 * BLOCK_N, a1)
-        tl.store(vp + (PARTS + 1) * 16 * BLOCK_N, c1)
-    if PARTS == 3:
-        tl.store(vp + 32 * BLOCK_N, a2)
-        tl.store(vp + (PARTS + 2) * 16 * BLOCK_N, c2)
-    tl.store(KA + cb * 16 + r16, kabs)
-    tl.store(VA + cb * 16 + r16, vtile)
-    four = tl.arange(0, 4)
-    sc = tl.where(four == 0, kic, tl.where(four == 1, aic, tl.where(four == 2, cic, knf.to(tl.float32))))
-    tl.store(SC + cb * 4 + four, sc)
+        kc1, kc2, kabs_rd = _k_sums_by_group(Kb, skn, skd, j * BLOCK_N, j * BLOCK_N, N, D, offs_d,
+                                             tl.zeros((16, BLOCK_D), tl.float32), kc2,
+                                             tl.zeros((16, BLOCK_D), tl.float32), L, EVEN_D, KC2_OUT)
+    v1, v2, vabs = _v_sums_by_group(Vb, svn, svd, offs_n, offs_n < N, D, LVP, EVEN_D)
+    _store_block(KC, VC, KA, VA, SC, KC2, cb, kc1, kc2, kabs_rd, v1, v2, _nanmax(vabs, 0, INTERP),
+                 K.dtype.element_ty, V.dtype.element_ty, BLOCK_D, PARTS, SCALE_CS, BLOCK_N, KC2_OUT)
+
+
+@triton.jit
+def _efta_checksums_append(K, V, KC, VC, KA, VA, SC, KC2, MK, MV, skb, skh, skn, skd, svb, svh, svn, svd, Hkv,
+                           D, nbt, start, end, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
+                           INTERP: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tables of a KV cache's key blocks that tokens [start, end) entered only in part: the block
+    they continue (``start`` inside it) and the block they leave partly filled (``end`` inside it); the
+    blocks they fill whole take `_efta_checksums`. Grid (Hkv, B); tables as `_efta_checksums` with KC2.
+
+    A partly filled block keeps its running sums between calls, per (batch, kv head): MK (B·Hkv, 3, 16,
+    BLOCK_D) fp32 = Kc1, Kc2, Σ_l |K| (16, BLOCK_D) and MV (B·Hkv, 2, BLOCK_N, 16) fp32 = Vc1, Vc2 of its
+    keys. New keys are read from the cache (K, V at rows [start, end)) and added to them in the pre-pass's
+    order, so every row written equals the pre-pass's for the same keys (keys not written yet count as
+    zeros); the keys written before are not read again (a fault in them since stays visible to the checks).
+    The running max_n Σ_l |V| is the block's VA row itself. The block's whole VC row is split again, as
+    its scales follow the block's maxima.
+    """
+    L: tl.constexpr = BLOCK_N // 16
+    LVP: tl.constexpr = BLOCK_D // 16
+    hk = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    bh = b * Hkv + hk
+    Kb = K + b * skb + hk * skh
+    Vb = V + b * svb + hk * svh
+    r16 = tl.arange(0, 16)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_j = tl.arange(0, BLOCK_N)
+    mk = MK + bh * (3 * 16 * BLOCK_D) + r16[:, None] * BLOCK_D + offs_d[None, :]
+    mv = MV + bh * (2 * BLOCK_N * 16) + offs_j[:, None] * 16 + r16[None, :]
+    j_first = start // BLOCK_N
+    j_last = (end - 1) // BLOCK_N
+    cont = start % BLOCK_N != 0  # the first block continues one the sums were kept for
+    for part in tl.static_range(2):
+        if part == 0:
+            j = j_first
+            todo = cont
+        else:
+            j = j_last
+            todo = (end % BLOCK_N != 0) & ((j_last != j_first) | (not cont))
+        if todo:
+            n0 = j * BLOCK_N
+            lo = tl.maximum(start, n0)
+            hi = tl.minimum(end, n0 + BLOCK_N)
+            cb = bh * nbt + j
+            keep = lo > n0  # continue the kept sums; else a block that starts here, from zeros
+            kc1 = tl.where(keep, tl.load(mk), 0.0)
+            kc2 = tl.where(keep, tl.load(mk + 16 * BLOCK_D), 0.0)
+            kabs_rd = tl.where(keep, tl.load(mk + 32 * BLOCK_D), 0.0)
+            m1 = tl.where(keep, tl.load(mv), 0.0)
+            m2 = tl.where(keep, tl.load(mv + BLOCK_N * 16), 0.0)
+            vt_old = tl.where(keep, tl.load(VA + cb * 16 + r16), 0.0)
+            kc1, kc2, kabs_rd = _k_sums_by_group(Kb, skn, skd, n0, lo, hi, D, offs_d, kc1, kc2, kabs_rd, L, EVEN_D,
+                                                 True)
+            offs_n = n0 + offs_j
+            new = (offs_n >= lo) & (offs_n < hi)
+            v1, v2, vabs = _v_sums_by_group(Vb, svn, svd, offs_n, new, D, LVP, EVEN_D)
+            v1 = tl.where(new[:, None], v1, m1)
+            v2 = tl.where(new[:, None], v2, m2)
+            vtile = _max_nan(vt_old, _nanmax(vabs, 0, INTERP))
+            _store_block(KC, VC, KA, VA, SC, KC2, cb, kc1, kc2, kabs_rd, v1, v2, vtile, K.dtype.element_ty,
+                         V.dtype.element_ty, BLOCK_D, PARTS, SCALE_CS, BLOCK_N, True)
+            if hi < n0 + BLOCK_N:  # still partly filled: keep its sums
+                tl.debug_barrier()  # (every thread read the kept sums of part 0 before part 1 writes them)
+                tl.store(mk, kc1)
+                tl.store(mk + 16 * BLOCK_D, kc2)
+                tl.store(mk + 32 * BLOCK_D, kabs_rd)
+                tl.store(mv, v1)
+                tl.store(mv + BLOCK_N * 16, v2)

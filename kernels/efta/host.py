@@ -51,6 +51,7 @@ from .configs import (
 )
 from .decode import _efta_combine
 from .kernel import _efta_fwd
+from .stored import StoredTables
 
 Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 
@@ -196,12 +197,14 @@ REPLAYS_MAX = 256  # call signatures whose launches are kept (`_Replay`); the ta
 _REPLAYS: dict[tuple, _Replay] = {}
 
 
-def _replay_key(q, k, v, scale, causal, bias, attn_mask, window, detect, correct, counters, opts: Options) -> tuple:
+def _replay_key(q, k, v, scale, causal, bias, attn_mask, window, detect, correct, counters, stored: bool,
+                opts: Options) -> tuple:
     """A call's signature for `_Replay`: everything the host path decides from (metadata, settings, the
-    options in force, whether a CUDA graph is being captured), none of the tensors' values."""
+    options in force, whether a CUDA graph is being captured, whether the checksum tables come stored),
+    none of the tensors' values."""
     dev = q.device
     return (_tsig(q), _tsig(k), _tsig(v), _tsig(counters), _tsig(bias), _tsig(attn_mask), scale, bool(causal),
-            window, bool(detect), bool(correct), opts,
+            window, bool(detect), bool(correct), stored, opts,
             dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
@@ -213,9 +216,9 @@ class _Replay:
     cache); on the full path each call takes 0.17-0.27 ms of host time against SDPA's 0.03-0.04 on the
     H100's host (``docs/benchmarks.md``). Injected calls and PASA take the full path.
 
-    Per call it allocates the output and the call's scratch (checksum tables, the repair pass's flags,
-    the split-key partials) with the recorded shapes, and takes a call id. ``cfg`` is the recorded
-    call's block config."""
+    Per call it allocates the output and the call's scratch (checksum tables unless they come stored, the
+    repair pass's flags, the split-key partials) with the recorded shapes, and takes a call id. ``cfg`` is
+    the recorded call's block config."""
 
     __slots__ = ("steps", "out_shape", "shape4", "has_bias", "mask_kind", "scratch", "detect", "cfg")
 
@@ -226,7 +229,7 @@ class _Replay:
         self.detect, self.cfg = detect, cfg
         self.steps = record_launches(launches, per_call, call_id, _CALL_ID_AT, _launcher)
 
-    def __call__(self, q, k, v, bias, attn_mask, counters) -> torch.Tensor:
+    def __call__(self, q, k, v, bias, attn_mask, counters, stored: StoredTables | None) -> torch.Tensor:
         dev = q.device
         out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
         objs = [q, k, v, out, counters]
@@ -236,6 +239,8 @@ class _Replay:
             m4 = _as4d(attn_mask, self.shape4, "attn_mask")
             objs.append(m4.view(torch.uint8) if self.mask_kind == 1 else m4)
         objs += [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in self.scratch]
+        if stored is not None:
+            objs += stored
         call_id = call_flag(dev, self_reset=not self.detect)[1]
         replay_launches(self.steps, tuple(objs), call_id, _launcher)
         return out
@@ -246,7 +251,8 @@ class _Replay:
 # ------------------------------------------------------------------------------------------------
 
 
-def _validate(q, k, v, counters, window, bias, pasa: PasaShift | None, detect: bool, pasa_precision: str) -> None:
+def _validate(q, k, v, counters, window, bias, pasa: PasaShift | None, detect: bool, pasa_precision: str,
+              stored: StoredTables | None) -> None:
     """Raise EftaUnsupported for what the kernel does not handle, ValueError for bad arguments."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise EftaUnsupported("q, k, v must be 4-D (B, H, S, D)")
@@ -291,6 +297,15 @@ def _validate(q, k, v, counters, window, bias, pasa: PasaShift | None, detect: b
     if pasa is not None and q.dtype != torch.float16:
         raise EftaUnsupported(f"the Triton kernel runs PASA on float16 inputs, got {q.dtype} (the reference path "
                               "takes bfloat16)")
+    if stored is not None:
+        if pasa is not None or not detect:
+            raise ValueError("stored checksum tables serve the checked kernel without PASA (PASA's tables are its "
+                             "shifted keys'): pass stored=None")
+        want = StoredTables.shapes(B, Hkv, k.shape[2], max(16, _pow2_bucket(D)), q.dtype)
+        got = tuple(tuple(t.shape) for t in stored)
+        if got != want or any(t.device != dev or not t.is_contiguous() for t in stored):
+            raise ValueError(f"stored checksum tables of shapes {got} do not belong to k, v of shape "
+                             f"{tuple(k.shape)} ({q.dtype}, {dev}): expected contiguous {want}")
 
 
 def _score_operands(q: torch.Tensor, bias, attn_mask, shape4) -> tuple[bool, torch.Tensor, int, torch.Tensor]:
@@ -380,14 +395,15 @@ def _tuned_config(args: tuple, meta: dict, counters: torch.Tensor, flag: torch.T
     return cfg
 
 
-def _scratch(q, counters, B, Hq, Hkv, M, N, ax1, qrows, block_m, block_d, parts, nsplit, phased, pasa, detect):
+def _scratch(q, counters, B, Hq, Hkv, M, N, ax1, qrows, block_m, block_d, parts, nsplit, phased, pasa,
+             tables_needed):
     """The call's scratch, in the order a `_Replay` allocates it, and its roles:
     (bufs, rep_buf, work, tables, kshift); ``counters`` stands in for what the call does not use.
 
     rep_buf: the clean launch's flags for the repair launch, one entry per program (16 is the smallest
     BLOCK_M of any config). work: the split-key partial states. tables: the pre-pass's checksum tables
-    (KC, VC, KA, VA, SC; `checksums._efta_checksums`), needed with the checks on or PASA. kshift: PASA's
-    shifted keys (B, Hkv, nblocks·CS_BLOCK_N, BLOCK_D) fp16."""
+    (KC, VC, KA, VA, SC; `checksums._efta_checksums`), ``tables_needed`` with the checks on or PASA unless
+    they come stored. kshift: PASA's shifted keys (B, Hkv, nblocks·CS_BLOCK_N, BLOCK_D) fp16."""
     dev = q.device
     rep_buf = work = kshift = counters
     tables: tuple[torch.Tensor, ...] = (counters,) * 5
@@ -402,7 +418,7 @@ def _scratch(q, counters, B, Hq, Hkv, M, N, ax1, qrows, block_m, block_d, parts,
     nb = -(-N // CS_BLOCK_N)
     if pasa:
         kshift = torch.empty((B, Hkv, nb * CS_BLOCK_N, block_d), dtype=torch.float16, device=dev)
-    if detect or pasa:
+    if tables_needed:
         rows = B * Hkv * nb
         tables = (torch.empty((rows, parts, 16, block_d), dtype=q.dtype, device=dev),
                   torch.empty((rows, 2, parts, 16, CS_BLOCK_N), dtype=q.dtype, device=dev),
@@ -436,6 +452,7 @@ def efta_triton_forward(
     pasa: PasaShift | None = None,
     pasa_precision: str = "fp32",
     on_config: Callable[[Config], None] | None = None,
+    stored: StoredTables | None = None,
 ) -> torch.Tensor:
     """EFTA forward through the fused Triton kernel; events are added into ``counters``.
 
@@ -459,6 +476,10 @@ def efta_triton_forward(
             reference path.
         on_config: called with the forward launch's block config (BLOCK_M, BLOCK_N, num_warps,
             num_stages), for benchmarks.
+        stored: the checksum tables of k and v made when they entered a KV cache (`stored.CacheTables`),
+            with the checks on and without PASA: the checksum pre-pass is skipped, and step 1 locates with
+            the stored Kc2, so a fault in k or v since the tables were made fails the checks and, located,
+            is corrected.
 
     Returns:
         (B, Hq, M, D) in q's dtype.
@@ -469,14 +490,15 @@ def efta_triton_forward(
     opts = options()
     key = None
     if not plan and pasa is None and pasa_precision == "fp32":  # a signature seen before: its launches again
-        key = _replay_key(q, k, v, scale, causal, bias, attn_mask, window, detect, correct, counters, opts)
+        key = _replay_key(q, k, v, scale, causal, bias, attn_mask, window, detect, correct, counters,
+                          stored is not None, opts)
         replay = _REPLAYS.get(key)
         if replay is not None:
             if on_config is not None:
                 on_config(replay.cfg)
-            return replay(q, k, v, bias, attn_mask, counters)
+            return replay(q, k, v, bias, attn_mask, counters, stored)
     interp = _INTERP
-    _validate(q, k, v, counters, window, bias, pasa, detect, pasa_precision)
+    _validate(q, k, v, counters, window, bias, pasa, detect, pasa_precision, stored)
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     dev = q.device
@@ -513,7 +535,11 @@ def efta_triton_forward(
     # checks off never touch the flag: no captured memset for it (the self-resetting cell stays 0)
     flag, call_id = call_flag(dev, self_reset=not detect)
     bufs, rep_buf, work, tables, kshift = _scratch(q, counters, B, Hq, Hkv, M, N, ax1, qrows, block_m, block_d,
-                                                   parts, nsplit, phased, use_pasa, bool(detect))
+                                                   parts, nsplit, phased, use_pasa,
+                                                   (detect or use_pasa) and stored is None)
+    kc2 = counters  # (unread without KC2_TABLE)
+    if stored is not None:
+        tables, kc2 = tuple(stored[:5]), stored.kc2
     launches: list = []
 
     def run(which: int, grid: tuple, args_: tuple, kwargs: dict) -> None:
@@ -521,18 +547,19 @@ def efta_triton_forward(
         _launcher(which)(grid, args_, kwargs)
 
     pasa_args = _pasa_scalars(pasa, D, slack) if use_pasa else (0.0,) * 8
-    if detect or use_pasa:  # the checksum tables (and PASA's shifted keys), once per key block
-        run(_CHECKSUMS, (-(-N // CS_BLOCK_N), Hkv, B), (
-            k, v, *tables, kshift, *k.stride(), *v.stride(), Hkv, N, D, float(scale), *pasa_args[4:],
+    if (detect or use_pasa) and stored is None:  # the checksum tables (and PASA's shifted keys), once per key block
+        nb = -(-N // CS_BLOCK_N)
+        run(_CHECKSUMS, (nb, Hkv, B), (
+            k, v, *tables, kshift, counters, *k.stride(), *v.stride(), Hkv, N, D, float(scale), *pasa_args[4:], 0, nb,
         ), dict(BLOCK_D=block_d, PARTS=parts, SCALE_CS=q.dtype == torch.float16, INTERP=interp, EVEN_D=D == block_d,
-                PASA=use_pasa, BLOCK_N=CS_BLOCK_N, num_warps=4))
+                PASA=use_pasa, BLOCK_N=CS_BLOCK_N, KC2_OUT=False, num_warps=4))
 
     strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(),
                *(bias4.stride() if has_bias else (0, 0, 0, 0)), *(mask4.stride() if mask_kind else (0, 0, 0, 0)),
                *counters.stride())
     gu = BOUNDS.gamma * BOUNDS.u * slack
     args = (
-        q, k, v, out, counters, flag, bias4, mask4, inj, *tables, work, kshift, rep_buf, arrive, *strides,
+        q, k, v, out, counters, flag, bias4, mask4, inj, *tables, kc2, work, kshift, rep_buf, arrive, *strides,
         Hq, Hkv, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit,
         gu, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_base(CS_BLOCK_N // STRIDE), exp_clamp(v.dtype)[0],
         BOUNDS.snvr_rel, BOUNDS.snvr_cap, *pasa_args[:4],
@@ -549,7 +576,7 @@ def efta_triton_forward(
         # (faults at S, x or Sc1 strike the scaled values, as in the reference: FOLD off)
         FOLD=_fold(interp, use_pasa or has_bias or mask_kind == 2
                    or any(mode[s] for s in ("attn.scores", "attn.exponent", "attn.checksum")), opts.efta_fold),
-        PACK=pack,
+        PACK=pack, KC2_TABLE=stored is not None,
     )
 
     def launch_fwd(c: Config, splits: int, **phase) -> None:
@@ -575,7 +602,8 @@ def efta_triton_forward(
         ), dict({name: meta[name] for name in ("BLOCK_D", "CAUSAL", "HAS_WINDOW", "HAS_BIAS", "MASK_KIND", "DETECT",
                                             "CORRECT", "INJ_O", "DOT_F32", "EVEN_D", "FOLD", "PACK")},
                 BLOCK_M=block_m, BLOCK_N=CS_BLOCK_N, num_warps=4))
-    per_call = (q, k, v, out, counters, *((bias4,) if has_bias else ()), *((mask4,) if mask_kind else ()), *bufs)
+    per_call = (q, k, v, out, counters, *((bias4,) if has_bias else ()), *((mask4,) if mask_kind else ()), *bufs,
+                *(stored if stored is not None else ()))
     # a call whose tensors alias (e.g. k is v) is not recorded: its arguments could not tell them apart
     if key is not None and len(set(map(id, per_call))) == len(per_call):
         if len(_REPLAYS) >= REPLAYS_MAX:

@@ -28,8 +28,9 @@ specialisation and the launch path, so the signature stays as it is):
 
 * tensors: ``Q, K, V, Out`` (inputs, output), ``Cnt, Flag`` (counter block, the per-call non-finite
   flag), ``Bias, Mask`` (read through strides), ``Inj`` (injection table), ``KC, VC, KA, VA, SC``
-  (checksum tables), ``W`` (split-key partials), ``KS`` (PASA's shifted keys), ``Rep`` (the clean
-  launch's flags for the repair launch), ``Arr`` (split-key arrival cells);
+  (checksum tables), ``KC2`` (a KV cache's stored Kc2 table, with ``KC2_TABLE``), ``W`` (split-key
+  partials), ``KS`` (PASA's shifted keys), ``Rep`` (the clean launch's flags for the repair launch),
+  ``Arr`` (split-key arrival cells);
 * strides: ``sq*, sk*, sv*, so*`` (b, h, row, d), ``sb*, sm*`` (bias, mask), ``cst0, cst1`` (counters);
 * sizes and call scalars: ``Hq, Hkv, M, N, D, GROUP, scale, window, call_id, nsplit``;
 * thresholds (`configs.Bounds`): ``gu, exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap``; PASA's ``pasa_t1,
@@ -38,7 +39,9 @@ specialisation and the launch path, so the signature stays as it is):
 * constexprs: shape (``BLOCK_D, EVEN_D, BLOCK_M, BLOCK_N``), masks (``CAUSAL, HAS_WINDOW, HAS_BIAS,
   MASK_KIND``), checks (``DETECT, CORRECT``), injection (one mode per attention site: ``INJ_S, INJ_M,
   INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_O, INJ_CS``; and ``NO_SKIP``), checksum operands
-  (``PARTS, SCALE_CS, DOT_F32``), form (``INTERP, SPLIT, PASA, HALF_STATE, PHASE, FOLD, PACK``).
+  (``PARTS, SCALE_CS, DOT_F32``), form (``INTERP, SPLIT, PASA, HALF_STATE, PHASE, FOLD, PACK``), stored
+  tables (``KC2_TABLE``: the tables were made when the keys entered a KV cache, and step 1 locates with
+  their Kc2).
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, cs_row, Inj, b, h, bh,
+def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, KC2, cs_row, Inj, b, h, bh,
               start_m, offs_m, offs_d, row_ok, d_ok, M, N, D, nblocks, window, scale, scan_lo, scan_hi,
               Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
               exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
@@ -95,7 +98,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
               INJ_ACC: tl.constexpr, INJ_CS: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
               DOT_F32: tl.constexpr,
               INTERP: tl.constexpr, EVEN_D: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr,
-              OC2: tl.constexpr, REPAIR: tl.constexpr, FOLD: tl.constexpr):
+              OC2: tl.constexpr, REPAIR: tl.constexpr, FOLD: tl.constexpr, KC2_TABLE: tl.constexpr):
     """Steps 1–5 over the key blocks [scan_lo, scan_hi) for one block of query rows.
 
     The clean pass (REPAIR=False) has no data-dependent branch and no block-wide reduction in the
@@ -198,8 +201,8 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
                         cnt = _bump(cnt, _SCORES + _DET, nbad)
                         if CORRECT:
                             s, cnt = _score_repair(q, k, sg, d1, sc1, kabs, bad, cnt, start_n, N, scale, wl, r16,
-                                                   BLOCK_M, BLOCK_N, BLOCK_D, PARTS, SCALE_CS, DOT_F32, PASA,
-                                                   FOLD)
+                                                   KC2, cb, BLOCK_M, BLOCK_N, BLOCK_D, PARTS, SCALE_CS, DOT_F32,
+                                                   PASA, FOLD, KC2_TABLE)
                         else:
                             cnt = _bump(cnt, _SCORES + _UNC, nbad)
                     else:
@@ -291,7 +294,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, c
 
 @triton.jit(do_not_specialize=["call_id"])
 def _efta_fwd(
-    Q, K, V, Out, Cnt, Flag, Bias, Mask, Inj, KC, VC, KA, VA, SC, W, KS, Rep, Arr,
+    Q, K, V, Out, Cnt, Flag, Bias, Mask, Inj, KC, VC, KA, VA, SC, KC2, W, KS, Rep, Arr,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     sbb, sbh, sbm, sbn, smb, smh, smm, smn, cst0, cst1,
     Hq, Hkv, M, N, D, GROUP, scale, window, call_id, nsplit,
@@ -305,7 +308,7 @@ def _efta_fwd(
     NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
     DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr,
     SPLIT: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr, PHASE: tl.constexpr, FOLD: tl.constexpr,
-    PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PACK: tl.constexpr, KC2_TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (row blocks · nsplit, Hq, B); with PACK (GQA decode, M = 1) (row blocks · nsplit, Hkv, B),
     the rows of a block being the query heads of one kv head (`_program_rows`).
@@ -385,14 +388,14 @@ def _efta_fwd(
         if (rep == 0 and PHASE != 2) or (rep == 1 and PHASE != 1):
             if todo > 0:
                 m_i, l_i, acc, lc, oc1, oc2, nvalid, vmax, cnt, nf_loop, flag_rows, n1_rows = _key_loop(
-                    q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, cs_row, Inj, b, h, bh,
+                    q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, KC2, cs_row, Inj, b, h, bh,
                     qblk, offs_m, offs_d, row_ok, d_ok, M, N, D, nblocks, window, scale, scan_lo, scan_hi,
                     Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
                     exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
                     INJ_S, INJ_M, INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_CS, PARTS, SCALE_CS, DOT_F32,
                     INTERP, EVEN_D, PASA, HALF_STATE,
-                    OC2_CLEAN or (CORRECT and rep == 1), rep == 1, FOLD)
+                    OC2_CLEAN or (CORRECT and rep == 1), rep == 1, FOLD, KC2_TABLE)
         if rep == 0:
             if PHASE == 2:  # the clean launch flagged this block
                 n1 = rep_val - 1

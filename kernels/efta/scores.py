@@ -108,12 +108,14 @@ def _score_margin(s, sc1, kabs, qn1, L: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _score_repair(q, k, sg, d1, sc1, kabs, bad, cnt, start_n, N, scale, wl, r16, BLOCK_M: tl.constexpr,
+def _score_repair(q, k, sg, d1, sc1, kabs, bad, cnt, start_n, N, scale, wl, r16, KC2, cb, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
-                  DOT_F32: tl.constexpr, PASA: tl.constexpr, FOLD: tl.constexpr):
+                  DOT_F32: tl.constexpr, PASA: tl.constexpr, FOLD: tl.constexpr, KC2_TABLE: tl.constexpr):
     """Step-1 location and correction of the failing groups ``bad`` (BLOCK_M, 16) of one key block, with
     its keys k (BLOCK_N, BLOCK_D), S grouped ``sg`` (BLOCK_M, L, 16), D1 and Sc1 (BLOCK_M, 16), kabs (16,)
-    from `_score_test` and `_score_checksum`; wl = 1..L (fp32), r16 = 0..15.
+    from `_score_test` and `_score_checksum`; wl = 1..L (fp32), r16 = 0..15. KC2_TABLE: Kc2 is read from
+    row cb of the KC2 table (16, BLOCK_D) fp32, made when the keys entered a KV cache (`checksums`), so
+    that a fault in the stored keys is located too (Kc2 made from the keys now would follow it).
 
     The weighted checksum ``Sc2 = Q·Kc2ᵀ`` is computed only here, and ``D2 = Sc2 − Σ_l (l+1)·S[i, l·s+r]``
     locates one faulty key per group at ``round(D2/D1) − 1`` (a real key, within a quarter of an
@@ -123,7 +125,10 @@ def _score_repair(q, k, sg, d1, sc1, kabs, bad, cnt, start_n, N, scale, wl, r16,
     events counted."""
     L: tl.constexpr = BLOCK_N // 16
     # weighted checksum, only now: Sc2 = Q·Kc2ᵀ, D2 = Sc2 − Σ_l (l+1)·S[i, l·s+r]
-    kc2 = tl.sum(tl.reshape(k.to(tl.float32), (L, 16, BLOCK_D)) * wl[:, None, None], axis=0)
+    if KC2_TABLE:
+        kc2 = tl.load(KC2 + cb * (16 * BLOCK_D) + r16[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :])
+    else:
+        kc2 = tl.sum(tl.reshape(k.to(tl.float32), (L, 16, BLOCK_D)) * wl[:, None, None], axis=0)
     c0, c1, c2, cic = _split(tl.trans(kc2), tl.max(kabs, axis=0) * L, k.dtype, PARTS, SCALE_CS)
     sc2 = _parts_dot(q, c0, c1, c2, PARTS, DOT_F32) * cic
     if not (PASA or FOLD):
