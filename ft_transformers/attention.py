@@ -10,6 +10,10 @@ or ``None`` when the pattern is plain causal / full, in which case ``is_causal``
 Our kernel aligns causal masks bottom-right, which is right for both cases where transformers
 skips the mask (q_len == kv_len and q_len == 1).
 
+With no mask, a causal call of M > 1 queries against more keys (a static cache's first prefill, whose
+unwritten slots follow the prompt) is aligned top-left, as SDPA's ``is_causal`` is: the keys past the
+first M are never attended, and are left out, as transformers' SDPA path leaves them out.
+
 Routes that pair an attention function with the flash-attention mask function (the Hub-kernels
 route, ``load_and_register_attn_kernel``, registers every kernel that way) hand over a 2-D padding
 mask (B, N) (bool or int, 1 = attend) that holds neither causality nor the sliding window; that form
@@ -80,6 +84,12 @@ def efta_attention_forward(
         # No mask and no window cutting keys: plain causal / full. (sdpa_mask returns None only when the
         # window cuts nothing; a mask function that builds no windows leaves a cutting one to EFTA.)
         window = None
+    if attention_mask is None and causal and 1 < query.shape[2] < key.shape[2]:
+        # top-left alignment, SDPA's is_causal (the mask function skips the mask only where that is meant)
+        m = query.shape[2]
+        key, value = key[:, :, :m], value[:, :, :m]
+        if position_bias is not None and position_bias.shape[-1] > m:
+            position_bias = position_bias[..., :m]
     if ctx is None:
         # "efta" without enable_fault_tolerance: default checks, events not recorded.
         out = _efta_forward(
