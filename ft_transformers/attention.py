@@ -10,6 +10,10 @@ or ``None`` when the pattern is plain causal / full, in which case ``is_causal``
 Our kernel aligns causal masks bottom-right, which is right for both cases where transformers
 skips the mask (q_len == kv_len and q_len == 1).
 
+A key tensor returned by the update of a tracked KV cache (`ft_transformers.kv_checksums`) carries that
+cache's checksum tables; eager calls hand them to EFTA, which reads them instead of making its own
+while they describe the cache as it is (compiled calls make their own).
+
 With no mask, a causal call of M > 1 queries against more keys (a static cache's first prefill, whose
 unwritten slots follow the prompt) is aligned top-left, as SDPA's ``is_causal`` is: the keys past the
 first M are never attended, and are left out, as transformers' SDPA path leaves them out.
@@ -35,6 +39,7 @@ from .counters import new_counters
 from .efta import _efta_forward
 from .events import EventRecorder
 from .injection import FaultPlan
+from .kv_checksums import kv_checksums_of
 
 ATTN_IMPLEMENTATION = "efta"
 
@@ -96,7 +101,7 @@ def efta_attention_forward(
             query, key, value,
             scale=scaling, causal=causal, bias=position_bias, attn_mask=attention_mask, window=window,
             pasa=False, detect=True, correct=True, plan=FaultPlan(None), counters=new_counters(query.device),
-            backend="auto",
+            backend="auto", kv_checksums=kv_checksums_of(key),
         )
     elif not torch.compiler.is_compiling():
         out = _protected(ctx, query, key, value, attention_mask, position_bias, scaling, causal, window)
@@ -124,7 +129,7 @@ def _protected(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         query, key, value,
         scale=scaling, causal=causal, bias=position_bias, attn_mask=attention_mask, window=window,
         pasa=ctx.pasa, detect=ctx.detect, correct=ctx.correct, plan=plan, counters=counters, backend="auto",
-        pasa_beta=ctx.pasa_beta,
+        pasa_beta=ctx.pasa_beta, kv_checksums=kv_checksums_of(key),
     )
     ctx.after_call(counters)
     return out

@@ -19,7 +19,8 @@ from . import pasa as _pasa
 from .counters import FaultStats, new_counters
 from .efta_reference import broadcast_to_scores, efta_reference
 from .injection import FaultPlan, FaultSpec
-from .kernels.contract import ATTENTION_SITES
+from .kernels.contract import ATTENTION_SITES, CACHE_SITES
+from .kv_checksums import KVChecksums, flip_kv_cache
 
 __all__ = ["efta_attention"]
 
@@ -149,6 +150,7 @@ def _efta_forward(
     backend: str,
     pasa_beta: float | None = None,
     pasa_precision: str = "fp32",
+    kv_checksums: KVChecksums | None = None,
 ) -> torch.Tensor:
     """EFTA forward adding its events into ``counters`` (no validation beyond the backend choice).
 
@@ -162,6 +164,9 @@ def _efta_forward(
         pasa_beta: PASA shift factor; None = optimal for fp16 and the backend's key block.
         pasa_precision: PASA's softmax-state precision, ``"fp32"`` or ``"fp16"`` (the PASA paper's full
             low-precision allocation; only with ``detect=False``).
+        kv_checksums: the tables of the KV cache k and v are (`KVChecksums`): read instead of tables made
+            now while they describe k and v as they are and the backend reads their form; the checks on,
+            PASA off (PASA's tables are of its shifted keys, made per call).
     Returns:
         (B, Hq, M, D) in q's dtype.
     """
@@ -173,6 +178,9 @@ def _efta_forward(
         scale = 1.0 / math.sqrt(q.shape[-1])
     correct = bool(correct and detect)
     kmod = _resolve_backend(backend, q.device)
+    if plan:  # the cache's memory, between the step that wrote it and this call
+        flip_kv_cache(plan, k, v, kv_checksums)
+    use_stored = kv_checksums is not None and detect and not pasa
     if window is not None:
         window = operator.index(window)
     kwargs = dict(scale=float(scale), causal=bool(causal), bias=bias, attn_mask=attn_mask, window=window,
@@ -190,17 +198,19 @@ def _efta_forward(
         else:
             return efta_reference(q, k, v, pasa=True, pasa_beta=pasa_beta, pasa_precision=pasa_precision, **kwargs)
     if kmod is not None:
+        stored = kv_checksums.tables(k, v, "triton") if use_stored else None
         if backend == "triton":
-            return kmod.efta_triton_forward(q, k, v, **kwargs)
+            return kmod.efta_triton_forward(q, k, v, stored=stored, **kwargs)
         # "auto": shapes the kernel does not handle (e.g. head dims outside its range) take the
         # reference path; it raises EftaUnsupported before doing any work.
         unsupported = getattr(kmod, "EftaUnsupported", ())
         try:
-            return kmod.efta_triton_forward(q, k, v, **kwargs)
+            return kmod.efta_triton_forward(q, k, v, stored=stored, **kwargs)
         except unsupported:
-            pass
+            use_stored = False
     kwargs.update(pasa=bool(pasa), pasa_beta=pasa_beta, pasa_precision=pasa_precision)
-    return efta_reference(q, k, v, **kwargs)
+    stored = kv_checksums.tables(k, v, "reference") if use_stored else None
+    return efta_reference(q, k, v, stored=stored, **kwargs)
 
 
 def efta_attention(
@@ -218,6 +228,7 @@ def efta_attention(
     correct: bool = True,
     inject: FaultSpec | Sequence[FaultSpec] | None = None,
     backend: str = "auto",
+    kv_checksums: KVChecksums | None = None,
 ) -> tuple[torch.Tensor, FaultStats]:
     """Fault-tolerant attention ``softmax(scale·q·kᵀ + bias + mask)·v`` (inference only).
 
@@ -239,6 +250,10 @@ def efta_attention(
         inject: `FaultSpec` (or a list) at attention sites ``attn.*``.
         backend: ``"auto"`` (the Triton kernel for CUDA tensors when it is available and handles
             the shape, else the reference), ``"triton"`` or ``"reference"``.
+        kv_checksums: the checksum tables of the KV cache that k and v are (`KVChecksums`, extended at
+            each write to the cache): read instead of making tables from k and v now, while they
+            describe k and v as they are (else made now, as without), with the checks on and PASA off.
+            A fault in the stored k or v since the tables were made then fails the checks.
 
     Returns:
         ``(out, stats)``: out (B, Hq, M, D) in q's dtype; stats a `FaultStats` ``{kind: int}``.
@@ -249,15 +264,18 @@ def efta_attention(
         TypeError / ValueError on tensors that are not 4-D float16/bfloat16/float32 on one device,
         head dim 0, mismatched batch, head dim or k/v shapes, Hq not a multiple of Hkv (Hkv = 0
         included), masks that do not broadcast to (B, Hq, M, N), a non-finite ``scale``, a
-        ``window`` < 1, flags that are not bools, or ``inject`` naming a non-attention site;
+        ``window`` < 1, flags that are not bools, or ``inject`` naming a non-attention site (the
+        attention sites and ``attn.kv_cache``, which flips k or v in place before the call reads them);
         ValueError when grad mode is on and an input requires grad (inference only).
     """
     _validate(q, k, v, scale, bias, attn_mask, window,
               dict(causal=causal, pasa=pasa, detect=detect, correct=correct))
     plan = inject if isinstance(inject, FaultPlan) else FaultPlan(inject)
-    plan.check_sites(ATTENTION_SITES, "efta_attention")
+    plan.check_sites(ATTENTION_SITES + CACHE_SITES, "efta_attention")
+    if kv_checksums is not None and not isinstance(kv_checksums, KVChecksums):
+        raise TypeError(f"kv_checksums must be a KVChecksums or None, got {type(kv_checksums).__name__}")
     counters = new_counters(q.device)
     out = _efta_forward(q, k, v, scale=scale, causal=causal, bias=bias, attn_mask=attn_mask, window=window,
                         pasa=pasa, detect=detect, correct=correct, plan=plan, counters=counters,
-                        backend=backend)
+                        backend=backend, kv_checksums=kv_checksums)
     return out, FaultStats(counters)

@@ -1,0 +1,433 @@
+"""Checksum tables of a KV cache made when tokens enter it (`ft_transformers.kv_checksums`,
+``docs/algorithms.md`` "Stored checksum tables"), on the reference path and in the kernel.
+
+* tables extended token by token hold the bits of tables built at once, and their sums agree with
+  float64 ones;
+* decode reading the stored tables gives the outputs of decode making its own, and eager attention's;
+* an ``attn.kv_cache`` flip (a stored entry changed between steps) is detected with stored tables and
+  corrected in the output, where tables made per call absorb it;
+* whatever changes a tracked cache behind the tables (crop, reorder, batch change, reset, in-place
+  writes, updates under torch.compile) makes calls fall back to their own tables, never stale ones;
+* a tracked tiny model generates with 0 events and eager's tokens.
+
+Without CUDA the kernel runs under the Triton interpreter (small shapes).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from float64_attention import ref_attention
+from interpreted import interpreted_tests
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import DynamicCache, EncoderDecoderCache, StaticCache  # noqa: E402
+
+import ft_transformers as ftt  # noqa: E402
+from ft_transformers.efta_reference.stored import ReferenceTables  # noqa: E402
+from ft_transformers.injection import FaultPlan, FaultSpec  # noqa: E402
+from ft_transformers.kv_checksums import KVChecksums, kv_checksums_of, track_kv_cache, untrack_kv_cache  # noqa: E402
+
+try:
+    from ft_transformers.kernels import efta as K
+except ImportError:  # pragma: no cover - triton missing
+    K = None
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SUBPROCESS = K is not None and DEV == "cpu" and not K.interpreting()
+_interpreter_available, test_interpreted_in_subprocess = interpreted_tests(__file__, SUBPROCESS, timeout=600)
+needs_kernel = pytest.mark.skipif(K is None, reason="triton is not installed")
+BACKENDS = ["reference", pytest.param("triton", marks=needs_kernel)]
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _kv(B, Hkv, N, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, Hkv, N, D, generator=g) * 1.5
+    v = torch.randn(B, Hkv, N, D, generator=g)
+    return k.to(dtype).to(DEV), v.to(dtype).to(DEV)
+
+
+def _chunks(n0, n1, sizes):
+    """(start, count) steps from n0 to n1: ``sizes`` first, then single tokens."""
+    n = n0
+    for c in sizes:
+        if n + c > n1:
+            break
+        yield n, c
+        n += c
+    while n < n1:
+        yield n, 1
+        n += 1
+
+
+# ------------------------------------------------------------------------------------------------
+# tables extended = tables built at once
+# ------------------------------------------------------------------------------------------------
+
+
+def test_reference_tables_extended_equal_built_and_float64():
+    B, Hkv, N, D = 2, 2, 150, 24  # D not a multiple of the stride: the zero-padded head dim
+    k, v = _kv(B, Hkv, N, D, torch.float32)
+    whole = ReferenceTables()
+    whole.build(k, v, N)
+    part = ReferenceTables()
+    part.build(k[:, :, :3], v[:, :, :3], 3)
+    for start, count in _chunks(3, N, [1, 7, 60, 1, 64, 2]):
+        part.append(k[:, :, :start + count], v[:, :, :start + count], start, count)
+    for a, b in zip(whole.view(N), part.view(N)):
+        assert torch.equal(a, b)
+    # against float64: |fl(Σ) − Σ| ≤ g(L)·Σ|·| per entry
+    t = whole.view(N)
+    nb, L = t.kc.shape[2], 4
+    k64 = torch.nn.functional.pad(k.double(), (0, 0, 0, nb * 64 - N)).view(B, Hkv, nb, L, 16, D)
+    w = torch.arange(1, L + 1, dtype=torch.float64).view(L, 1, 1)
+    exact = torch.cat([k64.sum(3), (k64 * w).sum(3)], 3)
+    bound = 1.01 * L * 2.0**-24 * torch.cat([k64.abs().sum(3), (k64 * w).abs().sum(3)], 3)
+    assert ((t.kc.double() - exact).abs() <= bound).all()
+    assert torch.allclose(t.kabs.double(), k64.abs().sum(3).amax(-1), rtol=1e-6)
+    vpad = torch.nn.functional.pad(v.double(), (0, 32 - D)).view(B, Hkv, N, 2, 16)
+    vc = torch.cat([vpad.sum(3), vpad[:, :, :, 0] + 2 * vpad[:, :, :, 1]], -1)
+    assert torch.allclose(t.vc[:, :, :N].double(), vc, atol=1e-5) and (t.vc[:, :, N:] == 0).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kernel_tables_extended_equal_built(dtype):
+    """Dynamic (the cache grows) and static (a zero buffer filled in place) caches."""
+    B, Hkv, N, D = 1, 2, 150, 32
+    k, v = _kv(B, Hkv, N, D, dtype)
+    whole = K.CacheTables()
+    whole.build(k, v, N)
+    dyn = K.CacheTables()
+    dyn.build(k[:, :, :5].contiguous(), v[:, :, :5].contiguous(), 5)
+    for start, count in _chunks(5, N, [1, 7, 60, 1, 64, 2]):
+        dyn.append(k[:, :, :start + count].contiguous(), v[:, :, :start + count].contiguous(), start, count)
+    kb, vb = torch.zeros(B, Hkv, 200, D, dtype=dtype, device=DEV), torch.zeros(B, Hkv, 200, D, dtype=dtype, device=DEV)
+    kb[:, :, :70], vb[:, :, :70] = k[:, :, :70], v[:, :, :70]
+    static = K.CacheTables()
+    static.build(kb, vb, 70)
+    for start, count in _chunks(70, N, [3, 58]):
+        kb[:, :, start:start + count], vb[:, :, start:start + count] = (k[:, :, start:start + count],
+                                                                       v[:, :, start:start + count])
+        static.append(kb, vb, start, count)
+    whole_static = K.CacheTables()
+    whole_static.build(kb, vb, N)
+    for a, b in zip(whole.tables, dyn.tables):
+        assert torch.equal(a, b)
+    for a, b in zip(whole_static.tables, static.tables):
+        assert torch.equal(a, b)
+    # Kc2 (kept in fp32) and Kc1 (its input-dtype slices times their scale) against float64 sums
+    t = whole.tables
+    nb = 3
+    k64 = torch.nn.functional.pad(k.double().cpu(), (0, 0, 0, nb * 64 - N)).view(B * Hkv * nb, 4, 16, D)
+    w = torch.arange(1, 5, dtype=torch.float64).view(4, 1, 1)
+    kc1 = (t.kc.double().cpu().sum(1) * t.sc[:, 0, None, None].double().cpu())
+    assert torch.allclose(kc1, k64.sum(1), rtol=0, atol=2e-5 * float(k64.abs().sum(1).max()))
+    assert torch.allclose(t.kc2.double().cpu(), (k64 * w).sum(1), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# decode with stored tables = decode making its own
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_decode_with_stored_tables(backend, dtype):
+    """A growing cache across a block boundary (62 → 67 keys), GQA, causal: stored and own tables give the
+    same bits and no event, and agree with float64 attention."""
+    B, Hq, Hkv, D = 1, 4, 2, 32
+    k, v = _kv(B, Hkv, 67, D, dtype)
+    q = torch.randn(B, Hq, 5, D).to(dtype).to(DEV)
+    kvc = KVChecksums(backend)
+    kvc.extend(k[:, :, :62].contiguous(), v[:, :, :62].contiguous(), 0, 62)
+    for i, n in enumerate(range(62, 67)):
+        kk, vv = k[:, :, :n + 1].contiguous(), v[:, :, :n + 1].contiguous()
+        kvc.extend(kk, vv, n, 1)
+        qi = q[:, :, i:i + 1]
+        out, st = ftt.efta_attention(qi, kk, vv, causal=True, backend=backend, kv_checksums=kvc)
+        own, st2 = ftt.efta_attention(qi, kk, vv, causal=True, backend=backend)
+        assert torch.equal(out, own) and sum(st.values()) == 0 == sum(st2.values())
+        assert (out.double().cpu() - ref_attention(qi, kk, vv, causal=True)).abs().max() < TOL[dtype]
+    assert kvc.stored_calls == 5 and kvc.own_calls == 0 and kvc.form == backend
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("opts", [
+    dict(causal=True, window=40),
+    dict(bias=True),
+    dict(mask=True),
+    dict(cross=True),
+], ids=["window", "bias", "bool-mask", "cross"])
+def test_stored_tables_with_every_feature(backend, opts):
+    """Sliding window, additive bias, a bool mask, cross-attention (M queries against a cache written once):
+    the same bits with stored tables as with own ones."""
+    B, Hq, Hkv, N, D, M = 2, 4, 2, 90, 32, 3 if opts.get("cross") else 1
+    k, v = _kv(B, Hkv, N, D, torch.float16, seed=1)
+    q = torch.randn(B, Hq, M, D).half().to(DEV)
+    kw = dict(causal=opts.get("causal", False), window=opts.get("window"))
+    if opts.get("bias"):
+        kw["bias"] = torch.randn(1, Hq, M, N).to(DEV)
+    if opts.get("mask"):
+        mask = torch.ones(B, 1, M, N, dtype=torch.bool)
+        mask[0, :, :, :7] = False
+        kw["attn_mask"] = mask.to(DEV)
+    kvc = KVChecksums(backend)
+    kvc.extend(k, v, 0, N)
+    out, st = ftt.efta_attention(q, k, v, backend=backend, kv_checksums=kvc, **kw)
+    own, _ = ftt.efta_attention(q, k, v, backend=backend, **kw)
+    assert torch.equal(out, own) and sum(st.values()) == 0 and kvc.stored_calls == 1
+
+
+def test_pasa_and_unchecked_calls_make_their_own():
+    """PASA's tables are its shifted keys' (made per call); checks off need none: the stored ones are not
+    read, and the results are those without them."""
+    k, v = _kv(1, 2, 70, 32, torch.float16)
+    q = torch.randn(1, 4, 1, 32).half().to(DEV)
+    kvc = KVChecksums("reference")
+    kvc.extend(k, v, 0, 70)
+    for kw in (dict(pasa=True), dict(detect=False)):
+        a, _ = ftt.efta_attention(q, k, v, backend="reference", kv_checksums=kvc, **kw)
+        b, _ = ftt.efta_attention(q, k, v, backend="reference", **kw)
+        assert torch.equal(a, b)
+    assert kvc.stored_calls == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# attn.kv_cache: a stored entry flipped between steps
+# ------------------------------------------------------------------------------------------------
+
+
+def _flip_case(backend, dtype, bit, seed, stored):
+    B, Hq, Hkv, N, D = 1, 4, 2, 70, 32
+    k, v = _kv(B, Hkv, N, D, dtype, seed=3)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEV) * 2
+    clean = ftt.efta_attention(q, k, v, causal=True, backend=backend)[0]
+    kvc = KVChecksums(backend)
+    kvc.extend(k, v, 0, N)
+    k0, v0 = k.clone(), v.clone()
+    plan = FaultPlan(FaultSpec(site="attn.kv_cache", bit=bit, count=1, seed=seed))
+    out, stats = ftt.efta_attention(q, k, v, causal=True, backend=backend, inject=plan,
+                                    kv_checksums=kvc if stored else None)
+    pos = plan.sites["attn.kv_cache"].positions[0].tolist()
+    changed = int((k != k0).sum() + (v != v0).sum())
+    return clean, out, dict(stats), pos, changed, kvc
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,bits", [(torch.float16, (13, 12)), (torch.bfloat16, (13, 9)),
+                                        (torch.float32, (29, 26))])
+def test_kv_cache_flip_detected_and_corrected(backend, dtype, bits):
+    """Exponent flips of a stored key and a stored value (finite results): with stored tables each is
+    detected and corrected (step 1 for a key, step 7 for a value) and the output is the clean one; the
+    flip stays in the cache (one element changed)."""
+    seen = set()
+    for seed in range(40):
+        bit = bits[len(seen) % 2]
+        clean, out, c, pos, changed, kvc = _flip_case(backend, dtype, bit, seed, stored=True)
+        half = "k" if pos[3] < 32 else "v"
+        if half in seen:
+            continue
+        seen.add(half)
+        assert changed == 1 and kvc.stored_calls == 1
+        assert c["detected"] >= 1 and c["corrected"] == c["detected"] and c["uncorrectable"] == 0, (half, c)
+        assert (out.double() - clean.double()).abs().max() <= 4 * TOL[dtype], (half, c)
+        if len(seen) == 2:
+            return
+    pytest.fail(f"no key and value flip among the seeds: {seen}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_cache_flip_escapes_tables_made_per_call(backend):
+    """The same flip with tables made per call: they sum the flipped entry, no check sees it, and the output
+    moves (what stored tables close)."""
+    moved = 0.0
+    for seed in range(6):
+        clean, out, c, pos, changed, _ = _flip_case(backend, torch.float16, 13, seed, stored=False)
+        assert changed == 1 and c["detected"] == 0
+        moved = max(moved, float((out.double() - clean.double()).abs().max()))
+    assert moved > 4 * TOL[torch.float16]
+
+
+def test_kv_cache_site_contract():
+    """The site's shape, bits and validation."""
+    from ft_transformers.kernels.contract import CACHE_SITES, site_dtype, site_shape
+
+    assert CACHE_SITES == ("attn.kv_cache",)
+    assert site_shape("attn.kv_cache", 2, 8, 1, 100, 64, 2, Hkv=4) == (2, 4, 100, 128)
+    assert site_dtype("attn.kv_cache", torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ValueError):
+        site_shape("attn.kv_cache", 2, 8, 1, 100, 64, 2)
+    with pytest.raises(ValueError, match="out of range"):
+        FaultPlan(FaultSpec(site="attn.kv_cache", bit=20)).for_site("attn.kv_cache", (1, 1, 4, 4), torch.float16,
+                                                                    "cpu")
+    q = torch.randn(1, 2, 1, 16)
+    with pytest.raises(ValueError, match="efta_attention has no fault site"):
+        ftt.efta_attention(q, q, q, inject=FaultSpec(site="linear.output", bit=3))
+
+
+# ------------------------------------------------------------------------------------------------
+# transformers caches: tracking, invalidation, generation
+# ------------------------------------------------------------------------------------------------
+
+
+def _cfg():
+    from tiny_models import llama_config
+
+    return llama_config()
+
+
+def _step(cache, layer, n, B=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, 2, n, 32, generator=g)
+    return cache.update(k, torch.randn(B, 2, n, 32, generator=g), layer)
+
+
+def _same_as_own(keys, values, kvc_used: bool):
+    """One call over the cache the update returned: stored tables read (or not, as expected), the output
+    that own tables give."""
+    q = torch.randn(keys.shape[0], 4, 1, 32)
+    kvc = kv_checksums_of(keys)
+    before = kvc.stored_calls
+    a, st = ftt.efta_attention(q, keys, values, causal=True, backend="reference", kv_checksums=kvc)
+    b, _ = ftt.efta_attention(q, keys, values, causal=True, backend="reference")
+    assert torch.equal(a, b) and sum(st.values()) == 0
+    assert (kvc.stored_calls > before) == kvc_used
+
+
+def test_dynamic_cache_rebuilds_after_crop_reorder_batch_and_writes():
+    cache = track_kv_cache(DynamicCache(config=_cfg()), backend="reference")
+    keys, values = _step(cache, 0, 70)
+    kvc = kv_checksums_of(keys)
+    assert kvc.valid and kvc.n == 70
+    _same_as_own(*_step(cache, 0, 1, seed=1), kvc_used=True)
+    cache.crop(-5)  # the layer's keys are a shorter view now: a call over them makes its own tables
+    layer = cache.layers[0]
+    assert not kvc.current(layer.keys, layer.values)
+    keys, values = _step(cache, 0, 1, seed=2)  # rebuilt from the cache (nothing past the written tokens)
+    assert kvc.valid and kvc.n == 67 and kv_checksums_of(keys) is kvc
+    _same_as_own(keys, values, kvc_used=True)
+    cache.reorder_cache(torch.tensor([0]))
+    _same_as_own(*_step(cache, 0, 1, seed=3), kvc_used=True)
+    cache.batch_repeat_interleave(2)
+    keys, values = _step(cache, 0, 1, B=2, seed=4)
+    assert kvc.valid and keys.shape[0] == 2
+    _same_as_own(keys, values, kvc_used=True)
+    keys.add_(1e-3)  # written behind the cache's back: the tables no longer describe it
+    _same_as_own(keys, values, kvc_used=False)
+    _same_as_own(*_step(cache, 0, 1, B=2, seed=5), kvc_used=True)  # the next update rebuilds
+
+
+def test_static_cache_crop_waits_for_reset():
+    cache = track_kv_cache(StaticCache(config=_cfg(), max_cache_len=80), backend="reference")
+    keys, values = _step(cache, 0, 10)
+    kvc = kv_checksums_of(keys)
+    assert kvc.valid and keys.shape[2] == 80
+    _same_as_own(*_step(cache, 0, 1, seed=1), kvc_used=True)
+    if not hasattr(cache.layers[0], "crop"):  # (transformers releases without static crop)
+        return
+    cache.crop(-3)  # the slots past the cut keep stale tokens: the tables cannot follow
+    _same_as_own(*_step(cache, 0, 1, seed=2), kvc_used=False)
+    cache.reset()
+    keys, values = _step(cache, 0, 12, seed=3)
+    assert kvc.valid and kvc.n == 12
+    _same_as_own(keys, values, kvc_used=True)
+    keys.mul_(2.0)  # an in-place write by other code
+    _same_as_own(keys, values, kvc_used=False)
+
+
+def test_static_layer_first_seen_filled_and_compiled_updates():
+    """A static layer filled before tracking, and updates under torch.compile: never read, until reset."""
+    cache = StaticCache(config=_cfg(), max_cache_len=40)
+    _step(cache, 0, 5)
+    track_kv_cache(cache, backend="reference")
+    keys, values = _step(cache, 0, 1, seed=1)
+    assert not kv_checksums_of(keys).valid
+    _same_as_own(keys, values, kvc_used=False)
+    cache.reset()
+    keys, values = _step(cache, 0, 3, seed=2)
+    kvc = kv_checksums_of(keys)
+    assert kvc.valid
+
+    @torch.compile(backend="eager")
+    def compiled_update(x):
+        return cache.update(x, x, 0)[0].sum()
+
+    compiled_update(torch.randn(1, 2, 1, 32))
+    _same_as_own(keys, values, kvc_used=False)  # (the call would read what the compiled update wrote)
+    _same_as_own(*_step(cache, 0, 1, seed=3), kvc_used=False)  # a static layer waits for reset
+    untrack_kv_cache(cache)
+    assert "update" not in vars(cache) and "crop" not in vars(cache.layers[0])
+
+
+def test_encoder_decoder_cache_both_halves():
+    cache = track_kv_cache(EncoderDecoderCache(DynamicCache(config=_cfg()), DynamicCache(config=_cfg())),
+                           backend="reference")
+    keys, values = cache.cross_attention_cache.update(torch.randn(1, 2, 9, 32), torch.randn(1, 2, 9, 32), 0)
+    for _ in range(2):  # every step reads the cross-attention tables made once
+        _same_as_own(keys, values, kvc_used=True)
+    assert kv_checksums_of(_step(cache.self_attention_cache, 0, 4)[0]).valid
+
+
+def _generate(model, ids, cache, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with torch.no_grad():
+            return model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                  past_key_values=cache, output_logits=True, return_dict_in_generate=True, **kw)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_tracked_generate_clean_and_under_a_cache_flip(kind):
+    """A tiny Llama (GQA) with a tracked cache: clean generation has 0 events, eager's tokens, and reads the
+    stored tables at every call over the whole cache; a stored entry flipped at the fourth step is detected
+    and corrected at that step and every later one (the flip stays in the cache), and the tokens do not
+    change; with tables made per call nothing sees it."""
+    from tiny_models import make_model
+
+    ids = torch.randint(3, 500, (2, 66), generator=torch.Generator().manual_seed(0))
+    eager = _generate(make_model("llama", attn="eager"), ids, None)
+    model = ftt.enable_fault_tolerance(make_model("llama", attn="efta"), ftt.FTConfig(linear=False))
+
+    def cache():
+        c = DynamicCache(config=model.config) if kind == "dynamic" else StaticCache(config=model.config,
+                                                                                    max_cache_len=80)
+        return track_kv_cache(c, backend="reference")
+
+    c = cache()
+    out = _generate(model, ids, c)
+    assert not ftt.fault_report(model).events
+    assert torch.equal(out.sequences, eager.sequences)
+    assert (torch.stack(out.logits) - torch.stack(eager.logits)).abs().max() < 1e-4
+    # (a static cache's first prefill reads its first M keys, a slice of the buffer: that call makes its own)
+    calls = 6 if kind == "dynamic" else 5
+    assert all(layer._ftt_kv.stored_calls == calls and layer._ftt_kv.own_calls == 0 for layer in c.layers)
+    spec = FaultSpec(site="attn.kv_cache", bit=29, count=1, layers=[0], calls=[3], seed=2)
+    with ftt.inject_faults(model, spec) as log:
+        out = _generate(model, ids, cache())
+    ev = ftt.fault_report(model).events
+    assert log.injected == 1 and torch.equal(out.sequences, eager.sequences)
+    steps = sorted({e.step for e in ev})  # the step of the flip (the run's fourth) and the two after it
+    assert steps == list(range(steps[0], steps[0] + 3)) and {e.kind for e in ev} == {"detected", "corrected"}
+    ftt.fault_report(model).reset()
+    with ftt.inject_faults(model, spec):  # the same flip with tables made per call: nothing sees it
+        _generate(model, ids, None)
+    assert not ftt.fault_report(model).events
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_static_cache_prefill_is_top_left(family):
+    """A static cache's first prefill without padding comes with no mask and more keys than queries (the
+    unwritten slots): causal attention then aligns top-left, as SDPA's is_causal does."""
+    from tiny_models import make_model
+
+    ids = torch.randint(3, 500, (1, 7), generator=torch.Generator().manual_seed(1))
+    a = _generate(make_model(family, attn="eager"), ids, None, cache_implementation="static")
+    b = _generate(make_model(family, attn="efta"), ids, None, cache_implementation="static")
+    assert (torch.stack(a.logits) - torch.stack(b.logits)).abs().max() < 1e-4
