@@ -27,6 +27,8 @@ variable                           field                        meaning
 ``FTT_ABFT_GEMM_SPLIT=n``          ``gemm_split``               decode calls split K over n programs
 ``FTT_ABFT_GEMM_PERSISTENT=0/1``   ``gemm_persistent``          never / always the persistent form
 ``FTT_SIBLINGS=0``                 ``siblings``                 one checked launch per Linear, not per group
+``FTT_TUNE_CACHE=0``               ``tune_cache_dir``           no tuning results kept across processes
+``FTT_CACHE_DIR=path``             ``tune_cache_dir``           where they are kept (`abft_gemm.tune_store`)
 =================================  ===========================  ============================================
 
 ``None`` means "chosen per call" (the default); ``auto`` in a variable means the same.
@@ -87,6 +89,7 @@ class Options:
     gemm_split: int | None = None
     gemm_persistent: bool | None = None
     siblings: bool = True
+    tune_cache_dir: str | None = None  # the checked GEMM's tuning store (None: off)
 
     def __post_init__(self) -> None:
         for f, n in (("efta_config", 4), ("gemm_config", 5)):
@@ -121,6 +124,9 @@ class Options:
         for name, field in (("FTT_DIRECT_LAUNCH", "direct_launch"), ("FTT_EFTA_TWO_LAUNCH", "efta_two_launch"),
                             ("FTT_ABFT_GEMM_TUNE", "gemm_tune"), ("FTT_SIBLINGS", "siblings")):
             kw[field] = get(name) != "0"  # on unless switched off
+        if get("FTT_TUNE_CACHE") != "0":
+            xdg = get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+            kw["tune_cache_dir"] = get("FTT_CACHE_DIR") or os.path.join(xdg, "ft_transformers")
         return cls(**kw)
 
 

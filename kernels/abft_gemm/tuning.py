@@ -4,7 +4,8 @@ shape key on CUDA, in the form the call runs, and keeps the fastest.
 Cache: `_TUNE_CACHE`, key (dtype, weight layout, TMA, bias, detect, verification mode, M bucket (exact M for
 sibling launches), N, K, decode kernel, sibling widths, ``Options.gemm_split``)
 → config (5 entries, or 6 with a last ``False``: no split-K). Kept for the process (a shape's best config
-does not change); a forced ``Options.gemm_config`` and the interpreter's fixed configs bypass it.
+does not change), and the timed picks also across processes in a `tune_store.TuneStore` per GPU model
+and kernel version; a forced ``Options.gemm_config`` and the interpreter's fixed configs bypass both.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .configs import (
     NARROW_N,
 )
 from .forms import GROUPED_MAX_ROWS, forced_config, grouped, grouped_split, split_plan
+from .tune_store import TuneStore, device_tag
 
 # The tuner times a decode call (M ≤ GROUPED_MAX_ROWS) over copies of its weight, up to TUNE_STREAM_COPIES and past
 # TUNE_STREAM_BYTES (more than an H100's or H200's L2), as a model streams its layers' weights: timed on one
@@ -47,6 +49,19 @@ from .forms import GROUPED_MAX_ROWS, forced_config, grouped, grouped_split, spli
 TUNE_STREAM_BYTES = 120_000_000
 TUNE_STREAM_COPIES = 8
 _TUNE_CACHE: dict[tuple, tuple] = {}
+_STORES: dict[tuple, TuneStore] = {}
+
+
+def _store(dev: torch.device) -> TuneStore | None:
+    """The tuning store of CUDA device ``dev`` under the options' directory (None: off, or not CUDA)."""
+    directory = options().tune_cache_dir
+    if directory is None or dev.type != "cuda":
+        return None
+    tag = device_tag(dev.index if dev.index is not None else torch.cuda.current_device())
+    st = _STORES.get((directory, tag))
+    if st is None:
+        st = _STORES[(directory, tag)] = TuneStore(directory, tag)
+    return st
 
 
 def _bucket(m: int) -> int:
@@ -90,6 +105,11 @@ def pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, decode: boo
     if len(cands) == 1 or not opts.gemm_tune:
         _TUNE_CACHE[key] = cands[0]
         return cands[0]
+    store = _store(L.x.device)  # a pick timed by an earlier process on this GPU model and kernel version
+    cfg = store.get(key) if store is not None else None
+    if cfg is not None:
+        _TUNE_CACHE[key] = cfg
+        return cfg
     dev = L.x.device
     if torch.cuda.is_current_stream_capturing():
         return cands[0]  # a capture cannot time candidates: the first, not cached (an eager call tunes)
@@ -153,4 +173,6 @@ def pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, decode: boo
     if best is None:
         raise RuntimeError(f"no Triton config of the checked GEMM ran for {key}")
     _TUNE_CACHE[key] = best
+    if store is not None:
+        store.put(key, best)
     return best
