@@ -167,3 +167,21 @@ def test_tuner_without_store_or_tuning_ignores_the_file(tuner, tmp_path, monkeyp
     timed.clear()
     with override(gemm_tune=False):  # FTT_ABFT_GEMM_TUNE=0 keeps its rule (the first candidate), store or not
         assert pick() == (64, 64, 32, 4, 2) and timed == []
+
+
+def test_efta_autotune_keeps_its_timings_unless_switched_off():
+    """EFTA's autotuner keeps each shape key's timings in Triton's cache, and ``FTT_TUNE_CACHE=0`` (read
+    once, at import) turns that off as it turns off the GEMM's store. (Triton itself keeps nothing under its
+    interpreter, so the import runs without it.)"""
+    import subprocess
+    import sys
+
+    code = ("from ft_transformers.kernels.efta.configs import _efta_fwd_tuned as t; "
+            "from ft_transformers.kernels.options import options; "
+            "print(t.cache_results, options().tune_cache_dir is None)")
+    for value, want in (("1", "True False"), ("0", "False True")):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["FTT_TUNE_CACHE"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split("\n")[-2] == want, out.stdout

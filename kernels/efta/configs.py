@@ -15,6 +15,7 @@ import torch
 import triton
 
 from ..contract import EXP_ULPS
+from ..options import options
 from ..tl_common import gpu_time, sm_count
 from .kernel import _efta_fwd
 
@@ -97,6 +98,9 @@ _efta_fwd_tuned = triton.autotune(
          "HALF_STATE", "PHASE", "PACK"],
     prune_configs_by={"early_config_prune": _prune},
     do_bench=gpu_time,  # GPU time: an eager timing of a host-bound decode call measures the host
+    # each shape key's timings kept in Triton's cache (keyed by the kernel's source, the target, the
+    # configs and the key), so a new process does not time them again; FTT_TUNE_CACHE=0 as for the GEMM
+    cache_results=options().tune_cache_dir is not None,
 )(_efta_fwd)
 
 
