@@ -31,7 +31,8 @@ padding at N. The checked kernel uses key blocks of 64 (``CS_BLOCK_N``, the refe
 
 Non-finite inputs are found without an extra pass over q/k/v: q when its block is loaded, a bias or
 additive mask tile when it is loaded, K with its block checksums, and V through its running max
-Σ|V| (NaN-propagating, inspected once after the loop). Keys that no program visits (outside every
+Σ|V| (NaN-propagating, inspected once after the loop); with a KV cache's stored tables, as K and V
+were when they entered the cache. Keys that no program visits (outside every
 row's sliding window) are not inspected.
 
 Counters: atomics into the caller's (sites, kinds) int32 block (`contract.COUNTER_SHAPE`, any strides),
