@@ -12,6 +12,11 @@ during the run reaches both sides of a ratio alike:
 * ``ours_off``     — our fused kernel with the checks compiled out (plain flash attention)
 * ``efta_detect``  — EFTA, detection only (``correct=False``)
 * ``efta_correct`` — EFTA, detection + correction (the default protection)
+* ``efta_stored``  — (decode) ``efta_correct`` reading the KV cache's stored checksum tables (made when the
+  tokens entered the cache, `kernels.efta.CacheTables`) instead of the per-call pre-pass over the cache
+* ``efta_stored_step`` — (decode) ``efta_stored`` plus what a step's cache write costs the tables (one
+  token appended, `CacheTables.append`, on a copy of the tables so that the timed call reads true ones):
+  the whole per-step cost of stored tables, against ``efta_correct``'s pre-pass
 * ``efta_pasa``    — EFTA detection + correction with PASA (FP16 score GEMM on shifted keys; fp16 only)
 * ``pasa_off``     — PASA with the checks off, softmax state in fp32 (fp16 only)
 * ``pasa_fp16``    — PASA with the checks off, the PASA paper's full FP16 allocation (state and P·V in fp16)
@@ -47,10 +52,13 @@ from functools import partial
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import interleaved  # noqa: E402
 
-VARIANTS = ("sdpa_flash", "sdpa_cudnn", "ours_off", "efta_detect", "efta_correct", "efta_pasa", "pasa_off",
-            "pasa_fp16", "decoupled")
+VARIANTS = ("sdpa_flash", "sdpa_cudnn", "ours_off", "efta_detect", "efta_correct", "efta_stored", "efta_stored_step",
+            "efta_pasa", "pasa_off", "pasa_fp16", "decoupled")
 OURS = {"ours_off": (False, False), "efta_detect": (True, False), "efta_correct": (True, True),
+        "efta_stored": (True, True), "efta_stored_step": (True, True),
         "efta_pasa": (True, True), "pasa_off": (False, False), "pasa_fp16": (False, False)}
+STORED = {"efta_stored": False, "efta_stored_step": True}  # decode only; whether the step's table update is timed
+CHECKED = ("efta_detect", "efta_correct", "efta_stored", "efta_stored_step", "efta_pasa")  # false positives counted
 PASA_STATE = {"efta_pasa": "fp32", "pasa_off": "fp32", "pasa_fp16": "fp16"}  # PASA variants: state precision
 HD_SETTINGS = ((16, 64), (32, 128))
 TOKENS = 16384
@@ -159,6 +167,8 @@ def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
     rows = []
     fns = {}
     for variant in VARIANTS:
+        if variant in STORED and kind != "decode":
+            continue
         row = dict(kind=kind, dtype=str(dtype).replace("torch.", ""), B=B, H=H, M=M, N=N, D=D, causal=causal,
                    variant=variant, ms=float("nan"), tflops=float("nan"), gbps=float("nan"),
                    max_abs_err=float("nan"),
@@ -184,14 +194,24 @@ def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
 
                 state = PASA_STATE.get(variant, "fp32")
                 shift = _pasa_shift(K, None, N) if variant in PASA_STATE else None
+                stored = scratch = None
+                if variant in STORED:  # the cache's tables, as its writes left them (made outside the timing)
+                    cache = K.CacheTables()
+                    cache.build(k, v, N)
+                    stored = cache.tables
+                    if STORED[variant]:
+                        scratch = K.CacheTables()
+                        scratch.build(k, v, N)
 
                 def fn(detect=detect, correct=correct, counters=counters, ncalls=ncalls, pasa=shift, state=state,
-                       on_config=None):
+                       stored=stored, scratch=scratch, on_config=None):
                     ncalls[0] += 1
+                    if scratch is not None:  # the step's write of its token into the tables
+                        scratch.append(k, v, N - 1, 1)
                     return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None,
                                                  attn_mask=None, window=None, detect=detect, correct=correct,
                                                  plan=plan, counters=counters, pasa=pasa, pasa_precision=state,
-                                                 on_config=on_config)
+                                                 on_config=on_config, stored=stored)
             launched = []  # the block config of our kernel's forward launch
             with torch.no_grad():
                 # compile / autotune outside the timing
@@ -269,13 +289,19 @@ def _warm(combo):
         v = torch.randn(B, H, N, D, device="cuda", dtype=dtype)
         with torch.no_grad():
             for name, (detect, correct) in OURS.items():
-                if name in PASA_STATE and dtype != torch.float16:
+                if (name in PASA_STATE and dtype != torch.float16) or (name in STORED and kind != "decode"):
                     continue
+                stored = None
+                if name in STORED:
+                    cache = K.CacheTables()
+                    cache.build(k, v, N)
+                    cache.append(k, v, N - 1, 1)
+                    stored = cache.tables
                 K.efta_triton_forward(q, k, v, scale=D**-0.5, causal=causal, bias=None, attn_mask=None,
                                       window=None, detect=detect, correct=correct, plan=FaultPlan(None),
                                       counters=new_counters("cuda"),
                                       pasa=_pasa_shift(K, None, N) if name in PASA_STATE else None,
-                                      pasa_precision=PASA_STATE.get(name, "fp32"))
+                                      pasa_precision=PASA_STATE.get(name, "fp32"), stored=stored)
         torch.cuda.synchronize()
         return combo, time.time() - t0, ""
     except Exception as exc:
@@ -395,6 +421,11 @@ def targets(rows) -> None:
          "<= 1.10 median, <= 1.15 worst")
     line("decode throughput ours_off / sdpa_flash", ratios(dec, "sdpa_flash", "ours_off"), ">= 0.9")
     line("decode throughput efta_correct / sdpa_flash", ratios(dec, "sdpa_flash", "efta_correct"), "-")
+    line("decode time efta_correct / sdpa_flash", ratios(dec, "efta_correct", "sdpa_flash"), "<= 1.3")
+    line("decode time efta_stored / sdpa_flash", ratios(dec, "efta_stored", "sdpa_flash"), "<= 1.3")
+    line("decode time efta_stored_step / sdpa_flash", ratios(dec, "efta_stored_step", "sdpa_flash"), "<= 1.3")
+    line("decode time efta_stored_step / efta_correct (stored tables vs per call)",
+         ratios(dec, "efta_stored_step", "efta_correct"), "report")
     line("prefill time efta_pasa / efta_correct (fp16)", ratios(pre, "efta_pasa", "efta_correct"), "report")
     line("prefill time pasa_fp16 / pasa_off (fp16 vs fp32 state)", ratios(pre, "pasa_fp16", "pasa_off"), "report")
     line("speed-up efta_correct over decoupled", ratios(pre + dec, "decoupled", "efta_correct"), ">= 5 everywhere")
@@ -461,7 +492,7 @@ def main(argv=None) -> int:
                 print_shape(rows)
                 for r in rows:
                     w.writerow({k: r.get(k, "") for k in FIELDS})
-                    if r["variant"] in ("efta_detect", "efta_correct", "efta_pasa"):
+                    if r["variant"] in CHECKED:
                         fp_total += r["detected_clean"]
                         calls_total += r["calls"]
                 f.flush()
@@ -479,7 +510,7 @@ def main(argv=None) -> int:
             if sel:
                 xf = gmean([r["x_vs_flash"] for r in sel])
                 xo = gmean([r["x_vs_ours_off"] for r in sel])
-                print(f"{kind:7s} {variant:13s} time vs sdpa_flash x{xf:.2f}, vs ours_off x{xo:.2f} "
+                print(f"{kind:7s} {variant:16s} time vs sdpa_flash x{xf:.2f}, vs ours_off x{xo:.2f} "
                       f"(geomean over {len(sel)} shapes)")
     targets(all_rows)
     print(f"false positives on clean inputs (EFTA variants): {fp_total} detections in {calls_total} calls")

@@ -20,6 +20,10 @@ Variants, measured side by side on the same model object in one run:
   the cost of the wrappers alone
 * ``full_per_layer`` — (optional) ``full`` with one checked launch per Linear layer
   (``override(siblings=False)``: Q/K/V and gate/up not in one launch, `ft_transformers.siblings`)
+* ``attn_only_kv`` — (optional) ``attn_only`` decoding on a KV cache whose checksum tables are made as
+  tokens enter it (`ft_transformers.kv_checksums.track_kv_cache` on a fresh ``DynamicCache`` per
+  generation) instead of per call; prefill as ``attn_only``. Under ``--compile`` the cache is static and
+  updated inside the compiled step, where the tables are not kept: it then measures ``attn_only``
 
 Workloads: prefill of S tokens at batch 1 (``--prefill``, default 1k 4k 16k; one forward building the
 KV cache, ``logits_to_keep=1``), and decode of ``--new-tokens`` tokens (default 128) at batch 1 and 16
@@ -81,16 +85,17 @@ from pathlib import Path
 
 import torch
 from ft_transformers.kernels.options import override
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import ft_transformers as ftt
+from ft_transformers.kv_checksums import track_kv_cache
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import environment, fixed_length  # noqa: E402
 
 MODELS = ("gpt2", "qwen2-0.5b", "qwen2-1.5b", "smollm2")
 VARIANTS = ("sdpa", "efta_off", "attn_only", "full")
-ALL_VARIANTS = (*VARIANTS, "full_off", "full_per_layer")
+ALL_VARIANTS = (*VARIANTS, "full_off", "full_per_layer", "attn_only_kv")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BASELINE = "sdpa"
 
@@ -104,6 +109,7 @@ def variant_config(variant: str) -> ftt.FTConfig | None:
         "full": ftt.FTConfig(),
         "full_off": ftt.FTConfig(detect=False, correct=False),
         "full_per_layer": ftt.FTConfig(),
+        "attn_only_kv": ftt.FTConfig(linear=False),
     }[variant]
 
 
@@ -173,6 +179,7 @@ def set_variant(model, variant: str, compiled: bool = False) -> None:
         if "_compiled_call" in model.__dict__:
             del model._compiled_call
     ftt.disable_fault_tolerance(model)
+    model._bench_kv_tables = variant == "attn_only_kv"  # read by `_workload_calls`
     if model.config._attn_implementation != "sdpa":
         model.set_attn_implementation("sdpa")
     cfg = variant_config(variant)
@@ -322,10 +329,13 @@ def _workload_calls(model, wl: Workload, device: torch.device, timer: Timer, voc
 
         def run() -> None:
             clock.reset()
+            kw = dict(gen_kwargs or {})
+            if getattr(model, "_bench_kv_tables", False) and "cache_implementation" not in kw:
+                kw["past_key_values"] = track_kv_cache(DynamicCache(config=model.config))
             with torch.inference_mode():
                 model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=wl.new_tokens,
                                min_new_tokens=wl.new_tokens, do_sample=False,
-                               stopping_criteria=StoppingCriteriaList([clock]), **(gen_kwargs or {}))
+                               stopping_criteria=StoppingCriteriaList([clock]), **kw)
 
         def sample() -> float:  # ms per decoded token of one generation
             run()
