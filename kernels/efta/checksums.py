@@ -212,7 +212,7 @@ def _fold_parts(z):
     return f
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["j0", "nbt"])  # (one kernel whatever the block range and count)
 def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, KC2, skb, skh, skn, skd, svb, svh, svn, svd, Hkv, N, D,
                     scale, diag, off, diag_last, off_last, j0, nbt,
                     BLOCK_D: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr, INTERP: tl.constexpr,
@@ -265,7 +265,7 @@ def _efta_checksums(K, V, KC, VC, KA, VA, SC, KS, KC2, skb, skh, skn, skd, svb, 
                  K.dtype.element_ty, V.dtype.element_ty, BLOCK_D, PARTS, SCALE_CS, BLOCK_N, KC2_OUT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nbt", "start", "end"])  # (one kernel for every step of a decode)
 def _efta_checksums_append(K, V, KC, VC, KA, VA, SC, KC2, MK, MV, skb, skh, skn, skd, svb, svh, svn, svd, Hkv,
                            D, nbt, start, end, BLOCK_D: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
                            INTERP: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
