@@ -37,7 +37,8 @@ import torch
 from .efta_reference.stored import ReferenceTables
 from .kernels.contract import site_shape
 
-__all__ = ["KVChecksums", "flip_kv_cache", "kv_checksums_of", "track_kv_cache", "untrack_kv_cache"]
+__all__ = ["KVChecksums", "flip_kv_cache", "kv_checksums_of", "track_forward_cache", "track_kv_cache",
+           "untrack_kv_cache"]
 
 _TAG = "_ftt_kv"  # attribute of a cache layer and of the key tensor its update returned
 _FORMS = ("auto", "triton", "reference")
@@ -105,6 +106,11 @@ class KVChecksums:
         end = start + count
         N = keys.shape[2]
         layout = (keys.shape[0], keys.shape[1], keys.shape[3], keys.dtype, keys.device)
+        if count == 0:  # nothing written: the same cache (a new tensor, maybe)
+            if self._valid and start == self.n and layout == self._layout and N == self._stamp[4][2]:
+                self.restamp(keys, values)
+                return True
+            return False
         try:
             if self._valid and start == self.n and layout == self._layout and end <= N:
                 self._impl.append(keys, values, start, count)
@@ -217,6 +223,8 @@ def track_kv_cache(cache: Any, backend: str = "auto") -> Any:
     """
     if backend not in _FORMS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, _FORMS))}, got {backend!r}")
+    if torch.compiler.is_compiling():  # (a compiled forward's caches are updated untracked anyway)
+        return cache
     for part in ("self_attention_cache", "cross_attention_cache"):
         sub = getattr(cache, part, None)
         if sub is not None:
@@ -227,6 +235,18 @@ def track_kv_cache(cache: Any, backend: str = "auto") -> Any:
     cache._ftt_tracking = tracking
     cache.update = functools.partial(_tracked_update, cache, tracking)
     return cache
+
+
+def track_forward_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """A forward pre-hook (``register_forward_pre_hook(track_forward_cache, with_kwargs=True)`` on a
+    model): tracks the cache the forward is given (`track_kv_cache`; the keyword ``cache``, or
+    ``past_key_values`` in transformers releases before the rename), so that ``generate`` decodes on
+    stored tables."""
+    cache = kwargs.get("cache")
+    if cache is None:
+        cache = kwargs.get("past_key_values")
+    if cache is not None and hasattr(cache, "update"):
+        track_kv_cache(cache)
 
 
 def untrack_kv_cache(cache: Any) -> Any:
