@@ -12,7 +12,9 @@ Three parts, each optional:
    MiniLM fits in a device call: ``python -c "from ft_transformers.embedded import minilm_dir;
    from transformers import AutoModel as A; A.from_pretrained(minilm_dir(), dtype='float16')
    .save_pretrained('.gpucarry/minilm')"`` plus its tokenizer files.)
-3. **Injections** (``--n`` per row): at each attention site (``--sites``, default all), single bit flips
+3. **Injections** (``--n`` per row): at each attention site (``--sites``, default all, ``attn.kv_cache``
+   included: a stored K or V entry flipped before the call, the protected call reading the cache's
+   stored checksum tables made before the flip), single bit flips
    either at fixed bits (``--bits``) or at a random bit of a class (``--classes sign,exponent,mantissa``
    of the value's storage format at the site: bit 31, bits 23–30, bits 0–22 of fp32; bit 15, bits
    10–14, bits 0–9 of fp16; bit 15, bits 7–14, bits 0–6 of bf16 — ``attn.probs_lp`` is stored in the
@@ -49,11 +51,12 @@ import time
 import zlib
 
 import torch
-from ft_transformers.kernels.contract import ATTENTION_SITES, site_dtype
+from ft_transformers.kernels.contract import ATTENTION_SITES, CACHE_SITES, site_dtype
 from tqdm import tqdm
 
 from ft_transformers.efta import efta_attention
 from ft_transformers.injection import FaultPlan, FaultSpec
+from ft_transformers.kv_checksums import KVChecksums
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import device_label, versions  # noqa: E402
@@ -168,7 +171,7 @@ def injections(args, shape, causal, dtype, device) -> tuple[list[dict], float]:
     if st["detected"]:
         raise RuntimeError(f"the clean reference call raised events: {dict(st)}")
     ctol = _maxdiff(clean, _float64_attention(q, k, v, causal))
-    sites = args.sites.split(",") if args.sites else list(ATTENTION_SITES)
+    sites = args.sites.split(",") if args.sites else list(ATTENTION_SITES + CACHE_SITES)
     plan_rows = [(site, label, lo_hi) for site in sites for label, lo_hi in _site_bits(site, dtype, args)]
     rows = []
     bar = tqdm(total=len(plan_rows) * args.n, desc="injections", disable=args.no_progress)
@@ -181,8 +184,18 @@ def injections(args, shape, causal, dtype, device) -> tuple[list[dict], float]:
             spec = FaultSpec(site=site, bit=bit, seed=seed)
             plan = FaultPlan(spec)
             with torch.no_grad():
-                out, st = efta_attention(q, k, v, causal=causal, inject=plan, backend=args.backend)
-                bare, _ = efta_attention(q, k, v, causal=causal, inject=spec, detect=False, backend=args.backend)
+                if site in CACHE_SITES:  # flips k or v in place: each call on its own copy, the protected one
+                    # with the cache's stored tables (made before the flip, as when the tokens entered it)
+                    kp, vp = k.clone(), v.clone()
+                    kvc = KVChecksums(args.backend)
+                    kvc.extend(kp, vp, 0, kp.shape[2])
+                    out, st = efta_attention(q, kp, vp, causal=causal, inject=plan, backend=args.backend,
+                                             kv_checksums=kvc)
+                    bare, _ = efta_attention(q, k.clone(), v.clone(), causal=causal, inject=spec, detect=False,
+                                             backend=args.backend)
+                else:
+                    out, st = efta_attention(q, k, v, causal=causal, inject=plan, backend=args.backend)
+                    bare, _ = efta_attention(q, k, v, causal=causal, inject=spec, detect=False, backend=args.backend)
             if plan.injected != 1:
                 raise RuntimeError(f"expected one flip, got {plan.injected} ({site}, bit {bit}, seed {seed})")
             d = st["detected"] > 0
@@ -226,8 +239,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.n, args.clean_calls, args.shape = QUICK["n"], QUICK["clean_calls"], QUICK["shape"]
-    if args.sites and not set(args.sites.split(",")) <= set(ATTENTION_SITES):
-        ap.error(f"--sites: choose among {', '.join(ATTENTION_SITES)}")
+    if args.sites and not set(args.sites.split(",")) <= set(ATTENTION_SITES + CACHE_SITES):
+        ap.error(f"--sites: choose among {', '.join(ATTENTION_SITES + CACHE_SITES)}")
     shape = tuple(int(x) for x in args.shape.split(","))
     if len(shape) != 6:
         ap.error("--shape needs six integers B,Hq,Hkv,M,N,D")
