@@ -16,7 +16,9 @@ by a closure of its parallel style (``TensorParallelLayer.install_forward``'s ``
 Protection replaces step 3 only (`tp_forward_of`, `with_inner_forward`): the checked GEMM runs on the local
 shard with the local input, so a rowwise partial product is verified on the rank that computed it, before
 the all-reduce mixes it with the other ranks'. Attention needs nothing: the attention module reshapes the
-colwise projections into its local heads, and EFTA runs on those.
+colwise projections into its local heads, and EFTA runs on those. The one-launch sibling GEMMs
+(`ft_transformers.siblings`) read the same local shards, for the members whose shards hold whole rows of
+their weight (`whole_rows`: colwise).
 
 The rest is what reports need: this process's `rank` and an all-gather of picklable objects (`gather`),
 called only when a report over every rank is asked for, never on the hot path.
@@ -24,13 +26,15 @@ called only when a report over every rank is asked for, never on the hot path.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["gather", "is_sharded", "local_shard", "rank", "tp_forward_of", "with_inner_forward", "world_size"]
+__all__ = ["gather", "is_sharded", "local_shard", "rank", "tp_forward_of", "whole_rows", "with_inner_forward",
+           "world_size"]
 
 # The name under which transformers' TP forward holds the module's own forward (its closure variable).
 _INNER = "original_forward"
@@ -63,6 +67,7 @@ def gather(obj: Any) -> list[Any]:
     return out
 
 
+@functools.cache  # (read on every protected call of a sharded model)
 def _dtensor_type() -> type | None:
     if not torch.distributed.is_available():
         return None
@@ -96,6 +101,19 @@ def local_shard(t: torch.Tensor | None) -> torch.Tensor | None:
             and base.data_ptr() == t.data_ptr()):
         return base
     return t
+
+
+def whole_rows(t: torch.Tensor | None) -> bool:
+    """Whether this rank's shard of ``t`` is a block of whole rows of it: a plain tensor (or None), or a
+    ``DTensor`` split along dim 0 only (``Shard(0)`` on every dimension of its mesh).
+
+    A colwise Linear's weight (N, K) and bias (N,) are: transformers' colwise forward hands the module's own
+    forward exactly these local shards, bias included, so a product computed from them outside that forward
+    is the one the forward computes. A rowwise weight (``Shard(1)``, its bias hidden during the call) or a
+    replicated one is not."""
+    if not is_sharded(t):
+        return True
+    return all(p.is_shard() and p.dim % t.dim() == 0 for p in t.placements)
 
 
 def tp_forward_of(module: torch.nn.Module) -> Callable | None:

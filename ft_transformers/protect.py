@@ -283,7 +283,8 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
         raise TypeError(f"config must be an FTConfig, got {type(config).__name__}")
     adapter = discover(model, require_attention=config.attention)
     config._check_layers({adapter.layer_of(name) for name, _ in model.named_modules()} - {-1})
-    tensor_parallel = config.linear and _tensor_parallel(model, adapter)
+    if config.linear:
+        _check_tensor_parallel(model, adapter)
     original_attn = None
     if getattr(model, _STATE_ATTR, None) is not None:
         original_attn = _state(model).original_attn
@@ -316,8 +317,7 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
         module._ftt = ctx
         state.contexts.append(ctx)
     if config.linear:
-        if not tensor_parallel:  # (a parent's sibling launch would read the members' DTensor weights)
-            state.patched += install_siblings(model, adapter, _install_forward)
+        state.patched += install_siblings(model, adapter, _install_forward)  # (on local shards under TP)
         state.unchecked = {n: why for n, why in adapter.unchecked.items() if in_scope(adapter.layer_of(n))}
         warn_unchecked(state.unchecked)
     # its `_states` entries go when protection is disabled, or with the model if it is dropped protected
@@ -329,12 +329,10 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
     return model
 
 
-def _tensor_parallel(model: torch.nn.Module, adapter) -> bool:
-    """Whether transformers' tensor parallelism shards a Linear of ``model`` (its parameters are DTensors).
-
-    Raises ValueError, before anything is changed, for a sharded layer that does not run through
-    transformers' TP forward (`distributed.tp_forward_of`): nothing would hand the checked GEMM local shards."""
-    sharded = False
+def _check_tensor_parallel(model: torch.nn.Module, adapter) -> None:
+    """Raise ValueError, before anything is changed, for a Linear of ``model`` that holds DTensor parameters
+    but does not run through transformers' TP forward (`distributed.tp_forward_of`): nothing would hand the
+    checked GEMM local shards."""
     for name, module in model.named_modules():
         layout = adapter.linear_layout(module)
         if layout is None or not any(is_sharded(p) for p in module.parameters(recurse=False)):
@@ -344,8 +342,6 @@ def _tensor_parallel(model: torch.nn.Module, adapter) -> bool:
                 f"{name} ({type(module).__name__}) holds DTensor parameters but does not run through "
                 "transformers' tensor-parallel forward (from_pretrained with tp_plan): protection checks each "
                 "rank's local shard inside that forward and supports no other sharding")
-        sharded = True
-    return sharded
 
 
 def _install_forward(module: torch.nn.Module, fn, swap: type | None = None) -> None:

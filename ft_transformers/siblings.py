@@ -16,6 +16,14 @@ own checked GEMM otherwise. ``torch.compile`` traces through this (the group is 
 ``SIBLINGS_MAX_ROWS`` rows — prefill —, fp32, CPU, autocast, grad, active fault injection, non-finite
 weights) run each sibling as before.
 
+Under transformers' tensor parallelism the members are this rank's colwise shards: each member's TP forward
+hands its own forward the replicated input unchanged and its parameters swapped for their local shards,
+and keeps the output local (`ft_transformers.distributed`). The group then reads the members' local shards
+(`distributed.local_shard`; its sizes are the local row counts), so the slice a member receives is what
+its own checked forward on its shard would return, and transformers' closure finishes it as before. A
+member whose shard does not hold whole rows of its weight (rowwise, replicated: `distributed.whole_rows`)
+keeps the parent out of the grouping.
+
 ``Options.siblings`` off (``FTT_SIBLINGS=0``, read by `enable_fault_tolerance`) leaves the parents alone: one
 launch per layer.
 """
@@ -32,6 +40,7 @@ import torch
 from ._states import CACHE_OWNERS as _CACHE_OWNERS
 from ._states import GROUPS, KEYS, STATES, STATIC, static_of, step_block
 from .checked_linear import _TRITON_FAILED, _autocast_dtype, _checked_linear_forward
+from .distributed import is_sharded, local_shard, whole_rows
 from .events import EventRecorder
 from .kernels.options import options
 from .vabft import gemm_emax, weight_checksums
@@ -59,10 +68,11 @@ class _SiblingStatic(NamedTuple):
     names: tuple[str, ...]  # the layers' attribute names on the parent, in output order
     arg: str  # the parent forward's name for the shared input ("hidden_states", "x")
     k: int  # in_features
-    sizes: tuple[int, ...]  # out_features of each layer
+    sizes: tuple[int, ...]  # out_features of each layer (of its local shard under tensor parallelism)
     state_key: int  # the model's `_states.STATES` key
     max_rows: int  # the kernel's row limit (`abft_gemm.SIBLINGS_MAX_ROWS`)
     on_cpu: bool  # run on CPU too (tests, under the interpreter)
+    sharded: bool  # a layer's parameters are DTensors: read their local shards
 
 
 class _SiblingGroup:
@@ -81,9 +91,24 @@ class _SiblingGroup:
         self.pending: tuple[torch.Tensor, Sequence[torch.Tensor]] | None = None
 
 
-def _eligible(gs: _SiblingStatic, x: object, members: Sequence[torch.nn.Module]) -> bool:
-    """Whether this call of the parent runs its siblings in one launch (host metadata only)."""
+def _parameters(gs: _SiblingStatic, members: Sequence[torch.nn.Module]
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The members' weights (N_i, K) and their biases (N_i,) (empty without), as each member's own checked
+    forward reads them: on a sharded model this rank's local shards, which transformers' colwise forward
+    swaps in for the call (the same tensors, so the same weight-checksum cache entries)."""
+    if not gs.sharded:
+        return [m.weight for m in members], [m.bias for m in members if m.bias is not None]
+    return ([local_shard(m.weight) for m in members],
+            [local_shard(m.bias) for m in members if m.bias is not None])
+
+
+def _eligible(gs: _SiblingStatic, x: object, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether this call of the parent runs its siblings in one launch (host metadata only); ``weights``
+    from `_parameters`."""
     if STATES[gs.state_key].active_faults or not isinstance(x, torch.Tensor):
+        return False
+    if gs.sharded and torch.is_grad_enabled():
+        # transformers' colwise forward passes the input on unchanged, with local shards, only with grad off
         return False
     dev = x.device
     if not (dev.type == "cuda" or gs.on_cpu):
@@ -93,18 +118,17 @@ def _eligible(gs: _SiblingStatic, x: object, members: Sequence[torch.nn.Module])
     rows = x.numel() // gs.k
     if not 0 < rows <= gs.max_rows or _autocast_dtype(dev.type) is not None:
         return False
-    ws = [m.weight for m in members]
-    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)):
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
-    return all(w.dtype == x.dtype and w.device == dev for w in ws)
+    return all(w.dtype == x.dtype and w.device == dev for w in weights)
 
 
-def _outputs(gs: _SiblingStatic, x: torch.Tensor, members: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
-    """The members' outputs for input x (..., K): views (..., N_i) of one (..., ΣN_i) tensor."""
+def _outputs(gs: _SiblingStatic, x: torch.Tensor, members: Sequence[torch.nn.Module],
+             weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The members' outputs for input x (..., K): views (..., N_i) of one (..., ΣN_i) tensor; ``weights``
+    (N_i, K) and ``biases`` (N_i,) from `_parameters`."""
     cfg = STATES[gs.state_key].config
     sts = [static_of(m._ftt.key) for m in members]
-    weights = [m.weight for m in members]
-    biases = [m.bias for m in members if m.bias is not None]
     correct = sts[0].correct
     if torch.compiler.is_compiling():
         y = torch.ops.ftt.checked_linear_siblings(
@@ -183,10 +207,11 @@ def _parent_forward(self: torch.nn.Module, inner, args: tuple, kwargs: dict):
     gs = static_of(key)
     x = kwargs[gs.arg] if gs.arg in kwargs else (args[0] if args else None)
     members = [getattr(self, n) for n in gs.names]
-    if not _eligible(gs, x, members):
+    weights, biases = _parameters(gs, members)
+    if not _eligible(gs, x, weights):
         return inner(*args, **kwargs)
     grp = GROUPS[key]
-    grp.pending = (x, _outputs(gs, x, members))
+    grp.pending = (x, _outputs(gs, x, members, weights, biases))
     try:
         return inner(*args, **kwargs)
     finally:
@@ -229,7 +254,11 @@ def _parent_class(base: type) -> type:
 def install_siblings(model: torch.nn.Module, adapter, install_forward) -> list[torch.nn.Module]:
     """Give the parents named by ``adapter.siblings`` whose members are all protected ``nn.Linear``
     layers (same settings, same in_features) the sibling forward; returns the parents patched.
-    ``install_forward(module, fn, swap)`` installs it (`protect._install_forward`)."""
+    ``install_forward(module, fn, swap)`` installs it (`protect._install_forward`).
+
+    Under tensor parallelism sizes and in_features are those of the members' local shards, and a parent
+    takes part only if every member's shard holds whole rows of its weight and bias (colwise:
+    `distributed.whole_rows`)."""
     G = _kernels()
     if not adapter.siblings or not options().siblings or G is None:
         return []
@@ -245,12 +274,17 @@ def install_siblings(model: torch.nn.Module, adapter, install_forward) -> list[t
         if any(not isinstance(m, torch.nn.Linear) or c is None or not c.detect or c.layout != "nk" for m, c in
                zip(members, ctxs)):
             continue
-        if len({m.weight.shape[1] for m in members}) != 1 or len({c.correct for c in ctxs}) != 1:
+        params = [t for m in members for t in (m.weight, m.bias)]
+        if not all(whole_rows(t) for t in params):
+            continue
+        weights = [local_shard(m.weight) for m in members]
+        if len({w.shape[1] for w in weights}) != 1 or len({c.correct for c in ctxs}) != 1:
             continue
         key = next(KEYS)
-        STATIC[key] = _SiblingStatic(tuple(names), arg, int(members[0].weight.shape[1]),
-                                     tuple(int(m.weight.shape[0]) for m in members), ctxs[0].state_key,
-                                     G.SIBLINGS_MAX_ROWS, _ON_CPU and G.interpreting())
+        STATIC[key] = _SiblingStatic(tuple(names), arg, int(weights[0].shape[1]),
+                                     tuple(int(w.shape[0]) for w in weights), ctxs[0].state_key,
+                                     G.SIBLINGS_MAX_ROWS, _ON_CPU and G.interpreting(),
+                                     any(is_sharded(t) for t in params))
         GROUPS[key] = _SiblingGroup()
         for i, c in enumerate(ctxs):
             c.sibling_key, c.sibling_index = key, i

@@ -19,6 +19,10 @@ shards, colwise / rowwise Linear layers, each rank's attention heads) and then:
 4. times prefill (``--prompt`` tokens, one forward) and decode (ms per token over ``--new-tokens``) for both
    variants (CUDA events), and reads the peak GPU memory of every rank.
 
+``--per-layer`` adds a third variant, protected with one checked launch per Linear (``Options.siblings``
+off): the A/B of the one-launch Q/K/V and gate/up GEMMs (`ft_transformers.siblings`, on each rank's colwise
+shards), in the same process. They take calls of up to 16 rows, so decode steps, not a long prefill.
+
 Rank 0 writes ``tp_check_<model>_<dtype>_tp<N>.json`` and ``.md`` to ``--out`` and prints progress; the exit
 status is 1 when a check fails.
 
@@ -37,6 +41,9 @@ more than its shards, and the 72B model's ~145 GB are never written to disk.
         --reference tp_out/tp_check_qwen2-7b_float16_tp1.json
     # Qwen2-72B dims (no single GPU holds them: no reference)
     torchrun --nproc-per-node 4 scripts/tp_check.py --model qwen2-72b --prompt 4096 --out tp_out
+    # the same with the sibling launches' A/B (a third, per-layer protected variant)
+    torchrun --nproc-per-node 2 scripts/tp_check.py --model qwen2-7b --per-layer --out tp_out \\
+        --reference tp_out/tp_check_qwen2-7b_float16_tp1.json
     # CPU plumbing (gloo), tiny shapes
     python scripts/tp_check.py --tiny --device cpu --out /tmp/tp
     torchrun --nproc-per-node 2 scripts/tp_check.py --tiny --device cpu --out /tmp/tp \\
@@ -62,11 +69,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import device_label, fixed_length, versions  # noqa: E402
 from bench_generate import Timer, Workload, model_config, run_workload  # noqa: E402
 from ft_transformers.kernels.contract import KINDS  # noqa: E402
+from ft_transformers.kernels.options import override  # noqa: E402
 
 import ft_transformers as ftt  # noqa: E402
 from ft_transformers.distributed import gather, is_sharded, local_shard, rank, world_size  # noqa: E402
 
 MODELS = ("qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "qwen2-72b")
+PER_LAYER = "protected_per_layer"  # the variant of --per-layer
 TOPK = 8  # logits kept per generation step for the comparison with another run
 _M32 = 0xFFFFFFFF
 _T0 = time.perf_counter()
@@ -94,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing each workload")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per workload (median)")
     p.add_argument("--no-timing", action="store_true", help="skip the timed workloads")
+    p.add_argument("--per-layer", action="store_true", help="also run the protected model with one checked "
+                   "launch per Linear (the sibling launches off)")
     p.add_argument("--reference", type=Path, default=None, help="the JSON of an unsharded (tp = 1) run")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompt")
     p.add_argument("--weight-std", type=float, default=None,
@@ -345,6 +356,9 @@ def checks_of(result: dict) -> dict[str, bool]:
     checks = {}
     prot = result["variants"]["protected"]
     checks["0 events when clean"] = sum(prot["clean_events"]["totals"].values()) == 0
+    per_layer = result["variants"].get(PER_LAYER)
+    if per_layer is not None:
+        checks["0 events when clean, one launch per layer"] = sum(per_layer["clean_events"]["totals"].values()) == 0
     cmp = result.get("comparison", {}).get("protected")
     if cmp is not None:
         checks["protected tokens = unsharded protected (or a near-tie)"] = cmp["verdict"] in (
@@ -375,7 +389,7 @@ def markdown(result: dict, reference: dict | None) -> str:
              f"device: {result['device']} × {tp}; " + ", ".join(f"{k} {x}" for k, x in result["versions"].items()),
              f"prompt {result['prompt']} tokens, {result['new_tokens']} generated; weights per rank "
              f"{max(result['weights_mib_per_rank']):.1f} MiB; one-launch sibling GEMMs "
-             f"{'on' if result['siblings'] else 'off'}", ""]
+             f"{'on' if result['siblings'] else 'off'} ({result.get('sibling_groups', 0)} groups per rank)", ""]
     if "timing" in v["protected"]:
         ref_t = (reference or {}).get("variants", {})
         lines += ["| workload | unprotected ms | protected ms | protected / unprotected | same ratio at tp = 1 "
@@ -391,6 +405,13 @@ def markdown(result: dict, reference: dict | None) -> str:
             peaks = " / ".join(", ".join(f"{x:.0f}" for x in t["peak_mib_per_rank"]) for t in (u, p))
             lines.append(f"| {kind} ({unit}) | {u['ms']:.3f} | {p['ms']:.3f} | {ratio:.3f} | {r1} | {diff} "
                          f"| {peaks} |")
+        if "timing" in v.get(PER_LAYER, {}):
+            lines.append("")
+            for kind, unit in (("prefill", "per forward"), ("decode", "per token")):
+                u, p, q = (v[n]["timing"][kind]["ms"] for n in ("unprotected", "protected", PER_LAYER))
+                lines.append(f"- {kind} ({unit}), protected with one launch per layer (sibling launches off): "
+                             f"{q:.3f} ms, {q / u:.3f} of unprotected; one launch per group / per layer "
+                             f"{p / q:.3f}")
         if reference is not None:
             lines.append(f"\ntp = 1: {reference['device']}, one-launch sibling GEMMs "
                          f"{'on' if reference.get('siblings') else 'off'}")
@@ -400,9 +421,14 @@ def markdown(result: dict, reference: dict | None) -> str:
                      + (f" (first difference at token {cmp['first_diff']}, reference margin "
                         f"{cmp['margin_at_diff']:.4g})" if cmp["first_diff"] is not None else "")
                      + f", max |Δlogit| {cmp['max_dlogit']:.3g} ({cmp['rel_dlogit']:.2g} of the largest logit)")
-    ce = v["protected"]["clean_events"]
-    lines.append(f"- clean protected runs: {sum(ce['totals'].values())} events over {ce['calls']} model calls "
-                 f"on {tp} rank(s)")
+    for name, label in (("protected", "protected runs"), (PER_LAYER, "protected runs with one launch per layer")):
+        if name in v:
+            ce = v[name]["clean_events"]
+            lines.append(f"- clean {label}: {sum(ce['totals'].values())} events over {ce['calls']} model calls "
+                         f"on {tp} rank(s)")
+    if PER_LAYER in v:
+        same = v[PER_LAYER]["tokens"] == v["protected"]["tokens"]
+        lines.append(f"- tokens with one launch per layer {'=' if same else '≠'} tokens with the sibling launches")
     for arm, runs in result["injection"].items():
         for inj in runs:
             ev = "; ".join(f"rank {r}: " + (", ".join(f"{n} {k}" for k, n in t.items() if n) or "none")
@@ -455,9 +481,16 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {"unprotected": variant(model, args, device, ids, cfg, "unprotected")}
     ftt.enable_fault_tolerance(model, ftt.FTConfig())
-    # the one-launch Q/K/V and gate/up GEMMs (`ft_transformers.siblings`): CUDA, unsharded models only
-    siblings = device.type == "cuda" and any("_ftt_sibling_key" in m.__dict__ for m in model.modules())
+    # the one-launch Q/K/V and gate/up GEMMs (`ft_transformers.siblings`, on each rank's colwise shards): groups
+    # of fp16/bf16 calls of up to 16 rows on CUDA
+    groups = sum("_ftt_sibling_key" in m.__dict__ for m in model.modules())
+    siblings = device.type == "cuda" and args.dtype != "float32" and groups > 0
     results["protected"] = variant(model, args, device, ids, cfg, "protected")
+    if args.per_layer:
+        with override(siblings=False):  # (read when protection is enabled)
+            ftt.enable_fault_tolerance(model, ftt.FTConfig())
+        results[PER_LAYER] = variant(model, args, device, ids, cfg, "protected, one launch per layer")
+        ftt.enable_fault_tolerance(model, ftt.FTConfig())
 
     block = (cfg.num_hidden_layers - 1) // 2  # (with two layers the first: the last one's flips reach no later layer)
     linear = f"model.layers.{block}.mlp.down_proj"
@@ -483,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         del r["_logits"]
     result = {"model": args.model, "tiny": args.tiny, "dtype": args.dtype, "tp": n, "prompt": args.prompt,
               "new_tokens": args.new_tokens, "seed": args.seed, "weight_std": args.weight_std,
-              "siblings": siblings, "device": device_label(device),
+              "siblings": siblings, "sibling_groups": groups, "device": device_label(device),
               "versions": versions(), "weights_mib_per_rank": gather(weights), "variants": results,
               "injection": injection, "comparison": comparison,
               "reference": str(args.reference) if args.reference else None}

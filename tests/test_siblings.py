@@ -211,6 +211,28 @@ def test_model_siblings_generate_like_one_call_per_layer(family, monkeypatch):
     assert all("forward" not in m.__dict__ and "_ftt_sibling_key" not in m.__dict__ for m in model.modules())
 
 
+def test_model_sibling_groups_read_what_each_member_reads(monkeypatch):
+    """Unsharded, a group is sized by its members' weights and reads their own parameter objects (the
+    tensors their own calls read, so one weight-checksum cache entry each); a group over tensor-parallel
+    shards (``sharded``, `test_tensor_parallel` runs them) steps aside in grad mode, where transformers'
+    colwise forward would hand its members DTensors instead of the parent's input."""
+    model = _protected("qwen2", monkeypatch).requires_grad_(False)
+    attn = model.model.layers[0].self_attn
+    gs = S.static_of(attn._ftt_sibling_key)
+    members = [attn.q_proj, attn.k_proj, attn.v_proj]
+    assert gs.names == ("q_proj", "k_proj", "v_proj") and not gs.sharded
+    assert gs.sizes == (128, 64, 64) and gs.k == 128  # tiny qwen2: 4 heads, 2 KV heads of 32
+    weights, biases = S._parameters(gs, members)
+    assert all(w is m.weight for w, m in zip(weights, members))
+    assert len(biases) == 3 and all(b is m.bias for b, m in zip(biases, members))
+    x = torch.zeros((1, 2, 128), dtype=torch.float16, device=DEV)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            assert S._eligible(gs, x, weights)
+            assert S._eligible(gs._replace(sharded=True), x, weights) is not grad
+    assert not S._eligible(gs, x[..., :64], weights)  # another width than the group's in_features
+
+
 def test_model_sibling_events_stay_with_their_layer(monkeypatch):
     """A failing check in k_proj's columns of the fused launch is reported for k_proj of that block,
     as k_proj's own call would report it (here: a corrupted group checksum of its weight)."""
