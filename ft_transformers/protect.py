@@ -40,6 +40,8 @@ from .config import FTConfig
 from .distributed import gather, is_sharded, local_shard, tp_forward_of, with_inner_forward
 from .events import EventRecorder, FTReport, ModuleSlot
 from .injection import FaultPlan, FaultSpec, check_ranks, derive_seed
+from .kernels.options import options
+from .kv_checksums import track_forward_cache
 from .siblings import install_siblings, sibling_output
 
 _STATE_ATTR = "_ftt_state"
@@ -325,8 +327,21 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
     state.recorder.prepare({p.device for p in model.parameters()} | {b.device for b in model.buffers()})
     state.hooks.append(model.register_forward_hook(lambda *_: state.recorder.end_step()))
     state.hooks.append(_watch_bypass(model, state))  # attention leaving EFTA, modules swapped out
+    if config.attention and config.detect and _kv_tables(model):
+        # the caches generate hands the model keep EFTA's checksum tables, made as tokens enter them
+        state.hooks.append(model.register_forward_pre_hook(track_forward_cache, with_kwargs=True))
     setattr(model, _STATE_ATTR, state)
     return model
+
+
+def _kv_tables(model: torch.nn.Module) -> bool:
+    """Whether a protected ``model``'s KV caches keep stored checksum tables (`Options.kv_tables`; auto:
+    models on the CPU, where the tables' path is tested end to end. On a GPU they are opt-in,
+    ``FTT_KV_TABLES=1``, until their GPU tests and timings have run)."""
+    forced = options().kv_tables
+    if forced is not None:
+        return forced
+    return all(p.device.type == "cpu" for p in model.parameters())
 
 
 def _check_tensor_parallel(model: torch.nn.Module, adapter) -> None:

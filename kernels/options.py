@@ -27,6 +27,8 @@ variable                           field                        meaning
 ``FTT_ABFT_GEMM_SPLIT=n``          ``gemm_split``               decode calls split K over n programs
 ``FTT_ABFT_GEMM_PERSISTENT=0/1``   ``gemm_persistent``          never / always the persistent form
 ``FTT_SIBLINGS=0``                 ``siblings``                 one checked launch per Linear, not per group
+``FTT_KV_TABLES=0/1``              ``kv_tables``                a protected model's KV caches keep EFTA's
+                                                                checksum tables: off / on (auto: CPU models)
 ``FTT_TUNE_CACHE=0``               ``tune_cache_dir``           no tuning results kept across processes
 ``FTT_CACHE_DIR=path``             ``tune_cache_dir``           where they are kept (`abft_gemm.tune_store`)
 =================================  ===========================  ============================================
@@ -89,6 +91,7 @@ class Options:
     gemm_split: int | None = None
     gemm_persistent: bool | None = None
     siblings: bool = True
+    kv_tables: bool | None = None  # `ft_transformers.kv_checksums` tracking of a protected model's caches
     tune_cache_dir: str | None = None  # the checked GEMM's tuning store (None: off)
 
     def __post_init__(self) -> None:
@@ -119,7 +122,7 @@ class Options:
         for name, field in (("FTT_EFTA_SPLIT", "efta_split"), ("FTT_ABFT_GEMM_SPLIT", "gemm_split")):
             kw[field] = _count(name, get(name))
         for name, field in (("FTT_EFTA_FOLD", "efta_fold"), ("FTT_ABFT_GEMM_TMA", "gemm_tma"),
-                            ("FTT_ABFT_GEMM_PERSISTENT", "gemm_persistent")):
+                            ("FTT_ABFT_GEMM_PERSISTENT", "gemm_persistent"), ("FTT_KV_TABLES", "kv_tables")):
             kw[field] = _switch(name, get(name))
         for name, field in (("FTT_DIRECT_LAUNCH", "direct_launch"), ("FTT_EFTA_TWO_LAUNCH", "efta_two_launch"),
                             ("FTT_ABFT_GEMM_TUNE", "gemm_tune"), ("FTT_SIBLINGS", "siblings")):

@@ -26,6 +26,7 @@ from interpreted import interpreted_tests
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from ft_transformers.kernels.options import override  # noqa: E402
 from transformers import DynamicCache, EncoderDecoderCache, StaticCache  # noqa: E402
 
 import ft_transformers as ftt  # noqa: E402
@@ -424,10 +425,44 @@ def test_tracked_generate_clean_and_under_a_cache_flip(kind):
     assert log.injected == 1 and torch.equal(out.sequences, eager.sequences)
     steps = sorted({e.step for e in ev})  # the step of the flip (the run's fourth) and the two after it
     assert steps == list(range(steps[0], steps[0] + 3)) and {e.kind for e in ev} == {"detected", "corrected"}
-    ftt.fault_report(model).reset()
+    with override(kv_tables=False):  # protection that leaves generate's cache untracked: tables per call
+        ftt.enable_fault_tolerance(model, ftt.FTConfig(linear=False))
     with ftt.inject_faults(model, spec):  # the same flip with tables made per call: nothing sees it
         _generate(model, ids, None)
     assert not ftt.fault_report(model).events
+
+
+def test_protection_tracks_generate_caches_where_on():
+    """`enable_fault_tolerance` registers the cache-tracking pre-hook (`Options.kv_tables`; auto: CPU
+    models): generate's own cache keeps stored tables that every decode step reads, the tokens are
+    eager's, a stored entry flipped between steps is corrected; switched off, or with the checks off,
+    the cache stays untracked; disabling protection removes the hook."""
+    from tiny_models import make_model
+
+    ids = torch.randint(3, 500, (1, 12), generator=torch.Generator().manual_seed(5))
+    eager = _generate(make_model("llama", attn="eager"), ids, None)
+    model = ftt.enable_fault_tolerance(make_model("llama", attn="efta"), ftt.FTConfig(linear=False))
+    out = _generate(model, ids, None)
+    assert torch.equal(out.sequences, eager.sequences) and not ftt.fault_report(model).events
+    assert all(layer._ftt_kv.stored_calls == 6 and layer._ftt_kv.own_calls == 0  # prefill + 5 steps
+               for layer in out.past_key_values.layers)
+    spec = FaultSpec(site="attn.kv_cache", bit=29, count=1, layers=[1], calls=[2], seed=4)
+    with ftt.inject_faults(model, spec) as log:
+        out = _generate(model, ids, None)
+    kinds = {e.kind for e in ftt.fault_report(model).events}
+    assert log.injected == 1 and kinds == {"detected", "corrected"}
+    assert torch.equal(out.sequences, eager.sequences)
+    for changes, config in (({"kv_tables": False}, ftt.FTConfig(linear=False)),
+                            ({}, ftt.FTConfig(linear=False, detect=False, correct=False))):
+        with override(**changes):
+            ftt.enable_fault_tolerance(model, config)
+        out = _generate(model, ids, None)
+        assert not any(hasattr(layer, "_ftt_kv") for layer in out.past_key_values.layers)
+    with override(kv_tables=True):
+        ftt.enable_fault_tolerance(model, ftt.FTConfig(linear=False))
+    ftt.disable_fault_tolerance(model)
+    out = _generate(model, ids, None)
+    assert not any(hasattr(layer, "_ftt_kv") for layer in out.past_key_values.layers)
 
 
 def test_forward_pre_hook_tracks_generate_cache():
