@@ -21,6 +21,10 @@
 #   generate   scripts/bench_generate.py (end to end, issue 7)
 #   campaign   the issue-5 campaign on the qwen2-0.5b-config model, fp16, Triton paths
 #   falsepos   every attention / Linear call of fp16 generations (GPT-2 124M and Qwen2-0.5B configs)
+#   kvtables   a KV cache's stored checksum tables: their GPU tests, then decode on stored tables against
+#              tables made per call (CUDA graphs, quick shapes)
+#   lmhead     lm_head tightness of the shipped thresholds, fp16 and bf16 (issue 38's 0.05 target)
+#   cublasform the checked GEMM as cuBLAS's fp32-output product plus the group check (Qwen2 layer shapes)
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -96,6 +100,19 @@ run_part() {
         python3 scripts/false_positives.py --calls 0 --skip-models --configs gpt2-124m-config qwen2-0.5b-config \
           --device cuda --dtype $dt --prompts 3 --max-new-tokens 32 --json "$dir/false_positives_$dt.json" 2>&1 | tail -12
       done ;;
+    kvtables)  # stored tables: GPU tests (one forced EFTA config), then decode timings with them and without
+      FTT_EFTA_CONFIG=16,64,4,3 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -x -m gpu -p no:cacheprovider \
+        tests/test_kv_checksums.py 2>&1 | tail -5
+      timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_attention.py --quick --kinds decode --cudagraph --rounds 3 \
+        --out "$dir" 2>&1 | grep --line-buffered -v Warning | tail -30 ;;
+    lmhead)
+      for dt in float16 bfloat16; do
+        timeout 140 python3 scripts/tightness.py --lmhead --device cuda --dtype $dt --flips 1500 --budget 10 --no-plot \
+          --out "$dir/lmhead_$dt" 2>&1 | grep -v Warning | tail -12
+      done ;;
+    cublasform)
+      FTT_ABFT_GEMM_TUNE=0 timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_gemm_cublas_form.py --rounds 3 \
+        --out "$dir/gemm_cublas_form_fp16.csv" 2>&1 | grep --line-buffered -v Warning | tail -40 ;;
     *)
       echo "unknown part $part"; return 2 ;;
   esac
