@@ -26,6 +26,8 @@ variable                           field                        meaning
 ``FTT_ABFT_GEMM_TMA=0/1``          ``gemm_tma``                 tiles through pointers / TMA descriptors
 ``FTT_ABFT_GEMM_SPLIT=n``          ``gemm_split``               decode calls split K over n programs
 ``FTT_ABFT_GEMM_PERSISTENT=0/1``   ``gemm_persistent``          never / always the persistent form
+``FTT_ABFT_GEMM_CUBLAS=0/1``       ``gemm_cublas``              never / always the cuBLAS form (auto: never,
+                                                                until its timings set a rule)
 ``FTT_SIBLINGS=0``                 ``siblings``                 one checked launch per Linear, not per group
 ``FTT_KV_TABLES=0/1``              ``kv_tables``                a protected model's KV caches keep EFTA's
                                                                 checksum tables: off / on (auto: CPU models)
@@ -90,6 +92,7 @@ class Options:
     gemm_tma: bool | None = None
     gemm_split: int | None = None
     gemm_persistent: bool | None = None
+    gemm_cublas: bool | None = None  # the cuBLAS form of the checked GEMM (`abft_gemm.forms.cublas_ok`)
     siblings: bool = True
     kv_tables: bool | None = None  # `ft_transformers.kv_checksums` tracking of a protected model's caches
     tune_cache_dir: str | None = None  # the checked GEMM's tuning store (None: off)
@@ -122,7 +125,8 @@ class Options:
         for name, field in (("FTT_EFTA_SPLIT", "efta_split"), ("FTT_ABFT_GEMM_SPLIT", "gemm_split")):
             kw[field] = _count(name, get(name))
         for name, field in (("FTT_EFTA_FOLD", "efta_fold"), ("FTT_ABFT_GEMM_TMA", "gemm_tma"),
-                            ("FTT_ABFT_GEMM_PERSISTENT", "gemm_persistent"), ("FTT_KV_TABLES", "kv_tables")):
+                            ("FTT_ABFT_GEMM_PERSISTENT", "gemm_persistent"), ("FTT_ABFT_GEMM_CUBLAS", "gemm_cublas"),
+                            ("FTT_KV_TABLES", "kv_tables")):
             kw[field] = _switch(name, get(name))
         for name, field in (("FTT_DIRECT_LAUNCH", "direct_launch"), ("FTT_EFTA_TWO_LAUNCH", "efta_two_launch"),
                             ("FTT_ABFT_GEMM_TUNE", "gemm_tune"), ("FTT_SIBLINGS", "siblings")):

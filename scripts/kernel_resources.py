@@ -126,7 +126,8 @@ GEMM_KERNELS = {"tile": _gemm_kernel, "verify": _group_verify_kernel, "persisten
 GEMM_BASE = {
     "tile": dict(GROUP=gc.GROUP_M, HAS_BIAS=False, DETECT=True, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False,
                  EVEN_K=True, TMA=False, W_KN=False, TMA_STORE=False, SPLIT=False),
-    "verify": dict(HAS_BIAS=False, CORRECT=True, DEBUG=False, DOT_F32=False, SPLIT=False),
+    "verify": dict(HAS_BIAS=False, CORRECT=True, DEBUG=False, DOT_F32=False, SPLIT=False, Y32=False, INJ=False,
+                   VERIFY_OUTPUT=False),
     "persistent": dict(GROUP=gc.GROUP_M, NUM_SMS=132, HAS_BIAS=False, W_KN=False, VERIFY_OUTPUT=False, DOT_F32=False),
     "decode": dict(ROWS=1, HAS_BIAS=False, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
                    CORRECT=True, SPLIT=False, SEGS=1),
@@ -157,6 +158,11 @@ GEMM_VARIANTS = [
     ("verify, 1 slice, IEEE dots, split-K", "verify", "fp32", gc.VERIFY_BLOCK, dict(DOT_F32=True, SPLIT=True)),
     ("verify, 2 slices, detection only", "verify", "fp16", gc.VERIFY_BLOCK, dict(CORRECT=False)),
     ("verify, 3 slices, debug record", "verify", "bf16", gc.VERIFY_BLOCK, dict(DEBUG=True)),
+    # the cuBLAS form's: y made from the fp32 product in the same launch (bias, rounding, injection)
+    ("verify cuBLAS form, 2 slices, split-K, bias", "verify", "fp16", gc.VERIFY_BLOCK,
+     dict(Y32=True, SPLIT=True, HAS_BIAS=True)),
+    ("verify cuBLAS form, 3 slices, injection", "verify", "bf16", gc.VERIFY_BLOCK, dict(Y32=True, INJ=True)),
+    ("verify cuBLAS form, output-side sums", "verify", "fp16", gc.VERIFY_BLOCK, dict(Y32=True, VERIFY_OUTPUT=True)),
     # the persistent GEMM (132 programs: an H100 SXM's SMs)
     ("persistent", "persistent", "fp16", gc.PERSISTENT_CONFIG, {}),
     ("persistent, W (K, N), bias, output-side", "persistent", "bf16", gc.PERSISTENT_CONFIG,

@@ -2,7 +2,9 @@
 
 Every form checks each (row, 64-column group) of y against its own threshold and counts events per
 such unit: the decode kernel (M ≤ 16, fp16/bf16) inside its tiles, the tile and persistent GEMMs
-through the group verification launched after them (`groups._group_verify_kernel`).
+through the group verification launched after them (`groups._group_verify_kernel`), and the cuBLAS form
+(fp16/bf16, ``Options.gemm_cublas``) through the same verification reading cuBLAS's fp32 product (under
+the interpreter the upcast fp32 product, `calls.fp32_product`).
 
 Oracles: float64 ``torch.matmul`` for the values and for the verification quantities (group sums,
 checksums, thresholds), and the PyTorch checked path (``backend="reference"``, which verifies the
@@ -183,14 +185,15 @@ def _seed_where(bit, count, m, n, dtype, ref, pattern):
 # --------------------------------------------------------------------------- forms
 
 
-FORMS = ("tile", "decode", "persistent")
-LAUNCHERS = ("_GEMM_LAUNCH", "_VERIFY_LAUNCH", "_GROUPED_LAUNCH", "_PERSISTENT_LAUNCH")
-LAUNCHED = {"tile": [0, 1], "decode": [2], "persistent": [3, 1]}  # each form's launchers, in order
+FORMS = ("tile", "decode", "persistent", "cublas")
+LAUNCHERS = ("_GEMM_LAUNCH", "_VERIFY_LAUNCH", "_GROUPED_LAUNCH", "_PERSISTENT_LAUNCH", "_product_launch")
+LAUNCHED = {"tile": [0, 1], "decode": [2], "persistent": [3, 1], "cublas": [4, 1]}  # each form's launchers, in order
 
 
 def _launched(monkeypatch) -> list:
-    """Wrap the four launchers of `calls`; returns the list their indices are appended to as they launch
-    (0 the tile GEMM, 1 the group verification, 2 the decode kernel, 3 the persistent GEMM)."""
+    """Wrap the five launchers of `calls`; returns the list their indices are appended to as they launch
+    (0 the tile GEMM, 1 the group verification, 2 the decode kernel, 3 the persistent GEMM, 4 the cuBLAS
+    form's product)."""
     seen = []
     for which, name in enumerate(LAUNCHERS):
         real = getattr(calls, name)
@@ -206,8 +209,8 @@ def _launched(monkeypatch) -> list:
 def _take(form, setopt) -> int:
     """Make checked calls take ``form`` and return the rows of x its tests use: the decode kernel takes
     fp16/bf16 calls of M ≤ 16 rows, the tile form fp32 calls and calls of more rows, the persistent form
-    (forced here) fp16/bf16 calls of more rows."""
-    setopt(gemm_persistent=form == "persistent")
+    (forced here) fp16/bf16 calls of more rows, the cuBLAS form (forced here) fp16/bf16 calls of any rows."""
+    setopt(gemm_persistent=form == "persistent", gemm_cublas=form == "cublas")
     if form == "persistent" and not G.interpreting():
         setopt(gemm_config=configs.PERSISTENT_CONFIG_INTERPRET)  # small tiles for the small test shapes
     return 6 if form == "decode" else 20
@@ -241,7 +244,7 @@ def _flips_between(monkeypatch, flips) -> None:
 
 
 def _triton_faulty(form, x, w, b, spec, monkeypatch, *, kn=False, correct=True):
-    """The kernel's call with ``spec``'s flips: injected by the kernel (tile, decode), or made between
+    """The kernel's call with ``spec``'s flips: injected by the kernel (tile, decode, cuBLAS), or made between
     the persistent GEMM and its verification (`_flips_between`). Returns (y, counts)."""
     if form != "persistent":
         return _run(x, w, b, kn=kn, plan=FaultPlan(spec), correct=correct)
@@ -397,7 +400,8 @@ def test_group_residuals_against_float64(dtype, kn, with_bias, config, setopt):
 
 
 FORM_DTYPES = [("tile", torch.float32), ("tile", torch.float16), ("tile", torch.bfloat16), ("decode", torch.float16),
-               ("decode", torch.bfloat16), ("persistent", torch.float16), ("persistent", torch.bfloat16)]
+               ("decode", torch.bfloat16), ("persistent", torch.float16), ("persistent", torch.bfloat16),
+               ("cublas", torch.float16), ("cublas", torch.bfloat16)]
 FORM_IDS = [f"{f}-{str(d)[6:]}" for f, d in FORM_DTYPES]
 
 
@@ -436,7 +440,8 @@ def test_single_exponent_flips_counted_like_reference(form, dtype, monkeypatch, 
 
 
 @pytest.mark.parametrize("form,dtype", [("tile", torch.float32), ("tile", torch.bfloat16), ("decode", torch.float16),
-                                        ("persistent", torch.bfloat16)], ids=lambda v: str(v).replace("torch.", ""))
+                                        ("persistent", torch.bfloat16), ("cublas", torch.float16)],
+                         ids=lambda v: str(v).replace("torch.", ""))
 def test_counts_per_row_and_group_like_reference(form, dtype, monkeypatch, setopt):
     """Events are counted per (row, 64-column group), on every form as on the reference path: two flips
     of one row in two groups are two single errors, each located and corrected (2 detected, 2 corrected);
@@ -469,7 +474,8 @@ def test_counts_per_row_and_group_like_reference(form, dtype, monkeypatch, setop
 
 @pytest.mark.parametrize("form,dtype,kn", [("tile", torch.float32, False), ("tile", torch.float16, True),
                                            ("decode", torch.bfloat16, False), ("decode", torch.float16, True),
-                                           ("persistent", torch.float16, False), ("persistent", torch.bfloat16, True)],
+                                           ("persistent", torch.float16, False), ("persistent", torch.bfloat16, True),
+                                           ("cublas", torch.bfloat16, True)],
                          ids=lambda v: {True: "conv1d", False: "linear"}.get(v, str(v).replace("torch.", "")))
 def test_ragged_last_group_checked_and_repaired(form, dtype, kn, monkeypatch, setopt):
     """A last group narrower than 64 columns (N = 152: 24 columns) is checked against its own width's
@@ -673,7 +679,7 @@ def test_many_flips_all_repaired(monkeypatch):
     (torch.bfloat16, 12, 96, 48, 1001, 9, 3, 109),
 ], ids=["bf16-two-shrunk", "fp16-two", "bf16-two"])
 @pytest.mark.parametrize("table", ["cpu", "h100"])
-@pytest.mark.parametrize("form", ["decode", "tile"])
+@pytest.mark.parametrize("form", ["decode", "tile", "cublas"])
 def test_repair_must_explain_the_accumulator_difference(dtype, m, k, n, seed, bit, count, flip_seed, table, form,
                                                         monkeypatch, setopt):
     """Two flips in one group of a row: the located column explains neither, and a repair of it alone
@@ -684,10 +690,11 @@ def test_repair_must_explain_the_accumulator_difference(dtype, m, k, n, seed, bi
     where every flip of the call is caught, and ``h100`` (the H100's, ~100× the CPU's for fp16; an
     H200 uses it too), where a single low-mantissa flip elsewhere in the call may stay under the
     threshold. The units with two flips must be recomputed under both, and under ``h100`` no element
-    may end up further from float64 than its injected flip put it. In the decode kernel (M ≤ 16) and
-    the tile form's verification (forced: two check groups per tile)."""
+    may end up further from float64 than its injected flip put it. In the decode kernel (M ≤ 16), the
+    tile form's verification (forced: two check groups per tile) and the cuBLAS form's."""
     if form == "tile":
         setopt(gemm_config=(16, 128, 32, 4, 1))
+    setopt(gemm_cublas=form == "cublas")
     seen = _launched(monkeypatch)
     name = {"cpu": "cpu.json", "h100": "nvidia_h100_80gb_hbm3.json"}[table]
     entries = json.loads((Path(_vabft.__file__).with_name("emax_tables") / name).read_text())["emax"]  # shipped
@@ -1037,6 +1044,150 @@ def test_persistent_form_is_only_taken_where_it_pays(setopt):
         assert not forms.persistent_ok(4096, 4864, 896, x, w, y)  # eager and host-bound
 
 
+# --------------------------------------------------------------------------- the cuBLAS form
+
+
+def _rounded_product(x, w, b, kn):
+    """What the cuBLAS form returns on a clean call: its fp32 product (`calls.fp32_product`) plus the bias in
+    fp32, rounded once to x's dtype (as a kernel rounds: the interpreter's fp32 → bf16 conversion truncates)."""
+    m, n = x.shape[0], w.shape[1] if kn else w.shape[0]
+    y32 = calls.fp32_product(x, w, kn, torch.empty((m, n), dtype=torch.float32, device=x.device))
+    if b is not None:
+        y32 += b.float()
+    if x.dtype == torch.bfloat16 and G.interpreting():
+        y32 = (y32.view(torch.int32) & -(1 << 16)).view(torch.float32)  # (exact in bf16)
+    return y32.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES16, ids=str)
+@pytest.mark.parametrize("m,n,k,kn,with_bias", [
+    (1, 150, 40, False, True),  # one row, three groups (the last 22 wide)
+    (16, 64, 96, True, False),
+    (64, 200, 192, False, False),  # one row block: its programs share the groups and split K
+    (130, 150, 70, True, True),  # three row blocks, the last of 2 rows
+    (300, 100, 33, False, True),  # five row blocks, one program each
+], ids=["m1", "m16-conv1d", "m64", "m130-conv1d", "m300"])
+def test_cublas_form_is_the_rounded_product_and_verifies_clean(dtype, m, n, k, kn, with_bias, monkeypatch, setopt):
+    """The cuBLAS form returns its product rounded once, bias added in fp32 (bit for bit), within the GEMM
+    bound of float64 and an ulp of the reference path's output; clean calls count nothing, as on the
+    reference path; two launches: the product, then the verification that makes y."""
+    _take("cublas", setopt)
+    seen = _launched(monkeypatch)
+    x = _rand((m, k), dtype, 1201 + m, 2.0)
+    w = _rand((k, n) if kn else (n, k), dtype, 1202, k**-0.5)
+    b = _rand((n,), dtype, 1203) if with_bias else None
+    y, st = _run(x, w, b, kn=kn)
+    assert seen == LAUNCHED["cublas"], seen
+    assert st == ZERO
+    assert torch.equal(y, _rounded_product(x, w, b, kn))
+    ref = _ref64(x, w, b, kn)
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=2 * ULP[dtype], atol=2 * ULP[dtype] * float(ref.abs().max()))
+    y_r, st_r = _reference(x, w, b, kn=kn)
+    assert st_r == st
+    torch.testing.assert_close(y.double().cpu(), y_r.double().cpu(), rtol=ULP[dtype], atol=0)
+
+
+def test_cublas_form_programs_share_groups_and_k(setopt):
+    """`forms.y32_split` on the interpreter's 4 SMs: a call of one block runs as up to 2 programs per SM,
+    one group each at least, some without K blocks where K has fewer than the programs; more K blocks than
+    groups keep `verify_split`'s K split; many blocks, one program each. Each plan verifies like float64
+    (`_check_residuals`, both modes, a flip in the last program's group); on a GPU the same shapes, with its
+    SMs' plans."""
+    _take("cublas", setopt)
+    dev = torch.device(DEV)
+    cases = [((20, 150, 96), (3, 2)), ((20, 150, 192), (3, 2)), ((20, 64, 640), (4, 3)), ((300, 150, 64), (1, 1))]
+    for (m, n, k), plan in cases:
+        if G.interpreting():
+            assert forms.y32_split(m, n, k, dev) == plan, (m, n, k)
+        x = _rand((m, k), torch.float16, 1301, 1.0, "N(1,1)")
+        w = _rand((n, k), torch.float16, 1302, k**-0.5)
+        b = _rand((n,), torch.float16, 1303)
+        _check_residuals(x, w, b, False, "accumulator")
+        _check_residuals(x, w, b, False, "output")
+        _check_residuals(x, w, b, False, "accumulator", where=lambda r, c, n=n: c >= (n - 1) // GC * GC)
+
+
+@pytest.mark.parametrize("dtype", DTYPES16, ids=str)
+def test_cublas_form_repairs_only_what_was_flipped(dtype, setopt):
+    """Flips injected into the cuBLAS form's output (rounded values, as the tile GEMM injects them): a single
+    flip is located and its element alone replaced, every other element bit for bit the clean call's and the
+    replaced one within an ulp of it (the repair's own fp32 sum); two flips in one unit make it recomputed,
+    the elements outside that unit untouched; without correction y keeps exactly the flipped values."""
+    _take("cublas", setopt)
+    m, k, n = 70, 64, 150
+    x = _rand((m, k), dtype, 1401, 2.0)
+    w = _rand((n, k), dtype, 1402, k**-0.5)
+    b = _rand((n,), dtype, 1403)
+    clean, st = _run(x, w, b)
+    assert st == ZERO
+    ref = _ref64(x, w, b)
+    bit = MID_BIT[dtype]
+    for count, pattern, want in (
+            (1, lambda p: True, dict(detected=1, corrected=1)),
+            (1, lambda p: p[0][0] >= 64 and p[0][1] >= 128, dict(detected=1, corrected=1)),  # ragged, 2nd row block
+            (2, lambda p: len({(r, c // GC) for r, c in p}) == 1, dict(detected=1, recomputed=1))):
+        spec = FaultSpec(site=SITE, bit=bit, count=count, seed=_seed_where(bit, count, m, n, dtype, ref, pattern))
+        pos = _positions(spec, m, n, dtype)
+        y, st = _run(x, w, b, plan=FaultPlan(spec))
+        assert st == dict(ZERO, **want) == _reference(x, w, b, spec)[1], (count, st)
+        touched = torch.zeros((m, n), dtype=torch.bool)
+        for r, c in pos:
+            if count == 1:
+                touched[r, c] = True
+            else:
+                touched[r, c // GC * GC:(c // GC + 1) * GC] = True
+        touched = touched.to(DEV)
+        assert torch.equal(y[~touched], clean[~touched]), count
+        torch.testing.assert_close(y[touched].double(), clean[touched].double(), rtol=ULP[dtype], atol=0)
+        y_off, st_off = _run(x, w, b, plan=FaultPlan(spec), correct=False)
+        assert st_off == dict(ZERO, detected=want["detected"], uncorrectable=want["detected"])
+        flipped = clean.clone()
+        iy = flipped.view(_ITY[dtype])
+        for r, c in pos:
+            iy[r, c] ^= torch.tensor(1 << bit, dtype=torch.int32).to(iy.dtype).to(iy.device)
+        assert torch.equal(y_off, flipped), count
+
+
+@pytest.mark.parametrize("where", ["w-inf", "b-nan", "x-nan"])
+def test_cublas_form_nonfinite_inputs(where, setopt):
+    """A non-finite W or b switches the call's checks off, a non-finite x row is skipped: one ``nonfinite_input``,
+    as on the reference path, and y is still the rounded product (NaN/inf where they propagate)."""
+    _take("cublas", setopt)
+    m, k, n = 20, 32, 80
+    x = _rand((m, k), torch.float16, 1501)
+    w = _rand((n, k), torch.float16, 1502, k**-0.5)
+    b = _rand((n,), torch.float16, 1503)
+    if where == "w-inf":
+        w[2, 7] = float("inf")
+    elif where == "b-nan":
+        b[70] = float("nan")
+    else:
+        x[3, 5] = float("nan")
+    y, st = _run(x, w, b)
+    assert st == dict(ZERO, nonfinite_input=1) == _reference(x, w, b)[1]
+    torch.testing.assert_close(y, _rounded_product(x, w, b, False), rtol=0, atol=0, equal_nan=True)
+
+
+def test_cublas_form_only_where_switched_on(monkeypatch, setopt):
+    """``Options.gemm_cublas`` (``FTT_ABFT_GEMM_CUBLAS``): unset, no call takes the cuBLAS form; on, every
+    checked fp16/bf16 call does, decode-sized ones too; fp32 calls and the plain GEMM never."""
+    assert Options.from_env({}).gemm_cublas is None
+    assert Options.from_env({"FTT_ABFT_GEMM_CUBLAS": "1"}).gemm_cublas is True
+    assert Options.from_env({"FTT_ABFT_GEMM_CUBLAS": "0"}).gemm_cublas is False
+    with pytest.raises(ValueError, match="FTT_ABFT_GEMM_CUBLAS"):
+        Options.from_env({"FTT_ABFT_GEMM_CUBLAS": "on"})
+    seen = _launched(monkeypatch)
+    x16, w16 = _rand((6, 32), torch.float16, 1601), _rand((64, 32), torch.float16, 1602)
+    x32, w32 = x16.float(), w16.float()
+    for switch, x, w, detect, want in ((None, x16, w16, True, [2]), (None, x16.repeat(4, 1), w16, True, [0, 1]),
+                                       (True, x16, w16, True, [4, 1]), (True, x16.repeat(4, 1), w16, True, [4, 1]),
+                                       (True, x32, w32, True, [0, 1]), (True, x16, w16, False, [0])):
+        setopt(gemm_cublas=switch)
+        seen.clear()
+        _run(x, w, detect=detect)
+        assert seen == want, (switch, x.shape, x.dtype, detect, seen)
+
+
 # --------------------------------------------------------------------------- inputs
 
 
@@ -1067,7 +1218,8 @@ def _checksums_of(module) -> list:
     return [entry[3] for entry in cache.values()]
 
 
-@pytest.mark.parametrize("m,form", [(5, "decode"), (5, "decode-nosplit"), (40, "tile"), (40, "persistent")])
+@pytest.mark.parametrize("m,form", [(5, "decode"), (5, "decode-nosplit"), (40, "tile"), (40, "persistent"),
+                                    (40, "cublas")])
 def test_prepared_calls_match_first_calls(m, form, monkeypatch, setopt):
     """A repeated call signature takes the prepared launches (`PreparedCall`): new x, y, group sums buffer
     (none for the decode kernel without split-K) and call id each time. Results equal float64 and a
@@ -1493,6 +1645,43 @@ def test_gpu_group_verification_at_real_shapes(dtype, form, monkeypatch, setopt)
         assert float((y_t.double().cpu() - ref).abs().max()) <= tol
         checked += 1
     assert checked >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES16, ids=str)
+@pytest.mark.parametrize("m,n,k", [(1, 4864, 896), (64, 896, 4864), (128, 4864, 896), (512, 2688, 896)],
+                         ids=["decode", "short-down", "short-gate", "prefill-qkv"])
+def test_gpu_cublas_form_at_real_shapes(dtype, m, n, k, monkeypatch, setopt):
+    """The cuBLAS form at Qwen2-0.5B's layer shapes: y is cuBLAS's fp32 product plus the bias rounded once, bit
+    for bit; the verification's quantities against float64 (`_check_residuals`: cuBLAS's summation order
+    within the fp32 bound); clean calls, eager and replayed from a CUDA graph, with no event and the same y;
+    flips injected at ``linear.output`` in three units found, located and corrected, counted like the
+    reference path."""
+    _take("cublas", setopt)
+    seen = _launched(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, device="cuda", generator=g).to(dtype)
+    y, st = _run(x, w, b)
+    assert seen == LAUNCHED["cublas"], seen
+    assert st == ZERO and torch.equal(y, _rounded_product(x, w, b, False))
+    _check_residuals(x, w, b, False, "accumulator")
+    wc, cnt = WeightChecksums.compute(w, b), new_counters(DEV)
+    graph, y_graph = captured(lambda: checked_gemm(x, w, b, wc=wc, counters=cnt), warmups=3)
+    cnt.zero_()
+    y_graph.zero_()
+    graph.replay()
+    assert torch.equal(y_graph, y) and dict(FaultStats(cnt)) == ZERO
+    ref = _ref64(x, w, b)
+    tol = _gemm_rel_tol(dtype, k) * float(ref.abs().max())
+    bit = MID_BIT[dtype]
+    spec = FaultSpec(site=SITE, bit=bit, count=3, seed=_seed_where(
+        bit, 3, m, n, dtype, ref, lambda p: len({(r, c // GC) for r, c in p}) == 3))
+    y_t, st_t = _run(x, w, b, plan=FaultPlan(spec))
+    assert st_t == _reference(x, w, b, spec)[1] == dict(ZERO, detected=3, corrected=3), st_t
+    assert float((y_t.double().cpu() - ref).abs().max()) <= tol
 
 
 @pytest.mark.gpu

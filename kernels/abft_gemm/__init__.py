@@ -12,7 +12,8 @@ Modules, by role:
 * kernels (``@triton.jit``): `tile` (the tiled GEMM, leaving the group sums), `persistent` (wide calls:
   a persistent TMA GEMM, the same epilogue), `groups` (their verification, a second launch), `decode`
   (M ≤ 16: each 64-column tile checks itself, one launch), `common` (device helpers they share);
-* host: `forms` (`choose_form`: which kernel, split-K, TMA), `configs` (block sizes) and `tuning` (the
+* host: `forms` (`choose_form`: which kernel, split-K, TMA; the cuBLAS form: cuBLAS's fp32 product, then the
+  group verification making y from it), `configs` (block sizes) and `tuning` (the
   tuner), `calls` (launch arguments, buffers, per-device cells, the verification's operand), `prepared`
   (replayed calls and the fast path a caller keeps), `api` (the entry points exported here).
 

@@ -24,7 +24,7 @@ from ..tl_common import call_flag, on_tensor_device
 from ..tl_common import cdiv as _cdiv
 from . import calls as C
 from .common import SITE
-from .forms import DECODE, INTERP, PERSISTENT, TILE, choose_form, forced_config
+from .forms import CUBLAS, DECODE, INTERP, PERSISTENT, TILE, choose_form, forced_config
 from .prepared import FastPath, PreparedCall, keep, module_key
 from .tuning import pick_config
 
@@ -114,7 +114,7 @@ def checked_gemm(
         mode: ``"accumulator"`` (verify the fp32 accumulators, default) or ``"output"`` (verify the
             rounded output, like the PyTorch path; for studies and calibration).
         debug: optional (M, ⌈N/64⌉, 3) fp32 tensor receiving per (row, 64-column group) the checksum
-            difference D, the checksum C and the threshold T (the tile form's verification).
+            difference D, the checksum C and the threshold T (the group verification: tile, persistent or cuBLAS form).
     Returns:
         y (M, N) in x's dtype.
     """
@@ -187,7 +187,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
         C._launch_gemm(cfg, L, bias=bias, P=C._call_buffer(m, n, k, cfg, False, dev, y), inj=inj, detect=False,
                        verify_output=False, dot_f32=dot_f32)
         return y
-    if form.kind != DECODE and cfg[1] % GROUP_COLS:
+    if form.kind in (TILE, PERSISTENT) and cfg[1] % GROUP_COLS:
         raise ValueError(f"a checked call's BLOCK_N must be a multiple of {GROUP_COLS} (its check groups); "
                          f"the forced config {cfg} is not")
     if wc is None:
@@ -207,15 +207,19 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
                                          csigma=csigma, verify_output=verify_output, dot_f32=dot_f32))]
     else:
         flag, call_id = call_flag(dev)
-        P = C._call_buffer(m, n, k, cfg, True, dev, y)
+        y32 = form.kind == CUBLAS  # the verification makes y from the product (and injects)
+        P = C._call_buffer(m, n, k, cfg, True, dev, y, y32=y32)
         if form.kind == PERSISTENT:
             C._ensure_scratch_allocator()
             launches = [(3, *C._persistent_call(cfg, L, bias, P, verify_output, sms=form.sms))]
+        elif y32:
+            launches = [(4, *C._product_call(L, P))]
         else:
             launches = [(0, *C._gemm_call(cfg, L, bias=bias, P=P, inj=inj, detect=True, verify_output=verify_output,
                                           dot_f32=dot_f32))]
         launches.append((1, *C._verify_call(L, bias, P, flag, call_id, ver, operand, groups[1], emax, csigma,
-                                            dot_f32)))
+                                            dot_f32, y32=y32, inj=inj if y32 else None,
+                                            verify_output=verify_output)))
     for which, grid, args, kwargs in launches:
         C._launcher(which)(grid, args, kwargs)
     # (host TMA descriptors are made per call: such a call cannot be replayed; the persistent form makes its own)
@@ -322,7 +326,7 @@ def gemm_residuals(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     Returns ``{"y": (M, N), "d": (M, T_g), "c": (M, T_g), "thr": (M, T_g), "counters": (sites, kinds)}`` with
     T_g = ⌈N/64⌉: per (row, 64-column group) the checksum difference, the checksum ``x·w1_g + b1_g`` and the
     threshold with the given ``emax`` (1.0 gives ``T / e_max``), all fp32 as the kernel computed them (the
-    tile or persistent form's verification).
+    tile, persistent or cuBLAS form's verification).
     """
     tg = _cdiv(weight.shape[1] if weight_is_kn else weight.shape[0], GROUP_COLS)
     dbg = torch.zeros((x2d.shape[0], tg, 3), dtype=torch.float32, device=x2d.device)

@@ -1,14 +1,16 @@
 """The checked GEMM's launches, resolved on the host: each as ``(which, grid, args, kwargs)`` for its
-`DirectLauncher` (``which``: 0 the tile GEMM, 1 the group verification, 2 the decode kernel, 3 the
-persistent GEMM), plus the buffers and per-device cells they use and the operands derived from the weight
-(the column-group checksums and constants, and the checksum slices the verification multiplies).
+launcher (``which``: 0 the tile GEMM, 1 the group verification, 2 the decode kernel, 3 the persistent GEMM,
+each a `DirectLauncher`; 4 the cuBLAS form's product, `fp32_product`), plus the buffers and per-device cells
+they use and the operands derived from the weight (the column-group checksums and constants, and the
+checksum slices the verification multiplies).
 
-Module-level state (each documented where it is defined): the four launchers, the per-device cells
+Module-level state (each documented where it is defined): the five launchers, the per-device cells
 (`_cells`) and the persistent form's scratch buffers (`_scratch`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,7 @@ from ..tl_common import cdiv as _cdiv
 from .common import SITE
 from .configs import GROUP_M, VERIFY_BLOCK
 from .decode import grouped_gemm_kernel
-from .forms import INTERP, SPLIT_MAX_TILES, grouped_split, split_plan, triton_allocation, verify_split
+from .forms import INTERP, SPLIT_MAX_TILES, grouped_split, split_plan, triton_allocation, verify_split, y32_split
 from .groups import _group_verify_kernel
 from .persistent import _persistent_kernel
 from .tile import _gemm_kernel
@@ -31,13 +33,35 @@ _VERIFY_LAUNCH = DirectLauncher(_group_verify_kernel, INTERP)
 _GROUPED_LAUNCH = DirectLauncher(grouped_gemm_kernel, INTERP)
 _PERSISTENT_LAUNCH = DirectLauncher(_persistent_kernel, INTERP)
 # where each launch takes its call id (only the verification has a non-finite flag)
-_CALL_ID_AT = (None, _group_verify_kernel.arg_names.index("call_id"), None, None)
+_CALL_ID_AT = (None, _group_verify_kernel.arg_names.index("call_id"), None, None, None)
 
 
-def _launcher(which: int) -> DirectLauncher:
-    """0: the GEMM's launcher, 1: the group verification's, 2: the decode kernel's, 3: the persistent GEMM's
-    (looked up at each call, so tests can replace them)."""
-    return (_GEMM_LAUNCH, _VERIFY_LAUNCH, _GROUPED_LAUNCH, _PERSISTENT_LAUNCH)[which]
+def fp32_product(x2d: torch.Tensor, weight: torch.Tensor, weight_is_kn: bool,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """(M, N) fp32 = x2d (M, K) · W, W (N, K) or with ``weight_is_kn`` (K, N), fp16/bf16 operands, into ``out``
+    when given.
+
+    CUDA: cuBLAS with fp32 output (fp32 accumulation, no rounding to x's dtype). Elsewhere (the interpreter's
+    tests) the product of the operands upcast to fp32: the same exact products, summed in another order."""
+    wt = weight if weight_is_kn else weight.t()
+    if x2d.is_cuda:
+        return torch.mm(x2d, wt, out_dtype=torch.float32, out=out)
+    return torch.mm(x2d.float(), wt.float(), out=out)
+
+
+def _product_launch(grid, args: tuple, kwargs: dict) -> None:
+    """The cuBLAS form's first step as a launcher of `record_launches`: ``args`` = (x2d, weight, P), the product
+    into P's first M·N elements (`_call_buffer`); ``kwargs``: ``kn`` (the weight is stored (K, N))."""
+    x2d, w, P = args
+    kn = kwargs["kn"]
+    m, n = x2d.shape[0], w.shape[1] if kn else w.shape[0]
+    fp32_product(x2d, w, kn, P[:m * n].view(m, n))
+
+
+def _launcher(which: int) -> Callable[[tuple | None, tuple, dict], None]:
+    """0: the GEMM's launcher, 1: the group verification's, 2: the decode kernel's, 3: the persistent GEMM's,
+    4: the cuBLAS form's product (looked up at each call, so tests can replace them)."""
+    return (_GEMM_LAUNCH, _VERIFY_LAUNCH, _GROUPED_LAUNCH, _PERSISTENT_LAUNCH, _product_launch)[which]
 
 
 @dataclass
@@ -155,18 +179,19 @@ def _cells(device: torch.device) -> torch.Tensor:
 
 
 def _call_buffer(m: int, n: int, k: int, cfg, detect: bool, device: torch.device,
-                 unused: torch.Tensor) -> torch.Tensor:
+                 unused: torch.Tensor, y32: bool = False) -> torch.Tensor:
     """fp32 scratch of a tile-GEMM call: with ``detect`` its (T_g, M) group sums, then the split verification's
-    partials (`groups._group_verify_kernel`); checks off: room for the split-K partial tiles (n_split, M, N),
-    or ``unused`` (any tensor, passed as the kernel's unread ``P``) without them."""
+    partials (`groups._group_verify_kernel`), and with ``y32`` (the cuBLAS form) the product (M, N) before
+    them; checks off: room for the split-K partial tiles (n_split, M, N), or ``unused`` (any tensor, passed
+    as the kernel's unread ``P``) without them."""
     if detect:
         tg = _cdiv(n, GROUP_COLS)
         part = 0
-        vs = verify_split(m, n, k, device)[0]
+        br, bg, bk = VERIFY_BLOCK[:3]
+        vs, per = (y32_split if y32 else verify_split)(m, n, k, device)
         if vs > 1:
-            br, bg = VERIFY_BLOCK[:2]
-            part = vs * _cdiv(m, br) * _cdiv(tg, bg) * br * (bg + 3)
-        return torch.empty(tg * m + part, dtype=torch.float32, device=device)
+            part = _cdiv(_cdiv(k, bk), per) * _cdiv(m, br) * _cdiv(tg, bg) * br * (bg + 3)
+        return torch.empty(m * n * y32 + tg * m + part, dtype=torch.float32, device=device)
     n_split = split_plan(m, n, k, cfg, detect, device)[0]
     return torch.empty(n_split * m * n, dtype=torch.float32, device=device) if n_split > 1 else unused
 
@@ -288,11 +313,20 @@ def _persistent_call(cfg, L: _Launch, bias: torch.Tensor | None, P: torch.Tensor
         VERIFY_OUTPUT=verify_output, DOT_F32=INTERP, num_warps=warps, num_stages=stages)
 
 
+def _product_call(L: _Launch, P: torch.Tensor) -> tuple:
+    """The cuBLAS form's product into the head of its `_call_buffer` ``P``: ``(grid, args, kwargs)`` of
+    `_product_launch` (no grid)."""
+    return None, (L.x, L.w, P), dict(kn=L.kn)
+
+
 def _verify_call(L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, flag: torch.Tensor, call_id: int,
                  ver: _Verify, operand: tuple[torch.Tensor, torch.Tensor], consts: torch.Tensor, emax: float,
-                 csigma: float, dot_f32: bool) -> tuple:
+                 csigma: float, dot_f32: bool, *, y32: bool = False, inj: torch.Tensor | None = None,
+                 verify_output: bool = False) -> tuple:
     """The group verification after the GEMM (`_group_verify_kernel`): ``(grid, args, kwargs)``. ``operand``:
-    `group_operand`'s (Wc, Winv); ``consts`` (T_g, 8) from `group_checksums`."""
+    `group_operand`'s (Wc, Winv); ``consts`` (T_g, 8) from `group_checksums`. ``y32``: the cuBLAS form's
+    (P starts with the product; the launch makes y from it, with the flips of ``inj``, bucketed per
+    VERIFY_BLOCK rows, and sums the rounded outputs with ``verify_output``)."""
     x2d, y = L.x, L.y
     m, k = x2d.shape
     n = y.shape[1]
@@ -300,14 +334,14 @@ def _verify_call(L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, flag: t
     br, bg, bk = VERIFY_BLOCK[:3]
     wc, winv = operand
     c = ver.counters
-    n_split, kb_per = verify_split(m, n, k, x2d.device)
+    n_split, kb_per = (y32_split if y32 else verify_split)(m, n, k, x2d.device)
     return (_cdiv(m, br) * _cdiv(tg, bg) * n_split,), (
-        x2d, L.w, y, bias if bias is not None else y, wc, winv, consts, P, _cells(x2d.device), flag, c,
-        ver.debug if ver.debug is not None else P,
+        x2d, L.w, y, bias if bias is not None else y, wc, winv, consts, P, inj if inj is not None else P,
+        _cells(x2d.device), flag, c, ver.debug if ver.debug is not None else P,
         m, n, k, tg, x2d.stride(0), x2d.stride(1), L.swn, L.swk, y.stride(0), y.stride(1), c.stride(0), c.stride(1),
         1.0 / k, call_id, int(ver.w_finite), float(emax), float(csigma), n_split, kb_per,
     ), dict(
         BLOCK_R=br, BLOCK_G=bg, BLOCK_K=bk, SLICES=wc.shape[0], HAS_BIAS=bias is not None, CORRECT=ver.correct,
-        DEBUG=ver.debug is not None, DOT_F32=dot_f32, SPLIT=n_split > 1, num_warps=VERIFY_BLOCK[3],
-        num_stages=VERIFY_BLOCK[4],
+        DEBUG=ver.debug is not None, DOT_F32=dot_f32, SPLIT=n_split > 1, Y32=y32, INJ=inj is not None,
+        VERIFY_OUTPUT=verify_output, num_warps=VERIFY_BLOCK[3], num_stages=VERIFY_BLOCK[4],
     )

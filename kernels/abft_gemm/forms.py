@@ -9,6 +9,9 @@ Forms (``Form.kind``):
   64-column tile checked against its own column-group checksum in its epilogue, one launch.
 * ``"persistent"`` — `persistent._persistent_kernel`, then the group verification: wide calls on Hopper
   (`persistent_ok`).
+* ``"cublas"`` — cuBLAS's product with fp32 output (`calls.fp32_product`), then the group verification in its
+  Y32 mode, which also makes y from that product (bias, rounding, injection) in the same pass: fp16/bf16
+  calls, ``Options.gemm_cublas`` (`cublas_ok`).
 
 Every form checks each (row, 64-column group) against its own threshold.
 
@@ -41,7 +44,7 @@ try:  # the scratch memory of TMA descriptors made in a kernel comes from Triton
 except ImportError:  # pragma: no cover - older triton: no persistent form
     triton_allocation = None
 
-TILE, DECODE, PERSISTENT = "tile", "decode", "persistent"
+TILE, DECODE, PERSISTENT, CUBLAS = "tile", "decode", "persistent", "cublas"
 
 TMA_MIN_MNK = 1 << 36  # eager calls with fewer multiply-adds (M·N·K < 4096³) load through pointers, see `tma_ok`
 # The decode kernel takes calls of at most GROUPED_MAX_ROWS rows (one row block of its BLOCK_M = 16): it verifies
@@ -65,6 +68,11 @@ INTERPRET_SMS = 4  # the SM count split-K and the persistent form assume under t
 # have a tile fewer, 4096³ ran at 0.91 / 0.90× cuBLAS (fp16 / bf16) on an H200 under CUDA graphs.
 PERSISTENT_MIN_N = 2048
 PERSISTENT_MIN_MNK = 1 << 34
+# The cuBLAS form's verification (`y32_split`): the programs of a call of few blocks also share each block's
+# groups of the fp32 product (one 64-column group read per program and loop step), up to this many programs
+# per SM, so that reading y32 and writing y spread over the GPU. Not timed yet (docs/vabft.md).
+Y32_PROGRAMS_PER_SM = 2
+Y32_MAX_ELEMS = 1 << 30  # the cuBLAS form's y32 and group sums stay within the kernel's int32 offsets
 
 
 def interpreting() -> bool:
@@ -220,6 +228,33 @@ def verify_split(m: int, n: int, k: int, device: torch.device) -> tuple[int, int
     return cdiv(nkb, per), per
 
 
+def y32_split(m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """(n_split, kb_per) of the cuBLAS form's verification: `verify_split`'s K split (kb_per), its blocks'
+    programs raised to up to Y32_PROGRAMS_PER_SM · SMs / blocks (at most one per group of the block), since
+    they also read the block's y32 and write its y; the programs past ⌈K blocks / kb_per⌉ carry no K blocks.
+    ``(1, ·)`` past SPLIT_MAX_TILES blocks."""
+    br, bg = VERIFY_BLOCK[:2]
+    tg = cdiv(n, GROUP_COLS)
+    blocks = cdiv(m, br) * cdiv(tg, bg)
+    parts, per = verify_split(m, n, k, device)
+    if blocks > SPLIT_MAX_TILES:
+        return parts, per
+    sms = sm_count(device) if device.type == "cuda" else INTERPRET_SMS
+    return max(parts, min(Y32_PROGRAMS_PER_SM * sms // blocks, bg, tg)), per
+
+
+def cublas_ok(m: int, n: int, x2d: torch.Tensor) -> bool:
+    """Whether a checked call takes the cuBLAS form: ``Options.gemm_cublas`` True (None, the default, chooses
+    it nowhere until its timings give a rule; False never), fp16/bf16 operands (an fp32 product through cuBLAS
+    may run in TF32, which the fp32 e_max does not cover), a CUDA device or the interpreter (whose product is
+    the upcast fp32 one), and M·N + ⌈N/64⌉·M < Y32_MAX_ELEMS."""
+    if options().gemm_cublas is not True or x2d.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not INTERP and x2d.device.type != "cuda":
+        return False
+    return m * (n + cdiv(n, GROUP_COLS)) < Y32_MAX_ELEMS
+
+
 def grouped_split(n: int, k: int, cfg, device: torch.device) -> tuple[int, int]:
     """(n_split, kb_per) of a decode-kernel call: `split_k`, or none when the config says so."""
     if len(cfg) > 5 and not cfg[5]:
@@ -238,9 +273,9 @@ def inject_config(decode: bool) -> tuple:
 class Form:
     """How one call runs (`choose_form`)."""
 
-    kind: str  # TILE, DECODE or PERSISTENT
+    kind: str  # TILE, DECODE, PERSISTENT or CUBLAS
     tma: bool  # the tile kernel's operands through host TMA descriptors (`tma_ok`)
-    cfg: tuple  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split-K allowed])
+    cfg: tuple  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split-K allowed]); CUBLAS: VERIFY_BLOCK
     inj: torch.Tensor | None  # the injection table (`calls.inj_table`), or None
     sms: int = 0  # persistent: programs of the GEMM (SMs)
 
@@ -256,6 +291,8 @@ def choose_form(x2d: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, *, det
     """
     m, k = x2d.shape
     n = y.shape[1]
+    if detect and cublas_ok(m, n, x2d):  # (its verification injects, per row block of BLOCK_R)
+        return Form(CUBLAS, False, VERIFY_BLOCK, inject(VERIFY_BLOCK[0]) if inject is not None else None)
     tma = tma_ok(m, n, k, x2d, weight, y)
     decode = detect and grouped(m, n, x2d.dtype, debug)
     inj = None

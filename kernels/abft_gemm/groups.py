@@ -1,5 +1,5 @@
-"""The verification of the tile and persistent forms: every (row, 64-column group) of y checked on its own,
-in a launch after the GEMM (`_group_verify_kernel`).
+"""The verification of the tile, persistent and cuBLAS forms: every (row, 64-column group) of y checked on its
+own, in a launch after the GEMM (`_group_verify_kernel`).
 
 The GEMM's epilogue leaves, per row m and group g of ``GROUP_COLS`` output columns, the fp32 sum
 ``Σ_{n∈g} v[m, n]`` (v the fp32 accumulators with the bias, or the rounded outputs in ``output`` mode,
@@ -12,6 +12,11 @@ whole row let the rounding noise of a 49k–152k-wide lm_head hide a change of s
 held in fp32 accuracy as S slices of x's dtype (`calls.group_operand`: 2 for fp16, 3 for bf16, 1 for
 fp32 in IEEE FMAs), every product of x and a slice exact in fp32. x's row sum, max and min
 for the threshold come from the same loads of x, so the GEMM's K loop carries no checksum work.
+
+The cuBLAS form (Y32) has no GEMM epilogue: cuBLAS leaves the product x·Wᵀ in fp32 (y32, M × N), and this
+launch makes y from it before verifying: each (BLOCK_R, 64) tile of y32 is read once, the bias added in
+fp32, rounded, flipped at ``linear.output`` like the tile GEMM's epilogue flips, stored as y, and its
+group sums stored in ``P`` (`_round_groups`), spread over the block's programs.
 
 A failing unit (rare) is recomputed in fp32 (its 64 columns for the program's rows, one dot over K);
 the differences from the stored y locate a single error as the weighted checksum would
@@ -32,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _mma
-from .common import _COR, _DET, _NONF, _REC, _SITE_ROW, _UNC, k_blocks
+from .common import _COR, _DET, _NONF, _REC, _SITE_ROW, _UNC, k_blocks, round_and_inject
 
 G: tl.constexpr = tl.constexpr(64)  # = gemm_checksums.GROUP_COLS
 
@@ -109,7 +114,7 @@ def _repair_group(X, W, Y, Bias, rows, r_ok, bad, gidx, N, K, sxm, sxk, swn, swk
         ref += tl.load(Bias + ccols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     ym = bad[:, None] & c_ok[None, :]
     yp = Y + rows[:, None] * sym + ccols[None, :] * syn
-    yv = tl.load(yp, mask=ym, other=0.0)
+    yv = tl.load(yp, mask=ym, other=0.0, cache_modifier=".cg")  # (.cg: as the group sums, `_check_block`)
     if Y.dtype.element_ty == tl.float16:
         u_y: tl.constexpr = 2.0**-11
     elif Y.dtype.element_ty == tl.bfloat16:
@@ -138,13 +143,39 @@ def _repair_group(X, W, Y, Bias, rows, r_ok, bad, gidx, N, K, sxm, sxk, swn, swk
     return tl.sum(fixed.to(tl.int32), axis=0), tl.sum(need.to(tl.int32), axis=0)
 
 
+@triton.jit
+def _round_groups(Y32, Y, Bias, P, Inj, pid_r, pid_g, split, n_split, M, N, TG, sym, syn,
+                  BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, HAS_BIAS: tl.constexpr, INJ: tl.constexpr,
+                  VERIFY_OUTPUT: tl.constexpr):
+    """The cuBLAS form's pass over its product ``Y32`` (M, N) fp32, for block (``pid_r``, ``pid_g``): this
+    program's share of the block's groups (every ``n_split``-th from ``split``), each a (BLOCK_R, 64) tile read
+    once: bias added in fp32, rounded to y's dtype with the flips at ``linear.output`` (`round_and_inject`, the
+    tile GEMM's epilogue; ``Inj`` bucketed per BLOCK_R rows), stored in y, and the group sums of the values
+    the check compares into ``P`` (T_g, M), as the tile GEMM leaves them."""
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < M
+    offs_j = tl.arange(0, G)
+    for gi in range(split, tl.minimum(BLOCK_G, TG - pid_g * BLOCK_G), n_split):
+        gidx = pid_g * BLOCK_G + gi
+        cols = gidx * G + offs_j
+        c_ok = cols < N
+        ym = r_ok[:, None] & c_ok[None, :]
+        acc = tl.load(Y32 + rows[:, None] * N + cols[None, :], mask=ym, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        yv, v = round_and_inject(acc, Y.dtype.element_ty, Inj, pid_r, tl.cdiv(M, BLOCK_R), rows, cols, c_ok, INJ,
+                                 VERIFY_OUTPUT)
+        tl.store(Y + rows[:, None] * sym + cols[None, :] * syn, yv, mask=ym)
+        tl.store(P + gidx * M + rows, tl.sum(v, axis=1), mask=r_ok)
+
+
 @triton.jit(do_not_specialize=["call_id", "w_finite"])
-def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Sem, Flag, Cnt, Dbg,
+def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Dbg,
                          M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, w_finite,
                          emax, csigma, n_split, kb_per,
                          BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, SLICES: tl.constexpr,
                          HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr, DOT_F32: tl.constexpr,
-                         SPLIT: tl.constexpr):
+                         SPLIT: tl.constexpr, Y32: tl.constexpr, INJ: tl.constexpr, VERIFY_OUTPUT: tl.constexpr):
     """Verify the blocks of (BLOCK_R rows) × (BLOCK_G groups) of y (M, N), one per program (``n_split`` with
     SPLIT).
 
@@ -154,19 +185,30 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Sem, Flag, Cnt, Dbg,
     followed by the partials); ``Flag`` the call's flag cell (`call_flag`); ``Cnt`` the (sites, kinds) int32
     counters. DEBUG: (D, C, T) of every unit into ``Dbg`` (M, T_g, 3).
 
+    Y32 (the cuBLAS form): ``P`` starts with the product x·Wᵀ in fp32 (M, N), contiguous, the group sums
+    after it. The block's programs first make y from it (`_round_groups`: bias, rounding, the flips of
+    ``Inj`` as the tile GEMM's epilogue applies them (INJ), the group sums of the accumulators or, with
+    VERIFY_OUTPUT, of the rounded outputs), then verify as after the tile GEMM.
+
     SPLIT (calls of few blocks, `forms.verify_split`: a short prompt's 64 rows make one row block): each block
     runs as ``n_split`` programs over ``kb_per`` K blocks each, program ``pid`` being split ``pid % n_split``
-    of block ``pid // n_split``. Each stores its partial checksums (n_split, blocks, BLOCK_R, BLOCK_G) and
-    statistics (n_split, blocks, BLOCK_R, 3) after the group sums in ``P`` and counts on
-    the block's cell ``Sem[block]`` (0 between calls); the last to count resets it, sums the partials in
-    split order and checks the block."""
+    of block ``pid // n_split``. Each of the n_part splits that have K blocks stores its partial checksums
+    (n_part, blocks, BLOCK_R, BLOCK_G) and statistics (n_part, blocks, BLOCK_R, 3) after the group sums in
+    ``P`` (n_part = n_split but in the cuBLAS form, whose pass over y32 may want more programs than K has
+    blocks, `forms.y32_split`); every split counts on the block's cell ``Sem[block]`` (0 between calls);
+    the last to count resets it, sums the partials in split order and checks the block."""
     pid = tl.program_id(0)
-    Part = P + TG * M
     blk = pid // n_split
     split = pid % n_split
     n_gb = tl.cdiv(TG, BLOCK_G)
     pid_r = blk // n_gb
     pid_g = blk % n_gb
+    if Y32:
+        _round_groups(P, Y, Bias, P + M * N, Inj, pid_r, pid_g, split, n_split, M, N, TG, sym, syn,
+                      BLOCK_R, BLOCK_G, HAS_BIAS, INJ, VERIFY_OUTPUT)
+        P += M * N
+        tl.debug_barrier()  # every thread's group sums and y before the block's check reads them
+    Part = P + TG * M
     if w_finite == 0:  # a non-finite weight or bias: the call's checks are off, counted once
         if pid == 0:
             tl.atomic_add(Cnt + _SITE_ROW * scn0 + _NONF * scn1, 1)
@@ -180,19 +222,21 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Sem, Flag, Cnt, Dbg,
                                                  BLOCK_K, SLICES, DOT_F32)
         if SPLIT:
             n_blk = tl.cdiv(M, BLOCK_R) * n_gb
+            n_part = tl.cdiv(tl.cdiv(K, BLOCK_K), kb_per)
             tile = tl.arange(0, BLOCK_R)[:, None] * BLOCK_G + tl.arange(0, BLOCK_G)[None, :]
             cp = Part + blk * BLOCK_R * BLOCK_G + tile  # + split · blocks · BLOCK_R · BLOCK_G
-            sp = Part + n_split * n_blk * BLOCK_R * BLOCK_G + (blk * BLOCK_R + tl.arange(0, BLOCK_R)) * 3
-            tl.store(cp + split * n_blk * BLOCK_R * BLOCK_G, c)
-            tl.store(sp + split * n_blk * BLOCK_R * 3, sm)
-            tl.store(sp + split * n_blk * BLOCK_R * 3 + 1, mx)
-            tl.store(sp + split * n_blk * BLOCK_R * 3 + 2, mn)
+            sp = Part + n_part * n_blk * BLOCK_R * BLOCK_G + (blk * BLOCK_R + tl.arange(0, BLOCK_R)) * 3
+            if split < n_part:
+                tl.store(cp + split * n_blk * BLOCK_R * BLOCK_G, c)
+                tl.store(sp + split * n_blk * BLOCK_R * 3, sm)
+                tl.store(sp + split * n_blk * BLOCK_R * 3 + 1, mx)
+                tl.store(sp + split * n_blk * BLOCK_R * 3 + 2, mn)
             tl.debug_barrier()  # every thread's partials before the count
             if tl.atomic_add(Sem + blk, 1, sem="acq_rel") == n_split - 1:
                 tl.store(Sem + blk, 0)  # ready for the next call (every split has counted)
                 c = tl.zeros_like(c)
                 sm = tl.zeros_like(sm)
-                for s in range(0, n_split):  # a fixed order: the same sums whichever split came last
+                for s in range(0, n_part):  # a fixed order: the same sums whichever split came last
                     c += tl.load(cp + s * n_blk * BLOCK_R * BLOCK_G, cache_modifier=".cg")
                     so = sp + s * n_blk * BLOCK_R * 3
                     sm += tl.load(so, cache_modifier=".cg")
@@ -216,7 +260,9 @@ def _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g
     (BLOCK_R, BLOCK_G): thresholds, comparison with the group sums, counts, repairs."""
     BLOCK_G: tl.constexpr = grps.shape[0]
     cbase = Cnt + _SITE_ROW * scn0
-    s = tl.load(P + grps[None, :] * M + rows[:, None], mask=r_ok[:, None] & g_ok[None, :], other=0.0)
+    # (.cg: past L1, which is not coherent: in the cuBLAS form other programs of this launch stored them)
+    s = tl.load(P + grps[None, :] * M + rows[:, None], mask=r_ok[:, None] & g_ok[None, :], other=0.0,
+                cache_modifier=".cg")
     gp = Gc + grps * 8
     b1 = tl.load(gp, mask=g_ok, other=0.0)
     det = tl.load(gp + 1, mask=g_ok, other=0.0)
