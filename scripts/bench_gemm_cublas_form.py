@@ -1,23 +1,34 @@
-"""Study of a checked-GEMM form for the shapes where the fused Triton GEMM is slow: cuBLAS computes the
-product with fp32 output, and the per-(row, 64-column group) check runs after it.
+"""The cuBLAS form of the checked GEMM against cuBLAS and the fused Triton GEMM, at the Linear shapes of
+Qwen2-0.5B, Qwen2-1.5B, Qwen2-7B and Llama-3-8B, for M from 1 (decode) to 4096 (prefill).
 
-    y32 = x · Wᵀ (+ b)              cuBLAS, fp16/bf16 operands, fp32 accumulation and fp32 output
-    P[m, g] = Σ_{n∈g} y32[m, n]      the group sums, before any rounding
+    y32 = x · Wᵀ                    cuBLAS, fp16/bf16 operands, fp32 accumulation and fp32 output
+    P[m, g] = Σ_{n∈g} (y32 + b)     the group sums, before any rounding
     C[m, g] = x[m] · w1_g + b1_g     the group checksums: x against w1_g's fp32 value held as 2 (fp16) or
                                      3 (bf16) slices of x's dtype, each product exact in fp32
     |P − C| ≤ T[m, g]                SPEC §5 over the group's n_g columns (`group_checksums`' constants,
                                      x's row mean and Bhatia–Davis bound), the accumulator e_max
-    y = round(y32)                   the output in x's dtype
+    y = round(y32 + b)               the output in x's dtype
 
-Here every step is a PyTorch op (7–9 launches, each reading what the one before wrote): an *upper bound*
-of the form's cost. A fused version reads y32 once (group sums, check and rounding in one pass) and takes
-the checksum dots in the same launch. Timed as CUDA-graph replays against cuBLAS's fp16/bf16 `F.linear`
-and the library's fused checked GEMM, at the Linear shapes of Qwen2-0.5B and Qwen2-7B for short prompts,
-medium and long prefill. It also reports the clean ratio max |P − C| / T (cuBLAS sums in its own order,
-possibly split over K: the e_max measured for the Triton kernels must still cover it) and whether a flip
-of one exponent bit of y32 in one group is caught.
+Columns, times per call (medians over interleaved rounds), CUDA-graph replays unless ``_eager``:
+
+* ``cublas``: ``F.linear`` (the unprotected layer); ``cublas_fp32_out``: the product alone, fp32 output;
+* ``cublas_form``: the form with every step a PyTorch op (7–9 launches, each reading what the one before
+  wrote: an upper bound of its cost; ``--no-ops-form`` leaves it out);
+* ``fused``: the library's checked GEMM as it chooses its form by default (the fused Triton GEMM, the decode
+  kernel at M ≤ 16);
+* ``cublas_fused``: the library's cuBLAS form (``Options.gemm_cublas``): the product, then one launch of the
+  group verification that reads y32 once (bias, rounding, group sums), takes the checksum dots and x's row
+  statistics from one read of x, and writes y;
+* with ``--eager``: ``cublas_eager``, ``fused_eager``, ``cublas_fused_eager`` (launched as they come, the
+  host's work included).
+
+Per shape also: the ops form's clean ratio max |P − C| / T and whether a flip of one exponent bit of y32 in
+one group is caught; the cuBLAS form's clean ratio (`gemm_residuals`), its events over every timed call (0
+expected), whether its y is cuBLAS's fp32 product plus bias rounded once, bit for bit, and the events of one
+flip injected at ``linear.output`` (``detected/corrected``, 1/1 expected).
 
     python scripts/bench_gemm_cublas_form.py --out gemm_cublas_form.csv [--dtype bfloat16] [--quick]
+    python scripts/bench_gemm_cublas_form.py --models qwen2-0.5b,qwen2-1.5b --rows 1,16,128,512,4096 --eager
 """
 
 from __future__ import annotations
@@ -33,21 +44,20 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment  # noqa: E402
 from _timing import interleaved  # noqa: E402
-from bench_linear import _graphed  # noqa: E402
+from bench_linear import _graphed, _with_options  # noqa: E402
 
-# (model, layer, N, K)
+# (model, layer, N, K): the published hidden and intermediate sizes, K/V of (KV heads × 128) columns
 LAYERS = [("qwen2-0.5b", "q/o", 896, 896), ("qwen2-0.5b", "k/v", 128, 896), ("qwen2-0.5b", "gate/up", 4864, 896),
-          ("qwen2-0.5b", "down", 896, 4864), ("qwen2-7b", "q/o", 3584, 3584), ("qwen2-7b", "k/v", 512, 3584),
-          ("qwen2-7b", "gate/up", 18944, 3584), ("qwen2-7b", "down", 3584, 18944)]
-ROWS = (64, 128, 512, 4096)
-
-
-def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (M, K) · wᵀ (K, N) accumulated and returned in fp32: cuBLAS with fp32 output on CUDA; on the CPU
-    (the script's tests) the upcast operands' fp32 product, the same exact products."""
-    if x.is_cuda:
-        return torch.mm(x, w.t(), out_dtype=torch.float32)
-    return x.float() @ w.float().t()
+          ("qwen2-0.5b", "down", 896, 4864),
+          ("qwen2-1.5b", "q/o", 1536, 1536), ("qwen2-1.5b", "k/v", 256, 1536), ("qwen2-1.5b", "gate/up", 8960, 1536),
+          ("qwen2-1.5b", "down", 1536, 8960),
+          ("qwen2-7b", "q/o", 3584, 3584), ("qwen2-7b", "k/v", 512, 3584),
+          ("qwen2-7b", "gate/up", 18944, 3584), ("qwen2-7b", "down", 3584, 18944),
+          ("llama-3-8b", "q/o", 4096, 4096), ("llama-3-8b", "k/v", 1024, 4096), ("llama-3-8b", "gate/up", 14336, 4096),
+          ("llama-3-8b", "down", 4096, 14336)]
+MODELS = tuple(dict.fromkeys(model for model, *_ in LAYERS))
+ROWS = (1, 16, 64, 128, 512, 4096)
+FLIP_BIT = {torch.float16: 13, torch.bfloat16: 13}  # an exponent bit: ×2^±8 (fp16), ×2^±64 (bf16)
 
 
 class CublasForm:
@@ -69,8 +79,10 @@ class CublasForm:
         self.flip: tuple[int, int] | None = None  # (row, column) of y32 whose exponent bit 4 flips
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from ft_transformers.kernels.abft_gemm.calls import fp32_product
+
         m = x.shape[0]
-        y32 = _product(x, self.w)
+        y32 = fp32_product(x, self.w, False)
         if self.b is not None:
             y32 += self.b.float()
         if self.flip is not None:
@@ -78,7 +90,7 @@ class CublasForm:
             y32[r, c] = (y32[r, c].view(torch.int32) ^ (1 << 27)).view(torch.float32)
         npad = self.t * 64 - self.n
         p = (F.pad(y32, (0, npad)) if npad else y32).view(m, self.t, 64).sum(-1)
-        c = _product(x, self.wc).view(m, -1, self.t).sum(1) * self.inv + self.consts[:, 0]
+        c = fp32_product(x, self.wc, False).view(m, -1, self.t).sum(1) * self.inv + self.consts[:, 0]
         x32 = x.float()
         mu = x32.mean(1, keepdim=True)
         var = ((x32.amax(1, keepdim=True) - mu) * (mu - x32.amin(1, keepdim=True))).clamp_min(0)
@@ -91,46 +103,78 @@ class CublasForm:
         return y32.to(x.dtype)
 
 
-def bench_shape(m: int, n: int, k: int, dtype: torch.dtype, rep: int, rounds: int) -> dict:
-    """One shape: times (ms per call, medians over rounds) of cuBLAS, the form, its cuBLAS product alone
-    (fp32 output) and the fused checked GEMM; the form's clean ratio and its detection of one flip."""
+def bench_shape(m: int, n: int, k: int, dtype: torch.dtype, rep: int, rounds: int, *, bias: bool = False,
+                eager: bool = False, ops_form: bool = True) -> dict:
+    """One shape: times (ms per call, medians over rounds) of the columns (module docstring); the ops form's
+    clean ratio and its detection of one flip; the cuBLAS form's clean ratio, events, exactness and the
+    events of one injected flip."""
     import statistics
 
     import triton.testing
     from ft_transformers.kernels import abft_gemm
+    from ft_transformers.kernels.options import override
 
     from ft_transformers.checked_linear import _triton
-    from ft_transformers.counters import new_counters
+    from ft_transformers.counters import FaultStats, new_counters
+    from ft_transformers.injection import FaultPlan, FaultSpec
     from ft_transformers.vabft import gemm_emax
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(m * 7 + n * 3 + k)
     x = torch.randn(m, k, device=dev, generator=g).to(dtype)
     w = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(dtype)
-    form = CublasForm(w, None, gemm_emax(dtype, dev, "accumulator", k))
-    cnt, owner = new_counters(dev), torch.nn.Module()
-    fns = {
-        "cublas": _graphed(lambda: F.linear(x, w)),
-        "cublas_fp32_out": _graphed(lambda: torch.mm(x, w.t(), out_dtype=torch.float32)),
-        "cublas_form": _graphed(lambda: form(x)),
-        "fused": _graphed(lambda: _triton(abft_gemm.linear_forward, x, w, None, k, n, False, None, 2.5, True, True,
-                                          None, cnt, owner, None)),
-    }
+    b = torch.randn(n, device=dev, generator=g).to(dtype) if bias else None
+    emax = gemm_emax(dtype, dev, "accumulator", k)
+    form = CublasForm(w, b, emax)
+    counts = {name: new_counters(dev) for name in ("fused", "cublas_fused")}
+    owners = {name: torch.nn.Module() for name in counts}  # each keeps its own checksums and fast path
+
+    def library(name: str):
+        """The checked linear's Triton backend as a protected layer's full path runs it, on its own owner."""
+        return lambda: _triton(abft_gemm.linear_forward, x, w, b, k, n, False, None, 2.5, True, True, None,
+                               counts[name], owners[name], None)
+
+    calls = {"cublas": lambda: F.linear(x, w, b), "fused": library("fused"),
+             "cublas_fused": _with_options(library("cublas_fused"), gemm_cublas=True)}
+    fns = {"cublas": _graphed(calls["cublas"]),
+           "cublas_fp32_out": _graphed(lambda: torch.mm(x, w.t(), out_dtype=torch.float32))}
+    if ops_form:
+        fns["cublas_form"] = _graphed(lambda: form(x))
+    fns["fused"] = _graphed(calls["fused"])
+    fns["cublas_fused"] = _graphed(calls["cublas_fused"])
+    if eager:
+        fns.update({f"{name}_eager": fn for name, fn in calls.items()})
     times = interleaved(fns, rounds, lambda fn: triton.testing.do_bench(fn, warmup=10, rep=rep))
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    err = float((form(x).double() - x.double() @ w.double().t()).abs().max())
-    clean_failed, clean_ratio = int(form.failed), float(form.ratio)
-    form.flip = (m // 2, n // 3)
-    before = int(form.failed)
-    form(x)
-    caught = int(form.failed) - before
-    return dict(m=m, n=n, k=k, dtype=str(dtype).removeprefix("torch."),
-                **{f"{a}_ms": round(v, 5) for a, v in med.items()},
-                form_vs_cublas=round(med["cublas"] / med["cublas_form"], 3),
-                fused_vs_cublas=round(med["cublas"] / med["fused"], 3),
-                fp32_out_vs_cublas=round(med["cublas"] / med["cublas_fp32_out"], 3),
-                clean_failed=clean_failed, clean_ratio=round(clean_ratio, 4), flip_caught=caught,
-                fused_events=int(cnt.sum()), max_abs_err=err)
+    row = dict(m=m, n=n, k=k, dtype=str(dtype).removeprefix("torch."), bias=bias,
+               **{f"{a}_ms": round(v, 5) for a, v in med.items()})
+    for name in med:
+        if name not in ("cublas", "cublas_eager"):
+            base = "cublas_eager" if name.endswith("_eager") else "cublas"
+            row[f"{name}_vs_{base}"] = round(med[base] / med[name], 3)
+    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+    if ops_form:
+        row["max_abs_err"] = float((form(x).double() - ref).abs().max())
+        row["clean_failed"], row["clean_ratio"] = int(form.failed), round(float(form.ratio), 4)
+        form.flip = (m // 2, n // 3)
+        before = int(form.failed)
+        form(x)
+        row["flip_caught"] = int(form.failed) - before
+    row["fused_events"] = int(counts["fused"].sum())
+    with override(gemm_cublas=True):
+        y = calls["cublas_fused"]()
+        res = abft_gemm.gemm_residuals(x, w, b, emax=emax)
+        cnt = new_counters(dev)
+        spec = FaultSpec(site="linear.output", bit=FLIP_BIT[dtype], count=1, seed=0)
+        abft_gemm.checked_gemm(x, w, b, plan=FaultPlan(spec), counters=cnt, emax_table=gemm_emax)
+    y32 = torch.mm(x, w.t(), out_dtype=torch.float32)
+    st = FaultStats(cnt)
+    row.update(cublas_fused_err=float((y.double() - ref).abs().max()),
+               cublas_fused_exact=bool(torch.equal(y, (y32 + b.float() if bias else y32).to(dtype))),
+               cublas_fused_ratio=round(float((res["d"].abs() / res["thr"]).max()), 4),
+               cublas_fused_events=int(counts["cublas_fused"].sum()),
+               cublas_fused_flip=f"{st['detected']}/{st['corrected']}")
+    return row
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -138,31 +182,45 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", type=Path, default=Path("gemm_cublas_form.csv"))
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--quick", action="store_true", help="Qwen2-0.5B's layers at 64 and 4096 rows only")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {MODELS}")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated M values")
+    ap.add_argument("--bias", action="store_true", help="every layer with a bias")
+    ap.add_argument("--eager", action="store_true", help="also time cuBLAS and both checked forms eagerly")
+    ap.add_argument("--no-ops-form", action="store_true", help="leave out the form built from PyTorch ops")
     ap.add_argument("--rep", type=int, default=40, help="do_bench repetition time (ms)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
+    models = args.models.split(",")
+    if not set(models) <= set(MODELS):
+        ap.error(f"--models takes names from {MODELS}, got {args.models!r}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (cuBLAS with fp32 output)")
     dtype = getattr(torch, args.dtype)
     print(environment("cuda"), flush=True)
-    layers = LAYERS[:4] if args.quick else LAYERS
-    rows = (64, 4096) if args.quick else ROWS
+    layers = LAYERS[:4] if args.quick else [layer for layer in LAYERS if layer[0] in models]
+    rows = (64, 4096) if args.quick else tuple(int(r) for r in args.rows.split(","))
     out = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         for model, layer, n, k in layers:
             for m in rows:
-                r = bench_shape(m, n, k, dtype, args.rep, args.rounds)
+                r = bench_shape(m, n, k, dtype, args.rep, args.rounds, bias=args.bias, eager=args.eager,
+                                ops_form=not args.no_ops_form)
                 r = {"model": model, "layer": layer, **r}
                 out.append(r)
                 with args.out.open("w", newline="") as f:  # rewritten per shape: a cut-off run keeps its rows
-                    wr = csv.DictWriter(f, fieldnames=list(out[0]))
+                    wr = csv.DictWriter(f, fieldnames=list(dict.fromkeys(key for row in out for key in row)))
                     wr.writeheader()
                     wr.writerows(out)
+                eager = (f" | eager: fused x{r['fused_eager_vs_cublas_eager']:.3f} cuBLAS form "
+                         f"x{r['cublas_fused_eager_vs_cublas_eager']:.3f}" if args.eager else "")
+                ops = (f" | ops form x{r['cublas_form_vs_cublas']:.3f} (E/T {r['clean_ratio']:.3f}, flip "
+                       f"{r['flip_caught']})" if not args.no_ops_form else "")
                 print(f"{model:10s} {layer:8s} M={m:5d} N={n:6d} K={k:6d} | cuBLAS {r['cublas_ms'] * 1e3:8.1f} us | "
-                      f"form x{r['form_vs_cublas']:.3f} | fp32-out product x{r['fp32_out_vs_cublas']:.3f} | "
-                      f"fused x{r['fused_vs_cublas']:.3f} | clean E/T {r['clean_ratio']:.3f} "
-                      f"(failed {r['clean_failed']}) | flip caught {r['flip_caught']}", flush=True)
+                      f"cuBLAS form x{r['cublas_fused_vs_cublas']:.3f} (E/T {r['cublas_fused_ratio']:.3f}, events "
+                      f"{r['cublas_fused_events']}, exact {r['cublas_fused_exact']}, flip {r['cublas_fused_flip']}) | "
+                      f"fused x{r['fused_vs_cublas']:.3f} | fp32-out product x{r['cublas_fp32_out_vs_cublas']:.3f}"
+                      f"{ops}{eager}", flush=True)
     print(f"wrote {args.out} ({len(out)} rows)")
     return out
 
