@@ -254,6 +254,54 @@ def test_kv_cache_flip_detected_and_corrected(backend, dtype, bits):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kv_cache_entry_turned_nonfinite_is_corrected(backend, dtype):
+    """A flip of the top exponent bit of a stored key or value in [1, 2) makes it ±inf or NaN after its
+    tables were made: every score or output it meets is non-finite, so D2/D1 is undefined. Each failing
+    group's only non-finite member is located and rebuilt from the stored checksum (`checksums.locate`,
+    `common._locate`): the output is the clean one, not a recomputation from the same entry."""
+    top = 30 if dtype == torch.float32 else 14
+    seen = set()
+    for seed in range(80):
+        clean, out, c, pos, changed, kvc = _flip_case(backend, dtype, top, seed, stored=True)
+        half = "k" if pos[3] < 32 else "v"
+        if changed != 1 or half in seen:
+            continue
+        k, v = _kv(1, 2, 70, 32, dtype, seed=3)
+        entry = (k if half == "k" else v)[pos[0], pos[1], pos[2], pos[3] % 32].float()
+        if not 1.0 <= entry.abs() < 2.0:  # the flip left it finite: not this test's case
+            continue
+        seen.add(half)
+        assert kvc.stored_calls == 1 and c["nonfinite_input"] == 0, (half, c)
+        assert c["detected"] >= 1 and c["corrected"] == c["detected"], (half, c)
+        assert torch.isfinite(out).all() and (out.double() - clean.double()).abs().max() <= 4 * TOL[dtype], (half, c)
+        if len(seen) == 2:
+            return
+    pytest.fail(f"no key and value entry in [1, 2) among the flipped ones: {seen}")
+
+
+def test_location_survives_a_huge_member():
+    """A member made huge but finite by a flip (−2.5e38): D1 stays finite, but (l+1)·S overflows, so D2
+    taken unscaled loses the location; taken as D2/L (`scaled_d2`) it is located and rebuilt."""
+    from ft_transformers.efta_reference.checksums import group_sums, locate, rebuild, scaled_d2
+
+    L, s = 4, 16
+    x = torch.randn(3, L * s, generator=torch.Generator().manual_seed(1))
+    c1, c2 = group_sums(x, L, s)
+    bad_x = x.clone()
+    bad_x[1, 3 * s + 5] = -2.5e38  # member l = 3 of residue 5 in row 1
+    d1 = c1 - group_sums(bad_x, L, s)[0]
+    bad = ~(d1.abs() <= 1e-3)
+    assert int(bad.sum()) == 1 and torch.isfinite(d1).all()
+    members = bad_x.view(3, L, s)
+    assert not locate(d1, c2 - group_sums(bad_x, L, s)[1], bad, L, members)[1].any()  # D2 overflowed
+    loc, ok = locate(d1, scaled_d2(c2, bad_x, L, s), bad, L, members)
+    assert ok.nonzero().tolist() == [[1, 5]] and int(loc[1, 5]) == 3
+    new = rebuild(members, ok.nonzero(), loc[ok], c1[ok])
+    assert abs(float(new[0]) - float(x[1, 3 * s + 5])) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_kv_cache_flip_escapes_tables_made_per_call(backend):
     """The same flip with tables made per call: they sum the flipped entry, no check sees it, and the output
     moves (what stored tables close)."""

@@ -15,6 +15,8 @@ of a row x holds the L members ``x[l·s+r]``. Here:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -119,23 +121,51 @@ def group_sums(x: torch.Tensor, ngroups: int, stride: int) -> tuple[torch.Tensor
     return suf, wsum
 
 
-def locate(d1: torch.Tensor, d2: torch.Tensor, bad: torch.Tensor, ngroups: int
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The member of a faulty group from ``t = D2/D1 ≈ l+1`` (steps 1 and 7).
+def scaled_d2(checksum2: torch.Tensor, x: torch.Tensor, ngroups: int, stride: int) -> torch.Tensor:
+    """``D2·2^-e`` (2^e ≥ L the smallest power of two): the weighted checksum difference with weights
+    (l+1)/2^e ≤ 1, for `locate`. Unscaled, ``(l+1)·x`` overflows when a fault made one member huge
+    (a flipped exponent bit takes a score or an output past 1e38), t = D2/D1 is lost and the group is
+    recomputed, which repeats a fault that sits in a stored KV-cache entry. Scaling by a power of two is
+    exact, so where nothing overflows this is D2·2^-e bit for bit.
 
     Args:
-        d1, d2: (..., s) differences between the checksums and the group sums.
+        checksum2: (..., s) the weighted checksum (Sc2, or Oc2 normalised); x: (..., L·s) the values.
+    Returns:
+        (..., s) fp32.
+    """
+    f = 2.0 ** -math.ceil(math.log2(ngroups))
+    return checksum2 * f - group_sums(x * f, ngroups, stride)[1]
+
+
+def locate(d1: torch.Tensor, d2s: torch.Tensor, bad: torch.Tensor, ngroups: int, members: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The member of a faulty group (steps 1 and 7): the group's only non-finite member if it has exactly
+    one, else from ``t = D2/D1 ≈ l+1``.
+
+    A fault that makes a value ±inf or NaN (an exponent flip to all ones, or an inf or NaN that entered a
+    stored KV-cache entry, which every score or output it meets inherits) leaves D1 and D2 non-finite and
+    t undefined; the member itself shows it, and the checksum minus the other members rebuilds it
+    (`rebuild`). (A non-finite input never reaches this: it switches the checks off.)
+
+    Args:
+        d1: (..., s) differences between the checksums and the group sums; d2s: (..., s) the weighted
+            ones, scaled (`scaled_d2`).
         bad: (..., s) bool, the groups that failed the check.
         ngroups: L, members per group.
+        members: (..., L, s) the grouped values (member l of residue r at [..., l, r]).
     Returns:
         ``loc`` (..., s) long, the 0-based member l (0 where not located), and ``ok`` (..., s) bool,
-        where the location is valid: a failed group, t finite and within 0.25 of an integer in [1, L].
+        where the location is valid: a failed group whose only non-finite member is l, or t finite and
+        within 0.25 of an integer in [1, L].
     """
-    t = d2 / d1
+    t = d2s / d1 * 2.0 ** math.ceil(math.log2(ngroups))
     tr = torch.round(t)
     ok = bad & torch.isfinite(t) & ((t - tr).abs() <= 0.25) & (tr >= 1) & (tr <= ngroups)
     loc = torch.where(ok, tr - 1, torch.zeros_like(tr)).to(torch.long)
-    return loc, ok
+    nonfinite = ~torch.isfinite(members)
+    single = bad & (nonfinite.sum(-2) == 1)
+    loc = torch.where(single, nonfinite.to(torch.uint8).argmax(-2), loc)
+    return loc, ok | single
 
 
 def rebuild(grp: torch.Tensor, idx: torch.Tensor, loc: torch.Tensor, csum: torch.Tensor) -> torch.Tensor:

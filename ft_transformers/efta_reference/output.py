@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..injection import SiteFaults
-from .checksums import g, group_sums, locate, rebuild
+from .checksums import g, group_sums, locate, rebuild, scaled_d2
 from .common import count, count_detected, inject
 from .masks import NEG_INF, Masks
 from .softmax import round16
@@ -140,9 +140,7 @@ def verify_output(O: torch.Tensor, acc: torch.Tensor, vmax: torch.Tensor, redo_r
     oc1 = acc[..., D:D + s]
     oc2 = acc[..., D + s:D + 2 * s]
     Og = (F.pad(O, (0, Dp - D)) if Dp != D else O).reshape(B, Hkv, GM, Lv, s)
-    g1, g2 = group_sums(Og.flatten(-2), Lv, s)
-    d1 = oc1 - g1
-    d2 = oc2 - g2
+    d1 = oc1 - group_sums(Og.flatten(-2), Lv, s)[0]
     thr = 2.0 * g(block_n + 2 * nblocks + Lv + 4) * vmax
     bad = ~(d1.abs() <= thr)
     if redo_rows is not None:
@@ -153,7 +151,7 @@ def verify_output(O: torch.Tensor, acc: torch.Tensor, vmax: torch.Tensor, redo_r
     count_detected(counters, "attn.output", nbad, correct)
     if not correct:
         return O, redo_rows
-    loc, ok = locate(d1, d2, bad, Lv)
+    loc, ok = locate(d1, scaled_d2(oc2, Og.flatten(-2), Lv, s), bad, Lv, Og)
     ok &= loc * s + torch.arange(s, device=O.device) < D  # a real column
     redo = bad & ~ok
     count(counters, "attn.output", "corrected", ok.sum())

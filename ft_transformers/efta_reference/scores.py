@@ -15,7 +15,7 @@ import torch
 
 from .. import pasa as _pasa
 from ..injection import SiteFaults
-from .checksums import FP16_ETA, g, g16, group_sums, locate, rebuild
+from .checksums import FP16_ETA, g, g16, group_sums, locate, rebuild, scaled_d2
 from .common import count, count_detected, inject
 
 
@@ -94,9 +94,7 @@ def check_scores(S: torch.Tensor, qs: torch.Tensor, kb: torch.Tensor, kc: torch.
     sc = torch.matmul(qs, kc.transpose(-1, -2))  # (B, Hkv, G·M, 2s)
     if sf_cs is not None:
         sc[..., :s] = inject(sf_cs, sc[..., :s], cs_site, j * 2 * s)
-    g1, g2 = group_sums(S, L, s)
-    d1 = sc[..., :s] - g1
-    d2 = sc[..., s:] - g2
+    d1 = sc[..., :s] - group_sums(S, L, s)[0]
     thr = (qn1 * kabs.unsqueeze(2)).nan_to_num_(nan=0.0)  # T_s (0·inf: the group is 0)
     if s_floor is not None:
         thr = thr.add_(s_floor)
@@ -107,13 +105,13 @@ def check_scores(S: torch.Tensor, qs: torch.Tensor, kb: torch.Tensor, kc: torch.
     count_detected(counters, "attn.scores", nbad, correct)
     if not correct:
         return S
-    loc, ok = locate(d1, d2, bad, L)
+    S = S.clone()
+    S4 = S.view(*S.shape[:-1], L, s)
+    loc, ok = locate(d1, scaled_d2(sc[..., s:], S, L, s), bad, L, S4)
     ok &= loc * s + torch.arange(s, device=S.device) < width  # a real key
     redo = bad & ~ok
     count(counters, "attn.scores", "corrected", ok.sum())
     count(counters, "attn.scores", "recomputed", redo.sum())
-    S = S.clone()
-    S4 = S.view(*S.shape[:-1], L, s)
     if bool(ok.any()):
         idx = ok.nonzero()  # (K, 4): b, hkv, row, r
         lk = loc[ok]

@@ -117,3 +117,22 @@ def _inject(x, Inj, SITE: tl.constexpr, MODE: tl.constexpr, bh, rr, cc, nrows, n
     else:
         y = xi.to(tl.int16).to(x.dtype, bitcast=True)
     return y
+
+
+@triton.jit
+def _locate(d1, d2s, bad, grouped):
+    """The member of each failing group (steps 1 and 7), as the reference's `checksums.locate`: the group's
+    only non-finite member if it has exactly one (a fault that made a value ±inf or NaN leaves D2/D1
+    undefined), else ``round(D2/D1) − 1`` within a quarter of an integer in [0, L). d1, bad (R, 16);
+    d2s (R, 16) = D2/L, the weighted difference with weights (l+1)/L ≤ 1 (`checksums.scaled_d2`: (l+1)·x
+    overflows when a fault made one member huge); grouped (R, L, 16) the members, L a power of two.
+    Returns (loc (R, 16) int32, ok (R, 16) bool)."""
+    L: tl.constexpr = grouped.shape[1]
+    t = d2s / d1 * L
+    tr = tl.floor(t + 0.5)
+    ok = bad & (tl.abs(t - tr) <= 0.25) & (tr >= 1.0) & (tr <= L)
+    loc = tl.where(ok, tr - 1.0, 0.0).to(tl.int32)
+    nonfinite = ~(tl.abs(grouped) <= 3.4028234663852886e38)  # NaN included
+    single = bad & (tl.sum(nonfinite.to(tl.int32), axis=1) == 1)
+    at = tl.sum(tl.where(nonfinite, tl.arange(0, L)[None, :, None], 0), axis=1)
+    return tl.where(single, at, loc), ok | single

@@ -22,7 +22,20 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _dot
-from .common import _COR, _DET, _I_OUTPUT, _NONF, _OUTPUT, _REC, _ROWSUM, _UNC, _add_events, _bump, _inject
+from .common import (
+    _COR,
+    _DET,
+    _I_OUTPUT,
+    _NONF,
+    _OUTPUT,
+    _REC,
+    _ROWSUM,
+    _UNC,
+    _add_events,
+    _bump,
+    _inject,
+    _locate,
+)
 from .masks import _bias_mask, _early_mask
 
 
@@ -143,12 +156,10 @@ def _finish(acc, l_i, lc, m_i, nvalid, oc1, oc2, have_oc2, vmax, nf, cnt, q, Kb,
             cnt = _bump(cnt, _OUTPUT + _DET, nbad)
             if CORRECT:
                 o2 = tl.where(l_i[:, None] == 0.0, 0.0, oc2 / l_i[:, None])
-                d2 = o2 - tl.sum(og * wv[None, :, None], axis=1)
-                t = d2 / d1
-                tr = tl.floor(t + 0.5)
-                ok = bad & (tl.abs(t - tr) <= 0.25) & (tr >= 1.0) & (tr <= lv)
-                loc = tl.where(ok, tr - 1.0, 0.0).to(tl.int32)
-                ok = ok & (loc * 16 + r16[None, :] < D) & (have_oc2 != 0)  # a real column; without Oc2, recompute
+                d2s = o2 * (1.0 / LVP) - tl.sum(og * (wv * (1.0 / LVP))[None, :, None], axis=1)  # D2/LVP
+                loc, ok = _locate(d1, d2s, bad, og)
+                # a real column; without Oc2 (the clean pass's state), recompute
+                ok = ok & (loc < lv) & (loc * 16 + r16[None, :] < D) & (have_oc2 != 0)
                 redo = bad & ~ok
                 cnt = _bump(cnt, _OUTPUT + _COR, tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0))
                 cnt = _bump(cnt, _OUTPUT + _REC, tl.sum(tl.sum(redo.to(tl.int32), axis=1), axis=0))

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..tl_common import dot as _dot
 from .checksums import _fold_parts, _load_parts, _parts_dot, _split
-from .common import _COR, _I_CHECKSUM, _I_SCORES, _REC, _SCORES, _bump, _inject
+from .common import _COR, _I_CHECKSUM, _I_SCORES, _REC, _SCORES, _bump, _inject, _locate
 
 
 @triton.jit
@@ -124,7 +124,7 @@ def _score_repair(q, k, sg, d1, sc1, kabs, bad, cnt, start_n, N, scale, wl, r16,
     recomputed whole. Returns (S (BLOCK_M, BLOCK_N), cnt) with the ``corrected`` and ``recomputed``
     events counted."""
     L: tl.constexpr = BLOCK_N // 16
-    # weighted checksum, only now: Sc2 = Q·Kc2ᵀ, D2 = Sc2 − Σ_l (l+1)·S[i, l·s+r]
+    # weighted checksum, only now: Sc2 = Q·Kc2ᵀ, D2 = Sc2 − Σ_l (l+1)·S[i, l·s+r] (taken as D2/L)
     if KC2_TABLE:
         kc2 = tl.load(KC2 + cb * (16 * BLOCK_D) + r16[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :])
     else:
@@ -133,11 +133,8 @@ def _score_repair(q, k, sg, d1, sc1, kabs, bad, cnt, start_n, N, scale, wl, r16,
     sc2 = _parts_dot(q, c0, c1, c2, PARTS, DOT_F32) * cic
     if not (PASA or FOLD):
         sc2 = sc2 * scale
-    d2 = sc2 - tl.sum(sg * wl[None, :, None], axis=1)
-    t = d2 / d1
-    tr = tl.floor(t + 0.5)
-    ok = bad & (tl.abs(t - tr) <= 0.25) & (tr >= 1.0) & (tr <= L)
-    loc = tl.where(ok, tr - 1.0, 0.0).to(tl.int32)
+    d2s = sc2 * (1.0 / L) - tl.sum(sg * (wl * (1.0 / L))[None, :, None], axis=1)  # D2/L (`_locate`)
+    loc, ok = _locate(d1, d2s, bad, sg)
     ok = ok & (start_n + loc * 16 + r16[None, :] < N)  # a real key
     redo = bad & ~ok
     cnt = _bump(cnt, _SCORES + _COR, tl.sum(tl.sum(ok.to(tl.int32), axis=1), axis=0))
