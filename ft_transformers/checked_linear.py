@@ -43,7 +43,7 @@ from .config import _real
 from .counters import FaultStats, add_count, new_counters
 from .injection import FaultPlan, FaultSpec
 from .kernels.contract import LINEAR_SITES
-from .kernels.gemm_checksums import GROUP_COLS, group_checksums
+from .kernels.gemm_checksums import GROUP_COLS, group_checksums, group_threshold, row_stats
 from .kernels.gemm_checksums import autocast_dtype as _autocast_dtype
 from .vabft import default_emax, gemm_emax, weight_checksums
 
@@ -304,12 +304,8 @@ def _group_check(x32: torch.Tensor, v32: torch.Tensor, groups, emax: float, csig
     c = (x32.double() @ w1g.t()).float() + gc[:, 0]
     # x's row mean and SPEC §5's variance bound (max − μ)(μ − min): an activation row's outliers set the
     # GEMM's rounding, which the exact variance understates (a clean MiniLM row then failed its check)
-    mn, mx = torch.aminmax(x32, dim=-1, keepdim=True)
-    mu = x32.mean(-1, keepdim=True)
-    var = ((mx - mu) * (mu - mn)).clamp_min(0.0)
-    thr = emax * (gc[:, 1] * mu.abs() + csigma * torch.sqrt(mu.square() * gc[:, 2] + var * gc[:, 3])
-                  + csigma * gc[:, 4] * var.sqrt() + gc[:, 5] + csigma * gc[:, 6])
-    return s - c, thr, c
+    mu, var = row_stats(x32)
+    return s - c, group_threshold(mu.unsqueeze(-1), var.unsqueeze(-1), gc, emax, csigma), c
 
 
 def _verify(x2d: torch.Tensor, v32: torch.Tensor, y2d: torch.Tensor, weight: torch.Tensor,

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["GROUP_COLS", "GROUP_CONSTS", "WeightChecksums", "autocast_dtype", "group_checksums", "row_stats"]
+__all__ = ["GROUP_COLS", "GROUP_CONSTS", "WeightChecksums", "autocast_dtype", "group_checksums", "group_threshold",
+           "row_stats"]
 
 _CHUNK_ELEMS = 1 << 24  # at most 16M fp32 temporaries (64 MiB) while building a weight's checksums
 GROUP_COLS = 64  # output columns per checksum group of the decode kernel
@@ -151,3 +152,18 @@ def group_checksums(weight: torch.Tensor, bias: torch.Tensor | None, weight_is_k
     consts[:, 4] = (n_g * sums[:, 1]).sqrt()
     consts[:, 7] = n_g
     return w1g, consts
+
+
+def group_threshold(mu: torch.Tensor, var: torch.Tensor, consts: torch.Tensor, emax: float, csigma: float
+                    ) -> torch.Tensor:
+    """SPEC §5's threshold of every (row, 64-column group), as the kernels' epilogues compute it.
+
+    Args:
+        mu, var: (M, 1) x's row mean and variance estimate (the library takes `row_stats`' bound).
+        consts: (T, 8) `group_checksums`' constants.
+    Returns:
+        (M, T), in the dtype of the arguments.
+    """
+    c = consts
+    return emax * (c[:, 1] * mu.abs() + csigma * torch.sqrt(mu.square() * c[:, 2] + var * c[:, 3])
+                   + csigma * c[:, 4] * var.sqrt() + c[:, 5] + csigma * c[:, 6])

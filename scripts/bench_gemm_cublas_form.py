@@ -82,6 +82,7 @@ class CublasForm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from ft_transformers.kernels.abft_gemm.calls import fp32_product
+        from ft_transformers.kernels.gemm_checksums import group_threshold, row_stats
 
         m = x.shape[0]
         y32 = fp32_product(x, self.w, False)
@@ -93,12 +94,8 @@ class CublasForm:
         npad = self.t * 64 - self.n
         p = (F.pad(y32, (0, npad)) if npad else y32).view(m, self.t, 64).sum(-1)
         c = fp32_product(x, self.wc, False).view(m, -1, self.t).sum(1) * self.inv + self.consts[:, 0]
-        x32 = x.float()
-        mu = x32.mean(1, keepdim=True)
-        var = ((x32.amax(1, keepdim=True) - mu) * (mu - x32.amin(1, keepdim=True))).clamp_min(0)
-        k = self.consts
-        thr = self.emax * (k[:, 1] * mu.abs() + self.csigma * torch.sqrt(mu * mu * k[:, 2] + var * k[:, 3])
-                           + self.csigma * k[:, 4] * var.sqrt() + k[:, 5] + self.csigma * k[:, 6])
+        mu, var = row_stats(x)
+        thr = group_threshold(mu.unsqueeze(1), var.unsqueeze(1), self.consts, self.emax, self.csigma)
         d = (p - c).abs()
         self.failed += (~(d <= thr)).sum()
         torch.maximum(self.ratio, (d / thr).amax(), out=self.ratio)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ft_transformers.kernels.gemm_checksums import group_checksums  # noqa: E402
+from ft_transformers.kernels.gemm_checksums import group_checksums, group_threshold  # noqa: E402
 from tightness import capture, linear_class, smollm2_prompts  # noqa: E402
 
 from ft_transformers.checked_linear import group_residuals  # noqa: E402
@@ -49,14 +49,12 @@ def row_variance(x: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]
     return mu, var + (x - mu).abs().amax(1, keepdim=True).square() / math.sqrt(x.shape[1])
 
 
-def group_threshold(x: torch.Tensor, consts: torch.Tensor, emax: float, how: str, csigma: float = 2.5
+def estimated_threshold(x: torch.Tensor, consts: torch.Tensor, emax: float, how: str, csigma: float = 2.5
                     ) -> torch.Tensor:
     """SPEC §5's threshold over each group's n_g columns (`group_checksums`' constants (T, 8)) with x's
     row statistics from ``how``: (M, T) float64."""
     mu, var = row_variance(x, how)
-    c = consts.double()
-    return emax * (c[:, 1] * mu.abs() + csigma * torch.sqrt(mu * mu * c[:, 2] + var * c[:, 3])
-                   + csigma * c[:, 4] * var.sqrt() + c[:, 5] + csigma * c[:, 6])
+    return group_threshold(mu, var, consts.double(), emax, csigma)
 
 
 def study_model(model_name: str, prompts: int, max_rows: int) -> dict[str, dict[str, float]]:
@@ -84,7 +82,7 @@ def study_model(model_name: str, prompts: int, max_rows: int) -> dict[str, dict[
         for x in lay.inputs:
             d, _ = group_residuals(x, lay.weight, lay.bias)
             for how in ESTIMATES:
-                r = float((d.double().abs() / group_threshold(x, consts, emax, how)).max())
+                r = float((d.double().abs() / estimated_threshold(x, consts, emax, how)).max())
                 cls = linear_class(lay.name)
                 worst[cls][how] = max(worst[cls][how], r)
     return dict(worst)
@@ -96,8 +94,8 @@ def gaussian_ratios(k: int, rows: int = 256, seed: int = 0) -> dict[str, float]:
     x = torch.randn(rows, k, generator=g) * 4
     w = torch.randn(128, k, generator=g) * k**-0.5
     consts = group_checksums(w, None)[1]
-    base = group_threshold(x, consts, 1.0, "exact")
-    return {how: float((group_threshold(x, consts, 1.0, how) / base).median()) for how in ESTIMATES}
+    base = estimated_threshold(x, consts, 1.0, "exact")
+    return {how: float((estimated_threshold(x, consts, 1.0, how) / base).median()) for how in ESTIMATES}
 
 
 def main(argv: list[str] | None = None) -> None:

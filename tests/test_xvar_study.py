@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from ft_transformers.kernels.gemm_checksums import group_checksums  # noqa: E402
-from xvar_study import group_threshold, row_variance  # noqa: E402
+from xvar_study import estimated_threshold, row_variance  # noqa: E402
 
 from ft_transformers.checked_linear import group_residuals  # noqa: E402
 
@@ -23,7 +23,7 @@ def test_bound_estimate_is_the_library_threshold():
     w = torch.randn(150, 96, generator=g) * 0.1
     b = torch.randn(150, generator=g)
     _, thr = group_residuals(x, w, b, emax=1e-6)
-    ours = group_threshold(x, group_checksums(w, b)[1], 1e-6, "bound")
+    ours = estimated_threshold(x, group_checksums(w, b)[1], 1e-6, "bound")
     torch.testing.assert_close(ours, thr.double(), rtol=1e-5, atol=0)
 
 
