@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..gemm_checksums import autocast_dtype
-from ..launch import record_launches, replay_launches
+from ..launch import DirectLauncher, record_launches, replay_launches
 from ..options import options
 from ..tl_common import call_flag
 from .calls import _CALL_ID_AT, _ensure_scratch_allocator, _launcher
@@ -42,7 +42,9 @@ class PreparedCall:
         self = cls()
         per_call = tuple(t for t in (x2d, y, P, counters) if t is not None)
         self.launches = record_launches(launches, per_call, call_id, _CALL_ID_AT, _launcher)
-        self.bound = all(entry[-1] is not None for entry in self.launches)
+        # every Triton step bound (the cuBLAS form's product step is a plain function: it has nothing to
+        # bind, and counting it would send the verification through its launcher's per-call key building)
+        self.bound = all(entry[-1] is not None for entry in self.launches if isinstance(entry[-2], DirectLauncher))
         self.scratch = any(entry[0] == 3 for entry in launches)  # the persistent form: TMA descriptor scratch
         self.flagged = call_id is not None
         self.y_shape, self.dtype, self.device = tuple(y.shape), y.dtype, y.device
