@@ -187,16 +187,17 @@ def kv_checksums_of(key: torch.Tensor) -> KVChecksums | None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _layer_kind(layer: Any) -> str | None:
-    """"dynamic" / "static" for layers whose update appends like DynamicLayer's / StaticLayer's, else None."""
+@functools.cache
+def _appending_updates() -> dict:
     from transformers.cache_utils import DynamicLayer, StaticLayer
 
-    upd = getattr(type(layer), "update", None)
-    if upd is DynamicLayer.update:
-        return "dynamic"
-    if upd is StaticLayer.update:
-        return "static"
-    return None
+    return {DynamicLayer.update: "dynamic", StaticLayer.update: "static"}
+
+
+def _layer_kind(layer: Any) -> str | None:
+    """"dynamic" / "static" for layers whose update appends like DynamicLayer's / StaticLayer's, else None
+    (read at every cache update: the classes are looked up once)."""
+    return _appending_updates().get(getattr(type(layer), "update", None))
 
 
 class _Tracking:

@@ -51,7 +51,7 @@ from .configs import (
 )
 from .decode import _efta_combine
 from .kernel import _efta_fwd
-from .stored import StoredTables
+from .stored import _PARTS, StoredTables
 
 Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 
@@ -523,7 +523,7 @@ def efta_triton_forward(
     if inj is None:
         inj = counters  # unused
     arrive = _arrival_cells(dev)
-    parts = {torch.float16: 2, torch.bfloat16: 3, torch.float32: 1}[q.dtype]
+    parts = _PARTS[q.dtype]
     dot_f32 = q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
     slack = BOUNDS.gemm_slack(interp)
     block_d = max(16, _pow2_bucket(D))  # (triton.next_power_of_2 is a slow constexpr_function call)

@@ -94,7 +94,7 @@ class CacheTables:
         _PREPASS((j1 - j0, Hkv, B), (
             k, v, t.kc, t.vc, t.ka, t.va, t.sc, t.kc, t.kc2, *k.stride(), *v.stride(), Hkv, N, D,
             0.0, 0.0, 0.0, 0.0, 0.0, j0, self._nb,
-        ), dict(self._meta(k), PASA=False, KC2_OUT=True))
+        ), dict(self._kw, PASA=False, KC2_OUT=True))
 
     def _append(self, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
         """Rows of the blocks that keys [start, end) enter in part, and the running sums of the last one."""
@@ -103,7 +103,7 @@ class CacheTables:
         _APPEND((Hkv, B), (
             k, v, t.kc, t.vc, t.ka, t.va, t.sc, t.kc2, *self._sums, *k.stride(), *v.stride(), Hkv, D, self._nb,
             start, end,
-        ), self._meta(k))
+        ), self._kw)
 
     def _check(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype or k.dtype not in _PARTS:
@@ -123,6 +123,7 @@ class CacheTables:
         B, Hkv, N, D = k.shape
         block_d = max(16, _pow2_bucket(D))
         self._layout = (B, Hkv, D, k.dtype, k.device)
+        self._kw = self._meta(k)  # the table launches' constexprs: fixed by the layout
         self._nb = -(-N // CS_BLOCK_N)
         self.tables = self._alloc(self._nb, B, Hkv, block_d, k.dtype, k.device)
         self._sums = (torch.empty((B * Hkv, 3, 16, block_d), dtype=torch.float32, device=k.device),
