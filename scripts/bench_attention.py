@@ -26,6 +26,8 @@ during the run reaches both sides of a ratio alike:
 Shapes: prefill with (H, D) ∈ {(16, 64), (32, 128)}, S = 512 … 16384 and B·S = 16384, causal and
 not; one long prefill (B = 1, S = 32k), where the decoupled baseline runs out of memory; decode
 (q_len 1) with kv length 1k … 32k, batch 1 and 16; fp16 and bf16. ``--quick`` runs a small subset.
+``--variants`` times a comma-separated subset of the variants above (default: all of them); the
+ratios to ``sdpa_flash`` / ``ours_off`` and the summary lines that need a variant left out are skipped.
 TFLOP/s count 4·B·H·M·N·D (halved for causal prefill). At each shape every variant is also checked
 against ``sdpa_flash`` (max abs error), and the EFTA variants report how many faults they
 "detected" on these clean inputs over all timed calls (false positives; must be 0).
@@ -36,6 +38,7 @@ Writes ``<out>/bench_attention.csv`` (one row per shape × variant) and, if matp
 
     python scripts/bench_attention.py --out bench_out            # full run
     python scripts/bench_attention.py --out bench_out --quick    # a few shapes
+    python scripts/bench_attention.py --quick --kinds decode --variants sdpa_flash,ours_off,efta_correct,efta_stored
 """
 
 from __future__ import annotations
@@ -138,7 +141,8 @@ def decoupled_attention(q, k, v, scale: float, causal: bool, counters):
 def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
     """Time every variant at one shape in ``args.rounds`` interleaved rounds; returns a list of row dicts.
 
-    ``args.timer`` (optional) replaces do_bench: ``timer(fn) -> ms`` (used for a CPU dry run).
+    ``args.timer`` (optional) replaces do_bench: ``timer(fn) -> ms`` (used for a CPU dry run);
+    ``args.variants`` (optional) the variants to time, in VARIANTS' order (default: all of them).
     """
     import torch
     import torch.nn.functional as F
@@ -163,10 +167,14 @@ def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
     if timer is None:
         timer = do_bench_cudagraph if args.cudagraph else partial(do_bench, warmup=args.warmup, rep=args.rep)
 
+    selected = [v for v in VARIANTS if v in (getattr(args, "variants", None) or VARIANTS)]
     ref = None
+    if "sdpa_flash" not in selected:  # the reference of max_abs_err, untimed: SDPA's default backend
+        with torch.no_grad():
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal, scale=scale).float()
     rows = []
     fns = {}
-    for variant in VARIANTS:
+    for variant in selected:
         if variant in STORED and kind != "decode":
             continue
         row = dict(kind=kind, dtype=str(dtype).replace("torch.", ""), B=B, H=H, M=M, N=N, D=D, causal=causal,
@@ -269,9 +277,10 @@ def bench_shape(kind, B, H, M, N, D, causal, dtype, args, device="cuda"):
     return rows
 
 
-def _warm(combo):
-    """Compile (and autotune) our three variants for one (kind, dtype, H, D, causal) in a worker
-    process: fills Triton's on-disk cache so the main process does not compile one by one."""
+def _warm(combo, variants=None):
+    """Compile (and autotune) our kernel's variants (those of ``variants``, default all) for one (kind, dtype,
+    H, D, causal) in a worker process: fills Triton's on-disk cache so the main process does not compile one
+    by one."""
     kind, dtype_name, H, D, causal = combo
     import torch
     from ft_transformers.kernels import efta as K
@@ -289,6 +298,8 @@ def _warm(combo):
         v = torch.randn(B, H, N, D, device="cuda", dtype=dtype)
         with torch.no_grad():
             for name, (detect, correct) in OURS.items():
+                if variants is not None and name not in variants:
+                    continue
                 if (name in PASA_STATE and dtype != torch.float16) or (name in STORED and kind != "decode"):
                     continue
                 stored = None
@@ -308,12 +319,12 @@ def _warm(combo):
         return combo, time.time() - t0, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
 
 
-def precompile(combos, jobs: int) -> None:
+def precompile(combos, jobs: int, variants=None) -> None:
     import multiprocessing as mp
 
     t0 = time.time()
     with mp.get_context("spawn").Pool(jobs) as pool:
-        for combo, secs, err in pool.imap_unordered(_warm, combos):
+        for combo, secs, err in pool.imap_unordered(partial(_warm, variants=variants), combos):
             print(f"  compiled {combo} in {secs:.0f} s {err}", flush=True)
     print(f"precompiled {len(combos)} kernel families with {jobs} processes in {time.time() - t0:.0f} s",
           flush=True)
@@ -446,7 +457,14 @@ def main(argv=None) -> int:
     ap.add_argument("--plot-from", default=None, help="only redraw the plot from this CSV")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                     help="processes compiling our kernels in parallel before timing (0: compile in line)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated subset of the variants to time (default all: {','.join(VARIANTS)})")
     args = ap.parse_args(argv)
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        ap.error(f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(VARIANTS)}")
+    args.variants = tuple(v for v in VARIANTS if v in names)
 
     os.makedirs(args.out, exist_ok=True)
     png = os.path.join(args.out, "bench_attention.png")
@@ -476,7 +494,7 @@ def main(argv=None) -> int:
         combos = sorted({(kind, str(dt).replace("torch.", ""), H, D, causal)
                          for dt in dtypes for kind, B, H, M, N, D, causal in shapes(args.quick) if kind in kinds})
         try:
-            precompile(combos, args.jobs)
+            precompile(combos, args.jobs, args.variants)
         except Exception as exc:  # the timing loop compiles whatever is missing
             print(f"precompile failed ({type(exc).__name__}: {exc}); compiling in line", flush=True)
     fp_total = calls_total = 0
@@ -505,13 +523,13 @@ def main(argv=None) -> int:
         return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
     for kind in ("prefill", "decode"):
-        for variant in VARIANTS[1:]:
+        for variant in args.variants:
             sel = [r for r in all_rows if r["kind"] == kind and r["variant"] == variant and not r["error"]]
-            if sel:
-                xf = gmean([r["x_vs_flash"] for r in sel])
-                xo = gmean([r["x_vs_ours_off"] for r in sel])
-                print(f"{kind:7s} {variant:16s} time vs sdpa_flash x{xf:.2f}, vs ours_off x{xo:.2f} "
-                      f"(geomean over {len(sel)} shapes)")
+            parts = [f"vs {base} x{gmean([r[col] for r in sel]):.2f}"
+                     for base, col in (("sdpa_flash", "x_vs_flash"), ("ours_off", "x_vs_ours_off"))
+                     if base in args.variants and base != variant]
+            if sel and parts:  # a line only where its baselines were timed
+                print(f"{kind:7s} {variant:16s} time {', '.join(parts)} (geomean over {len(sel)} shapes)")
     targets(all_rows)
     print(f"false positives on clean inputs (EFTA variants): {fp_total} detections in {calls_total} calls")
     bad = [r for r in all_rows if r["variant"] in OURS and r["variant"] not in PASA_STATE and not r["error"]

@@ -104,7 +104,7 @@ run_part() {
       FTT_EFTA_CONFIG=16,64,4,3 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -x -m gpu -p no:cacheprovider \
         tests/test_kv_checksums.py 2>&1 | tail -5
       timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_attention.py --quick --kinds decode --cudagraph --rounds 3 \
-        --out "$dir" 2>&1 | grep --line-buffered -v Warning | tail -30 ;;
+        --variants sdpa_flash,ours_off,efta_correct,efta_stored,efta_stored_step --out "$dir" 2>&1 | grep --line-buffered -v Warning | tail -30 ;;
     lmhead)
       for dt in float16 bfloat16; do
         timeout 140 python3 scripts/tightness.py --lmhead --device cuda --dtype $dt --flips 1500 --budget 10 --no-plot \
