@@ -22,6 +22,16 @@ PyTorch outside the timing. So each level is a lower bound for a kernel that car
 * ``floor3`` / ``floor3u`` — ``floor2`` / ``floor2u`` + GEMM II's checksum: ``Oc1 += P·Vc1`` (one
   (BLOCK_M, 16) dot per key block, rescaled with O), ``Σ_r Oc1 = Σ_d O`` tested after the loop, and
   the row sum's range test ``1 ≤ l ≤ keys`` (SPEC §3 case 3).
+* ``lean3`` — ``floor3`` with the row sum on the tensor cores: the V-checksum operand carries a ones
+  column (``[Vc1 | 1 | 0…]``, (BLOCK_N, 32)), so ``l = Σ_n P[i, n]`` of the P that GEMM II reads comes
+  out of the same dot as Oc1, rescaled with it (no FADD row sum in the loop).
+
+Two schedules. The plain one (the library's) runs each key block's GEMM I, softmax and GEMM II in turn.
+The overlapped one (suffix ``o``: ``floor0o``, ``floor3o``, ``lean3o``) issues GEMM I of block j+1 (and
+its checksum dot) before the softmax of block j, and carries its scores into the next iteration: the
+wgmma runs on the tensor cores while the warps do block j's exponentials and checks (the intra-warpgroup
+overlap of FlashAttention-3, written in Triton's source order; whether the compiler keeps the overlap is
+what the timings show).
 
 Every variant (and ``ours_off``, ``efta_correct``: the library's kernel, ``sdpa_flash``) is timed in
 ``--rounds`` interleaved rounds (`_timing.interleaved`); ratios are medians of the same round's ratios
@@ -42,6 +52,7 @@ import os
 import statistics
 import sys
 from functools import partial
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
@@ -57,9 +68,25 @@ LOG2E = 1.4426950408889634
 # step 4: exponents (base 2) below Y_MIN count as Y_MIN, P below 2^Y_MIN as 2^Y_MIN: a product of 8 stays normal
 _Y_MIN = tl.constexpr(-14.0)
 _P_MIN = tl.constexpr(2.0 ** -14)
-VARIANTS = ("sdpa_flash", "ours_off", "efta_correct", "floor0", "floor1", "floor2", "floor2u", "floor3", "floor3u")
-LEVELS = {"floor0": (0, False), "floor1": (1, False), "floor2": (2, False), "floor2u": (2, True),
-          "floor3": (3, False), "floor3u": (3, True)}
+
+
+class Floor(NamedTuple):
+    """A floor variant: its check level, step 4 from the checksum (UNIFIED), the row sum from the
+    V-checksum dot (LEAN), GEMM I of the next block issued before this block's softmax (OVERLAP)."""
+
+    level: int
+    unified: bool = False
+    lean: bool = False
+    overlap: bool = False
+
+
+LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u": Floor(2, unified=True),
+          "floor3": Floor(3), "floor3u": Floor(3, unified=True), "lean3": Floor(3, lean=True),
+          "floor0o": Floor(0, overlap=True), "floor3o": Floor(3, overlap=True),
+          "lean3o": Floor(3, lean=True, overlap=True)}
+VARIANTS = ("sdpa_flash", "ours_off", "efta_correct", *LEVELS)
+DEFAULT_VARIANTS = ("sdpa_flash", "ours_off", "efta_correct", "floor0", "floor0o", "floor3", "floor3o", "lean3",
+                    "lean3o")
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the library's checks-off prefill configs and its checked one
 # (Triton 3.6 / sm_90a: with 8 warps ptxas serialises the wgmma of every checked floor variant, warning
 # C7515, so those lose the tuning; with 4 warps it does not)
@@ -75,40 +102,67 @@ def _log2_prod(pc, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _gemm1(q, K, KC, base, blk, start_n, offs_j, offs_d, r16, BLOCK_D: tl.constexpr, LEVEL: tl.constexpr):
+    """GEMM I of one key block: the unscaled scores Q·Kᵀ (BLOCK_M, BLOCK_N) fp32 and, from level 1 on, the
+    checksum dot Sc1 = Q·Kc1ᵀ (BLOCK_M, 16) fp32 (zeros below). Kc1 is K-major: an N-major (·, 16)
+    operand of 32-byte rows gave wrong sums on the H100 in the library's kernel."""
+    offs_n = start_n + offs_j
+    k = tl.load(K + base + offs_n[:, None] * BLOCK_D + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k))
+    sc1 = tl.zeros((q.shape[0], 16), tl.float32)
+    if LEVEL >= 1:
+        kc = tl.load(KC + blk.to(tl.int64) * (BLOCK_D * 16) + offs_d[:, None] + r16[None, :] * BLOCK_D)
+        sc1 = tl.dot(q, kc)
+    return s, sc1
+
+
+@triton.jit
 def _floor_kernel(Q, K, V, KC, KA, VC, O, Flags, S_CTX, qk2, tol1, tol3, vcmax,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                  LEVEL: tl.constexpr, UNIFIED: tl.constexpr, INTERP: tl.constexpr):
+                  LEVEL: tl.constexpr, UNIFIED: tl.constexpr, LEAN: tl.constexpr, OVERLAP: tl.constexpr,
+                  INTERP: tl.constexpr):
     """One program: BLOCK_M query rows of one (batch, head). Q, K, V, O (B·H, S, D) contiguous; KC
-    (B·H·S/BLOCK_N, 16, D) Kc1 per key block, KA (B·H·S/BLOCK_N,) fp32 max |Kc1|, VC (B·H·S/BLOCK_N, 16,
-    BLOCK_N) Vc1 per key block; Flags (B·H·S,) int32: 1 where a check of the row failed. qk2 = scale·log2 e."""
+    (B·H·S/BLOCK_N, 16, D) Kc1 per key block, KA (B·H·S/BLOCK_N,) fp32 max |Kc1|, VC (B·H·S/BLOCK_N, C,
+    BLOCK_N) per key block: Vc1 (C = 16), or with LEAN [Vc1 | 1 | 0…] (C = 32, the ones column makes l);
+    Flags (B·H·S,) int32: 1 where a check of the row failed. qk2 = scale·log2 e."""
     G: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
+    C: tl.constexpr = 32 if LEAN else 16  # columns of the V-checksum operand
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_j = tl.arange(0, BLOCK_N)
     r16 = tl.arange(0, 16)
+    rc = tl.arange(0, C)
     base = bh.to(tl.int64) * S_CTX * BLOCK_D
+    nblk = S_CTX // BLOCK_N
     q = tl.load(Q + base + offs_m[:, None] * BLOCK_D + offs_d[None, :])
     m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     worst1 = tl.full((BLOCK_M, 16), -float("inf"), tl.float32)
     worst4 = tl.full((BLOCK_M, 16), -float("inf"), tl.float32)
-    oc1 = tl.zeros((BLOCK_M, 16), tl.float32)
+    oc = tl.zeros((BLOCK_M, C), tl.float32)
     qn1 = tl.sum(tl.abs(q.to(tl.float32)), axis=1) * tol1  # step-1 threshold per unit of max |Kc1|
     hi = tl.minimum((start_m + 1) * BLOCK_M, S_CTX) if CAUSAL else S_CTX
+    last = (hi - 1) // BLOCK_N * BLOCK_N  # the loop's last block's first key
+    if OVERLAP:  # block 0's GEMM I before the loop; each iteration issues the next block's
+        s_nx, sc1_nx = _gemm1(q, K, KC, base, bh * nblk, 0, offs_j, offs_d, r16, BLOCK_D, LEVEL)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + offs_j
-        k = tl.load(K + base + offs_n[:, None] * BLOCK_D + offs_d[None, :])
+        blk = bh * nblk + start_n // BLOCK_N
+        if OVERLAP:
+            s = s_nx
+            sc1 = sc1_nx
+            # block j+1's GEMM I now, consumed next iteration: its wgmma overlaps this block's softmax
+            # (the last iteration repeats the last block, whose result is dropped)
+            nx = tl.minimum(start_n + BLOCK_N, last)
+            s_nx, sc1_nx = _gemm1(q, K, KC, base, bh * nblk + nx // BLOCK_N, nx, offs_j, offs_d, r16, BLOCK_D,
+                                  LEVEL)
+        else:
+            s, sc1 = _gemm1(q, K, KC, base, blk, start_n, offs_j, offs_d, r16, BLOCK_D, LEVEL)
         v = tl.load(V + base + offs_n[:, None] * BLOCK_D + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k))  # unscaled scores (BLOCK_M, BLOCK_N) fp32
-        blk = bh * (S_CTX // BLOCK_N) + start_n // BLOCK_N
-        if LEVEL >= 1:  # step 1: Sc1 = Q·Kc1ᵀ against the group sums, worst margin per group
-            # K-major operand tables (an N-major (·, 16) operand, 32-byte rows, gave wrong sums on the
-            # H100 in the library's kernel)
-            kc = tl.load(KC + blk.to(tl.int64) * (BLOCK_D * 16) + offs_d[:, None] + r16[None, :] * BLOCK_D)
-            sc1 = tl.dot(q, kc)
+        if LEVEL >= 1:  # step 1: Sc1 against the group sums, worst margin per group
             kabs = tl.load(KA + blk)
             d1 = sc1 - tl.sum(tl.reshape(s, (BLOCK_M, G, 16)), axis=1)
             worst1 = tl.maximum(worst1, tl.fma(-qn1[:, None], kabs, tl.abs(d1)))
@@ -132,13 +186,18 @@ def _floor_kernel(Q, K, V, KC, KA, VC, O, Flags, S_CTX, qk2, tol1, tol3, vcmax,
                 e4 = tl.abs(lp - xs) - 1e-4 * tl.abs(xs)
             worst4 = tl.maximum(worst4, e4)
         alpha = _exp(m_i - m_new, INTERP, True)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if not LEAN:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
         pd = p.to(v.dtype)
         acc = tl.dot(pd, v, acc * alpha[:, None])
-        if LEVEL >= 3:  # GEMM II: Oc1 += P·Vc1, rescaled like O
-            vc = tl.load(VC + blk.to(tl.int64) * (BLOCK_N * 16) + offs_j[:, None] + r16[None, :] * BLOCK_N)
-            oc1 = tl.dot(pd, vc, oc1 * alpha[:, None])
+        if LEVEL >= 3:  # GEMM II: Oc += P·[Vc1 (| 1 | 0…)], rescaled like O
+            vc = tl.load(VC + blk.to(tl.int64) * (BLOCK_N * C) + offs_j[:, None] + rc[None, :] * BLOCK_N)
+            oc = tl.dot(pd, vc, oc * alpha[:, None])
         m_i = m_new
+    oc1 = oc
+    if LEAN:  # l is the ones column; the checksum columns are the first 16
+        l_i = tl.sum(tl.where(rc[None, :] == 16, oc, 0.0), axis=1)
+        oc1 = tl.where(rc[None, :] < 16, oc, 0.0)
     flag = tl.zeros((BLOCK_M,), tl.int32)
     if LEVEL >= 1:
         flag = flag | (tl.max(worst1, axis=1) > 0).to(tl.int32)
@@ -155,7 +214,8 @@ def _floor_kernel(Q, K, V, KC, KA, VC, O, Flags, S_CTX, qk2, tol1, tol3, vcmax,
 def tables(k: torch.Tensor, v: torch.Tensor, block_n: int):
     """Checksum operands (PyTorch, outside the timing), K-major: KC (B·H·S/block_n, 16, D) Kc1 of each key
     block in k's dtype, KA (B·H·S/block_n,) fp32 max |Kc1| per block, VC (B·H·S/block_n, 16, block_n)
-    Vc1[n, r] = Σ_l V[n, l·16 + r] of each key block, and max |Vc1|."""
+    Vc1[n, r] = Σ_l V[n, l·16 + r] of each key block, max |Vc1|, and VC32 (B·H·S/block_n, 32, block_n):
+    VC with a ones column (row 16 of each block's K-major table; rows 17–31 zero) for the lean row sum."""
     BH, S, D = k.shape
     G = block_n // 16
     kc = k.float().view(BH, S // block_n, G, 16, D).sum(2)  # (BH, nblk, 16, D)
@@ -163,22 +223,27 @@ def tables(k: torch.Tensor, v: torch.Tensor, block_n: int):
     kc = kc.reshape(-1, 16, D).to(k.dtype).contiguous()
     vc = v.float().view(BH, S, D // 16, 16).sum(2)  # (BH, S, 16)
     vcmax = vc.abs().max().item()
-    vc = vc.view(BH, S // block_n, block_n, 16).transpose(2, 3).reshape(-1, 16, block_n)
-    return kc, ka, vc.to(v.dtype).contiguous(), vcmax
+    vc = vc.view(BH, S // block_n, block_n, 16).transpose(2, 3).reshape(-1, 16, block_n).to(v.dtype)
+    vc32 = torch.zeros(vc.shape[0], 32, block_n, dtype=v.dtype, device=v.device)
+    vc32[:, :16] = vc
+    vc32[:, 16] = 1.0
+    return kc, ka, vc.contiguous(), vcmax, vc32
 
 
-def floor_attention(q, k, v, scale, causal, level, unified, cfg, tabs, flags):
+def floor_attention(q, k, v, scale, causal, variant: Floor, cfg, tabs, flags):
     """q, k, v (B·H, S, D) contiguous, S a multiple of the block sizes; returns (B·H, S, D)."""
     BM, BN, warps, stages = cfg
     BH, S, D = q.shape
-    kc, ka, vc, vcmax = tabs[BN]
+    kc, ka, vc16, vcmax, vc32 = tabs[BN]
+    vc = vc32 if variant.lean else vc16
     o = torch.empty_like(q)
     interp = runs_interpreted(_floor_kernel)
     # thresholds of single-slice checksum operands: Kc1 / Vc1 rounded to the input dtype
     u = 2.0 ** -8 if q.dtype == torch.bfloat16 else 2.0 ** -11
     _floor_kernel[(S // BM, BH)](q, k, v, kc, ka, vc, o, flags, S, scale * LOG2E, 4 * u, 64 * u, vcmax,
-                                 BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=level, UNIFIED=unified,
-                                 INTERP=interp, num_warps=warps, num_stages=stages)
+                                 BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=variant.level,
+                                 UNIFIED=variant.unified, LEAN=variant.lean, OVERLAP=variant.overlap, INTERP=interp,
+                                 num_warps=warps, num_stages=stages)
     return o
 
 
@@ -199,7 +264,7 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, scale=scale)
     plan = FaultPlan(None)
     fns, rows = {}, {}
-    for name in VARIANTS:
+    for name in args.variants:
         row = dict(dtype=str(dtype).replace("torch.", ""), B=B, H=H, S=S, D=D, causal=causal, variant=name,
                    config="", ms=float("nan"), max_abs_err=float("nan"), flagged_rows=0, flagged_k_fault=-1,
                    flagged_v_fault=-1, error="")
@@ -216,7 +281,7 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
                     return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None, attn_mask=None,
                                                  window=None, detect=on, correct=on, plan=plan, counters=counters)
             else:
-                level, unified = LEVELS[name]
+                variant = LEVELS[name]
                 flags = torch.zeros(B * H * S, dtype=torch.int32, device=device)
                 # the fastest of CONFIGS for this variant (each timed once; a config that does not compile
                 # or fit is skipped)
@@ -225,7 +290,7 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
                     if S % cfg[0] or S % cfg[1]:
                         continue
                     try:
-                        f = partial(floor_attention, q3, k3, v3, scale, causal, level, unified, cfg, tabs, flags)
+                        f = partial(floor_attention, q3, k3, v3, scale, causal, variant, cfg, tabs, flags)
                         t = timer(f) if timer is not None and args.tune else 0.0
                     except Exception as exc:  # noqa: BLE001 - out of resources: try the next config
                         row["error"] = f"{cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
@@ -238,11 +303,11 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
                     rows[name] = row
                     continue
                 row["config"], row["error"] = ",".join(map(str, best[1])), ""
-                fn = partial(floor_attention, q3, k3, v3, scale, causal, level, unified, best[1], tabs, flags)
+                fn = partial(floor_attention, q3, k3, v3, scale, causal, variant, best[1], tabs, flags)
                 row["_flags"] = flags
             out = fn().reshape(B, H, S, D)
             row["max_abs_err"] = (out.float() - ref).abs().max().item()
-            if name in LEVELS and LEVELS[name][0] >= 1:
+            if name in LEVELS and LEVELS[name].level >= 1:
                 # the checks are live: one key (value) changed after the tables were built stands for a
                 # fault in GEMM I (GEMM II); count the rows flagged
                 for col, which in (("flagged_k_fault", 1), ("flagged_v_fault", 2)):
@@ -250,7 +315,7 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
                     qkv[which] = qkv[which].clone()
                     qkv[which][:, 5] += 4.0
                     flags.zero_()
-                    floor_attention(*qkv, scale, causal, level, unified, best[1], tabs, flags)
+                    floor_attention(*qkv, scale, causal, variant, best[1], tabs, flags)
                     row[col] = int((flags != 0).sum().item())
                 flags.zero_()
             fns[name] = fn
@@ -264,7 +329,7 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
     for name, row in rows.items():
         if name in times:
             row["ms"] = statistics.median(times[name])
-        for col, basis in (("x_vs_floor0", "floor0"), ("x_vs_ours_off", "ours_off")):
+        for col, basis in (("x_vs_floor0", "floor0"), ("x_vs_ours_off", "ours_off"), ("x_vs_sdpa", "sdpa_flash")):
             row[col] = (statistics.median(t / tb for t, tb in zip(times[name], times[basis], strict=True))
                         if name in times and basis in times and timer is not None else float("nan"))
         if "_flags" in row:
@@ -278,9 +343,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtypes", default="float16")
     ap.add_argument("--hd", default="16x64,32x128", help="(heads)x(head dim) settings, comma-separated")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"comma-separated, of {', '.join(VARIANTS)} (floor0 and ours_off are always timed: the "
+                         "ratios' bases)")
     ap.add_argument("--no-tune", dest="tune", action="store_false", help="first config of CONFIGS only")
     ap.add_argument("--dry-run", action="store_true", help="two tiny shapes, outputs and flags only (CPU ok)")
     args = ap.parse_args()
+    names = [n for n in args.variants.split(",") if n]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    args.variants = [n for n in VARIANTS if n in {*names, "floor0", "ours_off"}]
     os.makedirs(args.out, exist_ok=True)
     if args.dry_run:
         device, timer = ("cuda" if torch.cuda.is_available() else "cpu"), None
@@ -301,6 +374,7 @@ def main() -> int:
             for r in got:
                 print(f"{r['dtype']} B={B} H={H} S={S} D={D} causal={causal!s:5} {r['variant']:12s} "
                       f"{r['ms']:8.3f} ms  x_floor0 {r['x_vs_floor0']:.3f}  x_ours_off {r['x_vs_ours_off']:.3f}  "
+                      f"x_sdpa {r['x_vs_sdpa']:.3f}  "
                       f"err {r['max_abs_err']:.2e}  flagged {r['flagged_rows']} (K fault {r['flagged_k_fault']}, "
                       f"V fault {r['flagged_v_fault']})  {r['config']} {r['error']}",
                       flush=True)

@@ -39,7 +39,7 @@ BH, S, D = 2, 128, 32  # two query blocks and two key blocks of 64
 CFG = (64, 64, 4, 1)
 
 
-def _run(level, unified, causal, k_fault=False, v_fault=False):
+def _run(variant, causal, k_fault=False, v_fault=False):
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(BH, S, D, generator=g).half().to(DEV) for _ in range(3))
     tabs = {64: floor.tables(k, v, 64)}  # built from the clean k and v
@@ -50,7 +50,7 @@ def _run(level, unified, causal, k_fault=False, v_fault=False):
         v = v.clone()
         v[:, 5] += 4.0
     flags = torch.zeros(BH * S, dtype=torch.int32, device=DEV)
-    o = floor.floor_attention(q, k, v, 1.0 / math.sqrt(D), causal, level, unified, CFG, tabs, flags)
+    o = floor.floor_attention(q, k, v, 1.0 / math.sqrt(D), causal, variant, CFG, tabs, flags)
     ref = ref_attention(q[None], k[None], v[None], causal=causal)[0]
     return o, ref, flags
 
@@ -58,16 +58,17 @@ def _run(level, unified, causal, k_fault=False, v_fault=False):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", list(floor.LEVELS))
 def test_floor_levels_compute_attention_and_flag_only_faults(name, causal):
-    level, unified = floor.LEVELS[name]
-    o, ref, flags = _run(level, unified, causal)
+    variant = floor.LEVELS[name]
+    level = variant.level
+    o, ref, flags = _run(variant, causal)
     assert (o.double().cpu() - ref).abs().max().item() < 2e-3
     assert int(flags.sum()) == 0
     if level == 0:
         return
-    _, _, flags = _run(level, unified, causal, k_fault=True)
+    _, _, flags = _run(variant, causal, k_fault=True)
     # rows that see key 5 (every row, or rows ≥ 5 when causal) in both heads
     assert int((flags != 0).sum()) >= BH * (S - 5) - 4
-    _, _, flags = _run(level, unified, causal, v_fault=True)
+    _, _, flags = _run(variant, causal, v_fault=True)
     if level >= 3:
         assert int((flags != 0).sum()) > BH * (S - 5) // 2
     else:
