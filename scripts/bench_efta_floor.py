@@ -33,10 +33,14 @@ wgmma runs on the tensor cores while the warps do block j's exponentials and che
 overlap of FlashAttention-3, written in Triton's source order; whether the compiler keeps the overlap is
 what the timings show).
 
-Every variant (and ``ours_off``, ``efta_correct``: the library's kernel, ``sdpa_flash``) is timed in
+The library's kernel runs as ``ours_off`` (checks off) and ``efta_correct`` (detect+correct), and as
+``ours_off_ov`` / ``efta_correct_ov`` with its clean pass overlapped the same way (``Options.efta_overlap``).
+
+Every variant (and ``sdpa_flash``) is timed in
 ``--rounds`` interleaved rounds (`_timing.interleaved`); ratios are medians of the same round's ratios
 to ``floor0`` and to ``ours_off``. Outputs are compared with ``sdpa_flash`` and the floor variants
-report how many rows their checks flagged on these clean inputs (must be 0). Needs a CUDA GPU
+report how many rows their checks flagged on these clean inputs (must be 0; the library's variants, the
+total of their event counters over every timed call). Needs a CUDA GPU
 (``--dry-run`` runs two tiny shapes through Triton's interpreter on the CPU:
 ``TRITON_INTERPRET=1 python scripts/bench_efta_floor.py --dry-run``).
 
@@ -84,9 +88,11 @@ LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u":
           "floor3": Floor(3), "floor3u": Floor(3, unified=True), "lean3": Floor(3, lean=True),
           "floor0o": Floor(0, overlap=True), "floor3o": Floor(3, overlap=True),
           "lean3o": Floor(3, lean=True, overlap=True)}
-VARIANTS = ("sdpa_flash", "ours_off", "efta_correct", *LEVELS)
-DEFAULT_VARIANTS = ("sdpa_flash", "ours_off", "efta_correct", "floor0", "floor0o", "floor3", "floor3o", "lean3",
-                    "lean3o")
+# the library's kernel: checks off / detect+correct, each also with its clean pass overlapped (efta_overlap)
+LIBRARY = {"ours_off": (False, False), "efta_correct": (True, False), "ours_off_ov": (False, True),
+           "efta_correct_ov": (True, True)}
+VARIANTS = ("sdpa_flash", *LIBRARY, *LEVELS)
+DEFAULT_VARIANTS = ("sdpa_flash", *LIBRARY, "floor0", "floor0o", "floor3", "floor3o", "lean3", "lean3o")
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the library's checks-off prefill configs and its checked one
 # (Triton 3.6 / sm_90a: with 8 warps ptxas serialises the wgmma of every checked floor variant, warning
 # C7515, so those lose the tuning; with 4 warps it does not)
@@ -250,6 +256,7 @@ def floor_attention(q, k, v, scale, causal, variant: Floor, cfg, tabs, flags):
 def run_shape(B, H, S, D, causal, dtype, args, timer, device):
     import torch.nn.functional as F
     from ft_transformers.kernels import efta as K
+    from ft_transformers.kernels.options import override
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ft_transformers.counters import new_counters
@@ -273,13 +280,16 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
                 def fn():
                     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-            elif name in ("ours_off", "efta_correct"):
+            elif name in LIBRARY:
                 counters = new_counters(device)
-                on = name == "efta_correct"
+                on, ahead = LIBRARY[name]
 
-                def fn(on=on, counters=counters):
-                    return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None, attn_mask=None,
-                                                 window=None, detect=on, correct=on, plan=plan, counters=counters)
+                row["_counters"] = counters
+
+                def fn(on=on, ahead=ahead, counters=counters):
+                    with override(efta_overlap=ahead):
+                        return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None, attn_mask=None,
+                                                     window=None, detect=on, correct=on, plan=plan, counters=counters)
             else:
                 variant = LEVELS[name]
                 flags = torch.zeros(B * H * S, dtype=torch.int32, device=device)
@@ -329,11 +339,14 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
     for name, row in rows.items():
         if name in times:
             row["ms"] = statistics.median(times[name])
-        for col, basis in (("x_vs_floor0", "floor0"), ("x_vs_ours_off", "ours_off"), ("x_vs_sdpa", "sdpa_flash")):
+        for col, basis in (("x_vs_floor0", "floor0"), ("x_vs_ours_off", "ours_off"), ("x_vs_sdpa", "sdpa_flash"),
+                           ("x_vs_efta_correct", "efta_correct")):
             row[col] = (statistics.median(t / tb for t, tb in zip(times[name], times[basis], strict=True))
                         if name in times and basis in times and timer is not None else float("nan"))
         if "_flags" in row:
             row["flagged_rows"] = int((row.pop("_flags") != 0).sum().item())
+        if "_counters" in row:  # the library's events over every timed call (0 on these clean inputs)
+            row["flagged_rows"] = int(row.pop("_counters").sum().item())
     return list(rows.values())
 
 
@@ -374,7 +387,7 @@ def main() -> int:
             for r in got:
                 print(f"{r['dtype']} B={B} H={H} S={S} D={D} causal={causal!s:5} {r['variant']:12s} "
                       f"{r['ms']:8.3f} ms  x_floor0 {r['x_vs_floor0']:.3f}  x_ours_off {r['x_vs_ours_off']:.3f}  "
-                      f"x_sdpa {r['x_vs_sdpa']:.3f}  "
+                      f"x_sdpa {r['x_vs_sdpa']:.3f}  x_correct {r['x_vs_efta_correct']:.3f}  "
                       f"err {r['max_abs_err']:.2e}  flagged {r['flagged_rows']} (K fault {r['flagged_k_fault']}, "
                       f"V fault {r['flagged_v_fault']})  {r['config']} {r['error']}",
                       flush=True)
