@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .efta_reference.stored import ReferenceTables
-from .kernels.contract import site_shape
+from .kernels.contract import kernel_head_dim, site_shape
 
 __all__ = ["KVChecksums", "flip_kv_cache", "kv_checksums_of", "track_forward_cache", "track_kv_cache",
            "untrack_kv_cache"]
@@ -129,7 +129,7 @@ class KVChecksums:
     def _build(self, keys: torch.Tensor, values: torch.Tensor, filled: int) -> None:
         D = keys.shape[3]
         kernel_form = self.backend == "triton" or (
-            self.backend == "auto" and keys.is_cuda and 16 <= D <= 128 and D % 16 == 0)
+            self.backend == "auto" and keys.is_cuda and kernel_head_dim(D))
         tables = _triton_tables() if kernel_form else None
         if tables is None and self.backend == "triton":
             raise ImportError("KVChecksums(backend='triton') needs ft_transformers.kernels.efta (triton)")

@@ -56,6 +56,12 @@ _SITE_LAST_DIM = {
 }
 
 
+def kernel_head_dim(d: int) -> bool:
+    """Whether the EFTA kernel (and its stored KV tables) takes head dim ``d``: a multiple of the checksum
+    stride 16 (the head-dim checksum groups and ``tl.dot``'s minimum) up to 128 (one register tile)."""
+    return 16 <= d <= 128 and d % 16 == 0
+
+
 def site_shape(site: str, B: int, Hq: int, M: int, N: int, D: int, nblocks: int, stride: int = 16,
                Hkv: int | None = None) -> tuple[int, int, int, int]:
     """The logical shape of attention ``site`` in a call: (B, Hq, M, last) (see ``_SITE_LAST_DIM``);

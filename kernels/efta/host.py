@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..contract import ATTENTION_SITES, COUNTER_SHAPE, exp_clamp, site_dtype, site_shape
+from ..contract import ATTENTION_SITES, COUNTER_SHAPE, exp_clamp, kernel_head_dim, site_dtype, site_shape
 from ..launch import DirectLauncher, record_launches, replay_launches
 from ..options import Options, options
 from ..tl_common import call_flag, on_tensor_device, runs_interpreted
@@ -263,7 +263,7 @@ def _validate(q, k, v, counters, window, bias, pasa: PasaShift | None, detect: b
     Hkv = k.shape[1]
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
         raise EftaUnsupported(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if not (16 <= D <= 128 and D % STRIDE == 0):
+    if not kernel_head_dim(D):
         raise EftaUnsupported(f"EFTA Triton kernel needs a head dim that is a multiple of 16 in [16, 128], "
                               f"got {D}")
     if Hkv == 0 or Hq % Hkv != 0:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..contract import kernel_head_dim
 from ..launch import DirectLauncher
 from ..tl_common import runs_interpreted
 from .checksums import _efta_checksums, _efta_checksums_append
@@ -110,7 +111,7 @@ class CacheTables:
             raise ValueError(f"k, v must be (B, Hkv, N, D) of one dtype among float16, bfloat16, float32; got "
                              f"{tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
         D = k.shape[3]
-        if not (16 <= D <= 128 and D % 16 == 0):
+        if not kernel_head_dim(D):
             raise ValueError(f"the kernel's tables need a head dim that is a multiple of 16 in [16, 128], got {D}")
 
     def build(self, k: torch.Tensor, v: torch.Tensor, filled: int) -> None:
