@@ -28,8 +28,8 @@ variable                           field                        meaning
 ``FTT_ABFT_GEMM_TMA=0/1``          ``gemm_tma``                 tiles through pointers / TMA descriptors
 ``FTT_ABFT_GEMM_SPLIT=n``          ``gemm_split``               decode calls split K over n programs
 ``FTT_ABFT_GEMM_PERSISTENT=0/1``   ``gemm_persistent``          never / always the persistent form
-``FTT_ABFT_GEMM_CUBLAS=0/1``       ``gemm_cublas``              never / always the cuBLAS form (auto: never,
-                                                                until its timings set a rule)
+``FTT_ABFT_GEMM_CUBLAS=0/1``       ``gemm_cublas``              never / always the cuBLAS form (auto: CUDA
+                                                                calls of 64 < M ≤ 512, N ≤ 4096)
 ``FTT_SIBLINGS=0``                 ``siblings``                 one checked launch per Linear, not per group
 ``FTT_KV_TABLES=0/1``              ``kv_tables``                a protected model's KV caches keep EFTA's
                                                                 checksum tables: off / on (auto: CPU models)

@@ -15,8 +15,8 @@ Columns, times per call (medians over interleaved rounds), CUDA-graph replays un
 * ``cublas``: ``F.linear`` (the unprotected layer); ``cublas_fp32_out``: the product alone, fp32 output;
 * ``cublas_form``: the form with every step a PyTorch op (7–9 launches, each reading what the one before
   wrote: an upper bound of its cost; ``--no-ops-form`` leaves it out);
-* ``fused``: the library's checked GEMM as it chooses its form by default (the fused Triton GEMM, the decode
-  kernel at M ≤ 16);
+* ``fused``: the library's checked GEMM with the cuBLAS form switched off (``gemm_cublas=False``: the fused
+  Triton GEMM, the decode kernel at M ≤ 16), whatever `forms.cublas_ok`'s default rule picks;
 * ``cublas_fused``: the library's cuBLAS form (``Options.gemm_cublas``): the product, then one launch of the
   group verification that reads y32 once (bias, rounding, group sums), takes the checksum dots and x's row
   statistics from one read of x, and writes y;
@@ -133,7 +133,7 @@ def bench_shape(m: int, n: int, k: int, dtype: torch.dtype, rep: int, rounds: in
         return lambda: _triton(abft_gemm.linear_forward, x, w, b, k, n, False, None, 2.5, True, True, None,
                                counts[name], owners[name], None)
 
-    calls = {"cublas": lambda: F.linear(x, w, b), "fused": library("fused"),
+    calls = {"cublas": lambda: F.linear(x, w, b), "fused": _with_options(library("fused"), gemm_cublas=False),
              "cublas_fused": _with_options(library("cublas_fused"), gemm_cublas=True)}
     fns = {"cublas": _graphed(calls["cublas"]),
            "cublas_fp32_out": _graphed(lambda: torch.mm(x, w.t(), out_dtype=torch.float32))}

@@ -1169,8 +1169,9 @@ def test_cublas_form_nonfinite_inputs(where, setopt):
 
 
 def test_cublas_form_only_where_switched_on(monkeypatch, setopt):
-    """``Options.gemm_cublas`` (``FTT_ABFT_GEMM_CUBLAS``): unset, no call takes the cuBLAS form; on, every
-    checked fp16/bf16 call does, decode-sized ones too; fp32 calls and the plain GEMM never."""
+    """``Options.gemm_cublas`` (``FTT_ABFT_GEMM_CUBLAS``): unset, no call on the CPU or under the interpreter
+    takes the cuBLAS form; on, every checked fp16/bf16 call does, decode-sized ones too; fp32 calls and the
+    plain GEMM never."""
     assert Options.from_env({}).gemm_cublas is None
     assert Options.from_env({"FTT_ABFT_GEMM_CUBLAS": "1"}).gemm_cublas is True
     assert Options.from_env({"FTT_ABFT_GEMM_CUBLAS": "0"}).gemm_cublas is False
@@ -1186,6 +1187,29 @@ def test_cublas_form_only_where_switched_on(monkeypatch, setopt):
         seen.clear()
         _run(x, w, detect=detect)
         assert seen == want, (switch, x.shape, x.dtype, detect, seen)
+
+
+def test_cublas_form_default_rule(monkeypatch, setopt):
+    """``Options.gemm_cublas`` unset: fp16/bf16 calls on a CUDA device (not interpreted) take the cuBLAS form at
+    64 < M ≤ 512 and N ≤ 4096, K any (`forms.CUBLAS_AUTO_*`); CPU, interpreted and fp32 calls never; the
+    switch off, none."""
+    import types
+
+    cuda16 = types.SimpleNamespace(dtype=torch.float16, device=torch.device("cuda"))
+    monkeypatch.setattr(forms, "INTERP", False)
+    setopt(gemm_cublas=None)
+    for m, n, want in ((1, 896, False), (16, 896, False), (64, 896, False), (65, 896, True), (128, 128, True),
+                       (512, 3584, True), (512, 4096, True), (513, 896, False), (4096, 896, False),
+                       (128, 4097, False), (128, 4864, False), (256, 151936, False)):
+        assert forms.cublas_ok(m, n, cuda16) is want, (m, n)
+    assert forms.cublas_ok(128, 896, types.SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda")))
+    assert not forms.cublas_ok(128, 896, types.SimpleNamespace(dtype=torch.float32, device=torch.device("cuda")))
+    assert not forms.cublas_ok(128, 896, torch.zeros(128, 8, dtype=torch.float16))  # a CPU tensor
+    setopt(gemm_cublas=False)
+    assert not forms.cublas_ok(128, 896, cuda16)
+    monkeypatch.setattr(forms, "INTERP", True)
+    setopt(gemm_cublas=None)
+    assert not forms.cublas_ok(128, 896, cuda16)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -1556,11 +1580,13 @@ def test_gpu_graph_replays_count_nonfinite_per_replay(m):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gpu_real_shapes_clean_and_flips(dtype):
+def test_gpu_real_shapes_clean_and_flips(dtype, setopt):
     """Clean calls at Qwen2-0.5B-like shapes (the decode kernel, the tuned tile form with up to four check
-    groups per tile) over four distributions: no event, within the GEMM bound of float64. Then single 0→1
-    flips of high exponent bits (what the V-ABFT specification measures) found and repaired, counted like
-    the reference path wherever it finds them too (its fp32-output table differs from the kernel's)."""
+    groups per tile; the cuBLAS form switched off, its own tests cover it) over four distributions: no event,
+    within the GEMM bound of float64. Then single 0→1 flips of high exponent bits (what the V-ABFT
+    specification measures) found and repaired, counted like the reference path wherever it finds them too
+    (its fp32-output table differs from the kernel's)."""
+    setopt(gemm_cublas=False)
     g = torch.Generator(device="cuda").manual_seed(0)
     n_calls = 0
     total = {k: 0 for k in ZERO}
@@ -1616,7 +1642,7 @@ def test_gpu_group_verification_at_real_shapes(dtype, form, monkeypatch, setopt)
     32 or more SMs): the verification's quantities against float64 (`_check_residuals`, group sums of
     tiles holding 2-4 groups), clean calls with no event, and single flips made between the GEMM and its
     verification found, located and corrected, counted like the reference path at the same positions."""
-    setopt(gemm_persistent=form == "persistent")
+    setopt(gemm_persistent=form == "persistent", gemm_cublas=False)
     seen = _launched(monkeypatch)
     m, k, n = 512, 1024, 4096
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -11,7 +11,7 @@ Forms (``Form.kind``):
   (`persistent_ok`).
 * ``"cublas"`` — cuBLAS's product with fp32 output (`calls.fp32_product`), then the group verification in its
   Y32 mode, which also makes y from that product (bias, rounding, injection) in the same pass: fp16/bf16
-  calls, ``Options.gemm_cublas`` (`cublas_ok`).
+  calls, ``Options.gemm_cublas`` (`cublas_ok`); by default on CUDA short prompts (64 < M ≤ 512) of N ≤ 4096.
 
 Every form checks each (row, 64-column group) against its own threshold.
 
@@ -73,6 +73,16 @@ PERSISTENT_MIN_MNK = 1 << 34
 # per SM, so that reading y32 and writing y spread over the GPU. Not timed yet (docs/vabft.md).
 Y32_PROGRAMS_PER_SM = 2
 Y32_MAX_ELEMS = 1 << 30  # the cuBLAS form's y32 and group sums stay within the kernel's int32 offsets
+# The cuBLAS form by default (``Options.gemm_cublas`` None, `cublas_ok`): fp16/bf16 calls on a CUDA GPU with
+# CUBLAS_AUTO_MIN_ROWS < M ≤ CUBLAS_AUTO_MAX_ROWS and N ≤ CUBLAS_AUTO_MAX_COLS. Measured on an H100 (CUDA graphs,
+# fp16, Qwen2-0.5B's and Qwen2-7B's layers, `scripts/bench_gemm_cublas_form.py`, the fused GEMM at its first
+# candidate config): at M = 128 and 512 with N ≤ 3,584 (K 896 to 18,944) the form took 0.32-0.66 of the fused
+# GEMM's time at every shape. Left to the fused GEMM: M ≤ 16 (the decode kernel, 1.09-2.56x faster), M = 64 (the
+# form 0.67-1.05 of the fused GEMM's time), M = 4096 (0.73-1.72) and the gate/up widths, N = 4,864 and 18,944
+# (0.75-1.05 at M = 64-512). docs/vabft.md has the table.
+CUBLAS_AUTO_MIN_ROWS = 64
+CUBLAS_AUTO_MAX_ROWS = 512
+CUBLAS_AUTO_MAX_COLS = 4096
 
 
 def interpreting() -> bool:
@@ -244,13 +254,20 @@ def y32_split(m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
 
 
 def cublas_ok(m: int, n: int, x2d: torch.Tensor) -> bool:
-    """Whether a checked call takes the cuBLAS form: ``Options.gemm_cublas`` True (None, the default, chooses
-    it nowhere until its timings give a rule; False never), fp16/bf16 operands (an fp32 product through cuBLAS
-    may run in TF32, which the fp32 e_max does not cover), a CUDA device or the interpreter (whose product is
-    the upcast fp32 one), and M·N + ⌈N/64⌉·M < Y32_MAX_ELEMS."""
-    if options().gemm_cublas is not True or x2d.dtype not in (torch.float16, torch.bfloat16):
+    """Whether a checked call takes the cuBLAS form: fp16/bf16 operands (an fp32 product through cuBLAS may
+    run in TF32, which the fp32 e_max does not cover), M·N + ⌈N/64⌉·M < Y32_MAX_ELEMS, and
+    ``Options.gemm_cublas`` True (on a CUDA device or under the interpreter, whose product is the upcast fp32
+    one), False never, or None (the default): on a CUDA device, not under the interpreter, where the timings
+    put it ahead of the fused GEMM, CUBLAS_AUTO_MIN_ROWS < M ≤ CUBLAS_AUTO_MAX_ROWS and N ≤
+    CUBLAS_AUTO_MAX_COLS (K any: 896 to 18,944 measured). CPU calls never take it."""
+    switch = options().gemm_cublas
+    if switch is False or x2d.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if not INTERP and x2d.device.type != "cuda":
+    if switch is None:
+        if INTERP or x2d.device.type != "cuda" or not (CUBLAS_AUTO_MIN_ROWS < m <= CUBLAS_AUTO_MAX_ROWS
+                                                       and n <= CUBLAS_AUTO_MAX_COLS):
+            return False
+    elif not INTERP and x2d.device.type != "cuda":
         return False
     return m * (n + cdiv(n, GROUP_COLS)) < Y32_MAX_ELEMS
 
