@@ -21,8 +21,6 @@ variable                           field                        meaning
 ``FTT_EFTA_SPLIT=n``               ``efta_split``               split-key decode into n programs per block
 ``FTT_EFTA_FOLD=0/1``              ``efta_fold``                EFTA's exponent as one FFMA: off / on
 ``FTT_EFTA_TWO_LAUNCH=0``          ``efta_two_launch``          correction repairs in the clean pass's launch
-``FTT_EFTA_OVERLAP=1``             ``efta_overlap``             EFTA's clean pass issues GEMM I one key block
-                                                                ahead (prefill; off by default)
 ``FTT_ABFT_GEMM_CONFIG=BM,BN,BK,w,s`` ``gemm_config``           one checked-GEMM config instead of tuning
 ``FTT_ABFT_GEMM_TUNE=0``           ``gemm_tune``                the first candidate config, no timing
 ``FTT_ABFT_GEMM_TMA=0/1``          ``gemm_tma``                 tiles through pointers / TMA descriptors
@@ -89,7 +87,6 @@ class Options:
     efta_split: int | None = None
     efta_fold: bool | None = None
     efta_two_launch: bool = True
-    efta_overlap: bool = False  # `kernels.efta.kernel._key_loop`'s OVERLAP (unsplit launches)
     gemm_config: tuple[int, int, int, int, int] | None = None  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
     gemm_tune: bool = True
     gemm_tma: bool | None = None
@@ -134,7 +131,6 @@ class Options:
         for name, field in (("FTT_DIRECT_LAUNCH", "direct_launch"), ("FTT_EFTA_TWO_LAUNCH", "efta_two_launch"),
                             ("FTT_ABFT_GEMM_TUNE", "gemm_tune"), ("FTT_SIBLINGS", "siblings")):
             kw[field] = get(name) != "0"  # on unless switched off
-        kw["efta_overlap"] = get("FTT_EFTA_OVERLAP") == "1"  # off unless switched on
         if get("FTT_TUNE_CACHE") != "0":
             xdg = get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             kw["tune_cache_dir"] = get("FTT_CACHE_DIR") or os.path.join(xdg, "ft_transformers")

@@ -33,8 +33,7 @@ wgmma runs on the tensor cores while the warps do block j's exponentials and che
 overlap of FlashAttention-3, written in Triton's source order; whether the compiler keeps the overlap is
 what the timings show).
 
-The library's kernel runs as ``ours_off`` (checks off) and ``efta_correct`` (detect+correct), and as
-``ours_off_ov`` / ``efta_correct_ov`` with its clean pass overlapped the same way (``Options.efta_overlap``).
+The library's kernel runs as ``ours_off`` (checks off) and ``efta_correct`` (detect+correct).
 
 Every variant (and ``sdpa_flash``) is timed in
 ``--rounds`` interleaved rounds (`_timing.interleaved`); ratios are medians of the same round's ratios
@@ -76,27 +75,31 @@ _P_MIN = tl.constexpr(2.0 ** -14)
 
 class Floor(NamedTuple):
     """A floor variant: its check level, step 4 from the checksum (UNIFIED), the row sum from the
-    V-checksum dot (LEAN), GEMM I of the next block issued before this block's softmax (OVERLAP)."""
+    V-checksum dot (LEAN), GEMM I of the next block issued before this block's softmax (OVERLAP), the
+    warp-specialized loop (WS, `_floor_ws_kernel`)."""
 
     level: int
     unified: bool = False
     lean: bool = False
     overlap: bool = False
+    ws: bool = False  # `_floor_ws_kernel`: TMA descriptors and a warp-specialized loop
 
 
 LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u": Floor(2, unified=True),
           "floor3": Floor(3), "floor3u": Floor(3, unified=True), "lean3": Floor(3, lean=True),
           "floor0o": Floor(0, overlap=True), "floor3o": Floor(3, overlap=True),
-          "lean3o": Floor(3, lean=True, overlap=True)}
-# the library's kernel: checks off / detect+correct, each also with its clean pass overlapped (efta_overlap)
-LIBRARY = {"ours_off": (False, False), "efta_correct": (True, False), "ours_off_ov": (False, True),
-           "efta_correct_ov": (True, True)}
+          "lean3o": Floor(3, lean=True, overlap=True), "floor0w": Floor(0, ws=True), "floor3w": Floor(3, ws=True),
+          "lean3w": Floor(3, lean=True, ws=True)}
+LIBRARY = {"ours_off": False, "efta_correct": True}  # the library's kernel: checks off / detect+correct
 VARIANTS = ("sdpa_flash", *LIBRARY, *LEVELS)
-DEFAULT_VARIANTS = ("sdpa_flash", *LIBRARY, "floor0", "floor0o", "floor3", "floor3o", "lean3", "lean3o")
+DEFAULT_VARIANTS = ("sdpa_flash", "ours_off", "efta_correct", "floor0", "floor3", "lean3", "floor0w", "floor3w",
+                    "lean3w")
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the library's checks-off prefill configs and its checked one
 # (Triton 3.6 / sm_90a: with 8 warps ptxas serialises the wgmma of every checked floor variant, warning
 # C7515, so those lose the tuning; with 4 warps it does not)
 CONFIGS = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]
+# the warp-specialized loop: 128-row blocks, which its consumer warp groups share (64 rows each)
+CONFIGS_WS = [(128, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
 
 
 @triton.jit
@@ -217,6 +220,86 @@ def _floor_kernel(Q, K, V, KC, KA, VC, O, Flags, S_CTX, qk2, tol1, tol3, vcmax,
     tl.store(Flags + bh * S_CTX + offs_m, flag)
 
 
+@triton.jit
+def _floor_ws_kernel(Q, K, V, KC, KA, VC, O, Flags, S_CTX, qk2, tol1, tol3, vcmax,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                     LEVEL: tl.constexpr, LEAN: tl.constexpr, INTERP: tl.constexpr):
+    """`_floor_kernel` (levels 0 and 3, LEAN) as a warp-specialized loop: every tile comes through an
+    on-device TMA descriptor (Q, K, V (B·H·S, D); Kc1 (blocks·16, D); the V-checksum operand (blocks·C,
+    BLOCK_N)), and ``tl.range(..., warp_specialize=True)`` lets the compiler split the loop into a
+    producer warp (the loads) and consumer warp groups that run the MMAs and the softmax of different
+    row halves in turn (FlashAttention-3's ping-pong, as Triton builds it)."""
+    G: tl.constexpr = BLOCK_N // 16
+    C: tl.constexpr = 32 if LEAN else 16
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    rows = tl.num_programs(1) * S_CTX
+    nblk = S_CTX // BLOCK_N
+    dq = tl.make_tensor_descriptor(Q, shape=[rows, BLOCK_D], strides=[BLOCK_D, 1], block_shape=[BLOCK_M, BLOCK_D])
+    dk = tl.make_tensor_descriptor(K, shape=[rows, BLOCK_D], strides=[BLOCK_D, 1], block_shape=[BLOCK_N, BLOCK_D])
+    dv = tl.make_tensor_descriptor(V, shape=[rows, BLOCK_D], strides=[BLOCK_D, 1], block_shape=[BLOCK_N, BLOCK_D])
+    dkc = tl.make_tensor_descriptor(KC, shape=[rows // BLOCK_N * 16, BLOCK_D], strides=[BLOCK_D, 1],
+                                    block_shape=[16, BLOCK_D])
+    dvc = tl.make_tensor_descriptor(VC, shape=[rows // BLOCK_N * C, BLOCK_N], strides=[BLOCK_N, 1],
+                                    block_shape=[C, BLOCK_N])
+    do = tl.make_tensor_descriptor(O, shape=[rows, BLOCK_D], strides=[BLOCK_D, 1], block_shape=[BLOCK_M, BLOCK_D])
+    row0 = bh * S_CTX
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_j = tl.arange(0, BLOCK_N)
+    rc = tl.arange(0, C)
+    q = dq.load([row0 + start_m * BLOCK_M, 0])
+    m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    worst1 = tl.full((BLOCK_M, 16), -float("inf"), tl.float32)
+    worst4 = tl.full((BLOCK_M, 16), -float("inf"), tl.float32)
+    oc = tl.zeros((BLOCK_M, C), tl.float32)
+    qn1 = tl.sum(tl.abs(q.to(tl.float32)), axis=1) * tol1
+    hi = tl.minimum((start_m + 1) * BLOCK_M, S_CTX) if CAUSAL else S_CTX
+    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):
+        offs_n = start_n + offs_j
+        blk = bh * nblk + start_n // BLOCK_N
+        k = dk.load([row0 + start_n, 0])
+        s = tl.dot(q, k.T)
+        if LEVEL >= 1:
+            sc1 = tl.dot(q, dkc.load([blk * 16, 0]).T)
+            d1 = sc1 - tl.sum(tl.reshape(s, (BLOCK_M, G, 16)), axis=1)
+            worst1 = tl.maximum(worst1, tl.fma(-qn1[:, None], tl.load(KA + blk), tl.abs(d1)))
+        if CAUSAL and start_n + BLOCK_N > start_m * BLOCK_M:  # the causal diagonal block
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk2)
+        y = tl.fma(s, qk2, -m_new[:, None])
+        p = _exp(y, INTERP, True)
+        if LEVEL >= 2:
+            lp = _log2_prod(tl.reshape(tl.maximum(p, _P_MIN), (BLOCK_M, G, 16)), INTERP)
+            xs = tl.sum(tl.reshape(tl.maximum(y, _Y_MIN), (BLOCK_M, G, 16)), axis=1)
+            worst4 = tl.maximum(worst4, tl.abs(lp - xs) - 1e-4 * tl.abs(xs))
+        alpha = _exp(m_i - m_new, INTERP, True)
+        if not LEAN:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = dv.load([row0 + start_n, 0])
+        pd = p.to(v.dtype)
+        acc = tl.dot(pd, v, acc * alpha[:, None])
+        if LEVEL >= 3:
+            oc = tl.dot(pd, dvc.load([blk * C, 0]).T, oc * alpha[:, None])
+        m_i = m_new
+    oc1 = oc
+    if LEAN:
+        l_i = tl.sum(tl.where(rc[None, :] == 16, oc, 0.0), axis=1)
+        oc1 = tl.where(rc[None, :] < 16, oc, 0.0)
+    flag = tl.zeros((BLOCK_M,), tl.int32)
+    if LEVEL >= 1:
+        flag = flag | (tl.max(worst1, axis=1) > 0).to(tl.int32)
+    if LEVEL >= 2:
+        flag = flag | (tl.max(worst4, axis=1) > 1e-3 * 3 * G).to(tl.int32)
+    if LEVEL >= 3:
+        dO = tl.abs(tl.sum(oc1, axis=1) - tl.sum(acc, axis=1))
+        flag = flag | (dO > tol3 * vcmax * l_i).to(tl.int32)
+        flag = flag | ((l_i < 1.0 - 1e-3) | (l_i > hi * 1.001)).to(tl.int32)
+    do.store([row0 + start_m * BLOCK_M, 0], (acc / l_i[:, None]).to(do.dtype))
+    tl.store(Flags + bh * S_CTX + offs_m, flag)
+
+
 def tables(k: torch.Tensor, v: torch.Tensor, block_n: int):
     """Checksum operands (PyTorch, outside the timing), K-major: KC (B·H·S/block_n, 16, D) Kc1 of each key
     block in k's dtype, KA (B·H·S/block_n,) fp32 max |Kc1| per block, VC (B·H·S/block_n, 16, block_n)
@@ -236,6 +319,12 @@ def tables(k: torch.Tensor, v: torch.Tensor, block_n: int):
     return kc, ka, vc.contiguous(), vcmax, vc32
 
 
+def _ws_allocator() -> None:
+    """The global scratch that on-device TMA descriptors are written to (Triton asks the host for it)."""
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device="cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def floor_attention(q, k, v, scale, causal, variant: Floor, cfg, tabs, flags):
     """q, k, v (B·H, S, D) contiguous, S a multiple of the block sizes; returns (B·H, S, D)."""
     BM, BN, warps, stages = cfg
@@ -246,6 +335,13 @@ def floor_attention(q, k, v, scale, causal, variant: Floor, cfg, tabs, flags):
     interp = runs_interpreted(_floor_kernel)
     # thresholds of single-slice checksum operands: Kc1 / Vc1 rounded to the input dtype
     u = 2.0 ** -8 if q.dtype == torch.bfloat16 else 2.0 ** -11
+    if variant.ws:
+        assert not (variant.unified or variant.overlap), "the warp-specialized loop has levels 0-3 and LEAN only"
+        _ws_allocator()
+        _floor_ws_kernel[(S // BM, BH)](q, k, v, kc, ka, vc, o, flags, S, scale * LOG2E, 4 * u, 64 * u, vcmax,
+                                        BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=variant.level,
+                                        LEAN=variant.lean, INTERP=interp, num_warps=warps, num_stages=stages)
+        return o
     _floor_kernel[(S // BM, BH)](q, k, v, kc, ka, vc, o, flags, S, scale * LOG2E, 4 * u, 64 * u, vcmax,
                                  BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=variant.level,
                                  UNIFIED=variant.unified, LEAN=variant.lean, OVERLAP=variant.overlap, INTERP=interp,
@@ -256,7 +352,6 @@ def floor_attention(q, k, v, scale, causal, variant: Floor, cfg, tabs, flags):
 def run_shape(B, H, S, D, causal, dtype, args, timer, device):
     import torch.nn.functional as F
     from ft_transformers.kernels import efta as K
-    from ft_transformers.kernels.options import override
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ft_transformers.counters import new_counters
@@ -282,21 +377,20 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
                         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
             elif name in LIBRARY:
                 counters = new_counters(device)
-                on, ahead = LIBRARY[name]
-
+                on = LIBRARY[name]
                 row["_counters"] = counters
 
-                def fn(on=on, ahead=ahead, counters=counters):
-                    with override(efta_overlap=ahead):
-                        return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None, attn_mask=None,
-                                                     window=None, detect=on, correct=on, plan=plan, counters=counters)
+                def fn(on=on, counters=counters):
+                    return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None, attn_mask=None,
+                                                 window=None, detect=on, correct=on, plan=plan, counters=counters)
             else:
                 variant = LEVELS[name]
                 flags = torch.zeros(B * H * S, dtype=torch.int32, device=device)
                 # the fastest of CONFIGS for this variant (each timed once; a config that does not compile
                 # or fit is skipped)
                 best = None
-                for cfg in CONFIGS if timer is not None else CONFIGS[:1]:
+                cfgs = CONFIGS_WS if variant.ws else CONFIGS
+                for cfg in cfgs if timer is not None else cfgs[:1]:
                     if S % cfg[0] or S % cfg[1]:
                         continue
                     try:
@@ -371,8 +465,8 @@ def main() -> int:
     if args.dry_run:
         device, timer = ("cuda" if torch.cuda.is_available() else "cpu"), None
         shapes = [(1, 2, 256, 64, False), (1, 2, 256, 32, True)]
-        global CONFIGS
-        CONFIGS = [(64, 64, 4, 1)]
+        global CONFIGS, CONFIGS_WS
+        CONFIGS = CONFIGS_WS = [(64, 64, 4, 1)]
     else:
         from triton.testing import do_bench
         device, timer = "cuda", partial(do_bench, warmup=25, rep=100)

@@ -576,7 +576,7 @@ def efta_triton_forward(
         # (faults at S, x or Sc1 strike the scaled values, as in the reference: FOLD off)
         FOLD=_fold(interp, use_pasa or has_bias or mask_kind == 2
                    or any(mode[s] for s in ("attn.scores", "attn.exponent", "attn.checksum")), opts.efta_fold),
-        PACK=pack, KC2_TABLE=stored is not None, OVERLAP=opts.efta_overlap,
+        PACK=pack, KC2_TABLE=stored is not None,
     )
 
     def launch_fwd(c: Config, splits: int, **phase) -> None:

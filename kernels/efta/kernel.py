@@ -39,8 +39,7 @@ specialisation and the launch path, so the signature stays as it is):
 * constexprs: shape (``BLOCK_D, EVEN_D, BLOCK_M, BLOCK_N``), masks (``CAUSAL, HAS_WINDOW, HAS_BIAS,
   MASK_KIND``), checks (``DETECT, CORRECT``), injection (one mode per attention site: ``INJ_S, INJ_M,
   INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_O, INJ_CS``; and ``NO_SKIP``), checksum operands
-  (``PARTS, SCALE_CS, DOT_F32``), form (``INTERP, SPLIT, PASA, HALF_STATE, PHASE, FOLD, PACK``; ``OVERLAP``:
-  the clean pass issues GEMM I one key block ahead, `_key_loop`), stored
+  (``PARTS, SCALE_CS, DOT_F32``), form (``INTERP, SPLIT, PASA, HALF_STATE, PHASE, FOLD, PACK``), stored
   tables (``KC2_TABLE``: the tables were made when the keys entered a KV cache, and step 1 locates with
   their Kc2).
 """
@@ -88,32 +87,6 @@ def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _gemm1(q, Kb, KSb, skn, skd, KC, KA, SC, cs_row, Inj, bh, offs_m, offs_j, offs_d, d_ok, start_n, M, N, scale,
-           BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DETECT: tl.constexpr, PASA: tl.constexpr,
-           INJ_S: tl.constexpr, PARTS: tl.constexpr, DOT_F32: tl.constexpr, FOLD: tl.constexpr):
-    """Step 1's products for the key block starting at start_n, as the overlapped clean pass issues them
-    one block ahead: the scores (BLOCK_M, BLOCK_N) fp32 with the `attn.scores` faults, and with the
-    checks (or PASA) Sc1 (BLOCK_M, 16) before its `attn.checksum` faults, kabs (16,), the block's
-    non-finite flag (int32); zeros without them."""
-    offs_n = start_n + offs_j
-    if PASA:
-        k = tl.load(KSb + offs_n[:, None] * BLOCK_D + offs_d[None, :])
-    else:
-        kv_ok = offs_n[:, None] < N
-        if not EVEN_D:
-            kv_ok = kv_ok & d_ok[None, :]
-        k = tl.load(Kb + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
-    s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32, FOLD)
-    sc1 = tl.zeros((q.shape[0], 16), tl.float32)
-    kabs = tl.zeros((16,), tl.float32)
-    knf = tl.full([], 0, tl.int32)
-    if DETECT or PASA:
-        sc1, kabs, knf = _score_checksum(q, KC, KA, SC, cs_row + start_n // s.shape[1], offs_d, scale, BLOCK_D,
-                                         PARTS, DOT_F32, PASA, FOLD)
-    return s, sc1, kabs, knf
-
-
-@triton.jit
 def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, KC2, cs_row, Inj, b, h, bh,
               start_m, offs_m, offs_d, row_ok, d_ok, M, N, D, nblocks, window, scale, scan_lo, scan_hi,
               Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
@@ -125,14 +98,8 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, K
               INJ_ACC: tl.constexpr, INJ_CS: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
               DOT_F32: tl.constexpr,
               INTERP: tl.constexpr, EVEN_D: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr,
-              OC2: tl.constexpr, REPAIR: tl.constexpr, FOLD: tl.constexpr, KC2_TABLE: tl.constexpr,
-              OVERLAP: tl.constexpr):
+              OC2: tl.constexpr, REPAIR: tl.constexpr, FOLD: tl.constexpr, KC2_TABLE: tl.constexpr):
     """Steps 1–5 over the key blocks [scan_lo, scan_hi) for one block of query rows.
-
-    OVERLAP (the clean pass only): GEMM I of block j+1 and its checksum dot are issued before block j's
-    softmax and carried into the next iteration (`_gemm1`), so the tensor cores work on them while the
-    warps run block j's exponentials and checks (the loop is latency-bound: each step waits for the
-    one before). The last iteration issues the last block again and drops it.
 
     The clean pass (REPAIR=False) has no data-dependent branch and no block-wide reduction in the
     loop: the checks only raise per-row flags, so the loop pipelines like the unchecked one. When a
@@ -159,12 +126,6 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, K
     worst1 = tl.full((BLOCK_M, 16), NEG_INF, tl.float32)  # clean pass: worst step-1 / step-4 margins
     worst4 = tl.full((BLOCK_M, 16), NEG_INF, tl.float32)  # per (row, group) over the key blocks
     lc16 = tl.zeros((BLOCK_M, 16), tl.float32)  # the row-sum twin per residue group
-    AHEAD: tl.constexpr = OVERLAP and not REPAIR
-    if AHEAD:  # the first block's GEMM I before the loop; block indices stay inside the tables
-        last = tl.minimum((scan_hi - 1) // BLOCK_N, nblocks - 1) * BLOCK_N
-        s_nx, sc1_nx, kabs_nx, knf_nx = _gemm1(q, Kb, KSb, skn, skd, KC, KA, SC, cs_row, Inj, bh, offs_m, offs_j,
-                                               offs_d, d_ok, tl.minimum(scan_lo, last), M, N, scale, BLOCK_D, EVEN_D,
-                                               DETECT, PASA, INJ_S, PARTS, DOT_F32, FOLD)
 
     for start_n in range(scan_lo, scan_hi, BLOCK_N):
         jblk = start_n // BLOCK_N
@@ -177,22 +138,15 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, K
 
         mtile = _early_mask(offs_m, offs_n, b, h, M, N, Mask, smb, smh, smm, smn, MASK_KIND)
         # ---- 1. GEMM I ----
-        cb = cs_row + jblk  # this key block's row in the checksum tables
-        if AHEAD:  # this block's products were issued one iteration ago; the next block's go now
-            s, sc1_raw, kabs, knf = s_nx, sc1_nx, kabs_nx, knf_nx
-            s_nx, sc1_nx, kabs_nx, knf_nx = _gemm1(q, Kb, KSb, skn, skd, KC, KA, SC, cs_row, Inj, bh, offs_m, offs_j,
-                                                   offs_d, d_ok, tl.minimum(start_n + BLOCK_N, last), M, N, scale,
-                                                   BLOCK_D, EVEN_D, DETECT, PASA, INJ_S, PARTS, DOT_F32, FOLD)
+        if PASA:  # the shifted keys K' (scale folded in)
+            k = tl.load(KSb + offs_n[:, None] * BLOCK_D + offs_d[None, :])
         else:
-            if PASA:  # the shifted keys K' (scale folded in)
-                k = tl.load(KSb + offs_n[:, None] * BLOCK_D + offs_d[None, :])
-            else:
-                k = tl.load(Kb + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
-            s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32, FOLD)
-            if DETECT or PASA:
-                sc1_raw, kabs, knf = _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D, PARTS, DOT_F32,
-                                                     PASA, FOLD)
+            k = tl.load(Kb + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
+        s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32, FOLD)
         if DETECT or PASA:
+            cb = cs_row + jblk  # this key block's row in the checksum tables
+            sc1_raw, kabs, knf = _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D, PARTS, DOT_F32, PASA,
+                                                 FOLD)
             sc1 = _checksum_faults(sc1_raw, Inj, bh, offs_m, jblk, M, nblocks, INJ_CS)
         if DETECT:
             vtile = tl.load(VA + cb * 16 + r16)
@@ -354,8 +308,7 @@ def _efta_fwd(
     NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
     DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr,
     SPLIT: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr, PHASE: tl.constexpr, FOLD: tl.constexpr,
-    PACK: tl.constexpr, KC2_TABLE: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    PACK: tl.constexpr, KC2_TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (row blocks · nsplit, Hq, B); with PACK (GQA decode, M = 1) (row blocks · nsplit, Hkv, B),
     the rows of a block being the query heads of one kv head (`_program_rows`).
@@ -442,7 +395,7 @@ def _efta_fwd(
                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
                     INJ_S, INJ_M, INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_CS, PARTS, SCALE_CS, DOT_F32,
                     INTERP, EVEN_D, PASA, HALF_STATE,
-                    OC2_CLEAN or (CORRECT and rep == 1), rep == 1, FOLD, KC2_TABLE, OVERLAP and not SPLIT)
+                    OC2_CLEAN or (CORRECT and rep == 1), rep == 1, FOLD, KC2_TABLE)
         if rep == 0:
             if PHASE == 2:  # the clean launch flagged this block
                 n1 = rep_val - 1
