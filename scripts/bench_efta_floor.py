@@ -82,18 +82,20 @@ class Floor(NamedTuple):
     unified: bool = False
     lean: bool = False
     overlap: bool = False
-    ws: bool = False  # `_floor_ws_kernel`: TMA descriptors and a warp-specialized loop
+    tma: bool = False  # `_floor_ws_kernel`: every tile through a TMA descriptor
+    ws: bool = False  # ... and its loop warp-specialized
 
 
 LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u": Floor(2, unified=True),
           "floor3": Floor(3), "floor3u": Floor(3, unified=True), "lean3": Floor(3, lean=True),
           "floor0o": Floor(0, overlap=True), "floor3o": Floor(3, overlap=True),
-          "lean3o": Floor(3, lean=True, overlap=True), "floor0w": Floor(0, ws=True), "floor3w": Floor(3, ws=True),
-          "lean3w": Floor(3, lean=True, ws=True)}
+          "lean3o": Floor(3, lean=True, overlap=True), "floor0w": Floor(0, tma=True, ws=True),
+          "floor3w": Floor(3, tma=True, ws=True), "lean3w": Floor(3, lean=True, tma=True, ws=True),
+          "floor0t": Floor(0, tma=True), "floor3t": Floor(3, tma=True), "lean3t": Floor(3, lean=True, tma=True)}
 LIBRARY = {"ours_off": False, "efta_correct": True}  # the library's kernel: checks off / detect+correct
 VARIANTS = ("sdpa_flash", *LIBRARY, *LEVELS)
-DEFAULT_VARIANTS = ("sdpa_flash", "ours_off", "efta_correct", "floor0", "floor3", "lean3", "floor0w", "floor3w",
-                    "lean3w")
+DEFAULT_VARIANTS = ("sdpa_flash", "ours_off", "efta_correct", "floor0", "floor3", "lean3", "floor0t", "floor3t",
+                    "lean3t", "floor0w", "floor3w", "lean3w")
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the library's checks-off prefill configs and its checked one
 # (Triton 3.6 / sm_90a: with 8 warps ptxas serialises the wgmma of every checked floor variant, warning
 # C7515, so those lose the tuning; with 4 warps it does not)
@@ -223,12 +225,13 @@ def _floor_kernel(Q, K, V, KC, KA, VC, O, Flags, S_CTX, qk2, tol1, tol3, vcmax,
 @triton.jit
 def _floor_ws_kernel(Q, K, V, KC, KA, VC, O, Flags, S_CTX, qk2, tol1, tol3, vcmax,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                     LEVEL: tl.constexpr, LEAN: tl.constexpr, INTERP: tl.constexpr):
-    """`_floor_kernel` (levels 0 and 3, LEAN) as a warp-specialized loop: every tile comes through an
-    on-device TMA descriptor (Q, K, V (B·H·S, D); Kc1 (blocks·16, D); the V-checksum operand (blocks·C,
-    BLOCK_N)), and ``tl.range(..., warp_specialize=True)`` lets the compiler split the loop into a
-    producer warp (the loads) and consumer warp groups that run the MMAs and the softmax of different
-    row halves in turn (FlashAttention-3's ping-pong, as Triton builds it)."""
+                     LEVEL: tl.constexpr, LEAN: tl.constexpr, WS: tl.constexpr, INTERP: tl.constexpr):
+    """`_floor_kernel` (levels 0 and 3, LEAN) with every tile through an on-device TMA descriptor (Q, K, V
+    (B·H·S, D); Kc1 (blocks·16, D); the V-checksum operand (blocks·C, BLOCK_N)). WS: the loop is
+    ``tl.range(..., warp_specialize=True)``, which lets the compiler split it into a producer warp (the
+    loads) and consumer warp groups that run the MMAs and the softmax of different row halves in turn
+    (FlashAttention-3's ping-pong, as Triton builds it); whether it did is in the compiled TTGIR
+    (`_WS_APPLIED`)."""
     G: tl.constexpr = BLOCK_N // 16
     C: tl.constexpr = 32 if LEAN else 16
     start_m = tl.program_id(0)
@@ -256,7 +259,7 @@ def _floor_ws_kernel(Q, K, V, KC, KA, VC, O, Flags, S_CTX, qk2, tol1, tol3, vcma
     oc = tl.zeros((BLOCK_M, C), tl.float32)
     qn1 = tl.sum(tl.abs(q.to(tl.float32)), axis=1) * tol1
     hi = tl.minimum((start_m + 1) * BLOCK_M, S_CTX) if CAUSAL else S_CTX
-    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):
+    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start_n + offs_j
         blk = bh * nblk + start_n // BLOCK_N
         k = dk.load([row0 + start_n, 0])
@@ -319,6 +322,9 @@ def tables(k: torch.Tensor, v: torch.Tensor, block_n: int):
     return kc, ka, vc.contiguous(), vcmax, vc32
 
 
+_WS_APPLIED: dict = {}  # (variant, config) -> whether the compiled TTGIR holds a warp_specialize op
+
+
 def _ws_allocator() -> None:
     """The global scratch that on-device TMA descriptors are written to (Triton asks the host for it)."""
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
@@ -335,12 +341,15 @@ def floor_attention(q, k, v, scale, causal, variant: Floor, cfg, tabs, flags):
     interp = runs_interpreted(_floor_kernel)
     # thresholds of single-slice checksum operands: Kc1 / Vc1 rounded to the input dtype
     u = 2.0 ** -8 if q.dtype == torch.bfloat16 else 2.0 ** -11
-    if variant.ws:
-        assert not (variant.unified or variant.overlap), "the warp-specialized loop has levels 0-3 and LEAN only"
+    if variant.tma:
+        assert not (variant.unified or variant.overlap), "the TMA floor has levels 0-3 and LEAN only"
         _ws_allocator()
-        _floor_ws_kernel[(S // BM, BH)](q, k, v, kc, ka, vc, o, flags, S, scale * LOG2E, 4 * u, 64 * u, vcmax,
-                                        BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=variant.level,
-                                        LEAN=variant.lean, INTERP=interp, num_warps=warps, num_stages=stages)
+        h = _floor_ws_kernel[(S // BM, BH)](q, k, v, kc, ka, vc, o, flags, S, scale * LOG2E, 4 * u, 64 * u, vcmax,
+                                            BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=variant.level,
+                                            LEAN=variant.lean, WS=variant.ws, INTERP=interp, num_warps=warps,
+                                            num_stages=stages)
+        if not interp:
+            _WS_APPLIED[(variant, cfg)] = "ttg.warp_specialize" in h.asm.get("ttgir", "")
         return o
     _floor_kernel[(S // BM, BH)](q, k, v, kc, ka, vc, o, flags, S, scale * LOG2E, 4 * u, 64 * u, vcmax,
                                  BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=variant.level,
@@ -368,8 +377,8 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
     fns, rows = {}, {}
     for name in args.variants:
         row = dict(dtype=str(dtype).replace("torch.", ""), B=B, H=H, S=S, D=D, causal=causal, variant=name,
-                   config="", ms=float("nan"), max_abs_err=float("nan"), flagged_rows=0, flagged_k_fault=-1,
-                   flagged_v_fault=-1, error="")
+                   config="", warp_specialized="", ms=float("nan"), max_abs_err=float("nan"), flagged_rows=0,
+                   flagged_k_fault=-1, flagged_v_fault=-1, error="")
         try:
             if name == "sdpa_flash":
                 def fn():
@@ -389,7 +398,7 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
                 # the fastest of CONFIGS for this variant (each timed once; a config that does not compile
                 # or fit is skipped)
                 best = None
-                cfgs = CONFIGS_WS if variant.ws else CONFIGS
+                cfgs = CONFIGS_WS if variant.tma else CONFIGS
                 for cfg in cfgs if timer is not None else cfgs[:1]:
                     if S % cfg[0] or S % cfg[1]:
                         continue
@@ -407,6 +416,8 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
                     rows[name] = row
                     continue
                 row["config"], row["error"] = ",".join(map(str, best[1])), ""
+                if (variant, best[1]) in _WS_APPLIED:
+                    row["warp_specialized"] = _WS_APPLIED[(variant, best[1])]
                 fn = partial(floor_attention, q3, k3, v3, scale, causal, variant, best[1], tabs, flags)
                 row["_flags"] = flags
             out = fn().reshape(B, H, S, D)
@@ -483,7 +494,8 @@ def main() -> int:
                       f"{r['ms']:8.3f} ms  x_floor0 {r['x_vs_floor0']:.3f}  x_ours_off {r['x_vs_ours_off']:.3f}  "
                       f"x_sdpa {r['x_vs_sdpa']:.3f}  x_correct {r['x_vs_efta_correct']:.3f}  "
                       f"err {r['max_abs_err']:.2e}  flagged {r['flagged_rows']} (K fault {r['flagged_k_fault']}, "
-                      f"V fault {r['flagged_v_fault']})  {r['config']} {r['error']}",
+                      f"V fault {r['flagged_v_fault']})  {r['config']} {'WS' if r['warp_specialized'] is True else ''} "
+                      f"{r['error']}",
                       flush=True)
     path = os.path.join(args.out, "bench_efta_floor.csv")
     with open(path, "w", newline="") as f:
