@@ -464,6 +464,9 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                     help=f"comma-separated, of {', '.join(VARIANTS)} (floor0 and ours_off are always timed: the "
                          "ratios' bases)")
+    ap.add_argument("--configs", default=None,
+                    help="BM,BN,warps,stages;... : the configs every floor variant is tuned over (default: CONFIGS, "
+                         "CONFIGS_WS for the TMA floors)")
     ap.add_argument("--no-tune", dest="tune", action="store_false", help="first config of CONFIGS only")
     ap.add_argument("--dry-run", action="store_true", help="two tiny shapes, outputs and flags only (CPU ok)")
     args = ap.parse_args()
@@ -473,10 +476,17 @@ def main() -> int:
         ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     args.variants = [n for n in VARIANTS if n in {*names, "floor0", "ours_off"}]
     os.makedirs(args.out, exist_ok=True)
+    global CONFIGS, CONFIGS_WS
+    if args.configs:
+        try:
+            CONFIGS = CONFIGS_WS = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]
+        except ValueError:
+            ap.error(f"--configs must be 'BM,BN,warps,stages;...', got {args.configs!r}")
+        if not CONFIGS or any(len(c) != 4 for c in CONFIGS):
+            ap.error(f"--configs must be 'BM,BN,warps,stages;...', got {args.configs!r}")
     if args.dry_run:
         device, timer = ("cuda" if torch.cuda.is_available() else "cpu"), None
         shapes = [(1, 2, 256, 64, False), (1, 2, 256, 32, True)]
-        global CONFIGS, CONFIGS_WS
         CONFIGS = CONFIGS_WS = [(64, 64, 4, 1)]
     else:
         from triton.testing import do_bench
