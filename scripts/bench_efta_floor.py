@@ -455,6 +455,38 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
     return list(rows.values())
 
 
+def plot(csv_paths: list[str], png_path: str) -> None:
+    """Bars of each variant's time over SDPA flash's (same round, median) per shape, one panel per CSV;
+    a variant timed in several CSVs of one panel keeps the first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(csv_paths), 1, figsize=(12, 3.6 * len(csv_paths)), squeeze=False)
+    for ax, path in zip(axes[:, 0], csv_paths, strict=True):
+        rows = [r for r in csv.DictReader(open(path)) if r["x_vs_sdpa"] not in ("", "nan")
+                and r["variant"] != "sdpa_flash"]
+        shapes = list(dict.fromkeys((r["B"], r["H"], r["S"], r["D"], r["causal"]) for r in rows))
+        names = list(dict.fromkeys(r["variant"] for r in rows))
+        width = 0.8 / max(len(names), 1)
+        for i, name in enumerate(names):
+            val = {(r["B"], r["H"], r["S"], r["D"], r["causal"]): float(r["x_vs_sdpa"]) for r in rows
+                   if r["variant"] == name}
+            ax.bar([j + (i - len(names) / 2) * width for j in range(len(shapes))],
+                   [val.get(sh, float("nan")) for sh in shapes], width, label=name)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels([f"{b}x{h}x{s}, D={d}{', causal' if c == 'True' else ''}" for b, h, s, d, c in shapes],
+                           fontsize=8)
+        ax.set_ylabel("time / SDPA flash")
+        ax.set_title(os.path.basename(path), fontsize=9)
+        ax.legend(fontsize=7, ncol=min(len(names), 6))
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    print("wrote", png_path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_floor")
@@ -468,6 +500,8 @@ def main() -> int:
                     help="BM,BN,warps,stages;... : the configs every floor variant is tuned over (default: CONFIGS, "
                          "CONFIGS_WS for the TMA floors)")
     ap.add_argument("--no-tune", dest="tune", action="store_false", help="first config of CONFIGS only")
+    ap.add_argument("--plot-from", nargs="+", default=None, metavar="CSV",
+                    help="only draw <out>/bench_efta_floor.png from these CSVs (one panel each)")
     ap.add_argument("--dry-run", action="store_true", help="two tiny shapes, outputs and flags only (CPU ok)")
     args = ap.parse_args()
     names = [n for n in args.variants.split(",") if n]
@@ -476,6 +510,9 @@ def main() -> int:
         ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     args.variants = [n for n in VARIANTS if n in {*names, "floor0", "ours_off"}]
     os.makedirs(args.out, exist_ok=True)
+    if args.plot_from:
+        plot(args.plot_from, os.path.join(args.out, "bench_efta_floor.png"))
+        return 0
     global CONFIGS, CONFIGS_WS
     if args.configs:
         try:
