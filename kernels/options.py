@@ -21,6 +21,9 @@ variable                           field                        meaning
 ``FTT_EFTA_SPLIT=n``               ``efta_split``               split-key decode into n programs per block
 ``FTT_EFTA_FOLD=0/1``              ``efta_fold``                EFTA's exponent as one FFMA: off / on
 ``FTT_EFTA_TWO_LAUNCH=0``          ``efta_two_launch``          correction repairs in the clean pass's launch
+``FTT_EFTA_TMA=0/1``                ``efta_tma``                 EFTA's prefill key loop reads K and V through
+                                                                tensor descriptors: never / where possible
+                                                                (auto: never, until its timings set a rule)
 ``FTT_ABFT_GEMM_CONFIG=BM,BN,BK,w,s`` ``gemm_config``           one checked-GEMM config instead of tuning
 ``FTT_ABFT_GEMM_TUNE=0``           ``gemm_tune``                the first candidate config, no timing
 ``FTT_ABFT_GEMM_TMA=0/1``          ``gemm_tma``                 tiles through pointers / TMA descriptors
@@ -87,6 +90,7 @@ class Options:
     efta_split: int | None = None
     efta_fold: bool | None = None
     efta_two_launch: bool = True
+    efta_tma: bool | None = None  # `kernels.efta.configs._tma`
     gemm_config: tuple[int, int, int, int, int] | None = None  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
     gemm_tune: bool = True
     gemm_tma: bool | None = None
@@ -124,9 +128,9 @@ class Options:
             kw["gemm_config"] = _ints("FTT_ABFT_GEMM_CONFIG", raw, 5, "BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages")
         for name, field in (("FTT_EFTA_SPLIT", "efta_split"), ("FTT_ABFT_GEMM_SPLIT", "gemm_split")):
             kw[field] = _count(name, get(name))
-        for name, field in (("FTT_EFTA_FOLD", "efta_fold"), ("FTT_ABFT_GEMM_TMA", "gemm_tma"),
-                            ("FTT_ABFT_GEMM_PERSISTENT", "gemm_persistent"), ("FTT_ABFT_GEMM_CUBLAS", "gemm_cublas"),
-                            ("FTT_KV_TABLES", "kv_tables")):
+        for name, field in (("FTT_EFTA_FOLD", "efta_fold"), ("FTT_EFTA_TMA", "efta_tma"),
+                            ("FTT_ABFT_GEMM_TMA", "gemm_tma"), ("FTT_ABFT_GEMM_PERSISTENT", "gemm_persistent"),
+                            ("FTT_ABFT_GEMM_CUBLAS", "gemm_cublas"), ("FTT_KV_TABLES", "kv_tables")):
             kw[field] = _switch(name, get(name))
         for name, field in (("FTT_DIRECT_LAUNCH", "direct_launch"), ("FTT_EFTA_TWO_LAUNCH", "efta_two_launch"),
                             ("FTT_ABFT_GEMM_TUNE", "gemm_tune"), ("FTT_SIBLINGS", "siblings")):

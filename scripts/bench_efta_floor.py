@@ -33,7 +33,8 @@ wgmma runs on the tensor cores while the warps do block j's exponentials and che
 overlap of FlashAttention-3, written in Triton's source order; whether the compiler keeps the overlap is
 what the timings show).
 
-The library's kernel runs as ``ours_off`` (checks off) and ``efta_correct`` (detect+correct).
+The library's kernel runs as ``ours_off`` (checks off) and ``efta_correct`` (detect+correct), and as
+``ours_off_tma`` / ``efta_correct_tma`` with K and V read through tensor descriptors (``Options.efta_tma``).
 
 Every variant (and ``sdpa_flash``) is timed in
 ``--rounds`` interleaved rounds (`_timing.interleaved`); ratios are medians of the same round's ratios
@@ -92,7 +93,9 @@ LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u":
           "lean3o": Floor(3, lean=True, overlap=True), "floor0w": Floor(0, tma=True, ws=True),
           "floor3w": Floor(3, tma=True, ws=True), "lean3w": Floor(3, lean=True, tma=True, ws=True),
           "floor0t": Floor(0, tma=True), "floor3t": Floor(3, tma=True), "lean3t": Floor(3, lean=True, tma=True)}
-LIBRARY = {"ours_off": False, "efta_correct": True}  # the library's kernel: checks off / detect+correct
+# the library's kernel: (checks on, K and V through tensor descriptors `Options.efta_tma`)
+LIBRARY = {"ours_off": (False, False), "efta_correct": (True, False), "ours_off_tma": (False, True),
+           "efta_correct_tma": (True, True)}
 VARIANTS = ("sdpa_flash", *LIBRARY, *LEVELS)
 DEFAULT_VARIANTS = ("sdpa_flash", "ours_off", "efta_correct", "floor0", "floor3", "lean3", "floor0t", "floor3t",
                     "lean3t", "floor0w", "floor3w", "lean3w")
@@ -361,6 +364,7 @@ def floor_attention(q, k, v, scale, causal, variant: Floor, cfg, tabs, flags):
 def run_shape(B, H, S, D, causal, dtype, args, timer, device):
     import torch.nn.functional as F
     from ft_transformers.kernels import efta as K
+    from ft_transformers.kernels.options import override
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ft_transformers.counters import new_counters
@@ -386,12 +390,13 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
                         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
             elif name in LIBRARY:
                 counters = new_counters(device)
-                on = LIBRARY[name]
+                on, tma = LIBRARY[name]
                 row["_counters"] = counters
 
-                def fn(on=on, counters=counters):
-                    return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None, attn_mask=None,
-                                                 window=None, detect=on, correct=on, plan=plan, counters=counters)
+                def fn(on=on, tma=tma, counters=counters):
+                    with override(efta_tma=tma):
+                        return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None, attn_mask=None,
+                                                     window=None, detect=on, correct=on, plan=plan, counters=counters)
             else:
                 variant = LEVELS[name]
                 flags = torch.zeros(B * H * S, dtype=torch.int32, device=device)

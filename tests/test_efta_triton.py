@@ -276,6 +276,58 @@ def test_repair_launch_equals_one_launch(site):
     assert maxdiff(runs["1"][1], ref_out) <= 2e-4
 
 
+@pytest.mark.parametrize("case", ["causal_gqa", "ragged_d_window", "strided_kv", "checks_off"])
+def test_tma_loads_equal_pointer_loads(case):
+    """K and V read through tensor descriptors (option efta_tma) give what the masked pointer loads give:
+    same output bits and same counts, clean and under faults at the scores, the probabilities and the
+    output accumulator, over several query and key blocks with the last key block padded (the
+    descriptor fills keys past N and columns past D with zeros). K and V as a strided view (every
+    stride a multiple of 16 bytes) take the descriptors too; the counts are the reference's."""
+    B, Hq, Hkv, M, N, D = 1, 2, 1, 40, 150, 32  # 2 query blocks of 32 rows, 3 key blocks of 64
+    extra, detect = {}, True
+    if case == "causal_gqa":
+        extra = dict(causal=True)
+    elif case == "ragged_d_window":
+        D, extra = 48, dict(window=70)  # BLOCK_D 64
+    elif case == "checks_off":
+        detect = False
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, seed=17)
+    if case == "strided_kv":  # (B, Hkv, N, D) views of a (B, N, Hkv, D) cache: strides (N·Hkv·D, D, Hkv·D, 1)
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    assert H._tma(k, v, M, 1, False, True) and not H._tma(k, v, M, 1, False, None)
+    specs = [None] if not detect else [None, FaultSpec(site="attn.scores", bit=29, count=3, seed=4),
+                                       FaultSpec(site="attn.probs", bit=28, count=2, seed=6),
+                                       FaultSpec(site="attn.acc", bit=27, count=2, seed=1)]
+    for spec in specs:
+        runs = []
+        for on in (False, True):
+            with override(efta_tma=on):
+                out, stats, plan = kernel(q, k, v, inject=spec, detect=detect, **extra)
+            runs.append((out, counts(stats)))
+        assert torch.equal(runs[0][0], runs[1][0]), (case, spec)
+        assert runs[0][1] == runs[1][1], (case, spec, runs[0][1], runs[1][1])
+        if spec is None:
+            assert sum(map(sum, runs[1][1])) == 0, case
+            assert maxdiff(runs[1][0], ref_attention(q, k, v, **extra)) <= 2e-4, case
+        else:
+            assert plan.injected == spec.count
+            _, rstats = reference(q, k, v, inject=spec, **extra)
+            assert runs[1][1] == counts(rstats), (case, spec, runs[1][1], counts(rstats))
+
+
+def test_tma_needs_describable_tensors():
+    """The descriptors are used only where TMA can describe K and V: a last stride other than 1, a
+    stride that is not a multiple of 16 bytes, PASA, decode rows or split keys keep the pointer loads."""
+    k = torch.zeros(1, 2, 64, 32)
+    assert H._tma(k, k, 40, 1, False, True)
+    assert not H._tma(k, k, 40, 1, False, False) and not H._tma(k, k, 40, 1, False, None)
+    assert not H._tma(k, k, 40, 1, True, True)  # PASA
+    assert not H._tma(k, k, 16, 1, False, True) and not H._tma(k, k, 40, 2, False, True)
+    assert not H._tma(k.transpose(2, 3), k.transpose(2, 3), 40, 1, False, True)  # last stride 64
+    odd = torch.zeros(1, 2, 64, 33)[..., :32]  # row stride 33 elements: 132 bytes
+    assert not H._tma(odd, odd, 40, 1, False, True)
+
+
 def test_detect_false_flips_visible(inj_data):
     """Flips that can never be harmless change the unprotected output."""
     q, k, v, clean = inj_data

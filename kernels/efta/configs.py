@@ -1,5 +1,5 @@
 """EFTA's constants and choices: the checks' rounding bounds, the block configs and their autotuner, and
-the per-call tile choices as small pure functions (`_num_splits`, `_fold`, `_pow2_bucket`).
+the per-call tile choices as small pure functions (`_num_splits`, `_fold`, `_tma`, `_pow2_bucket`).
 
 Thresholds are exactly the contract's (``docs/algorithms.md``; `Bounds`, one place), except that on
 CUDA the bounds covering tensor-core accumulation (T_s, τ_l, T_o) get a guard factor
@@ -139,6 +139,24 @@ def _fold(interp: bool, scaled_scores: bool, forced: bool | None = None) -> bool
     if scaled_scores:
         return False
     return not interp if forced is None else forced
+
+
+def _tma(k: torch.Tensor, v: torch.Tensor, M: int, nsplit: int, pasa: bool, forced: bool | None) -> bool:
+    """Whether the key loop reads K and V through tensor descriptors (`kernel._key_loop`, TMA).
+
+    Only where the descriptors can describe the tensors: unit last stride, every other stride and the
+    base 16-byte aligned (TMA's rule), each stride positive. Prefill only (M > 16, no split-key): a
+    decode program reads one key range once, with little for the descriptor's asynchronous copies to
+    hide. Not with PASA (its keys are the shifted copy). ``forced`` (`Options.efta_tma`): None leaves
+    it off until its timings set a rule; True asks for it wherever it is possible (CPU tests under the
+    interpreter, A/B timings)."""
+    if not forced or pasa or M <= 16 or nsplit > 1:
+        return False
+    for t in (k, v):
+        size = t.element_size()
+        if t.stride(3) != 1 or t.data_ptr() % 16 or any(st <= 0 or (st * size) % 16 for st in t.stride()[:3]):
+            return False
+    return True
 
 
 def _pow2_bucket(x: int) -> int:

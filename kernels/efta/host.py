@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import triton
 
 from ..contract import ATTENTION_SITES, COUNTER_SHAPE, exp_clamp, kernel_head_dim, site_dtype, site_shape
 from ..launch import DirectLauncher, record_launches, replay_launches
@@ -48,6 +49,7 @@ from .configs import (
     _fold,
     _num_splits,
     _pow2_bucket,
+    _tma,
 )
 from .decode import _efta_combine
 from .kernel import _efta_fwd
@@ -354,6 +356,21 @@ def _pasa_scalars(shift: PasaShift, D: int, slack: float) -> tuple[float, ...]:
     return (t1, s_floor, gamma, gamma_l, diag, off, diag_l, off_l)
 
 
+def _tma_allocator() -> None:
+    """Triton writes on-device tensor descriptors to a global scratch buffer that it asks the process's
+    allocator for at launch; without one set in this context (Triton's default raises), this sets one
+    that takes the buffer from PyTorch's caching allocator (inside a CUDA graph capture, from the
+    graph's pool). An allocator the caller has set is kept."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch_from_torch)
+
+
+def _scratch_from_torch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _layout(B, Hq, Hkv, M, N, cfg, in_loop, no_skip, pasa, detect, correct, dev, interp, opts: Options):
     """The grid of a call: (pack, qrows, ax1, block_m, nsplit, phased).
 
@@ -576,8 +593,10 @@ def efta_triton_forward(
         # (faults at S, x or Sc1 strike the scaled values, as in the reference: FOLD off)
         FOLD=_fold(interp, use_pasa or has_bias or mask_kind == 2
                    or any(mode[s] for s in ("attn.scores", "attn.exponent", "attn.checksum")), opts.efta_fold),
-        PACK=pack, KC2_TABLE=stored is not None,
+        PACK=pack, KC2_TABLE=stored is not None, TMA=_tma(k, v, M, nsplit, use_pasa, opts.efta_tma),
     )
+    if meta["TMA"]:
+        _tma_allocator()
 
     def launch_fwd(c: Config, splits: int, **phase) -> None:
         """`_efta_fwd` with config ``c``, ``splits`` programs per query block; ``phase`` overrides PHASE."""

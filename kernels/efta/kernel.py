@@ -39,7 +39,8 @@ specialisation and the launch path, so the signature stays as it is):
 * constexprs: shape (``BLOCK_D, EVEN_D, BLOCK_M, BLOCK_N``), masks (``CAUSAL, HAS_WINDOW, HAS_BIAS,
   MASK_KIND``), checks (``DETECT, CORRECT``), injection (one mode per attention site: ``INJ_S, INJ_M,
   INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_O, INJ_CS``; and ``NO_SKIP``), checksum operands
-  (``PARTS, SCALE_CS, DOT_F32``), form (``INTERP, SPLIT, PASA, HALF_STATE, PHASE, FOLD, PACK``), stored
+  (``PARTS, SCALE_CS, DOT_F32``), form (``INTERP, SPLIT, PASA, HALF_STATE, PHASE, FOLD, PACK``; ``TMA``: K
+  and V through tensor descriptors, `_key_loop`), stored
   tables (``KC2_TABLE``: the tables were made when the keys entered a KV cache, and step 1 locates with
   their Kc2).
 """
@@ -87,7 +88,8 @@ def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, KC2, cs_row, Inj, b, h, bh,
+def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, KC2, cs_row, Inj, b, h,
+              bh,
               start_m, offs_m, offs_d, row_ok, d_ok, M, N, D, nblocks, window, scale, scan_lo, scan_hi,
               Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
               exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
@@ -98,8 +100,13 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, K
               INJ_ACC: tl.constexpr, INJ_CS: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
               DOT_F32: tl.constexpr,
               INTERP: tl.constexpr, EVEN_D: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr,
-              OC2: tl.constexpr, REPAIR: tl.constexpr, FOLD: tl.constexpr, KC2_TABLE: tl.constexpr):
+              OC2: tl.constexpr, REPAIR: tl.constexpr, FOLD: tl.constexpr, KC2_TABLE: tl.constexpr,
+              TMA: tl.constexpr):
     """Steps 1–5 over the key blocks [scan_lo, scan_hi) for one block of query rows.
+
+    TMA: the K and V tiles come through the tensor descriptors Kd, Vd ((B, Hkv, N, D), blocks of
+    (1, 1, BLOCK_N, BLOCK_D), at batch tb and kv head th, int32); the descriptor fills keys past N and
+    columns past D with zeros, as the masked pointer loads do.
 
     The clean pass (REPAIR=False) has no data-dependent branch and no block-wide reduction in the
     loop: the checks only raise per-row flags, so the loop pipelines like the unchecked one. When a
@@ -134,12 +141,17 @@ def _key_loop(q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, K
         kv_ok = offs_n[:, None] < N
         if not EVEN_D:
             kv_ok = kv_ok & d_ok[None, :]
-        v = tl.load(Vb + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_ok, other=0.0)
+        if TMA:
+            v = tl.reshape(Vd.load([tb, th, start_n, 0]), (BLOCK_N, BLOCK_D))
+        else:
+            v = tl.load(Vb + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=kv_ok, other=0.0)
 
         mtile = _early_mask(offs_m, offs_n, b, h, M, N, Mask, smb, smh, smm, smn, MASK_KIND)
         # ---- 1. GEMM I ----
         if PASA:  # the shifted keys K' (scale folded in)
             k = tl.load(KSb + offs_n[:, None] * BLOCK_D + offs_d[None, :])
+        elif TMA:
+            k = tl.reshape(Kd.load([tb, th, start_n, 0]), (BLOCK_N, BLOCK_D))
         else:
             k = tl.load(Kb + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
         s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32, FOLD)
@@ -308,7 +320,7 @@ def _efta_fwd(
     NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
     DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr,
     SPLIT: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr, PHASE: tl.constexpr, FOLD: tl.constexpr,
-    PACK: tl.constexpr, KC2_TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PACK: tl.constexpr, KC2_TABLE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (row blocks · nsplit, Hq, B); with PACK (GQA decode, M = 1) (row blocks · nsplit, Hkv, B),
     the rows of a block being the query heads of one kv head (`_program_rows`).
@@ -346,6 +358,14 @@ def _efta_fwd(
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd, mask=io_ok, other=0.0)
     Kb = K + b * skb + hk * skh
     Vb = V + b * svb + hk * svh
+    Kd = Kb  # (unread without TMA)
+    Vd = Vb
+    if TMA:  # K, V (B, Hkv, N, D) with a unit last stride; one (BLOCK_N, BLOCK_D) tile per key block
+        nb = tl.num_programs(2)
+        Kd = tl.make_tensor_descriptor(K, shape=[nb, Hkv, N, D], strides=[skb, skh, skn, 1],
+                                       block_shape=[1, 1, BLOCK_N, BLOCK_D])
+        Vd = tl.make_tensor_descriptor(V, shape=[nb, Hkv, N, D], strides=[svb, svh, svn, 1],
+                                       block_shape=[1, 1, BLOCK_N, BLOCK_D])
 
     nblocks = tl.cdiv(N, BLOCK_N)
     lo, hi = _key_range(qblk, M, N, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
@@ -388,14 +408,15 @@ def _efta_fwd(
         if (rep == 0 and PHASE != 2) or (rep == 1 and PHASE != 1):
             if todo > 0:
                 m_i, l_i, acc, lc, oc1, oc2, nvalid, vmax, cnt, nf_loop, flag_rows, n1_rows = _key_loop(
-                    q, qn1, nf, Kb, Vb, KSb, skn, skd, svn, svd, KC, VC, KA, VA, SC, KC2, cs_row, Inj, b, h, bh,
+                    q, qn1, nf, Kb, Vb, Kd, Vd, tl.program_id(2), hk.to(tl.int32), KSb, skn, skd, svn, svd, KC, VC,
+                    KA, VA, SC, KC2, cs_row, Inj, b, h, bh,
                     qblk, offs_m, offs_d, row_ok, d_ok, M, N, D, nblocks, window, scale, scan_lo, scan_hi,
                     Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
                     exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
                     INJ_S, INJ_M, INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_CS, PARTS, SCALE_CS, DOT_F32,
                     INTERP, EVEN_D, PASA, HALF_STATE,
-                    OC2_CLEAN or (CORRECT and rep == 1), rep == 1, FOLD, KC2_TABLE)
+                    OC2_CLEAN or (CORRECT and rep == 1), rep == 1, FOLD, KC2_TABLE, TMA)
         if rep == 0:
             if PHASE == 2:  # the clean launch flagged this block
                 n1 = rep_val - 1
