@@ -43,7 +43,7 @@ from .config import _real
 from .counters import FaultStats, add_count, new_counters
 from .injection import FaultPlan, FaultSpec
 from .kernels.contract import LINEAR_SITES
-from .kernels.gemm_checksums import GROUP_COLS, group_checksums, group_threshold, row_stats
+from .kernels.gemm_checksums import GROUP_COLS, group_checksums, group_threshold, row_stats, xvar_in_use
 from .kernels.gemm_checksums import autocast_dtype as _autocast_dtype
 from .vabft import default_emax, gemm_emax, weight_checksums
 
@@ -295,16 +295,17 @@ def _group_check(x32: torch.Tensor, v32: torch.Tensor, groups, emax: float, csig
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(D, T, C)``, each (M, ⌈N/64⌉) fp32: for every row m and column group g of ``v32`` (M, N),
     ``D = Σ_{n∈g} v[m, n] − C``, ``C = x[m]·w1_g + b1_g`` (in float64), and the threshold ``T`` of SPEC §5
-    over the group's n_g columns (`group_checksums`' constants, x's row mean and variance bound of ``x32``
-    (M, K))."""
+    over the group's n_g columns (`group_checksums`' constants, x's row mean and variance estimate of ``x32``
+    (M, K): SPEC §5's bound, or the outlier estimate where `xvar_in_use`, `row_stats`))."""
     w1g, gc = groups
     m, n = v32.shape
     pad = (-n) % GROUP_COLS
     s = (F.pad(v32, (0, pad)) if pad else v32).view(m, -1, GROUP_COLS).sum(-1)
     c = (x32.double() @ w1g.t()).float() + gc[:, 0]
-    # x's row mean and SPEC §5's variance bound (max − μ)(μ − min): an activation row's outliers set the
-    # GEMM's rounding, which the exact variance understates (a clean MiniLM row then failed its check)
-    mu, var = row_stats(x32)
+    # x's row mean and variance estimate: SPEC §5's bound (max − μ)(μ − min), or the outlier estimate (the
+    # variance plus max|x − μ|²/√K, never above the bound). Not the plain variance: an activation row's
+    # outliers set the GEMM's rounding, which it understates (a clean MiniLM row then failed its check)
+    mu, var = row_stats(x32, xvar=xvar_in_use(x32.device.type))
     return s - c, group_threshold(mu.unsqueeze(-1), var.unsqueeze(-1), gc, emax, csigma), c
 
 

@@ -26,12 +26,13 @@ import functools
 import json
 import math
 import re
+import warnings
 import weakref
 from pathlib import Path
 
 import torch
 
-from .kernels.gemm_checksums import WeightChecksums, row_stats
+from .kernels.gemm_checksums import WeightChecksums, row_stats, xvar_in_use
 
 __all__ = [
     "WeightChecksums",
@@ -42,6 +43,7 @@ __all__ = [
     "gemm_emax",
     "load_emax_table",
     "row_stats",
+    "table_entry",
     "vabft_threshold",
     "weight_checksums",
 ]
@@ -154,19 +156,21 @@ def load_emax_table(name: str) -> dict | None:
     """The calibrated table ``emax_tables/<device_slug(name)>.json`` shipped with the package, or None.
 
     Written by ``scripts/calibrate_emax.py``: ``{"device", "emax": {mode: {dtype name: value}},
-    "k_ref", "k_scaling": {mode: "sqrt" | "linear"}, "measured": ..., ...}``.
+    "k_ref", "k_scaling": {mode: "sqrt" | "linear"}, "measured": ..., ...}``, calibrated for SPEC §5's
+    bound of x's row variance; entries calibrated for the outlier estimate (`xvar_in_use`) go under
+    ``"xvar": {"emax": {mode: {dtype name: value}}, "measured": ...}``.
     """
     path = EMAX_TABLE_DIR / f"{device_slug(name)}.json"
     if not path.is_file():
         return None
     with open(path, encoding="utf-8") as fh:
         table = json.load(fh)
-    emax = table.get("emax", {})
-    for mode in _MODES:
-        for dt in _DTYPE_NAMES.values():
-            v = emax.get(mode, {}).get(dt)
-            if v is not None and not (isinstance(v, (int, float)) and v > 0):
-                raise ValueError(f"{path}: emax[{mode}][{dt}] must be a positive number, got {v!r}")
+    for where, emax in (("emax", table.get("emax", {})), ("xvar.emax", table.get("xvar", {}).get("emax", {}))):
+        for mode in _MODES:
+            for dt in _DTYPE_NAMES.values():
+                v = emax.get(mode, {}).get(dt)
+                if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                    raise ValueError(f"{path}: {where}[{mode}][{dt}] must be a positive number, got {v!r}")
     return table
 
 
@@ -217,8 +221,18 @@ def builtin_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "outp
     return _EMAX_TABLE[(dev, dtype)]
 
 
+_XVAR_WARNED: set[tuple[str, str, str]] = set()
+
+
+def table_entry(table: dict, mode: str, dtype_name: str, xvar: bool) -> float | None:
+    """A table's e_max for (mode, dtype name) under x's variance estimate: ``table["emax"]``'s (the bound),
+    or with ``xvar`` ``table["xvar"]["emax"]``'s (the outlier estimate); None where it has none."""
+    section = table.get("xvar", {}) if xvar else table
+    return section.get("emax", {}).get(mode, {}).get(dtype_name)
+
+
 def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "output", *,
-                 k: int | None = None) -> float:
+                 k: int | None = None, xvar: bool | None = None) -> float:
     """The calibrated V-ABFT unit error ``e_max`` for GEMMs producing ``dtype`` on ``device_type``.
 
     Looks up the device's table (``ft_transformers/emax_tables/<device>.json``, written by
@@ -234,6 +248,11 @@ def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "outp
             (`ft_transformers.kernels.abft_gemm`), per input dtype.
         k: the GEMM's inner dimension; fp32-level entries grow above the table's ``k_ref``
             (``sqrt(k / k_ref)``, or linearly where the table says so).
+        xvar: the entry calibrated for x's outlier variance estimate (True) or for SPEC §5's bound
+            (False); None: the estimate the checks take on ``device_type`` (`xvar_in_use`). A table
+            without an outlier entry gives its bound entry (with a warning, once): the outlier estimate's
+            thresholds are then those of an e_max calibrated for the larger bound, which is what a
+            calibration run measures (``scripts/calibrate_emax.py --xvar``).
     """
     if dtype not in _DTYPES:
         raise TypeError(f"no e_max for {dtype}; V-ABFT supports float16, bfloat16 and float32")
@@ -247,10 +266,20 @@ def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "outp
             eff = torch.float16  # 10 stored mantissa bits, like fp16
         elif fp32 == "bf16":
             eff = torch.bfloat16
+    if xvar is None:
+        xvar = xvar_in_use(dev)
     table = _table_for(dev)
     entry = None
     if table is not None:
-        entry = table.get("emax", {}).get(mode, {}).get(_DTYPE_NAMES[eff])
+        entry = table_entry(table, mode, _DTYPE_NAMES[eff], bool(xvar))
+        if entry is None and xvar:
+            entry = table_entry(table, mode, _DTYPE_NAMES[eff], False)
+            if entry is not None and (table.get("device"), mode, _DTYPE_NAMES[eff]) not in _XVAR_WARNED:
+                _XVAR_WARNED.add((table.get("device"), mode, _DTYPE_NAMES[eff]))
+                warnings.warn(f"the e_max table of {table.get('device')} has no {mode}-side {_DTYPE_NAMES[eff]} "
+                              "entry calibrated for x's outlier variance estimate (FTT_GEMM_XVAR=1): taking the "
+                              "entry calibrated for the bound (scripts/calibrate_emax.py --xvar calibrates one)",
+                              RuntimeWarning, stacklevel=2)
     k_ref, scaling = _EMAX_K_REF, "sqrt"
     if entry is not None:
         emax = float(entry)
@@ -265,21 +294,21 @@ def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "outp
 
 
 
-_GEMM_EMAX: dict[tuple, float] = {}  # (dtype, device, mode, K) → e_max; never dropped (the tables are package data)
+_GEMM_EMAX: dict[tuple, float] = {}  # (dtype, device, mode, K, xvar) → e_max; never dropped (package data)
 
 
 def gemm_emax(dtype: torch.dtype, device: torch.device, mode: str, k: int) -> float:
-    """`default_emax` of a checked GEMM on ``device``, memoised per (dtype, device, mode, K): the table
-    lookup reads the device's name and table on every call. Not memoised for fp32 output-side entries,
-    which follow the current matmul precision. This is the ``emax_table`` the Triton kernels take
-    (`ft_transformers.kernels.abft_gemm`)."""
+    """`default_emax` of a checked GEMM on ``device``, for the variance estimate its checks take
+    (`xvar_in_use`), memoised per (dtype, device, mode, K, estimate): the table lookup reads the device's
+    name and table on every call. Not memoised for fp32 output-side entries, which follow the current
+    matmul precision. This is the ``emax_table`` the Triton kernels take (`ft_transformers.kernels.abft_gemm`)."""
     if mode == "output" and dtype == torch.float32:
         return default_emax(dtype, device.type, mode, k=k)
-    key = (dtype, device, mode, k)
+    key = (dtype, device, mode, k, xvar_in_use(device.type))
     e = _GEMM_EMAX.get(key)
     if e is None:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            e = _GEMM_EMAX[key] = default_emax(dtype, device.type, mode, k=k)
+            e = _GEMM_EMAX[key] = default_emax(dtype, device.type, mode, k=k, xvar=key[-1])
     return e
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """What the checked GEMM's kernels and its PyTorch reference path share: a weight version's state
 (`WeightChecksums`) with its per-64-column-group checksums (`group_checksums`), the row
-statistics both sides take (`row_stats`), and the dtype autocast runs a GEMM in (`autocast_dtype`).
+statistics both sides take (`row_stats`, with x's variance estimate `xvar_estimate` and the switch
+that picks it, `xvar_in_use`), and the dtype autocast runs a GEMM in (`autocast_dtype`).
 
 Pure PyTorch (no Triton): the reference path imports it where Triton is not installed. The e_max
 tables stay with the library (`ft_transformers.vabft`); callers pass e_max in.
@@ -8,12 +9,15 @@ tables stay with the library (`ft_transformers.vabft`); callers pass e_max in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["GROUP_COLS", "GROUP_CONSTS", "WeightChecksums", "autocast_dtype", "group_checksums", "group_threshold",
-           "row_stats"]
+from .options import options
+
+__all__ = ["GROUP_COLS", "GROUP_CONSTS", "WeightChecksums", "XVAR_AUTO_CPU", "autocast_dtype", "group_checksums",
+           "group_threshold", "row_stats", "xvar_estimate", "xvar_guard", "xvar_in_use"]
 
 _CHUNK_ELEMS = 1 << 24  # at most 16M fp32 temporaries (64 MiB) while building a weight's checksums
 GROUP_COLS = 64  # output columns per checksum group of the decode kernel
@@ -31,18 +35,94 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
-def row_stats(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and Bhatia–Davis variance bound ``(max − μ)(μ − min)`` of ``t`` along ``dim`` (fp32).
+# x's row variance in the group threshold (SPEC §5's σ²_A), two estimates:
+#
+# * the bound (SPEC §5): Bhatia–Davis, ``(max − μ)(μ − min)``, about 8–9× a Gaussian row's variance at
+#   K = 576–896 (σ about 3×), which sets the largest single flip an lm_head's check misses;
+# * the outlier estimate (``xvar``): the row's variance plus ``max|x − μ|² / √K``. A Gaussian row gets
+#   about 1.2× its variance (max|x − μ| ≈ 3σ), a row whose one outlier holds its variance about √K× it:
+#   an activation row's outliers set the GEMM's rounding, which its plain variance understates (a clean
+#   all-MiniLM-L6-v2 FFN row failed its check with the plain variance). `xvar_estimate` computes it from
+#   the row's sum, sum of squares, max and min, as the kernels do from one pass over x, and never returns
+#   more than the bound, so it is never looser than the bound.
+#
+# `xvar_in_use` says which one a call takes. The e_max tables are calibrated per estimate
+# (`ft_transformers.vabft.default_emax`'s ``xvar``): the threshold's slack, which sets e_max, depends on it.
+XVAR_AUTO_CPU = False  # auto (Options.gemm_xvar None) on the CPU: the bound (docs/reliability.md, "x-variance")
+_U32 = 2.0**-24  # fp32's unit roundoff
+
+
+def xvar_in_use(device_type: str) -> bool:
+    """Whether the checked GEMM's group threshold takes x's outlier variance estimate on ``device_type``
+    (``"cpu"``, ``"cuda"``): ``Options.gemm_xvar`` (``FTT_GEMM_XVAR=0/1``) where set; auto, the bound on
+    CUDA, whose accumulator e_max tables are calibrated for it (a device recalibrated for the outlier
+    estimate carries its entries; making them the default is a change of this rule), and
+    `XVAR_AUTO_CPU` on the CPU. The kernels and the reference path ask it per call; `options()` is part
+    of every prepared call's key."""
+    o = options().gemm_xvar
+    if o is not None:
+        return bool(o)
+    return device_type == "cpu" and XVAR_AUTO_CPU
+
+
+def xvar_guard(k: int) -> float:
+    """``(4K + 16)·u`` (u = 2^-24): times ``Σx²/K`` (as computed), what fp32's ``Σx²/K − μ²`` may miss of a
+    K-value row's variance through rounding, so that `xvar_estimate` is never below the variance.
+
+    Proof (first order in u; the second-order terms stay below the margin for K ≤ 2^20). With m2 = Σx²/K,
+    μ = Σx/K and v = m2 − μ² exact, and m̂2, μ̂, r their fp32 values in any summation order (a sum of n
+    terms errs by at most (n − 1)·u·Σ|terms|, whatever the order: sequential, tree, split over programs):
+    (a) |m̂2 − m2| ≤ (K + 2)·u·m2 (K squares, K − 1 additions, the product by fl(1/K) and its rounding);
+    (b) |μ̂ − μ| ≤ (K − 1)·u·Σ|x|/K + 2u·|μ| ≤ (K + 1)·u·√m2 (Σ|x|/K ≤ √m2 and |μ| ≤ √m2, Cauchy–Schwarz);
+    (c) |fl(μ̂²) − μ²| ≤ |μ̂ − μ|·|μ̂ + μ| + u·μ̂² ≤ (2K + 3)·u·m2;
+    (d) r = fl(m̂2 − fl(μ̂²)): |r − v| ≤ (a) + (c) + u·|r| ≤ (3K + 6)·u·m2 ≤ (3K + 7)·u·m̂2.
+    So v ≤ max(r, 0) + (3K + 7)·u·m̂2 < max(r, 0) + (4K + 16)·u·m̂2, the rest covering the guard's own
+    rounding. On a row whose mean is small against its spread (m2 ≈ v) the guard adds (4K + 16)·u of the
+    variance: 1.4e-4 at K = 576. Where |μ| ≫ σ (cancellation) it can reach the bound, which then caps it."""
+    return (4.0 * k + 16.0) * _U32
+
+
+def xvar_estimate(mean: torch.Tensor, sumsq: torch.Tensor, mx: torch.Tensor, mn: torch.Tensor, k: int
+                  ) -> torch.Tensor:
+    """x's outlier variance estimate from a row's statistics, in the kernels' order of operations (fp32).
+
+    ``min(max(Σx²/K − μ², 0) + xvar_guard(K)·Σx²/K + max|x − μ|²/√K, (max − μ)(μ − min))`` with
+    max|x − μ| = max(max − μ, μ − min): never below the row's variance (`xvar_guard`: the fp32
+    cancellation of Σx²/K − μ² on rows with |μ| ≫ σ) and never above SPEC §5's bound, which it is where
+    a term overflows (Σx² of values beyond 1.8e19; a NaN there also gives the bound).
+
+    Args:
+        mean, sumsq, mx, mn: (...,) fp32: each row's mean, sum of squares, max and min over its K values.
+        k: the row length K.
+    Returns:
+        (...,) fp32.
+    """
+    m2 = sumsq * (1.0 / k)
+    raw = (m2 - mean * mean).clamp_min(0.0)
+    dev = torch.maximum(mx - mean, mean - mn)
+    est = raw + xvar_guard(k) * m2 + dev * dev * math.sqrt(1.0 / k)
+    bound = ((mx - mean) * (mean - mn)).clamp_min(0.0)
+    return torch.where(est < bound, est, bound)
+
+
+def row_stats(t: torch.Tensor, dim: int = -1, *, xvar: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and variance estimate of ``t`` along ``dim`` (fp32): the Bhatia–Davis bound ``(max − μ)(μ − min)``
+    (SPEC §5), or with ``xvar`` the outlier estimate (`xvar_estimate`, never above the bound).
 
     Args:
         t: floating tensor; reduced in fp32.
+        xvar: the outlier estimate (`xvar_in_use` says whether a checked call takes it).
     Returns:
-        ``(mean, var_bound)``, each of ``t``'s shape without ``dim``; the bound is clamped at 0
+        ``(mean, var)``, each of ``t``'s shape without ``dim``; the bound is clamped at 0
         (the fp32 mean of equal values may fall an ulp outside [min, max]).
     """
     t32 = t.float()
-    mean = t32.mean(dim)
     mn, mx = torch.aminmax(t32, dim=dim)
+    if xvar:
+        k = t32.shape[dim]
+        mean = t32.sum(dim) * (1.0 / k)  # as the kernels: the fp32 sum times fl(1/K)
+        return mean, xvar_estimate(mean, t32.square().sum(dim), mx, mn, k)
+    mean = t32.mean(dim)
     return mean, ((mx - mean) * (mean - mn)).clamp_min(0.0)
 
 
@@ -107,10 +187,10 @@ def group_checksums(weight: torch.Tensor, bias: torch.Tensor | None, weight_is_k
         ``n_g·|μ_b|``, ``sqrt(n_g)·σ_b`` and ``n_g`` (μ_gk, σ²_gk: mean and variance of column k of the
         group's rows; μ_b, σ_b: those of the group's bias), so that
         ``T = e·(det·|μ| + c·sqrt(μ²·v2 + σ²·v3) + c·v4·σ + bias_det + c·bias_sd)`` (SPEC §5, with x's row
-        mean μ and variance bound σ² taken per call). The weight groups' variances are exact, not SPEC §5's
-        Bhatia–Davis bound ``(max − μ)(μ − min)``: over 64 rows of a weight that bound is ~6× a Gaussian
-        column's variance. (x keeps the bound: an activation row's outliers set the GEMM's rounding, which
-        its exact variance understates.)
+        mean μ and variance estimate σ² taken per call, `row_stats`). The weight groups' variances are exact,
+        not SPEC §5's Bhatia–Davis bound ``(max − μ)(μ − min)``: over 64 rows of a weight that bound is ~6× a
+        Gaussian column's variance. (x takes the bound or the outlier estimate, not its plain variance: an
+        activation row's outliers set the GEMM's rounding, which its plain variance understates.)
     """
     w = weight.detach()
     w_nk = w.t() if weight_is_kn else w
@@ -159,7 +239,8 @@ def group_threshold(mu: torch.Tensor, var: torch.Tensor, consts: torch.Tensor, e
     """SPEC §5's threshold of every (row, 64-column group), as the kernels' epilogues compute it.
 
     Args:
-        mu, var: (M, 1) x's row mean and variance estimate (the library takes `row_stats`' bound).
+        mu, var: (M, 1) x's row mean and variance estimate (`row_stats`: the bound, or the outlier
+            estimate where `xvar_in_use`).
         consts: (T, 8) `group_checksums`' constants.
     Returns:
         (M, T), in the dtype of the arguments.

@@ -31,6 +31,9 @@ variable                           field                        meaning
 ``FTT_ABFT_GEMM_PERSISTENT=0/1``   ``gemm_persistent``          never / always the persistent form
 ``FTT_ABFT_GEMM_CUBLAS=0/1``       ``gemm_cublas``              never / always the cuBLAS form (auto: CUDA
                                                                 calls of 64 < M ≤ 512, N ≤ 4096)
+``FTT_GEMM_XVAR=0/1``              ``gemm_xvar``                x's row variance in the checked GEMM's group
+                                                                threshold: the bound / the outlier estimate
+                                                                (auto: `gemm_checksums.xvar_in_use`)
 ``FTT_SIBLINGS=0``                 ``siblings``                 one checked launch per Linear, not per group
 ``FTT_KV_TABLES=0/1``              ``kv_tables``                a protected model's KV caches keep EFTA's
                                                                 checksum tables: off / on (auto: CPU models)
@@ -97,6 +100,7 @@ class Options:
     gemm_split: int | None = None
     gemm_persistent: bool | None = None
     gemm_cublas: bool | None = None  # the cuBLAS form of the checked GEMM (`abft_gemm.forms.cublas_ok`)
+    gemm_xvar: bool | None = None  # `gemm_checksums.xvar_in_use`
     siblings: bool = True
     kv_tables: bool | None = None  # `ft_transformers.kv_checksums` tracking of a protected model's caches
     tune_cache_dir: str | None = None  # the checked GEMM's tuning store (None: off)
@@ -130,7 +134,8 @@ class Options:
             kw[field] = _count(name, get(name))
         for name, field in (("FTT_EFTA_FOLD", "efta_fold"), ("FTT_EFTA_TMA", "efta_tma"),
                             ("FTT_ABFT_GEMM_TMA", "gemm_tma"), ("FTT_ABFT_GEMM_PERSISTENT", "gemm_persistent"),
-                            ("FTT_ABFT_GEMM_CUBLAS", "gemm_cublas"), ("FTT_KV_TABLES", "kv_tables")):
+                            ("FTT_ABFT_GEMM_CUBLAS", "gemm_cublas"), ("FTT_KV_TABLES", "kv_tables"),
+                            ("FTT_GEMM_XVAR", "gemm_xvar")):
             kw[field] = _switch(name, get(name))
         for name, field in (("FTT_DIRECT_LAUNCH", "direct_launch"), ("FTT_EFTA_TWO_LAUNCH", "efta_two_launch"),
                             ("FTT_ABFT_GEMM_TUNE", "gemm_tune"), ("FTT_SIBLINGS", "siblings")):

@@ -11,21 +11,23 @@ def test_defaults_when_nothing_is_set():
     assert o.direct_launch and o.gemm_tune and o.siblings
     assert o.efta_two_launch
     assert (o.efta_config, o.efta_split, o.efta_fold, o.gemm_config, o.gemm_split) == (None,) * 5
-    assert (o.gemm_tma, o.gemm_persistent) == (None,) * 2
+    assert (o.gemm_tma, o.gemm_persistent, o.gemm_xvar) == (None,) * 3
 
 
 def test_variables_parse_into_fields():
     o = Options.from_env({"FTT_EFTA_CONFIG": "64,64,4,3", "FTT_ABFT_GEMM_CONFIG": "128, 128, 64, 8, 3",
                           "FTT_EFTA_SPLIT": "4", "FTT_EFTA_FOLD": "0", "FTT_ABFT_GEMM_TMA": "1",
-                          "FTT_ABFT_GEMM_PERSISTENT": "auto", "FTT_SIBLINGS": "0", "FTT_DIRECT_LAUNCH": "0"})
+                          "FTT_ABFT_GEMM_PERSISTENT": "auto", "FTT_SIBLINGS": "0", "FTT_DIRECT_LAUNCH": "0",
+                          "FTT_GEMM_XVAR": "1"})
     assert o.efta_config == (64, 64, 4, 3) and o.gemm_config == (128, 128, 64, 8, 3)
     assert o.efta_split == 4 and o.efta_fold is False and o.gemm_tma is True and o.gemm_persistent is None
     assert not o.siblings and not o.direct_launch
+    assert o.gemm_xvar is True and Options.from_env({"FTT_GEMM_XVAR": "0"}).gemm_xvar is False
 
 
 @pytest.mark.parametrize("env", [{"FTT_EFTA_CONFIG": "64,64,4"}, {"FTT_ABFT_GEMM_CONFIG": "a,b,c,d,e"},
                                  {"FTT_EFTA_SPLIT": "0"}, {"FTT_ABFT_GEMM_SPLIT": "x"}, {"FTT_EFTA_FOLD": "2"},
-                                 {"FTT_ABFT_GEMM_PERSISTENT": "yes"}])
+                                 {"FTT_ABFT_GEMM_PERSISTENT": "yes"}, {"FTT_GEMM_XVAR": "on"}])
 def test_bad_values_raise_naming_the_variable(env):
     with pytest.raises(ValueError, match=next(iter(env))):
         Options.from_env(env)
