@@ -127,10 +127,10 @@ GEMM_BASE = {
     "tile": dict(GROUP=gc.GROUP_M, HAS_BIAS=False, DETECT=True, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False,
                  EVEN_K=True, TMA=False, W_KN=False, TMA_STORE=False, SPLIT=False),
     "verify": dict(HAS_BIAS=False, CORRECT=True, DEBUG=False, DOT_F32=False, SPLIT=False, Y32=False, INJ=False,
-                   VERIFY_OUTPUT=False),
+                   VERIFY_OUTPUT=False, XVAR=False),
     "persistent": dict(GROUP=gc.GROUP_M, NUM_SMS=132, HAS_BIAS=False, W_KN=False, VERIFY_OUTPUT=False, DOT_F32=False),
     "decode": dict(ROWS=1, HAS_BIAS=False, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
-                   CORRECT=True, SPLIT=False, SEGS=1),
+                   CORRECT=True, SPLIT=False, SEGS=1, XVAR=False),
 }
 CFG_NAMES = {"tile": ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "verify": ("BLOCK_R", "BLOCK_G", "BLOCK_K"),
              "persistent": ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "decode": ("BLOCK_M", "G", "BLOCK_K")}
@@ -163,6 +163,11 @@ GEMM_VARIANTS = [
      dict(Y32=True, SPLIT=True, HAS_BIAS=True)),
     ("verify cuBLAS form, 3 slices, injection", "verify", "bf16", gc.VERIFY_BLOCK, dict(Y32=True, INJ=True)),
     ("verify cuBLAS form, output-side sums", "verify", "fp16", gc.VERIFY_BLOCK, dict(Y32=True, VERIFY_OUTPUT=True)),
+    # x's outlier variance estimate (XVAR: the sum of squares beside sum, max and min)
+    ("verify, outlier estimate", "verify", "fp16", gc.VERIFY_BLOCK, dict(XVAR=True)),
+    ("verify, outlier estimate, split-K", "verify", "bf16", gc.VERIFY_BLOCK, dict(XVAR=True, SPLIT=True)),
+    ("verify, outlier estimate, IEEE dots, split-K", "verify", "fp32", gc.VERIFY_BLOCK,
+     dict(XVAR=True, DOT_F32=True, SPLIT=True)),
     # the persistent GEMM (132 programs: an H100 SXM's SMs)
     ("persistent", "persistent", "fp16", gc.PERSISTENT_CONFIG, {}),
     ("persistent, W (K, N), bias, output-side", "persistent", "bf16", gc.PERSISTENT_CONFIG,
@@ -178,6 +183,9 @@ GEMM_VARIANTS = [
     ("decode kernel, 3 sibling weights, bias", "decode", "fp16", gc.CONFIGS_GROUPED[0], dict(SEGS=3, HAS_BIAS=True)),
     ("decode kernel, 2 sibling weights, M = 16, split-K", "decode", "bf16", gc.CONFIGS_GROUPED[0],
      dict(SEGS=2, ROWS=16, SPLIT=True)),
+    ("decode kernel, outlier estimate, M = 1", "decode", "fp16", gc.CONFIGS_GROUPED[0], dict(XVAR=True)),
+    ("decode kernel, outlier estimate, M = 16, split-K, bias", "decode", "bf16", gc.CONFIGS_GROUPED[1],
+     dict(XVAR=True, ROWS=16, SPLIT=True, HAS_BIAS=True)),
 ]
 # pointer arguments: in x's dtype (the descriptors Xd, Wd, Yd too, without TMA), int32 (counters, cells,
 # injection tables), fp32 (group sums, partials, checksum constants)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..contract import COUNTER_SHAPE, new_counters
-from ..gemm_checksums import GROUP_COLS, WeightChecksums
+from ..gemm_checksums import GROUP_COLS, WeightChecksums, xvar_in_use
 from ..options import options
 from ..tl_common import call_flag, on_tensor_device
 from ..tl_common import cdiv as _cdiv
@@ -196,6 +196,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
         emax = _emax_of(emax_table, y.dtype, dev, mode, k)
     reverify = _reverify_scale(y.dtype, dev, k, emax, correct, verify_output, emax_table)
     ver = C._Verify(counters, debug, bool(wc.finite), reverify, correct)
+    xvar = xvar_in_use(dev.type)  # x's variance estimate (the e_max tables' entries follow it, `emax_table`)
     groups = C._group_sums(wc, weight, bias, weight_is_kn)
     # the verification's operand, built now if this call does not use it: a decode step compiled with CUDA
     # graphs (after an eager prefill) must find it made, since a tensor first allocated in the graphs' warm-up
@@ -204,7 +205,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
     if form.kind == DECODE:
         P, call_id = C._grouped_buffer(m, n, k, cfg, dev), None
         launches = [(2, *C._grouped_call(cfg, L, bias=bias, groups=groups, P=P, inj=inj, ver=ver, emax=emax,
-                                         csigma=csigma, verify_output=verify_output, dot_f32=dot_f32))]
+                                         csigma=csigma, verify_output=verify_output, dot_f32=dot_f32, xvar=xvar))]
     else:
         flag, call_id = call_flag(dev)
         y32 = form.kind == CUBLAS  # the verification makes y from the product (and injects)
@@ -218,7 +219,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
             launches = [(0, *C._gemm_call(cfg, L, bias=bias, P=P, inj=inj, detect=True, verify_output=verify_output,
                                           dot_f32=dot_f32))]
         launches.append((1, *C._verify_call(L, bias, P, flag, call_id, ver, operand, groups[1], emax, csigma,
-                                            dot_f32, y32=y32, inj=inj if y32 else None,
+                                            dot_f32, xvar=xvar, y32=y32, inj=inj if y32 else None,
                                             verify_output=verify_output)))
     for which, grid, args, kwargs in launches:
         C._launcher(which)(grid, args, kwargs)
@@ -312,7 +313,8 @@ def siblings_forward(x2d: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     ver = C._Verify(counters[0], None, True, reverify, correct)
     P = C._grouped_buffer(m, n, k, cfg, dev)
     launches = [(2, *C._grouped_call(cfg, L, bias=biases[0], groups=groups[0], P=P, inj=None, ver=ver, emax=emax,
-                                     csigma=csigma, verify_output=False, dot_f32=INTERP, siblings=sibs))]
+                                     csigma=csigma, verify_output=False, dot_f32=INTERP, xvar=xvar_in_use(dev.type),
+                                     siblings=sibs))]
     C._launcher(2)(*launches[0][1:])
     keep(cache, key, PreparedCall.record(launches, x2d, y, P, counters[0], None))
     return y

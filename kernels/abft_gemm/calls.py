@@ -190,7 +190,8 @@ def _call_buffer(m: int, n: int, k: int, cfg, detect: bool, device: torch.device
         br, bg, bk = VERIFY_BLOCK[:3]
         vs, per = (y32_split if y32 else verify_split)(m, n, k, device)
         if vs > 1:
-            part = _cdiv(_cdiv(k, bk), per) * _cdiv(m, br) * _cdiv(tg, bg) * br * (bg + 3)
+            # (room for 4 statistics per row: x's sum, max, min and, with XVAR, its sum of squares)
+            part = _cdiv(_cdiv(k, bk), per) * _cdiv(m, br) * _cdiv(tg, bg) * br * (bg + 4)
         return torch.empty(m * n * y32 + tg * m + part, dtype=torch.float32, device=device)
     n_split = split_plan(m, n, k, cfg, detect, device)[0]
     return torch.empty(n_split * m * n, dtype=torch.float32, device=device) if n_split > 1 else unused
@@ -231,18 +232,20 @@ def group_operand(wc: WeightChecksums, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def _grouped_buffer(m: int, n: int, k: int, cfg, device: torch.device) -> torch.Tensor | None:
-    """The decode kernel's split-K partials: (n_split, M, N) tiles, then (n_split, T, M, 4) checksums and
-    statistics; None without split-K."""
+    """The decode kernel's split-K partials: (n_split, M, N) tiles, then (n_split, T, M, 4 or 5) checksums and
+    statistics (room for 5: x·w1_g, x's sum, max, min and, with XVAR, its sum of squares); None without
+    split-K."""
     s = grouped_split(n, k, cfg, device)[0]
     if s == 1:
         return None
-    return torch.empty(s * m * (n + _cdiv(n, cfg[1]) * 4), dtype=torch.float32, device=device)
+    return torch.empty(s * m * (n + _cdiv(n, cfg[1]) * 5), dtype=torch.float32, device=device)
 
 
 def _grouped_call(cfg, L: _Launch, *, bias, groups, P, inj, ver: _Verify, emax: float, csigma: float,
-                  verify_output: bool, dot_f32: bool, siblings: tuple = ()) -> tuple:
+                  verify_output: bool, dot_f32: bool, xvar: bool, siblings: tuple = ()) -> tuple:
     """The decode kernel's launch as ``(grid, args, kwargs)``; ``groups`` = (w1g, consts) of
-    `_group_sums`, ``P`` = `_grouped_buffer`. ``siblings``: up to two more weights after ``L.w`` in the
+    `_group_sums`, ``P`` = `_grouped_buffer`; ``xvar``: x's outlier variance estimate in the thresholds
+    (`gemm_checksums.xvar_in_use`). ``siblings``: up to two more weights after ``L.w`` in the
     same launch (`checked_gemm_siblings`), each ``(weight, bias, groups, counters)``; ``L.y`` then holds
     all their columns, ``L.w``'s first."""
     bm, bn, bk, warps, stages = cfg[:5]
@@ -270,7 +273,7 @@ def _grouped_call(cfg, L: _Launch, *, bias, groups, P, inj, ver: _Verify, emax: 
         BLOCK_M=bm, G=bn, BLOCK_K=bk, ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None,
         VERIFY_OUTPUT=verify_output,
         INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0, CORRECT=ver.correct, SPLIT=n_split > 1,
-        SEGS=segs, num_warps=warps, num_stages=stages,
+        SEGS=segs, XVAR=bool(xvar), num_warps=warps, num_stages=stages,
     )
 
 
@@ -321,10 +324,11 @@ def _product_call(L: _Launch, P: torch.Tensor) -> tuple:
 
 def _verify_call(L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, flag: torch.Tensor, call_id: int,
                  ver: _Verify, operand: tuple[torch.Tensor, torch.Tensor], consts: torch.Tensor, emax: float,
-                 csigma: float, dot_f32: bool, *, y32: bool = False, inj: torch.Tensor | None = None,
+                 csigma: float, dot_f32: bool, *, xvar: bool, y32: bool = False, inj: torch.Tensor | None = None,
                  verify_output: bool = False) -> tuple:
     """The group verification after the GEMM (`_group_verify_kernel`): ``(grid, args, kwargs)``. ``operand``:
-    `group_operand`'s (Wc, Winv); ``consts`` (T_g, 8) from `group_checksums`. ``y32``: the cuBLAS form's
+    `group_operand`'s (Wc, Winv); ``consts`` (T_g, 8) from `group_checksums`; ``xvar``: x's outlier variance
+    estimate in the thresholds (`gemm_checksums.xvar_in_use`). ``y32``: the cuBLAS form's
     (P starts with the product; the launch makes y from it, with the flips of ``inj``, bucketed per
     VERIFY_BLOCK rows, and sums the rounded outputs with ``verify_output``)."""
     x2d, y = L.x, L.y
@@ -343,5 +347,5 @@ def _verify_call(L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, flag: t
     ), dict(
         BLOCK_R=br, BLOCK_G=bg, BLOCK_K=bk, SLICES=wc.shape[0], HAS_BIAS=bias is not None, CORRECT=ver.correct,
         DEBUG=ver.debug is not None, DOT_F32=dot_f32, SPLIT=n_split > 1, Y32=y32, INJ=inj is not None,
-        VERIFY_OUTPUT=verify_output, num_warps=VERIFY_BLOCK[3], num_stages=VERIFY_BLOCK[4],
+        VERIFY_OUTPUT=verify_output, XVAR=bool(xvar), num_warps=VERIFY_BLOCK[3], num_stages=VERIFY_BLOCK[4],
     )

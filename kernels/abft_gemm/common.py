@@ -34,6 +34,23 @@ def round_and_inject(acc, dtype: tl.constexpr, Inj, pid_m, num_pid_m, offs_m, of
 
 
 @triton.jit
+def x_variance(mu, sq, mx, mn, K, inv_k, XVAR: tl.constexpr):
+    """x's row variance estimate in the group threshold from each row's mean ``mu``, sum of squares ``sq``
+    (read with XVAR only), max ``mx`` and min ``mn`` (any one shape; fp32): SPEC §5's Bhatia–Davis bound
+    ``(max − μ)(μ − min)``, or with XVAR the outlier estimate, in `gemm_checksums.xvar_estimate`'s order of
+    operations (``inv_k`` = fl(1/K); the guard `gemm_checksums.xvar_guard`; the bound where the estimate
+    is larger or not a number)."""
+    bound = tl.maximum((mx - mu) * (mu - mn), 0.0)
+    if XVAR:
+        m2 = sq * inv_k
+        dev = tl.maximum(mx - mu, mu - mn)
+        est = (tl.maximum(m2 - mu * mu, 0.0) + ((4.0 * K + 16.0) * 5.9604644775390625e-08) * m2
+               + dev * dev * tl.sqrt(inv_k))
+        return tl.where(est < bound, est, bound)
+    return bound
+
+
+@triton.jit
 def k_blocks(split, kb_per, K, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     """The K blocks ``[kb0, kb1)`` of a program: split ``split`` of ``kb_per`` blocks each with SPLIT, else all."""
     if SPLIT:

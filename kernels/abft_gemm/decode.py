@@ -8,7 +8,8 @@ last), verified in the tile's epilogue: no launch after the GEMM (the tile and p
 * ``D1[m] = Σ_{n∈g} v[m, n] − (x[m]·w1_g + b1_g)``, ``w1_g = Σ_{n∈g} W[n, :]`` (fp32, cached per
   weight: ``(⌈N/64⌉, K)``, 1/32 of an fp16 weight's bytes), ``v`` the fp32 accumulators (or the
   rounded outputs in ``output`` mode), flips at ``linear.output`` included;
-* the threshold ``T[m]`` of SPEC §5 from x's row mean and variance bound (sum, max, min) and the group's weight
+* the threshold ``T[m]`` of SPEC §5 from x's row mean and variance estimate (sum, max, min: SPEC §5's bound;
+  with XVAR the outlier estimate, from the sum of squares too, `gemm_checksums.xvar_estimate`) and the group's weight
   statistics (`group_checksums`: ``Σ_k |μ_gk|``, ``Σ_k σ²_gk``, ``Σ_k μ_gk²`` over the group's rows of W).
 
 Every K block passes through the tile, so it computes ``x·w1_g`` (plain fp32 on the CUDA cores: at
@@ -37,13 +38,19 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _mma
-from .common import _COR, _DET, _NONF, _REC, _SITE_ROW, _UNC, k_blocks, round_and_inject
+from .common import _COR, _DET, _NONF, _REC, _SITE_ROW, _UNC, k_blocks, round_and_inject, x_variance
 
 
 @triton.jit
 def _combine_stats(c1a, sma, mxa, mna, c1b, smb, mxb, mnb):
     """`tl.reduce` of (x·w1_g, sum, max, min) together."""
     return c1a + c1b, sma + smb, tl.maximum(mxa, mxb), tl.minimum(mna, mnb)
+
+
+@triton.jit
+def _combine_stats_sq(c1a, sma, sqa, mxa, mna, c1b, smb, sqb, mxb, mnb):
+    """`tl.reduce` of (x·w1_g, sum, sum of squares, max, min) together (XVAR)."""
+    return c1a + c1b, sma + smb, sqa + sqb, tl.maximum(mxa, mxb), tl.minimum(mna, mnb)
 
 
 @triton.jit
@@ -103,21 +110,21 @@ def _repair(v, yv, ref, rabs, c1, thr, bad, n_ok, n_g, K, n_split, reverify_scal
 
 
 @triton.jit
-def _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m, offs_am, m_ok, offs_n, offs_bn, n_ok,
-              M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale, w_finite,
-              BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr,
-              DOT_F32: tl.constexpr, CORRECT: tl.constexpr):
-    """A tile's fp32 sum ``acc`` (BLOCK_M, G), ``x·w1_g`` ``c1`` and x's row sum / max / min of the
-    ROWS = next_pow2(M) rows (ROWS,), the group's constants ``gc`` (the tuple ``(b1, det, v2, v3, v4,
-    bias_det, bias_sd, n_g)`` of `group_checksums`) and bias (G,) fp32: bias, rounding, injection, the
-    check, repairs, the counts, y's store."""
+def _epilogue(acc, c1, sm, sq, mx, mn, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m, offs_am, m_ok, offs_n, offs_bn,
+              n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale,
+              w_finite, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr,
+              DOT_F32: tl.constexpr, CORRECT: tl.constexpr, XVAR: tl.constexpr):
+    """A tile's fp32 sum ``acc`` (BLOCK_M, G), ``x·w1_g`` ``c1`` and x's row sum / sum of squares (read with
+    XVAR only) / max / min of the ROWS = next_pow2(M) rows (ROWS,), the group's constants ``gc`` (the tuple
+    ``(b1, det, v2, v3, v4, bias_det, bias_sd, n_g)`` of `group_checksums`) and bias (G,) fp32: bias, rounding,
+    injection, the check, repairs, the counts, y's store."""
     b1, det, v2, v3, v4, bdet, bsd, n_g = gc
     if HAS_BIAS:
         acc += bias[None, :]
     yv, v = round_and_inject(acc, Y.dtype.element_ty, Inj, 0, 1, offs_m, offs_n, n_ok, INJ, VERIFY_OUTPUT)
     # T[m] (SPEC §5 over the group's n_g columns; `group_checksums`), in the rows' own layout
     mu = sm * inv_k
-    var = tl.maximum((mx - mu) * (mu - mn), 0.0)  # x's row variance, bounded (SPEC §5)
+    var = x_variance(mu, sq, mx, mn, K, inv_k, XVAR)
     thr = emax * (det * tl.abs(mu) + csigma * tl.sqrt(mu * mu * v2 + var * v3) + csigma * v4 * tl.sqrt(var)
                   + bdet + csigma * bsd)
     # a row whose x is not finite (NaN makes the sum NaN, ±inf shows in max / min) is not verified: its T
@@ -163,7 +170,7 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
                         BLOCK_M: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                         HAS_BIAS: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr,
                         DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, CORRECT: tl.constexpr, SPLIT: tl.constexpr,
-                        SEGS: tl.constexpr):
+                        SEGS: tl.constexpr, XVAR: tl.constexpr):
     """y (M, N) = x (M ≤ BLOCK_M, K) · Wᵀ + b, one program per G-column group (= tile), each verifying
     its own columns (ROWS = next_pow2(M)).
 
@@ -177,9 +184,10 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
     one weight, and N is the total. With SEGS = 1 the ``_b``/``_c`` arguments are not read. With SPLIT,
     ``n_split`` programs per tile over ``kb_per`` K blocks each (program ``pid`` is split
     ``pid % n_split`` of tile ``pid // n_split``): each stores its partial tile in ``Part``
-    (n_split, M, N) and its x·w1_g and statistics after them ((n_split, T, M, 4)), counts on the
-    cell ``Sem[tile]`` (0 between calls), and the last to count resets it and runs the epilogue
-    on the partials summed in split order."""
+    (n_split, M, N) and its x·w1_g and statistics after them ((n_split, T, M, NST): x·w1_g, sum, max, min,
+    and with XVAR the sum of squares), counts on the cell ``Sem[tile]`` (0 between calls), and the last to
+    count resets it and runs the epilogue on the partials summed in split order. XVAR: x's outlier
+    variance estimate in the thresholds (`gemm_checksums.xvar_estimate`), else SPEC §5's bound."""
     pid = tl.program_id(0)
     pid_n = pid // n_split
     split = pid % n_split
@@ -231,6 +239,7 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
     wn = tl.load(w_ptrs, mask=kk < K, other=0.0)
     c1e = tl.zeros((ROWS, BLOCK_K), tl.float32)
     sme = tl.zeros((ROWS, BLOCK_K), tl.float32)
+    sqe = tl.zeros((ROWS, BLOCK_K if XVAR else 1), tl.float32)
     mxe = tl.full((ROWS, BLOCK_K), -float("inf"), tl.float32)
     mne = tl.full((ROWS, BLOCK_K), float("inf"), tl.float32)
     for kb in range(kb0, kb1):
@@ -251,6 +260,8 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
         wn = tl.load(w_ptrs, mask=kk + BLOCK_K < K, other=0.0)
         c1e += xf * w1[None, :]
         sme += xf
+        if XVAR:
+            sqe += xf * xf
         if EVEN_K:
             mxe = tl.maximum(mxe, xf)
             mne = tl.minimum(mne, xf)
@@ -259,36 +270,47 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
             mne = tl.minimum(mne, tl.where(k_ok[None, :], xf, float("inf")))
         a_ptrs += BLOCK_K * sxk
         b_ptrs += BLOCK_K * swk
-    # all four in one reduction (one exchange between the warps instead of four)
-    c1, sm, mx, mn = tl.reduce((c1e, sme, mxe, mne), 1, _combine_stats)  # (ROWS,)
+    # all in one reduction (one exchange between the warps instead of four or five)
+    if XVAR:
+        c1, sm, sq, mx, mn = tl.reduce((c1e, sme, sqe, mxe, mne), 1, _combine_stats_sq)  # (ROWS,)
+    else:
+        c1, sm, mx, mn = tl.reduce((c1e, sme, mxe, mne), 1, _combine_stats)  # (ROWS,)
+        sq = sm  # (not read)
     if SPLIT:
+        NST: tl.constexpr = 5 if XVAR else 4  # per row: x·w1_g, sum, max, min (, sum of squares)
         T = tl.cdiv(N, G)
         pmask = m_ok[:, None] & n_ok[None, :]
         part = Part + offs_m[:, None] * N + offs_n[None, :]
         r_ok = tl.arange(0, ROWS) < M
-        srow = Part + n_split * M * N + (pid_n * M + tl.arange(0, ROWS)) * 4  # + split · T · M · 4
+        srow = Part + n_split * M * N + (pid_n * M + tl.arange(0, ROWS)) * NST  # + split · T · M · NST
         tl.store(part + split * M * N, acc, mask=pmask)
-        tl.store(srow + split * T * M * 4, c1, mask=r_ok)
-        tl.store(srow + split * T * M * 4 + 1, sm, mask=r_ok)
-        tl.store(srow + split * T * M * 4 + 2, mx, mask=r_ok)
-        tl.store(srow + split * T * M * 4 + 3, mn, mask=r_ok)
+        tl.store(srow + split * T * M * NST, c1, mask=r_ok)
+        tl.store(srow + split * T * M * NST + 1, sm, mask=r_ok)
+        tl.store(srow + split * T * M * NST + 2, mx, mask=r_ok)
+        tl.store(srow + split * T * M * NST + 3, mn, mask=r_ok)
+        if XVAR:
+            tl.store(srow + split * T * M * NST + 4, sq, mask=r_ok)
         tl.debug_barrier()  # every thread's partials before the count
         if tl.atomic_add(Sem + pid_n, 1, sem="acq_rel") == n_split - 1:
             tl.store(Sem + pid_n, 0)  # ready for the next call (every split has counted)
             acc = tl.zeros((BLOCK_M, G), tl.float32)
             c1 = tl.zeros((ROWS,), tl.float32)
             sm = tl.zeros((ROWS,), tl.float32)
+            if XVAR:
+                sq = tl.zeros((ROWS,), tl.float32)
             for s in range(0, n_split):  # a fixed order: the same sums whichever split came last
-                so = srow + s * T * M * 4
+                so = srow + s * T * M * NST
                 acc += tl.load(part + s * M * N, mask=pmask, other=0.0, cache_modifier=".cg")
                 c1 += tl.load(so, mask=r_ok, other=0.0, cache_modifier=".cg")
                 sm += tl.load(so + 1, mask=r_ok, other=0.0, cache_modifier=".cg")
                 mx = tl.maximum(mx, tl.load(so + 2, mask=r_ok, other=-float("inf"), cache_modifier=".cg"))
                 mn = tl.minimum(mn, tl.load(so + 3, mask=r_ok, other=float("inf"), cache_modifier=".cg"))
-            _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
-                      n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma,
-                      reverify_scale, w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT)
+                if XVAR:
+                    sq += tl.load(so + 4, mask=r_ok, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, c1, sm, sq, mx, mn, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n,
+                      offs_bn, n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma,
+                      reverify_scale, w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT, XVAR)
     else:
-        _epilogue(acc, c1, sm, mx, mn, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
+        _epilogue(acc, c1, sm, sq, mx, mn, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
                   n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale,
-                  w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT)
+                  w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT, XVAR)

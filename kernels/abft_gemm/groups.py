@@ -11,7 +11,8 @@ whole row let the rounding noise of a 49k–152k-wide lm_head hide a change of s
 ``C`` is a GEMM of 1/64 of the layer's: ``x (M, K) · w1gᵀ (K, T_g)`` on the tensor cores, with ``w1g``
 held in fp32 accuracy as S slices of x's dtype (`calls.group_operand`: 2 for fp16, 3 for bf16, 1 for
 fp32 in IEEE FMAs), every product of x and a slice exact in fp32. x's row sum, max and min
-for the threshold come from the same loads of x, so the GEMM's K loop carries no checksum work.
+for the threshold come from the same loads of x (with XVAR, x's outlier variance estimate, its sum of
+squares too: `gemm_checksums.xvar_estimate`), so the GEMM's K loop carries no checksum work.
 
 The cuBLAS form (Y32) has no GEMM epilogue: cuBLAS leaves the product x·Wᵀ in fp32 (y32, M × N), and this
 launch makes y from it before verifying: each (BLOCK_R, 64) tile of y32 is read once, the bias added in
@@ -37,16 +38,16 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _mma
-from .common import _COR, _DET, _NONF, _REC, _SITE_ROW, _UNC, k_blocks, round_and_inject
+from .common import _COR, _DET, _NONF, _REC, _SITE_ROW, _UNC, k_blocks, round_and_inject, x_variance
 
 G: tl.constexpr = tl.constexpr(64)  # = gemm_checksums.GROUP_COLS
 
 
 @triton.jit
 def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm, sxk, BLOCK_K: tl.constexpr,
-                             SLICES: tl.constexpr, DOT_F32: tl.constexpr):
-    """x's row sum, max and min (BLOCK_R,) and the checksum dots (BLOCK_R, BLOCK_G) of ``Wc``'s S slices
-    (S, T_g, K) summed, over the K blocks ``[kb0, kb1)``."""
+                             SLICES: tl.constexpr, DOT_F32: tl.constexpr, XVAR: tl.constexpr):
+    """x's row sum, sum of squares (XVAR; else 0), max and min (BLOCK_R,) and the checksum dots
+    (BLOCK_R, BLOCK_G) of ``Wc``'s S slices (S, T_g, K) summed, over the K blocks ``[kb0, kb1)``."""
     BLOCK_R: tl.constexpr = rows.shape[0]
     BLOCK_G: tl.constexpr = grps.shape[0]
     offs_k = tl.arange(0, BLOCK_K)
@@ -57,9 +58,11 @@ def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm
     # register tiles as large as x's); element-wise for fp32, whose IEEE dot's operand Triton 3.6 failed to
     # lower ("PassManager::run failed" on an H200) once it also fed a reduction in the loop
     sm = tl.zeros((BLOCK_R,), tl.float32)
+    sq = tl.zeros((BLOCK_R,), tl.float32)
     mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
     mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
     sme = tl.zeros((BLOCK_R, BLOCK_K if DOT_F32 else 1), tl.float32)
+    sqe = tl.zeros((BLOCK_R, BLOCK_K if DOT_F32 and XVAR else 1), tl.float32)
     mxe = tl.full((BLOCK_R, BLOCK_K if DOT_F32 else 1), -float("inf"), tl.float32)
     mne = tl.full((BLOCK_R, BLOCK_K if DOT_F32 else 1), float("inf"), tl.float32)
     for kb in range(kb0, kb1):
@@ -76,18 +79,24 @@ def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm
         xf = xa.to(tl.float32)  # (x is 0 past K: masked for max / min)
         if DOT_F32:
             sme += xf
+            if XVAR:
+                sqe += xf * xf
             mxe = tl.maximum(mxe, tl.where(k_ok[None, :], xf, -float("inf")))
             mne = tl.minimum(mne, tl.where(k_ok[None, :], xf, float("inf")))
         else:
             sm += tl.sum(xf, axis=1)
+            if XVAR:
+                sq += tl.sum(xf * xf, axis=1)
             mx = tl.maximum(mx, tl.max(tl.where(k_ok[None, :], xf, -float("inf")), axis=1))
             mn = tl.minimum(mn, tl.min(tl.where(k_ok[None, :], xf, float("inf")), axis=1))
     if DOT_F32:
         sm = tl.sum(sme, axis=1)
+        if XVAR:
+            sq = tl.sum(sqe, axis=1)
         mx = tl.max(mxe, axis=1)
         mn = tl.min(mne, axis=1)
     # the slices' partial dots summed smallest first
-    return sm, mx, mn, c0 + (c1 + c2)
+    return sm, sq, mx, mn, c0 + (c1 + c2)
 
 
 @triton.jit
@@ -175,7 +184,8 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
                          emax, csigma, n_split, kb_per,
                          BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, SLICES: tl.constexpr,
                          HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr, DOT_F32: tl.constexpr,
-                         SPLIT: tl.constexpr, Y32: tl.constexpr, INJ: tl.constexpr, VERIFY_OUTPUT: tl.constexpr):
+                         SPLIT: tl.constexpr, Y32: tl.constexpr, INJ: tl.constexpr, VERIFY_OUTPUT: tl.constexpr,
+                         XVAR: tl.constexpr):
     """Verify the blocks of (BLOCK_R rows) × (BLOCK_G groups) of y (M, N), one per program (``n_split`` with
     SPLIT).
 
@@ -183,7 +193,9 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
     the checksum slices in x's dtype and ``Winv`` their fp32 inverse scale (`calls.group_operand`); ``Gc``
     (T_g, 8) the groups' constants (`group_checksums`); ``P`` (T_g, M) the GEMM's group sums (with SPLIT
     followed by the partials); ``Flag`` the call's flag cell (`call_flag`); ``Cnt`` the (sites, kinds) int32
-    counters. DEBUG: (D, C, T) of every unit into ``Dbg`` (M, T_g, 3).
+    counters. DEBUG: (D, C, T) of every unit into ``Dbg`` (M, T_g, 3). XVAR: x's outlier variance estimate
+    in the thresholds (`gemm_checksums.xvar_estimate`; x's sum of squares from the same loads), else SPEC §5's
+    bound.
 
     Y32 (the cuBLAS form): ``P`` starts with the product x·Wᵀ in fp32 (M, N), contiguous, the group sums
     after it. The block's programs first make y from it (`_round_groups`: bias, rounding, the flips of
@@ -193,10 +205,11 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
     SPLIT (calls of few blocks, `forms.verify_split`: a short prompt's 64 rows make one row block): each block
     runs as ``n_split`` programs over ``kb_per`` K blocks each, program ``pid`` being split ``pid % n_split``
     of block ``pid // n_split``. Each of the n_part splits that have K blocks stores its partial checksums
-    (n_part, blocks, BLOCK_R, BLOCK_G) and statistics (n_part, blocks, BLOCK_R, 3) after the group sums in
+    (n_part, blocks, BLOCK_R, BLOCK_G) and statistics (n_part, blocks, BLOCK_R, NST) after the group sums in
     ``P`` (n_part = n_split but in the cuBLAS form, whose pass over y32 may want more programs than K has
-    blocks, `forms.y32_split`); every split counts on the block's cell ``Sem[block]`` (0 between calls);
-    the last to count resets it, sums the partials in split order and checks the block."""
+    blocks, `forms.y32_split`; NST = 3: sum, max, min, and 4 with XVAR: the sum of squares after them); every
+    split counts on the block's cell ``Sem[block]`` (0 between calls); the last to count resets it, sums the
+    partials in split order and checks the block."""
     pid = tl.program_id(0)
     blk = pid // n_split
     split = pid % n_split
@@ -218,46 +231,54 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
         grps = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
         g_ok = grps < TG
         kb0, kb1 = k_blocks(split, kb_per, K, BLOCK_K, SPLIT)
-        sm, mx, mn, c = _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm, sxk,
-                                                 BLOCK_K, SLICES, DOT_F32)
+        sm, sq, mx, mn, c = _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm, sxk,
+                                                     BLOCK_K, SLICES, DOT_F32, XVAR)
         if SPLIT:
+            NST: tl.constexpr = 4 if XVAR else 3  # statistics per row: sum, max, min (, sum of squares)
             n_blk = tl.cdiv(M, BLOCK_R) * n_gb
             n_part = tl.cdiv(tl.cdiv(K, BLOCK_K), kb_per)
             tile = tl.arange(0, BLOCK_R)[:, None] * BLOCK_G + tl.arange(0, BLOCK_G)[None, :]
             cp = Part + blk * BLOCK_R * BLOCK_G + tile  # + split · blocks · BLOCK_R · BLOCK_G
-            sp = Part + n_part * n_blk * BLOCK_R * BLOCK_G + (blk * BLOCK_R + tl.arange(0, BLOCK_R)) * 3
+            sp = Part + n_part * n_blk * BLOCK_R * BLOCK_G + (blk * BLOCK_R + tl.arange(0, BLOCK_R)) * NST
             if split < n_part:
                 tl.store(cp + split * n_blk * BLOCK_R * BLOCK_G, c)
-                tl.store(sp + split * n_blk * BLOCK_R * 3, sm)
-                tl.store(sp + split * n_blk * BLOCK_R * 3 + 1, mx)
-                tl.store(sp + split * n_blk * BLOCK_R * 3 + 2, mn)
+                tl.store(sp + split * n_blk * BLOCK_R * NST, sm)
+                tl.store(sp + split * n_blk * BLOCK_R * NST + 1, mx)
+                tl.store(sp + split * n_blk * BLOCK_R * NST + 2, mn)
+                if XVAR:
+                    tl.store(sp + split * n_blk * BLOCK_R * NST + 3, sq)
             tl.debug_barrier()  # every thread's partials before the count
             if tl.atomic_add(Sem + blk, 1, sem="acq_rel") == n_split - 1:
                 tl.store(Sem + blk, 0)  # ready for the next call (every split has counted)
                 c = tl.zeros_like(c)
                 sm = tl.zeros_like(sm)
+                if XVAR:
+                    sq = tl.zeros_like(sq)
                 for s in range(0, n_part):  # a fixed order: the same sums whichever split came last
                     c += tl.load(cp + s * n_blk * BLOCK_R * BLOCK_G, cache_modifier=".cg")
-                    so = sp + s * n_blk * BLOCK_R * 3
+                    so = sp + s * n_blk * BLOCK_R * NST
                     sm += tl.load(so, cache_modifier=".cg")
                     mx = tl.maximum(mx, tl.load(so + 1, cache_modifier=".cg"))
                     mn = tl.minimum(mn, tl.load(so + 2, cache_modifier=".cg"))
-                _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, mx, mn,
-                             c, M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax, csigma,
-                             BLOCK_K, HAS_BIAS, CORRECT, DEBUG, DOT_F32)
+                    if XVAR:
+                        sq += tl.load(so + 3, cache_modifier=".cg")
+                _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, sq, mx,
+                             mn, c, M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax,
+                             csigma, BLOCK_K, HAS_BIAS, CORRECT, DEBUG, DOT_F32, XVAR)
         else:
-            _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, mx, mn, c,
+            _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, sq, mx, mn, c,
                          M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax, csigma,
-                         BLOCK_K, HAS_BIAS, CORRECT, DEBUG, DOT_F32)
+                         BLOCK_K, HAS_BIAS, CORRECT, DEBUG, DOT_F32, XVAR)
 
 
 @triton.jit
-def _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, mx, mn, c,
+def _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, sq, mx, mn, c,
                  M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax, csigma,
                  BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """One block's check from its rows' sum ``sm``, max ``mx`` and min ``mn`` (BLOCK_R,) and checksum dots ``c``
-    (BLOCK_R, BLOCK_G): thresholds, comparison with the group sums, counts, repairs."""
+                 DOT_F32: tl.constexpr, XVAR: tl.constexpr):
+    """One block's check from its rows' sum ``sm``, sum of squares ``sq`` (read with XVAR only), max ``mx`` and
+    min ``mn`` (BLOCK_R,) and checksum dots ``c`` (BLOCK_R, BLOCK_G): thresholds, comparison with the group sums,
+    counts, repairs."""
     BLOCK_G: tl.constexpr = grps.shape[0]
     cbase = Cnt + _SITE_ROW * scn0
     # (.cg: past L1, which is not coherent: in the cuBLAS form other programs of this launch stored them)
@@ -278,7 +299,7 @@ def _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g
         if tl.atomic_xchg(Flag, call_id) != call_id:  # the call's first program to see one counts it
             tl.atomic_add(cbase + _NONF * scn1, 1)
     mu = sm * inv_k
-    var = tl.maximum((mx - mu) * (mu - mn), 0.0)  # x's row variance, bounded (SPEC §5)
+    var = x_variance(mu, sq, mx, mn, K, inv_k, XVAR)
     # T (SPEC §5 over the group's n_g columns; `group_checksums`' constants)
     thr = emax * (det[None, :] * tl.abs(mu)[:, None]
                   + csigma * tl.sqrt((mu * mu)[:, None] * v2[None, :] + var[:, None] * v3[None, :])
