@@ -17,16 +17,25 @@ out over N, so P alone leaves too little room for zero-mean data), longer measur
 fp32 (CPU 1e-6, which also serves CPUs with other BLAS blockings; H100 2e-6), 2e-5 for the fused
 kernel on CUDA. A short calibration can raise these, never lower them.
 
+The slack depends on the estimate of x's row variance in the threshold: SPEC §5's bound (the table's
+``"emax"``) or the outlier estimate (``--xvar``: the table's ``"xvar"`` section,
+`ft_transformers.kernels.gemm_checksums.xvar_in_use`), each measured with its own estimate in force.
+
 Output: ``<out-dir>/<device slug>.json`` (``cpu.json`` for CPUs; the CUDA device name otherwise),
-package data of ``ft_transformers``, loaded by `ft_transformers.vabft.default_emax`.
+package data of ``ft_transformers``, loaded by `ft_transformers.vabft.default_emax`. Entries not measured
+in the run are kept; a CUDA device without a table of its own starts from the one it loads now (a device
+of the same compute capability, e.g. an H200 from the H100's), named in ``"inherited_from"``.
 
     python scripts/calibrate_emax.py --device cpu --trials 40 --slack-trials 4
     python scripts/calibrate_emax.py --device cuda --trials 400 --slack-trials 20
+    python scripts/calibrate_emax.py --device cuda --modes accumulator --dtypes float16,bfloat16 --xvar
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
 import platform
 import time
@@ -35,12 +44,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from ft_transformers.kernels.options import override
 
 import ft_transformers as ftt
 from ft_transformers.checked_linear import _group_check, _groups
 from ft_transformers.vabft import (
     EMAX_TABLE_DIR,
     WeightChecksums,
+    _table_for,
     builtin_emax,
     device_name,
     device_slug,
@@ -200,6 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtypes", default="float32,float16,bfloat16")
     ap.add_argument("--out-dir", type=Path, default=EMAX_TABLE_DIR)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--xvar", action="store_true",
+                    help="calibrate for x's outlier variance estimate (the table's \"xvar\" section) instead of "
+                         "SPEC §5's bound")
     args = ap.parse_args(argv)
 
     dev = torch.device(args.device)
@@ -208,31 +222,44 @@ def main(argv: list[str] | None = None) -> dict:
     slack_shapes = SLACK_SHAPES_CPU if cpu else SLACK_SHAPES_CUDA
     name = device_name(dev.type)
     path = args.out_dir / f"{device_slug(name)}.json"
-    old = json.loads(path.read_text()) if path.is_file() else {}
+    if path.is_file():
+        old = json.loads(path.read_text())
+    else:  # a device without a table of its own starts from the one it loads now (same compute capability)
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            old = copy.deepcopy(_table_for(dev.type) or {})
+        if old:
+            old["inherited_from"] = old.get("device")
+    protocol = {"trials_per_shape": args.trials, "shapes_MKN": shapes, "slack_trials": args.slack_trials,
+                "slack_shapes_MKN": slack_shapes, "slack_distributions": list(DISTRIBUTIONS),
+                "margin": args.margin, "slack_margin": args.slack_margin,
+                "rule": "max(margin*P, slack_margin*S, builtin_emax)"}
     table = {
+        **old,
         "device": name,
         "capability": list(torch.cuda.get_device_capability(dev)) if dev.type == "cuda" else None,
         "emax": old.get("emax", {}),
         "k_ref": 8192,
         "k_scaling": {"output": "sqrt", "accumulator": "sqrt" if cpu else "linear"},
         "measured": old.get("measured", {}),
-        "protocol": {"trials_per_shape": args.trials, "shapes_MKN": shapes, "slack_trials": args.slack_trials,
-                     "slack_shapes_MKN": slack_shapes, "slack_distributions": list(DISTRIBUTIONS),
-                     "margin": args.margin, "slack_margin": args.slack_margin,
-                     "rule": "max(margin*P, slack_margin*S, builtin_emax)"},
-        "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                     "ft_transformers": getattr(ftt, "__version__", "0.1.0")},
     }
+    versions = {"torch": torch.__version__, "python": platform.python_version(),
+                "ft_transformers": getattr(ftt, "__version__", "0.1.0")}
+    # the bound's entries at the top level, the outlier estimate's in "xvar" (`vabft.table_entry`)
+    section = table.setdefault("xvar", {}) if args.xvar else table
+    section.setdefault("emax", {})
+    section.setdefault("measured", {})
+    section["protocol"] = protocol
     try:
         import triton
 
-        table["versions"]["triton"] = triton.__version__
+        versions["triton"] = triton.__version__
     except ImportError:
         pass
+    section["versions"] = versions
     for mode in args.modes.split(","):
         for dt in args.dtypes.split(","):
             t0 = time.time()
-            with torch.no_grad():
+            with torch.no_grad(), override(gemm_xvar=bool(args.xvar)):
                 prot = protocol_emax(DTYPES[dt], dev, shapes=shapes, trials=args.trials, seed=args.seed,
                                       margin=args.margin, mode=mode)
                 slack = threshold_slack(DTYPES[dt], dev, shapes=slack_shapes, trials=args.slack_trials,
@@ -240,13 +267,14 @@ def main(argv: list[str] | None = None) -> dict:
             p, s = prot["max"], max(slack.values())
             u = UNIT["float32" if mode == "accumulator" else dt]
             val = choose(mode, dt, p, s, dev.type, args.margin, args.slack_margin)
-            table["emax"].setdefault(mode, {})[dt] = val
-            table["measured"].setdefault(mode, {})[dt] = {
+            section["emax"].setdefault(mode, {})[dt] = val
+            section["measured"].setdefault(mode, {})[dt] = {
                 "protocol_max": p, "protocol_max_over_u": p / u,
                 "protocol_per_shape": {"x".join(map(str, k)): v for k, v in prot["per_shape"].items()},
                 "protocol_rows": prot["samples"], "slack_max": s, "slack_per_dist": slack, "chosen": val,
             }
-            print(f"{name} {mode:11s} {dt:8s}: P {p:.3e} ({p / u:.2f}u)  S {s:.3e}  -> e_max {val:.3g}"
+            est = "outlier" if args.xvar else "bound"
+            print(f"{name} {est} {mode:11s} {dt:8s}: P {p:.3e} ({p / u:.2f}u)  S {s:.3e}  -> e_max {val:.3g}"
                   f"   [{prot['samples']} rows, {time.time() - t0:.1f}s]", flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")

@@ -25,6 +25,9 @@
 #              tables made per call (CUDA graphs, quick shapes)
 #   lmhead     lm_head tightness of the shipped thresholds, fp16 and bf16 (issue 38's 0.05 target)
 #   cublasform the checked GEMM as cuBLAS's fp32-output product plus the group check (Qwen2 layer shapes)
+#   xvar       x's outlier variance estimate in the GEMM threshold (FTT_GEMM_XVAR=1, issue 38), ~9 min: its own
+#              accumulator e_max (fp16, bf16; written into the device's e_max table, copied to the part's folder),
+#              then lm_head tightness and clean generations (GPT-2 124M and Qwen2-0.5B configs) with it
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -109,6 +112,19 @@ run_part() {
       for dt in float16 bfloat16; do
         timeout 140 python3 scripts/tightness.py --lmhead --device cuda --dtype $dt --flips 1500 --budget 10 --no-plot \
           --out "$dir/lmhead_$dt" 2>&1 | grep -v Warning | tail -12
+      done ;;
+    xvar)  # the outlier estimate needs its own e_max (the threshold's slack depends on the estimate)
+      FTT_ABFT_GEMM_TUNE=0 timeout 75 python3 scripts/calibrate_emax.py --device cuda --modes accumulator \
+        --dtypes float16,bfloat16 --trials 30 --slack-trials 4 --xvar 2>&1 | grep -v Warning | tail -4
+      cp ft_transformers/emax_tables/*.json "$dir/" 2>/dev/null
+      for dt in float16 bfloat16; do
+        FTT_GEMM_XVAR=1 timeout 110 python3 scripts/tightness.py --lmhead --device cuda --dtype $dt --flips 1500 \
+          --budget 5 --no-plot --out "$dir/lmhead_$dt" 2>&1 | grep -v Warning | tail -12
+      done
+      for dt in float16 bfloat16; do
+        FTT_GEMM_XVAR=1 timeout 100 python3 scripts/false_positives.py --calls 0 --skip-models \
+          --configs gpt2-124m-config qwen2-0.5b-config --device cuda --dtype $dt --prompts 2 --max-new-tokens 16 \
+          --json "$dir/false_positives_$dt.json" 2>&1 | grep -v Warning | tail -8
       done ;;
     cublasform)
       FTT_ABFT_GEMM_TUNE=0 timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_gemm_cublas_form.py --rounds 3 \

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 from ft_transformers.kernels.contract import ATTENTION_SITES, KIND_INDEX
+from ft_transformers.kernels.gemm_checksums import xvar_in_use
 from tqdm import tqdm
 
 import ft_transformers as ftt
@@ -527,12 +528,17 @@ def redraw(out: str, plot_too: bool = True) -> str:
     """Rewrite ``out``'s summary.md (and undetected.png) from its flips.csv and clean.csv; returns the markdown."""
     flips, clean = read_csv(os.path.join(out, "flips.csv")), read_csv(os.path.join(out, "clean.csv"))
     r0 = flips[0] if flips else clean[0]
-    title = f"{r0['model']}, {r0['dtype']}, {r0['device']}"
-    md = summary_markdown(flips, clean, title)
     run_path = os.path.join(out, "run.json")
+    run = {}
     if os.path.exists(run_path):
         with open(run_path, encoding="utf-8") as fh:
-            md += _skipped_note(json.load(fh))
+            run = json.load(fh)
+    title = f"{r0['model']}, {r0['dtype']}, {r0['device']}"
+    if run.get("linear_xvar") == "outlier":
+        title += ", x's outlier variance estimate"
+    md = summary_markdown(flips, clean, title)
+    if run:
+        md += _skipped_note(run)
     with open(os.path.join(out, "summary.md"), "w", encoding="utf-8") as fh:
         fh.write(md)
     if plot_too:
@@ -783,6 +789,8 @@ def _run(a: argparse.Namespace, argv: Sequence[str] | None) -> dict:
     write_csv(os.path.join(a.out, "clean.csv"), CLEAN_COLUMNS, clean_rows)
     run = dict(argv=list(sys.argv[1:] if argv is None else argv), args=vars(a), environment=environment(a.device),
                source=_source_state(),
+               # x's variance estimate in the Linear checks' thresholds (FTT_GEMM_XVAR, `xvar_in_use`)
+               linear_xvar="outlier" if xvar_in_use(torch.device(a.device).type) else "bound",
                seconds=time.monotonic() - t_start, seconds_per_class=timing, skipped_sites=skipped)
     with open(os.path.join(a.out, "run.json"), "w", encoding="utf-8") as fh:
         json.dump(run, fh, indent=1)
