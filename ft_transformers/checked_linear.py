@@ -305,7 +305,7 @@ def _group_check(x32: torch.Tensor, v32: torch.Tensor, groups, emax: float, csig
     # x's row mean and variance estimate: SPEC §5's bound (max − μ)(μ − min), or the outlier estimate (the
     # variance plus max|x − μ|²/√K, never above the bound). Not the plain variance: an activation row's
     # outliers set the GEMM's rounding, which it understates (a clean MiniLM row then failed its check)
-    mu, var = row_stats(x32, xvar=xvar_in_use(x32.device.type))
+    mu, var = row_stats(x32, xvar=xvar_in_use(x32.device.type, torch.float32, "output"))
     return s - c, group_threshold(mu.unsqueeze(-1), var.unsqueeze(-1), gc, emax, csigma), c
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .kernels.gemm_checksums import WeightChecksums, row_stats, xvar_in_use
+from .kernels.gemm_checksums import WeightChecksums, row_stats, set_xvar_auto_cuda, xvar_in_use
 
 __all__ = [
     "WeightChecksums",
@@ -211,6 +211,25 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(index))
 
 
+@functools.cache
+def _xvar_calibrated_on(index: int, dtype: torch.dtype, mode: str) -> bool:
+    table = load_emax_table(_cuda_name(index))
+    if table is None:
+        table = _table_for_capability(_cuda_capability(index))
+    if table is None or dtype not in _DTYPE_NAMES:
+        return False
+    return table_entry(table, mode, _DTYPE_NAMES[dtype], True) is not None
+
+
+def _xvar_calibrated(dtype: torch.dtype, mode: str) -> bool:
+    """`xvar_in_use`'s auto rule on CUDA: the current device's table (its own, else its capability's, as
+    `default_emax` picks it) holds an e_max calibrated for the outlier estimate for (mode, dtype)."""
+    return torch.cuda.is_available() and _xvar_calibrated_on(torch.cuda.current_device(), dtype, mode)
+
+
+set_xvar_auto_cuda(_xvar_calibrated)
+
+
 def builtin_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "output") -> float:
     """The built-in (seed-derived) e_max used where no calibrated table entry exists (K ≤ 8192)."""
     dev = "cpu" if device_type == "cpu" else "cuda"
@@ -267,7 +286,7 @@ def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "outp
         elif fp32 == "bf16":
             eff = torch.bfloat16
     if xvar is None:
-        xvar = xvar_in_use(dev)
+        xvar = xvar_in_use(dev, eff, mode)
     table = _table_for(dev)
     entry = None
     if table is not None:
@@ -304,7 +323,7 @@ def gemm_emax(dtype: torch.dtype, device: torch.device, mode: str, k: int) -> fl
     matmul precision. This is the ``emax_table`` the Triton kernels take (`ft_transformers.kernels.abft_gemm`)."""
     if mode == "output" and dtype == torch.float32:
         return default_emax(dtype, device.type, mode, k=k)
-    key = (dtype, device, mode, k, xvar_in_use(device.type))
+    key = (dtype, device, mode, k, xvar_in_use(device.type, dtype, mode))
     e = _GEMM_EMAX.get(key)
     if e is None:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():

@@ -10,6 +10,7 @@ tables stay with the library (`ft_transformers.vabft`); callers pass e_max in.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from .options import options
 
 __all__ = ["GROUP_COLS", "GROUP_CONSTS", "WeightChecksums", "XVAR_AUTO_CPU", "autocast_dtype", "group_checksums",
-           "group_threshold", "row_stats", "xvar_estimate", "xvar_guard", "xvar_in_use"]
+           "group_threshold", "row_stats", "set_xvar_auto_cuda", "xvar_estimate", "xvar_guard", "xvar_in_use"]
 
 _CHUNK_ELEMS = 1 << 24  # at most 16M fp32 temporaries (64 MiB) while building a weight's checksums
 GROUP_COLS = 64  # output columns per checksum group of the decode kernel
@@ -52,17 +53,33 @@ XVAR_AUTO_CPU = False  # auto (Options.gemm_xvar None) on the CPU: the bound (do
 _U32 = 2.0**-24  # fp32's unit roundoff
 
 
-def xvar_in_use(device_type: str) -> bool:
+# auto on CUDA: whether the current device's e_max table holds the outlier estimate's entry for (dtype,
+# mode); set by `ft_transformers.vabft` (the tables live above this leaf), None: never
+_XVAR_AUTO_CUDA: Callable[[torch.dtype, str], bool] | None = None
+
+
+def set_xvar_auto_cuda(rule: Callable[[torch.dtype, str], bool] | None) -> None:
+    """The auto rule of `xvar_in_use` on CUDA: ``rule(dtype, mode)`` is True where the current device's
+    e_max table was calibrated for the outlier estimate (``ft_transformers.vabft`` sets it)."""
+    global _XVAR_AUTO_CUDA
+    _XVAR_AUTO_CUDA = rule
+
+
+def xvar_in_use(device_type: str, dtype: torch.dtype | None = None, mode: str = "accumulator") -> bool:
     """Whether the checked GEMM's group threshold takes x's outlier variance estimate on ``device_type``
-    (``"cpu"``, ``"cuda"``): ``Options.gemm_xvar`` (``FTT_GEMM_XVAR=0/1``) where set; auto, the bound on
-    CUDA, whose accumulator e_max tables are calibrated for it (a device recalibrated for the outlier
-    estimate carries its entries; making them the default is a change of this rule), and
+    (``"cpu"``, ``"cuda"``) for a GEMM producing ``dtype`` whose e_max is the ``mode`` entry
+    (``"accumulator"``: the kernels; ``"output"``: the reference path): ``Options.gemm_xvar``
+    (``FTT_GEMM_XVAR=0/1``) where set; auto, on CUDA, wherever the current device's e_max table holds the
+    outlier estimate's entry for (dtype, mode) (an e_max is calibrated for one estimate: the threshold's
+    slack depends on it; the H200's table has fp16/bf16 accumulator entries, docs/reliability.md), and
     `XVAR_AUTO_CPU` on the CPU. The kernels and the reference path ask it per call; `options()` is part
     of every prepared call's key."""
     o = options().gemm_xvar
     if o is not None:
         return bool(o)
-    return device_type == "cpu" and XVAR_AUTO_CPU
+    if device_type == "cpu":
+        return XVAR_AUTO_CPU
+    return dtype is not None and _XVAR_AUTO_CUDA is not None and _XVAR_AUTO_CUDA(dtype, mode)
 
 
 def xvar_guard(k: int) -> float:

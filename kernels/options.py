@@ -33,7 +33,8 @@ variable                           field                        meaning
                                                                 calls of 64 < M ≤ 512, N ≤ 4096)
 ``FTT_GEMM_XVAR=0/1``              ``gemm_xvar``                x's row variance in the checked GEMM's group
                                                                 threshold: the bound / the outlier estimate
-                                                                (auto: `gemm_checksums.xvar_in_use`)
+                                                                (auto: where the device's e_max table has
+                                                                its entry, `gemm_checksums.xvar_in_use`)
 ``FTT_SIBLINGS=0``                 ``siblings``                 one checked launch per Linear, not per group
 ``FTT_KV_TABLES=0/1``              ``kv_tables``                a protected model's KV caches keep EFTA's
                                                                 checksum tables: off / on (auto: CPU models)

@@ -94,7 +94,7 @@ class CublasForm:
         npad = self.t * 64 - self.n
         p = (F.pad(y32, (0, npad)) if npad else y32).view(m, self.t, 64).sum(-1)
         c = fp32_product(x, self.wc, False).view(m, -1, self.t).sum(1) * self.inv + self.consts[:, 0]
-        mu, var = row_stats(x, xvar=xvar_in_use(x.device.type))  # the estimate the library's checks take
+        mu, var = row_stats(x, xvar=xvar_in_use(x.device.type, x.dtype))  # the estimate the library's checks take
         thr = group_threshold(mu.unsqueeze(1), var.unsqueeze(1), self.consts, self.emax, self.csigma)
         d = (p - c).abs()
         self.failed += (~(d <= thr)).sum()

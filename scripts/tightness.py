@@ -790,7 +790,7 @@ def _run(a: argparse.Namespace, argv: Sequence[str] | None) -> dict:
     run = dict(argv=list(sys.argv[1:] if argv is None else argv), args=vars(a), environment=environment(a.device),
                source=_source_state(),
                # x's variance estimate in the Linear checks' thresholds (FTT_GEMM_XVAR, `xvar_in_use`)
-               linear_xvar="outlier" if xvar_in_use(torch.device(a.device).type) else "bound",
+               linear_xvar="outlier" if xvar_in_use(torch.device(a.device).type, getattr(torch, a.dtype)) else "bound",
                seconds=time.monotonic() - t_start, seconds_per_class=timing, skipped_sites=skipped)
     with open(os.path.join(a.out, "run.json"), "w", encoding="utf-8") as fh:
         json.dump(run, fh, indent=1)

@@ -185,14 +185,41 @@ def test_estimate_overflow_and_constant_rows():
 
 
 def test_switch_resolution(monkeypatch):
-    """Auto (``None``): `XVAR_AUTO_CPU` on the CPU, the bound on CUDA; ``FTT_GEMM_XVAR`` forces either."""
+    """Auto (``None``): `XVAR_AUTO_CPU` on the CPU; on CUDA the registered rule per (dtype, mode), never
+    without a dtype; ``FTT_GEMM_XVAR`` forces either everywhere."""
     for auto_cpu in (False, True):
         monkeypatch.setattr(gcs, "XVAR_AUTO_CPU", auto_cpu)
         with override(gemm_xvar=None):
             assert xvar_in_use("cpu") is auto_cpu and xvar_in_use("cuda") is False
+    monkeypatch.setattr(gcs, "_XVAR_AUTO_CUDA", lambda dt, mode: dt == torch.float16 and mode == "accumulator")
+    with override(gemm_xvar=None):
+        assert xvar_in_use("cuda", torch.float16) is True
+        assert xvar_in_use("cuda", torch.float16, "output") is False and xvar_in_use("cuda", torch.bfloat16) is False
     for forced in (False, True):
         with override(gemm_xvar=forced):
             assert xvar_in_use("cpu") is forced and xvar_in_use("cuda") is forced
+            assert xvar_in_use("cuda", torch.bfloat16, "output") is forced
+
+
+def test_cuda_auto_rule_reads_the_device_table(monkeypatch):
+    """The rule `ft_transformers.vabft` registers: the outlier estimate where the current device's shipped
+    table holds its entry. The H200's table (recalibrated for it) has fp16/bf16 accumulator entries and
+    nothing else; the H100's has none; an unknown GPU of the same capability takes the H100's table first
+    (sorted by name), so it keeps the bound."""
+    import ft_transformers.vabft as vb
+
+    assert gcs._XVAR_AUTO_CUDA is vb._xvar_calibrated
+    for name, expect in (("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False), ("NVIDIA H20", False)):
+        monkeypatch.setattr(vb, "_cuda_name", lambda i, name=name: name)
+        monkeypatch.setattr(vb, "_cuda_capability", lambda i: (9, 0))
+        vb._xvar_calibrated_on.cache_clear()
+        try:
+            for dt in (torch.float16, torch.bfloat16):
+                assert vb._xvar_calibrated_on(0, dt, "accumulator") is expect, (name, dt)
+                assert vb._xvar_calibrated_on(0, dt, "output") is False, (name, dt)
+            assert vb._xvar_calibrated_on(0, torch.float32, "accumulator") is False
+        finally:
+            vb._xvar_calibrated_on.cache_clear()
 
 
 def test_emax_entry_follows_the_estimate(monkeypatch):

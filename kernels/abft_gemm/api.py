@@ -196,7 +196,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
         emax = _emax_of(emax_table, y.dtype, dev, mode, k)
     reverify = _reverify_scale(y.dtype, dev, k, emax, correct, verify_output, emax_table)
     ver = C._Verify(counters, debug, bool(wc.finite), reverify, correct)
-    xvar = xvar_in_use(dev.type)  # x's variance estimate (the e_max tables' entries follow it, `emax_table`)
+    xvar = xvar_in_use(dev.type, y.dtype, mode)  # x's variance estimate (e_max's entry follows it, `emax_table`)
     groups = C._group_sums(wc, weight, bias, weight_is_kn)
     # the verification's operand, built now if this call does not use it: a decode step compiled with CUDA
     # graphs (after an eager prefill) must find it made, since a tensor first allocated in the graphs' warm-up
@@ -313,7 +313,8 @@ def siblings_forward(x2d: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     ver = C._Verify(counters[0], None, True, reverify, correct)
     P = C._grouped_buffer(m, n, k, cfg, dev)
     launches = [(2, *C._grouped_call(cfg, L, bias=biases[0], groups=groups[0], P=P, inj=None, ver=ver, emax=emax,
-                                     csigma=csigma, verify_output=False, dot_f32=INTERP, xvar=xvar_in_use(dev.type),
+                                     csigma=csigma, verify_output=False, dot_f32=INTERP,
+                                     xvar=xvar_in_use(dev.type, dtype, "accumulator"),
                                      siblings=sibs))]
     C._launcher(2)(*launches[0][1:])
     keep(cache, key, PreparedCall.record(launches, x2d, y, P, counters[0], None))

@@ -155,7 +155,8 @@ def pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, decode: boo
                 for Lc in copies:
                     _launcher(2)(*_grouped_call(c, Lc, bias=bias, groups=groups, P=P, inj=None, ver=ver, emax=1.0,
                                                 csigma=1.0, verify_output=verify_output, dot_f32=dot_f32,
-                                                xvar=xvar_in_use(dev.type), siblings=tuple(sib_scratch)))
+                                                xvar=xvar_in_use(dev.type, L.x.dtype, "accumulator"),
+                                                siblings=tuple(sib_scratch)))
         else:
             P = _call_buffer(m, n, k, c, detect, dev, y_scratch)
 
