@@ -481,10 +481,12 @@ def inject_faults(model: torch.nn.Module, spec: FaultSpec | Sequence[FaultSpec])
     """
     state = _state(model)
     specs = [spec] if isinstance(spec, FaultSpec) else list(spec)
+    mine = []  # the specs that inject on this rank (a rank the run lacks is refused before the context opens)
     for s in specs:
         if not isinstance(s, FaultSpec):
             raise TypeError(f"inject_faults takes FaultSpec(s), got {type(s).__name__}")
-        check_ranks(s)  # (a rank the run lacks is refused before the context opens)
+        if check_ranks(s):
+            mine.append(s)
         if s.is_attention and model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(f"cannot inject at {s.site}: attention is not running through EFTA "
                              "(enable_fault_tolerance with FTConfig(attention=True))")
@@ -504,7 +506,6 @@ def inject_faults(model: torch.nn.Module, spec: FaultSpec | Sequence[FaultSpec])
     for c in state.contexts:
         c.calls = 0
     start = len(state.injection_log)
-    mine = [s for s in specs if check_ranks(s)]
     state.active_faults.extend(mine)
     try:
         yield FaultLog(state.injection_log, start)

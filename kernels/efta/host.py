@@ -34,7 +34,6 @@ from ..launch import DirectLauncher, record_launches, replay_launches
 from ..options import Options, options
 from ..tl_common import call_flag, on_tensor_device, runs_interpreted
 from ..tl_common import cdiv as _cdiv
-from .checksums import _efta_checksums
 from .common import _HDR
 from .configs import (
     BOUNDS,
@@ -53,7 +52,7 @@ from .configs import (
 )
 from .decode import _efta_combine
 from .kernel import _efta_fwd
-from .stored import _PARTS, StoredTables
+from .stored import _PARTS, _PREPASS, StoredTables
 
 Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 
@@ -86,7 +85,6 @@ def interpreting() -> bool:
 
 _INTERP = interpreting()
 _FWD_LAUNCH = DirectLauncher(_efta_fwd, _INTERP)
-_CHECKSUMS_LAUNCH = DirectLauncher(_efta_checksums, _INTERP)
 _COMBINE_LAUNCH = DirectLauncher(_efta_combine, _INTERP)
 _CNT_AT, _FLAG_AT = (_efta_fwd.arg_names.index(a) for a in ("Cnt", "Flag"))  # in `_efta_fwd`'s arguments
 # where each launch takes the call id (the checksum pre-pass takes none)
@@ -95,9 +93,9 @@ _CHECKSUMS, _FORWARD, _COMBINE = range(3)  # the launches, as `_launcher` number
 
 
 def _launcher(which: int) -> DirectLauncher:
-    """0: the checksum pre-pass's launcher, 1: the forward's, 2: the split-key merge's (looked up at each
-    call, so that tests can replace them)."""
-    return (_CHECKSUMS_LAUNCH, _FWD_LAUNCH, _COMBINE_LAUNCH)[which]
+    """0: the checksum pre-pass's launcher (the one the KV-cache tables use, `stored._PREPASS`), 1: the
+    forward's, 2: the split-key merge's (looked up at each call, so that tests can replace them)."""
+    return (_PREPASS, _FWD_LAUNCH, _COMBINE_LAUNCH)[which]
 
 
 # The autotuned launch's winners, by the autotuner's own key (bucketed M and N, the flags, the dtypes),
