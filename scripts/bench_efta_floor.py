@@ -461,8 +461,8 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
 
 
 def plot(csv_paths: list[str], png_path: str) -> None:
-    """Bars of each variant's time over SDPA flash's (same round, median) per shape, one panel per CSV;
-    a variant timed in several CSVs of one panel keeps the first."""
+    """Bars of each variant's time over SDPA flash's (same round, median) per shape, one panel per CSV
+    (over floor0's in a CSV without SDPA flash's times)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -470,13 +470,19 @@ def plot(csv_paths: list[str], png_path: str) -> None:
 
     fig, axes = plt.subplots(len(csv_paths), 1, figsize=(12, 3.6 * len(csv_paths)), squeeze=False)
     for ax, path in zip(axes[:, 0], csv_paths, strict=True):
-        rows = [r for r in csv.DictReader(open(path)) if r["x_vs_sdpa"] not in ("", "nan")
-                and r["variant"] != "sdpa_flash"]
+        with open(path, newline="") as fh:
+            every = list(csv.DictReader(fh))
+        col, basis = "x_vs_sdpa", "sdpa_flash"
+        if not any(r["x_vs_sdpa"] not in ("", "nan") for r in every):
+            col, basis = "x_vs_floor0", "floor0"
+        rows = [r for r in every if r[col] not in ("", "nan") and r["variant"] != basis]
+        if not rows:
+            raise SystemExit(f"{path}: no timed rows to plot (a --dry-run CSV has no times)")
         shapes = list(dict.fromkeys((r["B"], r["H"], r["S"], r["D"], r["causal"]) for r in rows))
         names = list(dict.fromkeys(r["variant"] for r in rows))
         width = 0.8 / max(len(names), 1)
         for i, name in enumerate(names):
-            val = {(r["B"], r["H"], r["S"], r["D"], r["causal"]): float(r["x_vs_sdpa"]) for r in rows
+            val = {(r["B"], r["H"], r["S"], r["D"], r["causal"]): float(r[col]) for r in rows
                    if r["variant"] == name}
             ax.bar([j + (i - len(names) / 2) * width for j in range(len(shapes))],
                    [val.get(sh, float("nan")) for sh in shapes], width, label=name)
@@ -484,7 +490,7 @@ def plot(csv_paths: list[str], png_path: str) -> None:
         ax.set_xticks(range(len(shapes)))
         ax.set_xticklabels([f"{b}x{h}x{s}, D={d}{', causal' if c == 'True' else ''}" for b, h, s, d, c in shapes],
                            fontsize=8)
-        ax.set_ylabel("time / SDPA flash")
+        ax.set_ylabel(f"time / {basis}")
         ax.set_title(os.path.basename(path), fontsize=9)
         ax.legend(fontsize=7, ncol=min(len(names), 6))
     fig.tight_layout()

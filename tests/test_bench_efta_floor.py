@@ -73,3 +73,36 @@ def test_floor_levels_compute_attention_and_flag_only_faults(name, causal):
         assert int((flags != 0).sum()) > BH * (S - 5) // 2
     else:
         assert int(flags.sum()) == 0
+
+
+def test_cli_dry_run_plot_and_bad_configs(tmp_path, monkeypatch):
+    """The script end to end on two tiny shapes (`--dry-run`): the asked variant and the ratios' bases
+    come back with outputs near float64 attention's, no clean row flagged and the planted key fault
+    flagged; `--plot-from` draws the CSV; a malformed `--configs` or an unknown variant is refused."""
+    import csv
+
+    monkeypatch.setattr(sys, "argv", ["bench_efta_floor.py", "--dry-run", "--variants", "lean3t",
+                                      "--out", str(tmp_path)])
+    assert floor.main() == 0
+    rows = list(csv.DictReader(open(tmp_path / "bench_efta_floor.csv")))
+    assert {r["variant"] for r in rows} == {"ours_off", "floor0", "lean3t"} and len(rows) == 6
+    assert all(r["error"] == "" and float(r["max_abs_err"]) < 2e-3 for r in rows), rows
+    lean = [r for r in rows if r["variant"] == "lean3t"]
+    assert all(int(r["flagged_rows"]) == 0 and int(r["flagged_k_fault"]) > 0 for r in lean)
+    pytest.importorskip("matplotlib")
+    plot = ["bench_efta_floor.py", "--out", str(tmp_path / "img"), "--plot-from"]
+    monkeypatch.setattr(sys, "argv", [*plot, str(tmp_path / "bench_efta_floor.csv")])
+    with pytest.raises(SystemExit, match="no timed rows"):  # a dry run times nothing
+        floor.main()
+    for i, r in enumerate(rows):  # as a timed run writes them (no SDPA flash: ratios to floor0)
+        r["x_vs_floor0"] = "1.0" if r["variant"] == "floor0" else str(1.2 + 0.1 * i)
+    with open(tmp_path / "timed.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    monkeypatch.setattr(sys, "argv", [*plot, str(tmp_path / "timed.csv")])
+    assert floor.main() == 0 and (tmp_path / "img" / "bench_efta_floor.png").stat().st_size > 0
+    for bad in (["--configs", "64,64,4"], ["--configs", "a,b,c,d"], ["--variants", "floor9"]):
+        monkeypatch.setattr(sys, "argv", ["bench_efta_floor.py", "--dry-run", "--out", str(tmp_path), *bad])
+        with pytest.raises(SystemExit):
+            floor.main()
