@@ -198,12 +198,14 @@ def _table_for(device_type: str) -> dict | None:
     if device_type == "cpu":
         return load_emax_table("cpu")
     if device_type == "cuda" and torch.cuda.is_available():
-        index = torch.cuda.current_device()
-        table = load_emax_table(_cuda_name(index))
-        if table is None:
-            table = _table_for_capability(_cuda_capability(index))
-        return table
+        return _cuda_table(torch.cuda.current_device())
     return None
+
+
+def _cuda_table(index: int) -> dict | None:
+    """CUDA device ``index``'s table: its own (by name), else one of a device of the same capability."""
+    table = load_emax_table(_cuda_name(index))
+    return table if table is not None else _table_for_capability(_cuda_capability(index))
 
 
 @functools.cache
@@ -213,9 +215,7 @@ def _cuda_capability(index: int) -> tuple[int, int]:
 
 @functools.cache
 def _xvar_calibrated_on(index: int, dtype: torch.dtype, mode: str) -> bool:
-    table = load_emax_table(_cuda_name(index))
-    if table is None:
-        table = _table_for_capability(_cuda_capability(index))
+    table = _cuda_table(index)
     if table is None or dtype not in _DTYPE_NAMES:
         return False
     return table_entry(table, mode, _DTYPE_NAMES[dtype], True) is not None

@@ -65,6 +65,7 @@ import triton.language as tl  # noqa: E402
 from _timing import interleaved  # noqa: E402
 
 # the library's ex2.approx.ftz / lg2.approx.ftz (tl.exp2 / tl.log2 in the interpreter)
+from ft_transformers.kernels.efta.host import _tma_allocator  # noqa: E402
 from ft_transformers.kernels.efta.softmax import _exp, _lg2, _mul  # noqa: E402
 from ft_transformers.kernels.tl_common import runs_interpreted  # noqa: E402
 
@@ -113,6 +114,30 @@ def _log2_prod(pc, INTERP: tl.constexpr):
     if INTERP:  # the interpreter runs custom reductions element by element
         return tl.sum(tl.log2(pc), axis=1)
     return _lg2(tl.reduce(pc, 1, _mul))
+
+
+@triton.jit
+def _verdict(worst1, worst4, oc, acc, l_i, hi, tol3, vcmax, G: tl.constexpr, LEVEL: tl.constexpr,
+             LEAN: tl.constexpr):
+    """After the loop: the row sum l (BLOCK_M,) (with LEAN the ones column of ``oc`` (BLOCK_M, 32), else
+    ``l_i``) and each row's flag (int32, 1 where a check failed): step 1's and step 4's worst margins
+    (BLOCK_M, 16), and from level 3 ``Σ_r Oc1 = Σ_d O`` (``oc``'s first 16 columns, ``acc`` (BLOCK_M, D))
+    and ``1 ≤ l ≤ hi`` keys."""
+    rc = tl.arange(0, oc.shape[1])
+    oc1 = oc
+    if LEAN:  # l is the ones column; the checksum columns are the first 16
+        l_i = tl.sum(tl.where(rc[None, :] == 16, oc, 0.0), axis=1)
+        oc1 = tl.where(rc[None, :] < 16, oc, 0.0)
+    flag = tl.zeros((oc.shape[0],), tl.int32)
+    if LEVEL >= 1:
+        flag = flag | (tl.max(worst1, axis=1) > 0).to(tl.int32)
+    if LEVEL >= 2:
+        flag = flag | (tl.max(worst4, axis=1) > 1e-3 * 3 * G).to(tl.int32)
+    if LEVEL >= 3:  # Σ_r Oc1 = Σ_d O, and 1 ≤ l ≤ number of keys
+        dO = tl.abs(tl.sum(oc1, axis=1) - tl.sum(acc, axis=1))
+        flag = flag | (dO > tol3 * vcmax * l_i).to(tl.int32)
+        flag = flag | ((l_i < 1.0 - 1e-3) | (l_i > hi * 1.001)).to(tl.int32)
+    return l_i, flag
 
 
 @triton.jit
@@ -208,19 +233,7 @@ def _floor_kernel(Q, K, V, KC, KA, VC, O, Flags, S_CTX, qk2, tol1, tol3, vcmax,
             vc = tl.load(VC + blk.to(tl.int64) * (BLOCK_N * C) + offs_j[:, None] + rc[None, :] * BLOCK_N)
             oc = tl.dot(pd, vc, oc * alpha[:, None])
         m_i = m_new
-    oc1 = oc
-    if LEAN:  # l is the ones column; the checksum columns are the first 16
-        l_i = tl.sum(tl.where(rc[None, :] == 16, oc, 0.0), axis=1)
-        oc1 = tl.where(rc[None, :] < 16, oc, 0.0)
-    flag = tl.zeros((BLOCK_M,), tl.int32)
-    if LEVEL >= 1:
-        flag = flag | (tl.max(worst1, axis=1) > 0).to(tl.int32)
-    if LEVEL >= 2:
-        flag = flag | (tl.max(worst4, axis=1) > 1e-3 * 3 * G).to(tl.int32)
-    if LEVEL >= 3:  # Σ_r Oc1 = Σ_d O, and 1 ≤ l ≤ number of keys
-        dO = tl.abs(tl.sum(oc1, axis=1) - tl.sum(acc, axis=1))
-        flag = flag | (dO > tol3 * vcmax * l_i).to(tl.int32)
-        flag = flag | ((l_i < 1.0 - 1e-3) | (l_i > hi * 1.001)).to(tl.int32)
+    l_i, flag = _verdict(worst1, worst4, oc, acc, l_i, hi, tol3, vcmax, G, LEVEL, LEAN)
     tl.store(O + base + offs_m[:, None] * BLOCK_D + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty))
     tl.store(Flags + bh * S_CTX + offs_m, flag)
 
@@ -252,7 +265,6 @@ def _floor_ws_kernel(Q, K, V, KC, KA, VC, O, Flags, S_CTX, qk2, tol1, tol3, vcma
     row0 = bh * S_CTX
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_j = tl.arange(0, BLOCK_N)
-    rc = tl.arange(0, C)
     q = dq.load([row0 + start_m * BLOCK_M, 0])
     m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -289,19 +301,7 @@ def _floor_ws_kernel(Q, K, V, KC, KA, VC, O, Flags, S_CTX, qk2, tol1, tol3, vcma
         if LEVEL >= 3:
             oc = tl.dot(pd, dvc.load([blk * C, 0]).T, oc * alpha[:, None])
         m_i = m_new
-    oc1 = oc
-    if LEAN:
-        l_i = tl.sum(tl.where(rc[None, :] == 16, oc, 0.0), axis=1)
-        oc1 = tl.where(rc[None, :] < 16, oc, 0.0)
-    flag = tl.zeros((BLOCK_M,), tl.int32)
-    if LEVEL >= 1:
-        flag = flag | (tl.max(worst1, axis=1) > 0).to(tl.int32)
-    if LEVEL >= 2:
-        flag = flag | (tl.max(worst4, axis=1) > 1e-3 * 3 * G).to(tl.int32)
-    if LEVEL >= 3:
-        dO = tl.abs(tl.sum(oc1, axis=1) - tl.sum(acc, axis=1))
-        flag = flag | (dO > tol3 * vcmax * l_i).to(tl.int32)
-        flag = flag | ((l_i < 1.0 - 1e-3) | (l_i > hi * 1.001)).to(tl.int32)
+    l_i, flag = _verdict(worst1, worst4, oc, acc, l_i, hi, tol3, vcmax, G, LEVEL, LEAN)
     do.store([row0 + start_m * BLOCK_M, 0], (acc / l_i[:, None]).to(do.dtype))
     tl.store(Flags + bh * S_CTX + offs_m, flag)
 
@@ -328,12 +328,6 @@ def tables(k: torch.Tensor, v: torch.Tensor, block_n: int):
 _WS_APPLIED: dict = {}  # (variant, config) -> whether the compiled TTGIR holds a warp_specialize op
 
 
-def _ws_allocator() -> None:
-    """The global scratch that on-device TMA descriptors are written to (Triton asks the host for it)."""
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
-                                                                 device="cuda" if torch.cuda.is_available() else "cpu"))
-
-
 def floor_attention(q, k, v, scale, causal, variant: Floor, cfg, tabs, flags):
     """q, k, v (B·H, S, D) contiguous, S a multiple of the block sizes; returns (B·H, S, D)."""
     BM, BN, warps, stages = cfg
@@ -346,7 +340,7 @@ def floor_attention(q, k, v, scale, causal, variant: Floor, cfg, tabs, flags):
     u = 2.0 ** -8 if q.dtype == torch.bfloat16 else 2.0 ** -11
     if variant.tma:
         assert not (variant.unified or variant.overlap), "the TMA floor has levels 0-3 and LEAN only"
-        _ws_allocator()
+        _tma_allocator()  # the library's: scratch for on-device descriptors
         h = _floor_ws_kernel[(S // BM, BH)](q, k, v, kc, ka, vc, o, flags, S, scale * LOG2E, 4 * u, 64 * u, vcmax,
                                             BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=variant.level,
                                             LEAN=variant.lean, WS=variant.ws, INTERP=interp, num_warps=warps,
