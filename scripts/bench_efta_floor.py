@@ -63,10 +63,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from _timing import interleaved  # noqa: E402
+from ft_transformers.kernels.efta.common import _mul  # noqa: E402
 
 # the library's ex2.approx.ftz / lg2.approx.ftz (tl.exp2 / tl.log2 in the interpreter)
 from ft_transformers.kernels.efta.host import _tma_allocator  # noqa: E402
-from ft_transformers.kernels.efta.softmax import _exp, _lg2, _mul  # noqa: E402
+from ft_transformers.kernels.efta.softmax import _exp, _lg2  # noqa: E402
 from ft_transformers.kernels.tl_common import runs_interpreted  # noqa: E402
 
 LOG2E = 1.4426950408889634
@@ -94,9 +95,12 @@ LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u":
           "lean3o": Floor(3, lean=True, overlap=True), "floor0w": Floor(0, tma=True, ws=True),
           "floor3w": Floor(3, tma=True, ws=True), "lean3w": Floor(3, lean=True, tma=True, ws=True),
           "floor0t": Floor(0, tma=True), "floor3t": Floor(3, tma=True), "lean3t": Floor(3, lean=True, tma=True)}
-# the library's kernel: (checks on, K and V through tensor descriptors `Options.efta_tma`)
-LIBRARY = {"ours_off": (False, False), "efta_correct": (True, False), "ours_off_tma": (False, True),
-           "efta_correct_tma": (True, True)}
+# the library's kernel: (checks on, K and V through tensor descriptors `Options.efta_tma`, forced configs
+# tuned over here (None: the library's autotuner)); ``efta_wide``: key blocks of 128 in the clean launch
+LIBRARY = {"ours_off": (False, False, None), "efta_correct": (True, False, None), "ours_off_tma": (False, True, None),
+           "efta_correct_tma": (True, True, None)}
+CONFIGS_WIDE = [(128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3), (64, 128, 4, 2)]
+LIBRARY.update(efta_wide=(True, False, CONFIGS_WIDE), efta_wide_tma=(True, True, CONFIGS_WIDE))
 VARIANTS = ("sdpa_flash", *LIBRARY, *LEVELS)
 DEFAULT_VARIANTS = ("sdpa_flash", "ours_off", "efta_correct", "floor0", "floor3", "lean3", "floor0t", "floor3t",
                     "lean3t", "floor0w", "floor3w", "lean3w")
@@ -384,13 +388,28 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
                         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
             elif name in LIBRARY:
                 counters = new_counters(device)
-                on, tma = LIBRARY[name]
+                on, tma, cfgs = LIBRARY[name]
                 row["_counters"] = counters
 
-                def fn(on=on, tma=tma, counters=counters):
-                    with override(efta_tma=tma):
+                def fn(on=on, tma=tma, counters=counters, cfg=None):
+                    with override(efta_tma=tma, efta_config=cfg):
                         return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None, attn_mask=None,
                                                      window=None, detect=on, correct=on, plan=plan, counters=counters)
+                if cfgs is not None:  # the fastest of its configs (each timed once), as for the floor variants
+                    best = None
+                    for cfg in cfgs if timer is not None and args.tune else cfgs[:1]:
+                        try:
+                            t = timer(partial(fn, cfg=cfg)) if timer is not None and args.tune else 0.0
+                        except Exception as exc:  # noqa: BLE001 - out of resources: try the next config
+                            row["error"] = f"{cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                            continue
+                        if best is None or t < best[0]:
+                            best = (t, cfg)
+                    if best is None:
+                        rows[name] = row
+                        continue
+                    row["config"], row["error"] = ",".join(map(str, best[1])), ""
+                    fn = partial(fn, cfg=best[1])
             else:
                 variant = LEVELS[name]
                 flags = torch.zeros(B * H * S, dtype=torch.int32, device=device)

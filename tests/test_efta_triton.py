@@ -315,6 +315,56 @@ def test_tma_loads_equal_pointer_loads(case):
             assert runs[1][1] == counts(rstats), (case, spec, runs[1][1], counts(rstats))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", ["plain", "causal_ragged_d"])
+def test_wide_clean_pass_counts_like_the_reference(dtype, case):
+    """The clean launch with key blocks of 128 (two checksum blocks each, `configs._wide`): each half's
+    step-1 and step-4 groups are tested as the tables and the reference test them, so the blocks it
+    flags reach the repairing launch (64-key blocks) and the counts equal the reference's, under faults
+    at the scores, the exponent and the probabilities; clean, 0 events and the float64 output. N = 150
+    leaves the last wide block with one partial checksum block and one missing (zero tables)."""
+    B, Hq, Hkv, M, N, D = 1, 2, 1, 40, 150, 32
+    extra = {}
+    if case == "causal_ragged_d":
+        D, extra = 48, dict(causal=True)
+    wide = (32, 128, 4, 1) if DEV == "cpu" else (64, 128, 4, 2)
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, dtype=dtype, seed=23)
+    specs = [None, FaultSpec(site="attn.scores", bit=29, count=3, seed=4),
+             FaultSpec(site="attn.exponent", bit=28, count=2, seed=5),
+             FaultSpec(site="attn.probs", bit=28, count=2, seed=6)]
+    for spec in specs:
+        seen = []
+        with override(efta_config=wide):
+            out, stats, plan = kernel(q, k, v, inject=spec, on_config=seen.append, **extra)
+        assert seen == [wide], seen
+        if spec is None:
+            assert sum(map(sum, counts(stats))) == 0, (dtype, case)
+            assert maxdiff(out, ref_attention(q, k, v, **extra)) <= TOL[dtype], (dtype, case)
+        else:
+            assert plan.injected == spec.count
+            _, rstats = reference(q, k, v, inject=spec, **extra)
+            assert counts(stats) == counts(rstats), (dtype, case, spec.site, counts(stats), counts(rstats))
+            assert sum(map(sum, counts(stats))) > 0, (dtype, case, spec.site)
+
+
+def test_wide_blocks_only_where_the_clean_launch_runs_alone():
+    """Key blocks of 128 in a checked call only for the clean launch of a correcting prefill; elsewhere
+    (detect only, decode rows, PASA) a forced wide config is refused with the reason, and while
+    injecting at a site indexed by key block the reference's config is taken instead."""
+    q, k, v = rand_qkv(1, 2, 1, 40, 150, 32, dtype=torch.float16, seed=2)
+    wide = (32, 128, 4, 1) if DEV == "cpu" else (64, 128, 4, 2)
+    with override(efta_config=wide):
+        with pytest.raises(ValueError, match="key blocks of 64"):
+            kernel(q, k, v, correct=False)
+        with pytest.raises(ValueError, match="key blocks of 64"):
+            kernel(q[:, :, :1], k, v)
+        seen = []
+        kernel(q, k, v, inject=FaultSpec(site="attn.rowmax", bit=29, count=1, seed=1), on_config=seen.append)
+        assert seen and seen[0][1] == 64, seen
+    assert C._wide(True, True, False, False) and not C._wide(True, True, True, False)
+    assert not C._wide(True, False, False, False) and not C._wide(True, True, False, True)
+
+
 def test_tma_needs_describable_tensors():
     """The descriptors are used only where TMA can describe K and V: a last stride other than 1, a
     stride that is not a multiple of 16 bytes, PASA, decode rows or split keys keep the pointer loads."""

@@ -192,6 +192,45 @@ def _load_parts(base, inner, PARTS: tl.constexpr, STRIDE_R: tl.constexpr):
 
 
 @triton.jit
+def _load_vparts_wide(VC, cb, nsub, PARTS: tl.constexpr, NB: tl.constexpr, STACK: tl.constexpr):
+    """The Vc1 operand of a wide key block: NB checksum blocks of CS keys (table rows cb … cb + NB − 1, the
+    first ``nsub`` existing; the others read as zeros, like their keys), for ``P·operand``.
+
+    STACK (no slice scales: bf16, fp32): the blocks' slices stacked along the keys, (NB·CS, PW): the dot
+    sums every block's product at once. Otherwise (fp16, a scale per block and slice) block-diagonal,
+    (NB·CS, NB·PW): block t's keys meet only its own columns, so each product keeps its own scale
+    (`_fold_wide`). PW is `_load_parts`' width."""
+    CS: tl.constexpr = 64  # keys per checksum block (`configs.CS_BLOCK_N`)
+    PW: tl.constexpr = 16 << (PARTS - 1)
+    n = tl.arange(0, NB * CS)
+    row = VC + (cb + n // CS)[:, None] * (2 * PARTS * 16 * CS) + (n % CS)[:, None]
+    live = (n // CS < nsub)[:, None]
+    if STACK:
+        c = tl.arange(0, PW)
+        t = tl.load(row + c[None, :] * CS, mask=live & (c < 16 * PARTS)[None, :], other=0.0)
+    else:
+        c = tl.arange(0, NB * PW)
+        mine = (c // PW)[None, :] == (n // CS)[:, None]
+        t = tl.load(row + (c % PW)[None, :] * CS, mask=live & mine & ((c % PW) < 16 * PARTS)[None, :], other=0.0)
+    return t
+
+
+@triton.jit
+def _fold_wide(z, aic, NB: tl.constexpr, STACK: tl.constexpr, SCALE: tl.constexpr):
+    """(rows, width) product with `_load_vparts_wide`'s operand → (rows, 16): every slice of every block
+    summed, each block's slices times its scale aic (NB,) where SCALE."""
+    if STACK:
+        f = _fold_parts(z)
+    else:
+        g = tl.reshape(z, (z.shape[0], NB, z.shape[1] // (16 * NB), 16))
+        f = tl.sum(g, axis=2)
+        if SCALE:
+            f = f * aic[None, :, None]
+        f = tl.sum(f, axis=1)
+    return f
+
+
+@triton.jit
 def _scaled(z, ic, SCALE: tl.constexpr):
     """z·ic, ic a slice scale of `_split`: exactly 1 without SCALE (bf16, fp32), so no multiply then."""
     if SCALE:

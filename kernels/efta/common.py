@@ -136,3 +136,38 @@ def _locate(d1, d2s, bad, grouped):
     single = bad & (tl.sum(nonfinite.to(tl.int32), axis=1) == 1)
     at = tl.sum(tl.where(nonfinite, tl.arange(0, L)[None, :, None], 0), axis=1)
     return tl.where(single, at, loc), ok | single
+
+
+@triton.jit
+def _mul(a, b):
+    return a * b
+
+
+@triton.jit
+def _group_sums(t, NB: tl.constexpr):
+    """Σ_l t[i, l·16+r] per group: (BLOCK_M, 16), or with NB checksum blocks (BLOCK_M, NB, 16)."""
+    if NB == 1:
+        g = tl.sum(tl.reshape(t, (t.shape[0], t.shape[1] // 16, 16)), axis=1)
+    else:
+        g = tl.sum(tl.reshape(t, (t.shape[0], NB, t.shape[1] // (16 * NB), 16)), axis=2)
+    return g
+
+
+@triton.jit
+def _group_products(t, NB: tl.constexpr):
+    """Π_l t[i, l·16+r] per group, shaped as `_group_sums`."""
+    if NB == 1:
+        g = tl.reduce(tl.reshape(t, (t.shape[0], t.shape[1] // 16, 16)), 1, _mul)
+    else:
+        g = tl.reduce(tl.reshape(t, (t.shape[0], NB, t.shape[1] // (16 * NB), 16)), 2, _mul)
+    return g
+
+
+@triton.jit
+def _per_group(x, NB: tl.constexpr):
+    """A per-row (BLOCK_M,) value broadcast against `_group_sums`' shape."""
+    if NB == 1:
+        y = x[:, None]
+    else:
+        y = x[:, None, None]
+    return y

@@ -159,5 +159,14 @@ def _tma(k: torch.Tensor, v: torch.Tensor, M: int, nsplit: int, pasa: bool, forc
     return True
 
 
+def _wide(detect: bool, phased: bool, pasa: bool, stored: bool) -> bool:
+    """Whether a checked call may run key blocks of two checksum blocks (2·CS_BLOCK_N keys): only the clean
+    launch of a prefill with correction (``phased``), which tests each half as the tables and the
+    reference do (`kernel._key_loop`, NB) and only raises flags; the repairing launch runs the checksum
+    blocks' own keys. Not with PASA (its recovery frame moves per checksum block) nor on a KV cache's
+    stored tables."""
+    return detect and phased and not pasa and not stored
+
+
 def _pow2_bucket(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()

@@ -49,12 +49,15 @@ from .configs import (
     _num_splits,
     _pow2_bucket,
     _tma,
+    _wide,
 )
 from .decode import _efta_combine
 from .kernel import _efta_fwd
 from .stored import _PARTS, _PREPASS, StoredTables
 
 Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+# the sites whose fault positions count key blocks of the reference's 64 keys (`_fixed_config`)
+_BLOCK_SITES = ("attn.rowmax", "attn.alpha", "attn.rowsum", "attn.acc", "attn.checksum")
 
 
 class EftaUnsupported(ValueError):
@@ -331,14 +334,18 @@ def _score_operands(q: torch.Tensor, bias, attn_mask, shape4) -> tuple[bool, tor
     return has_bias, bias4, mask_kind, mask4
 
 
-def _fixed_config(no_skip: bool, interp: bool, opts: Options) -> Config | None:
-    """The config a call runs without tuning: injection's (the reference's key block), the interpreter's,
-    or the one `Options.efta_config` forces; None: autotune."""
-    if no_skip:
+def _fixed_config(no_skip: bool, block_sites: bool, interp: bool, opts: Options) -> Config | None:
+    """The config a call runs without tuning: the one `Options.efta_config` forces, else injection's (the
+    reference's key block) or the interpreter's; None: autotune. While injecting, a forced config is
+    taken only with key blocks of two checksum blocks (the wide clean pass, `configs._wide`) and no fault
+    at a site indexed by key block (``block_sites``: row max, α, row sum, the O accumulator, checksums), whose positions
+    count blocks of the reference's 64 keys."""
+    forced = opts.efta_config
+    if no_skip and not (forced is not None and forced[1] == 2 * CS_BLOCK_N and not block_sites):
         return CONFIG_INJECT if not interp else CONFIG_INTERPRET
-    if interp:
+    if interp and forced is None:
         return CONFIG_INTERPRET
-    return opts.efta_config
+    return forced
 
 
 def _pasa_scalars(shift: PasaShift, D: int, slack: float) -> tuple[float, ...]:
@@ -534,7 +541,7 @@ def efta_triton_forward(
     mode = dict(zip(ATTENTION_SITES, modes))
     no_skip = any(modes)
     in_loop = any(m for site, m in mode.items() if site != "attn.output")
-    cfg = _fixed_config(no_skip, interp, opts)
+    cfg = _fixed_config(no_skip, any(mode[s] for s in _BLOCK_SITES), interp, opts)
     if inj is None:
         inj = counters  # unused
     arrive = _arrival_cells(dev)
@@ -542,11 +549,12 @@ def efta_triton_forward(
     dot_f32 = q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
     slack = BOUNDS.gemm_slack(interp)
     block_d = max(16, _pow2_bucket(D))  # (triton.next_power_of_2 is a slow constexpr_function call)
-    if (detect or use_pasa) and cfg is not None and cfg[1] != CS_BLOCK_N:
-        raise ValueError(f"the checked kernel runs key blocks of {CS_BLOCK_N}; efta_config (FTT_EFTA_CONFIG) "
-                         f"asks for {cfg[1]}")
     pack, qrows, ax1, block_m, nsplit, phased = _layout(B, Hq, Hkv, M, N, cfg, in_loop, no_skip, use_pasa, detect,
                                                         correct, dev, interp, opts)
+    if (detect or use_pasa) and cfg is not None and cfg[1] != CS_BLOCK_N and not (
+            cfg[1] == 2 * CS_BLOCK_N and _wide(bool(detect), phased, use_pasa, stored is not None)):
+        raise ValueError(f"the checked kernel runs key blocks of {CS_BLOCK_N} (of {2 * CS_BLOCK_N} in the clean "
+                         f"launch of a prefill with correction); efta_config (FTT_EFTA_CONFIG) asks for {cfg[1]}")
     # checks off never touch the flag: no captured memset for it (the self-resetting cell stays 0)
     flag, call_id = call_flag(dev, self_reset=not detect)
     bufs, rep_buf, work, tables, kshift = _scratch(q, counters, B, Hq, Hkv, M, N, ax1, qrows, block_m, block_d,
@@ -611,7 +619,7 @@ def efta_triton_forward(
     if on_config is not None:
         on_config(cfg)
     if phased:  # the repairing pass: its programs return at once unless the clean launch flagged them
-        launch_fwd(cfg, 1, PHASE=2)
+        launch_fwd((cfg[0], CS_BLOCK_N, *cfg[2:]), 1, PHASE=2)  # (the checksum blocks, after a wide clean pass)
     if nsplit > 1 and detect:  # checked split-key decode: the merge launch (checks off merge in `_efta_fwd`)
         run(_COMBINE, (_cdiv(qrows, block_m), ax1, B), (
             q, k, v, out, counters, flag, bias4, mask4, inj, work, *strides,

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _dot
-from .checksums import _fold_parts, _load_parts, _scaled
+from .checksums import _fold_parts, _fold_wide, _load_parts, _load_vparts_wide, _scaled
 from .common import (
     _DET,
     _I_ACC,
@@ -65,11 +65,21 @@ from .common import (
     _bump,
     _inject,
     _max_nan,
+    _nanmax,
 )
 from .decode import _merge_splits, _program_rows
 from .masks import _early_mask, _edge_block, _key_range
 from .output import _finish, _output_tests
-from .scores import _checksum_faults, _score_checksum, _score_margin, _score_repair, _score_test, _scores
+from .scores import (
+    _checksum_faults,
+    _score_checksum,
+    _score_checksum_wide,
+    _score_margin,
+    _score_margin_wide,
+    _score_repair,
+    _score_test,
+    _scores,
+)
 from .softmax import _exp_limit, _rescale, _softmax_steps
 
 
@@ -121,6 +131,13 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
     failed in some key block: a group failing in two blocks counts once).
     """
     L: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
+    NB: tl.constexpr = (BLOCK_N + 63) // 64  # checksum blocks per key block: 2 in a wide clean pass
+    CSN: tl.constexpr = BLOCK_N // NB  # keys per checksum block (the tables', the counters' and the reference's)
+    LC: tl.constexpr = L // NB  # keys per (row, residue) group of a checksum block
+    # a wide key block only in the clean pass of a phased prefill, uninjected at block-indexed sites
+    tl.static_assert(NB == 1 or not DETECT or not (REPAIR or PASA or OC2 or HALF_STATE or KC2_TABLE or INJ_M != 0
+                                                   or INJ_A != 0 or INJ_L != 0 or INJ_ACC != 0 or INJ_CS != 0))
+    STACK: tl.constexpr = not SCALE_CS  # wide V-checksum operand stacked (no slice scales) or block-diagonal
     offs_j = tl.arange(0, BLOCK_N)
     m_i, l_i, acc, lc, oc1, oc2, nvalid, vmax, cnt = _fresh_state(BLOCK_M, BLOCK_D)
     wl = (tl.arange(0, L) + 1).to(tl.float32)
@@ -135,7 +152,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
     lc16 = tl.zeros((BLOCK_M, 16), tl.float32)  # the row-sum twin per residue group
 
     for start_n in range(scan_lo, scan_hi, BLOCK_N):
-        jblk = start_n // BLOCK_N
+        jblk = start_n // CSN  # (the first) checksum block
         offs_n = start_n + offs_j
         edge = _edge_block(start_m, start_n, M, N, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
         kv_ok = offs_n[:, None] < N
@@ -155,17 +172,26 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
         else:
             k = tl.load(Kb + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok, other=0.0)
         s = _scores(q, k, scale, Inj, bh, offs_m, offs_n, M, N, INJ_S, PASA, DOT_F32, FOLD)
-        if DETECT or PASA:
-            cb = cs_row + jblk  # this key block's row in the checksum tables
+        cb = cs_row + jblk  # this key block's (first) row in the checksum tables
+        if NB > 1 and DETECT:  # the wide clean pass: each checksum block's Sc1 and groups
+            sc1, kabs, knf = _score_checksum_wide(q, KC, KA, SC, cb, nblocks - jblk, offs_d, scale, BLOCK_D, PARTS, NB,
+                                                  DOT_F32, FOLD)
+            tt = tl.arange(0, NB)
+            vtile = _nanmax(tl.load(VA + (cb + tt)[:, None] * 16 + r16[None, :], mask=(tt < nblocks - jblk)[:, None],
+                                    other=0.0), 0, INTERP)
+        elif DETECT or PASA:
             sc1_raw, kabs, knf = _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D, PARTS, DOT_F32, PASA,
                                                  FOLD)
             sc1 = _checksum_faults(sc1_raw, Inj, bh, offs_m, jblk, M, nblocks, INJ_CS)
         if DETECT:
-            vtile = tl.load(VA + cb * 16 + r16)
+            if NB == 1:
+                vtile = tl.load(VA + cb * 16 + r16)
             nf = nf | knf  # a non-finite key is an input problem, not a fault
             vmax = _max_nan(vmax, vtile)
             chk = nf == 0
-            if REPAIR:
+            if NB > 1:
+                worst1 = _max_nan(worst1, tl.where(chk, _score_margin_wide(s, sc1, kabs, qn1, NB, INTERP), NEG_INF))
+            elif REPAIR:
                 _, _, bad = _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L, INTERP)
                 nbad_row = tl.sum(bad.to(tl.int32), axis=1)
             else:  # the clean pass keeps each group's worst margin; one test after the loop
@@ -269,11 +295,19 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
             # time in one case): Oc accumulated in place like O (in units of each block's slice scale),
             # and this dot issued before P·V.
             vbase = VC + cb * (2 * PARTS * 16 * BLOCK_N)
-            a = _load_parts(vbase, offs_j, PARTS, BLOCK_N)  # (BLOCK_N, 16·parts)
-            aic = tl.load(SC + cb * 4 + 1)
-            zero = tl.zeros((BLOCK_M, a.shape[1]), tl.float32)
-            oc1 = oc1 * alpha[:, None] + _scaled(_fold_parts(_dot(pd, a, zero, DOT_F32 or PARTS == 1)), aic,
-                                                 SCALE_CS)
+            if NB > 1:
+                a = _load_vparts_wide(VC, cb, nblocks - jblk, PARTS, NB, STACK)
+                tt = tl.arange(0, NB)
+                aic = tl.load(SC + (cb + tt) * 4 + 1, mask=tt < nblocks - jblk, other=0.0)
+                zero = tl.zeros((BLOCK_M, a.shape[1]), tl.float32)
+                oc1 = oc1 * alpha[:, None] + _fold_wide(_dot(pd, a, zero, DOT_F32 or PARTS == 1), aic, NB, STACK,
+                                                        SCALE_CS)
+            else:
+                a = _load_parts(vbase, offs_j, PARTS, BLOCK_N)  # (BLOCK_N, 16·parts)
+                aic = tl.load(SC + cb * 4 + 1)
+                zero = tl.zeros((BLOCK_M, a.shape[1]), tl.float32)
+                oc1 = oc1 * alpha[:, None] + _scaled(_fold_parts(_dot(pd, a, zero, DOT_F32 or PARTS == 1)), aic,
+                                                     SCALE_CS)
             if INJ_CS != 0:  # the `attn.checksum` faults on Oc1: columns [32·jblk + 16, 32·jblk + 32)
                 oc1 = _inject(oc1, Inj, _I_CHECKSUM, INJ_CS, bh, offs_m[:, None], (jblk * 32 + 16 + r16)[None, :], M,
                               nblocks * 32)
@@ -288,7 +322,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
     if DETECT and not REPAIR:
         # the clean pass's tests of steps 1 and 4, once: a group fails if it failed in some key block
         n1_rows = tl.sum((~(worst1 <= s_floor) & row_ok[:, None]).to(tl.int32), axis=1)
-        lim4 = _exp_limit(exp_tol, exp_base, exp_xmin, L, Vb.dtype.element_ty, INTERP, FOLD)
+        lim4 = _exp_limit(exp_tol, exp_base, exp_xmin, LC, Vb.dtype.element_ty, INTERP, FOLD)
         flag_rows = flag_rows | (tl.max((~(worst4 <= lim4) & row_ok[:, None]).to(tl.int32), axis=1) > 0)
     if DETECT and not (HAS_BIAS or MASK_KIND != 0):
         # unmasked keys per row: those in [scan_lo, scan_hi) below N, the causal limit and above the
@@ -332,7 +366,8 @@ def _efta_fwd(
     resets the cell: one launch instead of two (H200, batch 1, Qwen2-0.5B heads over 544 keys: 8.1 µs
     against 9.2). The checked kernel merges in the second launch: merging in the kernel is slower
     there (21.9 µs against 20.3 with the second launch; 38.3 against 28.3 over 4,096 keys)."""
-    L: tl.constexpr = BLOCK_N // 16  # key groups per block (checksum stride 16)
+    CSN: tl.constexpr = BLOCK_N // ((BLOCK_N + 63) // 64)  # keys per checksum block (`_key_loop`)
+    L: tl.constexpr = CSN // 16  # keys per (row, residue) group of a checksum block (checksum stride 16)
     FLT_MAX: tl.constexpr = 3.4028234663852886e38
     REC: tl.constexpr = (36 + BLOCK_D) * BLOCK_M + 17  # floats per partial-state record (SPLIT)
 
@@ -367,7 +402,7 @@ def _efta_fwd(
         Vd = tl.make_tensor_descriptor(V, shape=[nb, Hkv, N, D], strides=[svb, svh, svn, 1],
                                        block_shape=[1, 1, BLOCK_N, BLOCK_D])
 
-    nblocks = tl.cdiv(N, BLOCK_N)
+    nblocks = tl.cdiv(N, CSN)  # checksum blocks (the tables' rows per (batch, kv head))
     lo, hi = _key_range(qblk, M, N, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     scan_lo = lo
     scan_hi = hi
@@ -375,7 +410,7 @@ def _efta_fwd(
         scan_lo = 0
         scan_hi = N
     if SPLIT:  # this program's share of the key blocks
-        per = tl.cdiv(nblocks, nsplit) * BLOCK_N
+        per = tl.cdiv(tl.cdiv(N, BLOCK_N), nsplit) * BLOCK_N
         scan_lo = tl.maximum(scan_lo, split * per)
         scan_hi = tl.minimum(scan_hi, split * per + per)
 

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..tl_common import dot as _dot
 from .checksums import _fold_parts, _load_parts, _parts_dot, _split
-from .common import _COR, _I_CHECKSUM, _I_SCORES, _REC, _SCORES, _bump, _inject, _locate
+from .common import _COR, _I_CHECKSUM, _I_SCORES, _REC, _SCORES, _bump, _group_sums, _inject, _locate, _nanmax
 
 
 @triton.jit
@@ -105,6 +105,42 @@ def _score_margin(s, sc1, kabs, qn1, L: tl.constexpr, INTERP: tl.constexpr):
     where not ≤ s_floor. Only meaningful while the inputs are finite (`_key_loop`), where T_s is."""
     d1 = sc1 - tl.sum(tl.reshape(s, (s.shape[0], L, 16)), axis=1)
     return _t1_margin(d1, kabs, qn1, INTERP)
+
+
+@triton.jit
+def _score_checksum_wide(q, KC, KA, SC, cb, nsub, offs_d, scale, BLOCK_D: tl.constexpr, PARTS: tl.constexpr,
+                         NB: tl.constexpr, DOT_F32: tl.constexpr, FOLD: tl.constexpr):
+    """`_score_checksum` for the NB checksum blocks of a wide key block (table rows cb … cb + NB − 1, of
+    which the first ``nsub`` exist; the others read as zero keys): their slices side by side in one dot.
+    Returns Sc1 (BLOCK_M, NB, 16) fp32, kabs (NB, 16) and 1 if a block is non-finite."""
+    PW: tl.constexpr = 16 << (PARTS - 1)  # `_load_parts`' width of one block's slices
+    c = tl.arange(0, NB * PW)
+    ok = ((c % PW) < 16 * PARTS) & (c // PW < nsub)
+    kc = tl.load(KC + (cb + c // PW)[None, :] * (PARTS * 16 * BLOCK_D) + offs_d[:, None] + (c % PW)[None, :] * BLOCK_D,
+                 mask=ok[None, :], other=0.0)  # (BLOCK_D, NB·PW)
+    z = _dot(q, kc, tl.zeros((q.shape[0], NB * PW), tl.float32), DOT_F32 or PARTS == 1)
+    z = tl.sum(tl.reshape(z, (q.shape[0], NB, PW // 16, 16)), axis=2)  # the slices of each block folded
+    t = tl.arange(0, NB)
+    here = t < nsub
+    kic = tl.load(SC + (cb + t) * 4, mask=here, other=0.0)
+    if not FOLD:
+        kic = kic * scale
+    kabs = tl.load(KA + (cb + t)[:, None] * 16 + tl.arange(0, 16)[None, :], mask=here[:, None], other=0.0)
+    knf = tl.max((tl.load(SC + (cb + t) * 4 + 3, mask=here, other=0.0) != 0).to(tl.int32), axis=0)
+    return z * kic[None, :, None], kabs, knf
+
+
+@triton.jit
+def _score_margin_wide(s, sc1, kabs, qn1, NB: tl.constexpr, INTERP: tl.constexpr):
+    """`_score_margin` of a wide key block against its NB blocks' Sc1 (BLOCK_M, NB, 16) and kabs (NB, 16):
+    each checksum block's groups tested as the tables and the reference test them; returns the worse
+    margin of each (row, residue), (BLOCK_M, 16)."""
+    d1 = sc1 - _group_sums(s, NB)
+    if INTERP:
+        m = tl.abs(d1) - qn1[:, None, None] * kabs[None, :, :]
+    else:
+        m = tl.fma(-qn1[:, None, None], kabs[None, :, :], tl.abs(d1))
+    return _nanmax(m, 1, INTERP)
 
 
 @triton.jit

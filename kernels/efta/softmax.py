@@ -45,9 +45,12 @@ from .common import (
     _ROWMAX,
     _UNC,
     _bump,
+    _group_products,
+    _group_sums,
     _inject,
     _max_nan,
     _nanmax,
+    _per_group,
     _round_to,
 )
 from .masks import _bias_mask
@@ -93,11 +96,6 @@ def _exp(x, INTERP: tl.constexpr, LOG2: tl.constexpr):
 
 
 @triton.jit
-def _mul(a, b):
-    return a * b
-
-
-@triton.jit
 def _lowp_clamp(PVDT: tl.constexpr):
     """(P_min, room per key of the group for P's rounding in log2 units) for P held in PVDT (the contract's
     `exp_clamp`, ``1.01·u_lp·log2 e``)."""
@@ -134,32 +132,32 @@ def _exp_test(s, base, p, scale, exp_tol, exp_base, exp_xmin, PVDT: tl.constexpr
     log2(e)·(exp_tol·(3L + |Σ x|) + exp_base·(|base| − x_min)) − L·(P's rounding room), limit 0. LOG2:
     the same test in base-2 units.
     """
-    BM: tl.constexpr = s.shape[0]
-    L: tl.constexpr = s.shape[1] // 16
+    NB: tl.constexpr = (s.shape[1] + 63) // 64  # checksum blocks of 64 keys: two in a wide clean pass
+    L: tl.constexpr = s.shape[1] // 16 // NB
     tl.static_assert(L <= _EXP_MAX_GROUP)
     pmin, lp_room = _lowp_clamp(PVDT)
     if LOG2:
         floor = (base + exp_xmin) / scale
-        ys = tl.sum(tl.reshape(tl.maximum(s, floor[:, None], propagate_nan=tl.PropagateNan.ALL), (BM, L, 16)),
-                    axis=1)
-        xs = tl.fma(ys, scale * _LOG2E, -(base * (L * _LOG2E))[:, None])
+        ys = _group_sums(tl.maximum(s, floor[:, None], propagate_nan=tl.PropagateNan.ALL), NB)
+        xs = tl.fma(ys, scale * _LOG2E, -_per_group(base * (L * _LOG2E), NB))
     else:
-        ys = tl.sum(tl.reshape(tl.maximum(s, (base + exp_xmin)[:, None], propagate_nan=tl.PropagateNan.ALL),
-                               (BM, L, 16)), axis=1)
-        xs = ys - (base * L)[:, None]
-    pc = tl.reshape(tl.maximum(p, pmin, propagate_nan=tl.PropagateNan.ALL), (BM, L, 16))
+        ys = _group_sums(tl.maximum(s, (base + exp_xmin)[:, None], propagate_nan=tl.PropagateNan.ALL), NB)
+        xs = ys - _per_group(base * L, NB)
+    pc = tl.maximum(p, pmin, propagate_nan=tl.PropagateNan.ALL)
     if INTERP:  # the interpreter runs custom reductions element by element
-        lp = tl.sum(tl.log2(pc), axis=1)
+        lp = _group_sums(tl.log2(pc), NB)
     else:
-        lp = _lg2(tl.reduce(pc, 1, _mul))
-    room = tl.abs(base) * (exp_base * _LOG2E)  # (BLOCK_M,): one subtraction per group
+        lp = _lg2(_group_products(pc, NB))
+    room = _per_group(tl.abs(base) * (exp_base * _LOG2E), NB)  # one subtraction per group
     if LOG2:
-        e = tl.fma(tl.abs(xs), -exp_tol, tl.abs(lp - xs)) - room[:, None]
+        e = tl.fma(tl.abs(xs), -exp_tol, tl.abs(lp - xs)) - room
     elif INTERP:
         e = (tl.abs(lp - xs * _LOG2E) - exp_tol * _LOG2E * (3.0 * L + tl.abs(xs))
-             - ((tl.abs(base) - exp_xmin) * (exp_base * _LOG2E))[:, None] - L * lp_room)
+             - _per_group((tl.abs(base) - exp_xmin) * (exp_base * _LOG2E), NB) - L * lp_room)
     else:
-        e = tl.fma(tl.abs(xs), -(exp_tol * _LOG2E), tl.abs(lp - xs * _LOG2E)) - room[:, None]
+        e = tl.fma(tl.abs(xs), -(exp_tol * _LOG2E), tl.abs(lp - xs * _LOG2E)) - room
+    if NB > 1:  # the worst of the sub-blocks' groups (the clean pass keeps only the worst margin)
+        e = _nanmax(e, 1, INTERP)
     return e
 
 
