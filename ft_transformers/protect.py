@@ -336,12 +336,12 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
 
 def _kv_tables(model: torch.nn.Module) -> bool:
     """Whether a protected ``model``'s KV caches keep stored checksum tables (`Options.kv_tables`; auto:
-    models on the CPU, where the tables' path is tested end to end. On a GPU they are opt-in,
-    ``FTT_KV_TABLES=1``, until their GPU tests and timings have run)."""
+    models on the CPU or on CUDA devices, where the tables' path is tested end to end and decode on
+    stored tables is faster than with tables made per call; elsewhere tables are made per call)."""
     forced = options().kv_tables
     if forced is not None:
         return forced
-    return all(p.device.type == "cpu" for p in model.parameters())
+    return all(p.device.type in ("cpu", "cuda") for p in model.parameters())
 
 
 def _check_tensor_parallel(model: torch.nn.Module, adapter) -> None:

@@ -37,7 +37,7 @@ variable                           field                        meaning
                                                                 its entry, `gemm_checksums.xvar_in_use`)
 ``FTT_SIBLINGS=0``                 ``siblings``                 one checked launch per Linear, not per group
 ``FTT_KV_TABLES=0/1``              ``kv_tables``                a protected model's KV caches keep EFTA's
-                                                                checksum tables: off / on (auto: CPU models)
+                                                                checksum tables: off / on (auto: CPU and CUDA)
 ``FTT_TUNE_CACHE=0``               ``tune_cache_dir``           no tuning results kept across processes
 ``FTT_CACHE_DIR=path``             ``tune_cache_dir``           where they are kept (`abft_gemm.tune_store`)
 =================================  ===========================  ============================================

@@ -14,7 +14,8 @@ Variants, measured side by side on the same model object in one run:
 * ``sdpa``      — ``attn_implementation="sdpa"``, no protection (the baseline)
 * ``efta_off``  — EFTA attention with its checks off, Linear layers untouched
   (``FTConfig(linear=False, detect=False, correct=False)``)
-* ``attn_only`` — EFTA with detection + correction, Linear layers untouched (``FTConfig(linear=False)``)
+* ``attn_only`` — EFTA with detection + correction, Linear layers untouched (``FTConfig(linear=False)``);
+  this and every other protected variant make EFTA's KV checksum tables per call (``kv_tables`` off)
 * ``full``      — attention and every Linear / Conv1D checked (``FTConfig()``)
 * ``full_off``  — (optional) everything wrapped, checks off (``FTConfig(detect=False, correct=False)``):
   the cost of the wrappers alone
@@ -70,7 +71,6 @@ runs in the warmup, per variant.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import csv
 import gc
@@ -184,8 +184,11 @@ def set_variant(model, variant: str, compiled: bool = False) -> None:
         model.set_attn_implementation("sdpa")
     cfg = variant_config(variant)
     if cfg is not None:
-        # the sibling groups are formed when protection is enabled, so the switch matters only here
-        with override(siblings=False) if variant == "full_per_layer" else contextlib.nullcontext():
+        # the sibling groups and the cache-tracking hook are set up when protection is enabled, so the
+        # switches matter only here; every variant makes its KV tables per call (attn_only_kv hands
+        # generate a tracked cache itself), whatever FTT_KV_TABLES's auto rule would pick
+        changes = {"kv_tables": False, **({"siblings": False} if variant == "full_per_layer" else {})}
+        with override(**changes):
             ftt.enable_fault_tolerance(model, cfg)
 
 

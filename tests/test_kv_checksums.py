@@ -624,8 +624,8 @@ def test_tracked_generate_clean_and_under_a_cache_flip(kind):
 
 
 def test_protection_tracks_generate_caches_where_on():
-    """`enable_fault_tolerance` registers the cache-tracking pre-hook (`Options.kv_tables`; auto: CPU
-    models): generate's own cache keeps stored tables that every decode step reads, the tokens are
+    """`enable_fault_tolerance` registers the cache-tracking pre-hook (`Options.kv_tables`; auto: models on
+    the CPU or CUDA): generate's own cache keeps stored tables that every decode step reads, the tokens are
     eager's, a stored entry flipped between steps is corrected; switched off, or with the checks off,
     the cache stays untracked; disabling protection removes the hook."""
     from tiny_models import make_model
@@ -654,6 +654,22 @@ def test_protection_tracks_generate_caches_where_on():
     ftt.disable_fault_tolerance(model)
     out = _generate(model, ids, None)
     assert not any(hasattr(layer, "_ftt_kv") for layer in out.past_key_values.layers)
+
+
+def test_kv_tables_auto_rule():
+    """`Options.kv_tables` auto keeps tables for models on the CPU or CUDA devices, not elsewhere (a meta
+    model stands for another device type); the switch forces either way."""
+    from ft_transformers.protect import _kv_tables
+
+    cpu, meta = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")
+    with override(kv_tables=None):
+        assert _kv_tables(cpu) and not _kv_tables(meta)
+        if torch.cuda.is_available():
+            assert _kv_tables(cpu.cuda())
+    with override(kv_tables=False):
+        assert not _kv_tables(torch.nn.Linear(2, 2))
+    with override(kv_tables=True):
+        assert _kv_tables(meta)
 
 
 def test_forward_pre_hook_tracks_generate_cache():

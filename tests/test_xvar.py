@@ -203,15 +203,16 @@ def test_switch_resolution(monkeypatch):
 
 def test_cuda_auto_rule_reads_the_device_table(monkeypatch):
     """The rule `ft_transformers.vabft` registers: the outlier estimate where the current device's shipped
-    table holds its entry. The H200's table (recalibrated for it) has fp16/bf16 accumulator entries and
-    nothing else; the H100's has none; an unknown GPU of the same capability takes the H100's table first
-    (sorted by name), so it keeps the bound."""
+    table holds its entry. The H100's and the H200's tables (each recalibrated on its GPU) have fp16/bf16
+    accumulator entries and nothing else; an unknown GPU of the same capability takes the H100's table
+    (the first by name), entries included; one of another capability has no table and keeps the bound."""
     import ft_transformers.vabft as vb
 
     assert gcs._XVAR_AUTO_CUDA is vb._xvar_calibrated
-    for name, expect in (("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False), ("NVIDIA H20", False)):
+    for name, cap, expect in (("NVIDIA H200", (9, 0), True), ("NVIDIA H100 80GB HBM3", (9, 0), True),
+                              ("NVIDIA H20", (9, 0), True), ("NVIDIA A100-SXM4-80GB", (8, 0), False)):
         monkeypatch.setattr(vb, "_cuda_name", lambda i, name=name: name)
-        monkeypatch.setattr(vb, "_cuda_capability", lambda i: (9, 0))
+        monkeypatch.setattr(vb, "_cuda_capability", lambda i, cap=cap: cap)
         vb._xvar_calibrated_on.cache_clear()
         try:
             for dt in (torch.float16, torch.bfloat16):
