@@ -100,7 +100,9 @@ LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u":
 LIBRARY = {"ours_off": (False, False, None), "efta_correct": (True, False, None), "ours_off_tma": (False, True, None),
            "efta_correct_tma": (True, True, None)}
 CONFIGS_WIDE = [(128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3), (64, 128, 4, 2)]
-LIBRARY.update(efta_wide=(True, False, CONFIGS_WIDE), efta_wide_tma=(True, True, CONFIGS_WIDE))
+CONFIGS_64 = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4)]  # the checked kernel's 64-key prefill configs
+LIBRARY.update(efta_wide=(True, False, CONFIGS_WIDE), efta_wide_tma=(True, True, CONFIGS_WIDE),
+               efta_64=(True, False, CONFIGS_64))
 VARIANTS = ("sdpa_flash", *LIBRARY, *LEVELS)
 DEFAULT_VARIANTS = ("sdpa_flash", "ours_off", "efta_correct", "floor0", "floor3", "lean3", "floor0t", "floor3t",
                     "lean3t", "floor0w", "floor3w", "lean3w")

@@ -165,17 +165,26 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 def test_autotuner_candidates_per_call_kind():
     """The configs the autotuner times (`_prune`): decode (M ≤ 16) only BLOCK_M = 16, the two-warp and
-    two-stage decode configs only with the checks on, the checked kernel only key blocks of CS_BLOCK_N, and
-    prefill at D > 64 only BLOCK_N = 64."""
+    two-stage decode configs only with the checks on, the checked kernel only key blocks of CS_BLOCK_N but
+    in the clean launch of a correcting prefill (also 8-warp blocks of twice as many keys, at any D), and
+    prefill at D > 64 otherwise only BLOCK_N = 64."""
     configs = [C._cfg(c) for c in C.CONFIGS_PREFILL + C.CONFIGS_DECODE]
 
     def picked(**kw):
-        args = dict(M_KEY=1, BLOCK_D=64, DETECT=False, PASA=False) | kw
+        args = dict(M_KEY=1, BLOCK_D=64, DETECT=False, PASA=False, PHASE=0, KC2_TABLE=False) | kw
         return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in C._prune(configs, args)}
 
+    cs, wide = K.CS_BLOCK_N, {c for c in C.CONFIGS_PREFILL if c[1] == 2 * K.CS_BLOCK_N and c[2] == 8}
+    narrow = {c for c in C.CONFIGS_PREFILL if c[1] == cs}
+    assert wide
     assert picked() == {(16, 64, 4, 3), (16, 128, 4, 3)}
     assert picked(DETECT=True) == {(16, 64, 4, 3), (16, 64, 2, 3), (16, 64, 2, 2), (16, 64, 4, 2)}
-    assert picked(M_KEY=4096, DETECT=True) == {c for c in C.CONFIGS_PREFILL if c[1] == K.CS_BLOCK_N}
+    assert picked(DETECT=True, PHASE=1) == picked(DETECT=True)  # decode rows: never wide
+    assert picked(M_KEY=4096, DETECT=True) == narrow
+    for d in (64, 128):
+        assert picked(M_KEY=4096, DETECT=True, PHASE=1, BLOCK_D=d) == narrow | wide
+    assert picked(M_KEY=4096, DETECT=True, PHASE=1, PASA=True) == narrow
+    assert picked(M_KEY=4096, DETECT=True, PHASE=1, KC2_TABLE=True) == narrow
     assert picked(M_KEY=4096, BLOCK_D=128) == {c for c in C.CONFIGS_PREFILL if c[1] == 64}
 
 

@@ -58,9 +58,11 @@ FP16_MMA_K = 16  # k-depth of one fp16 tensor-core MMA (m16n8k16): PASA's GEMM I
 SPLIT_BLOCKS = 1 << 16  # row blocks a split-key call may have (one arrival cell each, `host._arrival_cells`)
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-# D > 64: BLOCK_N = 64 only. (128, 64, 8, 4): the checked kernel at D = 128 takes 4.55 ms on an H200
-# against 4.91 with 3 stages (4 × 32 heads × 4k); at D = 64, (64, 64, 4, 3) is the fastest.
-CONFIGS_PREFILL = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)]
+# D > 64: BLOCK_N = 64 only, but for the wide clean pass (`_wide`). (128, 64, 8, 4): the checked kernel at
+# D = 128 takes 4.55 ms on an H200 against 4.91 with 3 stages (4 × 32 heads × 4k); at D = 64, (64, 64, 4, 3)
+# is the fastest. (128, 128, 8, 2): the wide clean pass at D = 128 (H100, fp16: 0.94 of the 64-key
+# kernel's time at 1k and 16k keys without a mask, 0.96–0.99 causal at 4k, 1.03 causal at 1k).
+CONFIGS_PREFILL = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)]
 # M ≤ 16 (decode, q_len 1). Two warps and two stages: checked calls only (`_prune`). Their programs
 # walk a long key range with little to overlap: at batch 16 × 32 heads × 4k keys (D = 128, no split)
 # two warps take 1,313 µs against four warps' 1,423 on an H200 (317 against 383 µs at 16 heads,
@@ -80,15 +82,17 @@ def _cfg(c):
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     m_key, d = args["M_KEY"], args["BLOCK_D"]
+    wide = _wide(args["DETECT"], args["PHASE"] == 1, args["PASA"], args["KC2_TABLE"])
     if m_key <= 16:
         keep = [c for c in configs if c.kwargs["BLOCK_M"] == 16
                 and (args["DETECT"] or (c.num_warps >= 4 and c.num_stages >= 3))]  # see CONFIGS_DECODE
     else:
         keep = [c for c in configs if c.kwargs["BLOCK_M"] > 16 and c.kwargs["BLOCK_M"] <= max(64, m_key)]
-        if d > 64:  # register pressure: the checked kernel holds S, O and checksum state
+        if d > 64 and not wide:  # register pressure: the checked kernel holds S, O and checksum state
             keep = [c for c in keep if c.kwargs["BLOCK_N"] == 64] or keep
     if args["DETECT"] or args["PASA"]:  # the checksum tables are laid out for key blocks of CS_BLOCK_N
-        keep = [c for c in keep if c.kwargs["BLOCK_N"] == CS_BLOCK_N]
+        keep = [c for c in keep if c.kwargs["BLOCK_N"] == CS_BLOCK_N
+                or (wide and c.kwargs["BLOCK_N"] == 2 * CS_BLOCK_N and c.num_warps == 8)]
     return keep or [c for c in configs if c.kwargs["BLOCK_N"] == CS_BLOCK_N][:1]
 
 
