@@ -82,6 +82,9 @@ VARIANTS = [
     ("injection, all sites", "fp16", dict(INJ_S=1, INJ_M=1, INJ_X=1, INJ_P=2, INJ_PL=2, INJ_A=1, INJ_L=1, INJ_ACC=1,
                                           INJ_O=1, INJ_CS=1, NO_SKIP=True, BLOCK_M=64, PHASE=1, FOLD=False), 4, 2),
     ("prefill detect+correct", "fp32", dict(BLOCK_M=64, PHASE=1), 4, 3),
+    ("prefill detect+correct D=128, wide clean launch", "fp16", dict(BLOCK_D=128, BLOCK_N=128, PHASE=1), 8, 2),
+    ("prefill detect+correct, wide clean launch through TMA descriptors, causal", "bf16",
+     dict(BLOCK_N=128, PHASE=1, TMA=True, CAUSAL=True), 8, 3),
 ]
 
 

@@ -166,7 +166,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def test_autotuner_candidates_per_call_kind():
     """The configs the autotuner times (`_prune`): decode (M ≤ 16) only BLOCK_M = 16, the two-warp and
     two-stage decode configs only with the checks on, the checked kernel only key blocks of CS_BLOCK_N but
-    in the clean launch of a correcting prefill (also 8-warp blocks of twice as many keys, at any D), and
+    in the clean launch of a correcting prefill at D > 64 (also 8-warp blocks of twice as many keys), and
     prefill at D > 64 otherwise only BLOCK_N = 64."""
     configs = [C._cfg(c) for c in C.CONFIGS_PREFILL + C.CONFIGS_DECODE]
 
@@ -181,10 +181,10 @@ def test_autotuner_candidates_per_call_kind():
     assert picked(DETECT=True) == {(16, 64, 4, 3), (16, 64, 2, 3), (16, 64, 2, 2), (16, 64, 4, 2)}
     assert picked(DETECT=True, PHASE=1) == picked(DETECT=True)  # decode rows: never wide
     assert picked(M_KEY=4096, DETECT=True) == narrow
-    for d in (64, 128):
-        assert picked(M_KEY=4096, DETECT=True, PHASE=1, BLOCK_D=d) == narrow | wide
-    assert picked(M_KEY=4096, DETECT=True, PHASE=1, PASA=True) == narrow
-    assert picked(M_KEY=4096, DETECT=True, PHASE=1, KC2_TABLE=True) == narrow
+    assert picked(M_KEY=4096, DETECT=True, PHASE=1, BLOCK_D=128) == narrow | wide
+    assert picked(M_KEY=4096, DETECT=True, PHASE=1, BLOCK_D=64) == narrow
+    assert picked(M_KEY=4096, DETECT=True, PHASE=1, BLOCK_D=128, PASA=True) == narrow
+    assert picked(M_KEY=4096, DETECT=True, PHASE=1, BLOCK_D=128, KC2_TABLE=True) == narrow
     assert picked(M_KEY=4096, BLOCK_D=128) == {c for c in C.CONFIGS_PREFILL if c[1] == 64}
 
 

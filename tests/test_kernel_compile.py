@@ -5,7 +5,8 @@ variants that only the GPU would otherwise compile are built here for ``sm_90``,
 call on aligned, contiguous tensors would be (``scripts/kernel_resources.py``). A bool padding mask
 with the repair code compiled in can crash Triton's lowering (``where(mask != 0, s, -inf)`` on a
 loaded mask), which stops every masked model on the GPU: decode against a static cache, batched
-generation with padding, BERT. The interpreter tests cannot see it.
+generation with padding, BERT. The interpreter tests cannot see it. The wide clean launch (128-key
+blocks, two checksum blocks each: 3-D group sums and a block-diagonal operand) is compiled too.
 
 The checked GEMM's kernels (the tile GEMM, the group verification, the persistent GEMM and the decode
 kernel, in the variants of ``kernel_resources.GEMM_VARIANTS``: dtypes, checksum slices, split-K, TMA
@@ -32,7 +33,7 @@ sys.path.insert(0, SCRIPTS)
 
 kernel_resources = pytest.importorskip("kernel_resources")
 
-_MASKED = [v for v in kernel_resources.VARIANTS if "bool mask" in v[0]]
+_COMPILED = [v for v in kernel_resources.VARIANTS if "bool mask" in v[0] or "wide" in v[0]]
 
 _COMPILE = """
 import os, sys, triton
@@ -59,7 +60,7 @@ def _compile_in_subprocess(body: str) -> None:
     assert proc.returncode == 0 and proc.stdout.startswith("OK"), (proc.stdout[-2000:] + proc.stderr[-4000:])
 
 
-@pytest.mark.parametrize("variant", _MASKED, ids=[v[0] for v in _MASKED])
+@pytest.mark.parametrize("variant", _COMPILED, ids=[v[0] for v in _COMPILED])
 def test_compiles_for_sm90(variant):
     index = kernel_resources.VARIANTS.index(variant)
     _compile_in_subprocess(f"name, dtype, over, warps, stages = kr.VARIANTS[{index}]\n"

@@ -61,7 +61,7 @@ SPLIT_BLOCKS = 1 << 16  # row blocks a split-key call may have (one arrival cell
 # D > 64: BLOCK_N = 64 only, but for the wide clean pass (`_wide`). (128, 64, 8, 4): the checked kernel at
 # D = 128 takes 4.55 ms on an H200 against 4.91 with 3 stages (4 × 32 heads × 4k); at D = 64, (64, 64, 4, 3)
 # is the fastest. (128, 128, 8, 2): the wide clean pass at D = 128 (H100, fp16: 0.94 of the 64-key
-# kernel's time at 1k and 16k keys without a mask, 0.96–0.99 causal at 4k, 1.03 causal at 1k).
+# kernel's time at 1k, 4k and 16k keys without a mask, 0.99 causal at 4k, 1.03 causal at 1k).
 CONFIGS_PREFILL = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)]
 # M ≤ 16 (decode, q_len 1). Two warps and two stages: checked calls only (`_prune`). Their programs
 # walk a long key range with little to overlap: at batch 16 × 32 heads × 4k keys (D = 128, no split)
@@ -82,7 +82,8 @@ def _cfg(c):
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     m_key, d = args["M_KEY"], args["BLOCK_D"]
-    wide = _wide(args["DETECT"], args["PHASE"] == 1, args["PASA"], args["KC2_TABLE"])
+    # the wide clean pass where it gained with pointer loads (D = 128; at D = 64 only with TMA, which is off)
+    wide = d > 64 and _wide(args["DETECT"], args["PHASE"] == 1, args["PASA"], args["KC2_TABLE"])
     if m_key <= 16:
         keep = [c for c in configs if c.kwargs["BLOCK_M"] == 16
                 and (args["DETECT"] or (c.num_warps >= 4 and c.num_stages >= 3))]  # see CONFIGS_DECODE
