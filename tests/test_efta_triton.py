@@ -325,17 +325,24 @@ def test_tma_loads_equal_pointer_loads(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("case", ["plain", "causal_ragged_d"])
+@pytest.mark.parametrize("case", ["plain", "causal_ragged_d", "padding_window_bias"])
 def test_wide_clean_pass_counts_like_the_reference(dtype, case):
     """The clean launch with key blocks of 128 (two checksum blocks each, `configs._wide`): each half's
     step-1 and step-4 groups are tested as the tables and the reference test them, so the blocks it
     flags reach the repairing launch (64-key blocks) and the counts equal the reference's, under faults
     at the scores, the exponent and the probabilities; clean, 0 events and the float64 output. N = 150
-    leaves the last wide block with one partial checksum block and one missing (zero tables)."""
+    leaves the last wide block with one partial checksum block and one missing (zero tables); padding,
+    a window and a bias mask keys inside the wide blocks."""
     B, Hq, Hkv, M, N, D = 1, 2, 1, 40, 150, 32
     extra = {}
     if case == "causal_ragged_d":
         D, extra = 48, dict(causal=True)
+    elif case == "padding_window_bias":  # left padding of 40 keys in batch 1, a window, an additive bias
+        B = 2
+        keep = torch.ones(B, 1, 1, N, dtype=torch.bool)
+        keep[1, ..., :40] = False
+        bias = torch.randn(1, Hq, M, N, generator=torch.Generator().manual_seed(5)).to(dtype)
+        extra = dict(causal=True, attn_mask=keep.to(DEV), window=100, bias=bias.to(DEV))
     wide = (32, 128, 4, 1) if DEV == "cpu" else (64, 128, 4, 2)
     q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, dtype=dtype, seed=23)
     specs = [None, FaultSpec(site="attn.scores", bit=29, count=3, seed=4),
