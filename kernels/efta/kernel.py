@@ -114,6 +114,11 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
               TMA: tl.constexpr):
     """Steps 1–5 over the key blocks [scan_lo, scan_hi) for one block of query rows.
 
+    Wide (BLOCK_N = 128, the clean launch of a correcting prefill, `configs._wide`): a key block holds NB = 2
+    checksum blocks of CSN = 64 keys (table rows cb, cb + 1; jblk counts checksum blocks); each one's
+    step-1 and step-4 groups are tested on its own row, so the flags are those of 64-key blocks and the
+    repairing launch, on 64-key blocks, counts as the reference does.
+
     TMA: the K and V tiles come through the tensor descriptors Kd, Vd ((B, Hkv, N, D), blocks of
     (1, 1, BLOCK_N, BLOCK_D), at batch tb and kv head th, int32); the descriptor fills keys past N and
     columns past D with zeros, as the masked pointer loads do.

@@ -124,8 +124,10 @@ def _exp_test(s, base, p, scale, exp_tol, exp_base, exp_xmin, PVDT: tl.constexpr
     contract's exp check constants; x_min and P_min by PVDT, `contract.exp_clamp`).
 
     s: (BLOCK_M, BLOCK_N) fp32 masked scores (−inf where masked); base: (BLOCK_M,) the base of x
-    (m_new, or 0 for a row masked so far); p: (BLOCK_M, BLOCK_N) fp32. Returns the margin (BLOCK_M, 16)
-    fp32 of each group: the group fails the test where it is not ≤ `_exp_limit` (NaN included). The
+    (m_new, or 0 for a row masked so far); p: (BLOCK_M, BLOCK_N) fp32. With BLOCK_N = 128 (the wide
+    clean pass) the groups are those of each 64-key checksum block (L = 4), and each (row, residue)
+    gets the worse of its two margins. Returns the margin (BLOCK_M, 16) fp32 of each group: the group
+    fails the test where it is not ≤ `_exp_limit` (NaN included). The
     margin is |log2 Π P − log2(e)·Σ x| − exp_tol·log2(e)·|Σ x| − exp_base·log2(e)·|base| (the last
     term bounds the rounding of the L scores of size |base| and of L·base, ``exp_base = g(L+3)·L``);
     the interpreter, unless LOG2, keeps the reference's rounding: margin |log2 Π P − log2(e)·Σ x| −
