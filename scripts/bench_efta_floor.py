@@ -361,6 +361,27 @@ def floor_attention(q, k, v, scale, causal, variant: Floor, cfg, tabs, flags):
     return o
 
 
+def _fastest(make, cfgs, timer, tune: bool, row: dict):
+    """The fastest of ``cfgs`` for one variant, each timed once with ``timer`` on ``make(cfg)``; without
+    tuning (or timing) the first that runs. A config that does not compile or fit is skipped, its error
+    kept in ``row``; the winner goes into ``row["config"]``. Returns it, or None when none runs."""
+    best = None
+    for cfg in cfgs if timer is not None else cfgs[:1]:
+        try:
+            t = timer(make(cfg)) if timer is not None and tune else 0.0
+        except Exception as exc:  # noqa: BLE001 - out of resources: try the next config
+            row["error"] = f"{cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            continue
+        if best is None or t < best[0]:
+            best = (t, cfg)
+        if not tune:
+            break
+    if best is None:
+        return None
+    row["config"], row["error"] = ",".join(map(str, best[1])), ""
+    return best[1]
+
+
 def run_shape(B, H, S, D, causal, dtype, args, timer, device):
     import torch.nn.functional as F
     from ft_transformers.kernels import efta as K
@@ -397,48 +418,24 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
                     with override(efta_tma=tma, efta_config=cfg):
                         return K.efta_triton_forward(q, k, v, scale=scale, causal=causal, bias=None, attn_mask=None,
                                                      window=None, detect=on, correct=on, plan=plan, counters=counters)
-                if cfgs is not None:  # the fastest of its configs (each timed once), as for the floor variants
-                    best = None
-                    for cfg in cfgs if timer is not None and args.tune else cfgs[:1]:
-                        try:
-                            t = timer(partial(fn, cfg=cfg)) if timer is not None and args.tune else 0.0
-                        except Exception as exc:  # noqa: BLE001 - out of resources: try the next config
-                            row["error"] = f"{cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-                            continue
-                        if best is None or t < best[0]:
-                            best = (t, cfg)
-                    if best is None:
+                if cfgs is not None:
+                    cfg = _fastest(lambda c, fn=fn: partial(fn, cfg=c), cfgs, timer, args.tune, row)
+                    if cfg is None:
                         rows[name] = row
                         continue
-                    row["config"], row["error"] = ",".join(map(str, best[1])), ""
-                    fn = partial(fn, cfg=best[1])
+                    fn = partial(fn, cfg=cfg)
             else:
                 variant = LEVELS[name]
                 flags = torch.zeros(B * H * S, dtype=torch.int32, device=device)
-                # the fastest of CONFIGS for this variant (each timed once; a config that does not compile
-                # or fit is skipped)
-                best = None
-                cfgs = CONFIGS_WS if variant.tma else CONFIGS
-                for cfg in cfgs if timer is not None else cfgs[:1]:
-                    if S % cfg[0] or S % cfg[1]:
-                        continue
-                    try:
-                        f = partial(floor_attention, q3, k3, v3, scale, causal, variant, cfg, tabs, flags)
-                        t = timer(f) if timer is not None and args.tune else 0.0
-                    except Exception as exc:  # noqa: BLE001 - out of resources: try the next config
-                        row["error"] = f"{cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-                        continue
-                    if best is None or t < best[0]:
-                        best = (t, cfg)
-                    if not args.tune:
-                        break
-                if best is None:
+                cfgs = [c for c in (CONFIGS_WS if variant.tma else CONFIGS) if not (S % c[0] or S % c[1])]
+                cfg = _fastest(lambda c, variant=variant, flags=flags: partial(
+                    floor_attention, q3, k3, v3, scale, causal, variant, c, tabs, flags), cfgs, timer, args.tune, row)
+                if cfg is None:
                     rows[name] = row
                     continue
-                row["config"], row["error"] = ",".join(map(str, best[1])), ""
-                if (variant, best[1]) in _WS_APPLIED:
-                    row["warp_specialized"] = _WS_APPLIED[(variant, best[1])]
-                fn = partial(floor_attention, q3, k3, v3, scale, causal, variant, best[1], tabs, flags)
+                if (variant, cfg) in _WS_APPLIED:
+                    row["warp_specialized"] = _WS_APPLIED[(variant, cfg)]
+                fn = partial(floor_attention, q3, k3, v3, scale, causal, variant, cfg, tabs, flags)
                 row["_flags"] = flags
             out = fn().reshape(B, H, S, D)
             row["max_abs_err"] = (out.float() - ref).abs().max().item()
@@ -450,7 +447,7 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
                     qkv[which] = qkv[which].clone()
                     qkv[which][:, 5] += 4.0
                     flags.zero_()
-                    floor_attention(*qkv, scale, causal, variant, best[1], tabs, flags)
+                    floor_attention(*qkv, scale, causal, variant, cfg, tabs, flags)
                     row[col] = int((flags != 0).sum().item())
                 flags.zero_()
             fns[name] = fn
