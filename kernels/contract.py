@@ -54,6 +54,8 @@ _SITE_LAST_DIM = {
     "attn.rowmax": "blocks", "attn.alpha": "blocks", "attn.rowsum": "blocks",
     "attn.acc": "blocks_d", "attn.checksum": "blocks_cs", "attn.output": "d",
 }
+# the sites whose fault positions count key blocks (of the reference's 64 keys), not keys or head dims
+BLOCK_SITES: tuple[str, ...] = tuple(s for s, last in _SITE_LAST_DIM.items() if last.startswith("blocks"))
 
 
 def kernel_head_dim(d: int) -> bool:

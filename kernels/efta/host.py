@@ -29,7 +29,15 @@ from typing import Any, NamedTuple
 import torch
 import triton
 
-from ..contract import ATTENTION_SITES, COUNTER_SHAPE, exp_clamp, kernel_head_dim, site_dtype, site_shape
+from ..contract import (
+    ATTENTION_SITES,
+    BLOCK_SITES,
+    COUNTER_SHAPE,
+    exp_clamp,
+    kernel_head_dim,
+    site_dtype,
+    site_shape,
+)
 from ..launch import DirectLauncher, record_launches, replay_launches
 from ..options import Options, options
 from ..tl_common import call_flag, on_tensor_device, runs_interpreted
@@ -56,8 +64,6 @@ from .kernel import _efta_fwd
 from .stored import _PARTS, _PREPASS, StoredTables
 
 Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-# the sites whose fault positions count key blocks of the reference's 64 keys (`_fixed_config`)
-_BLOCK_SITES = ("attn.rowmax", "attn.alpha", "attn.rowsum", "attn.acc", "attn.checksum")
 
 
 class EftaUnsupported(ValueError):
@@ -541,7 +547,7 @@ def efta_triton_forward(
     mode = dict(zip(ATTENTION_SITES, modes))
     no_skip = any(modes)
     in_loop = any(m for site, m in mode.items() if site != "attn.output")
-    cfg = _fixed_config(no_skip, any(mode[s] for s in _BLOCK_SITES), interp, opts)
+    cfg = _fixed_config(no_skip, any(mode[s] for s in BLOCK_SITES), interp, opts)
     if inj is None:
         inj = counters  # unused
     arrive = _arrival_cells(dev)

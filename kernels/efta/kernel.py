@@ -75,7 +75,6 @@ from .scores import (
     _score_checksum,
     _score_checksum_wide,
     _score_margin,
-    _score_margin_wide,
     _score_repair,
     _score_test,
     _scores,
@@ -194,13 +193,11 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
             nf = nf | knf  # a non-finite key is an input problem, not a fault
             vmax = _max_nan(vmax, vtile)
             chk = nf == 0
-            if NB > 1:
-                worst1 = _max_nan(worst1, tl.where(chk, _score_margin_wide(s, sc1, kabs, qn1, NB, INTERP), NEG_INF))
-            elif REPAIR:
+            if REPAIR:
                 _, _, bad = _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L, INTERP)
                 nbad_row = tl.sum(bad.to(tl.int32), axis=1)
             else:  # the clean pass keeps each group's worst margin; one test after the loop
-                worst1 = _max_nan(worst1, tl.where(chk, _score_margin(s, sc1, kabs, qn1, L, INTERP), NEG_INF))
+                worst1 = _max_nan(worst1, tl.where(chk, _score_margin(s, sc1, kabs, qn1, NB, INTERP), NEG_INF))
 
         s_in = s
         if PASA:

@@ -22,7 +22,19 @@ import triton.language as tl
 
 from ..tl_common import dot as _dot
 from .checksums import _fold_parts, _load_parts, _parts_dot, _split
-from .common import _COR, _I_CHECKSUM, _I_SCORES, _REC, _SCORES, _bump, _group_sums, _inject, _locate, _nanmax
+from .common import (
+    _COR,
+    _I_CHECKSUM,
+    _I_SCORES,
+    _REC,
+    _SCORES,
+    _bump,
+    _group_sums,
+    _inject,
+    _locate,
+    _nanmax,
+    _per_group,
+)
 
 
 @triton.jit
@@ -75,14 +87,19 @@ def _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D: tl.constexpr, PAR
 
 
 @triton.jit
-def _t1_margin(d1, kabs, qn1, INTERP: tl.constexpr):
-    """|D1| − qn1·kabs (BLOCK_M, 16): the step-1 group fails where this is not ≤ s_floor (T_s =
-    qn1·kabs + s_floor; NaN included). On the GPU one FFMA (the product unrounded); the interpreter
-    rounds the product first, as the reference does."""
-    if INTERP:
-        m = tl.abs(d1) - qn1[:, None] * kabs[None, :]
+def _t1_margin(d1, kabs, qn1, NB: tl.constexpr, INTERP: tl.constexpr):
+    """|D1| − qn1·kabs (BLOCK_M, 16), or with NB checksum blocks (BLOCK_M, NB, 16) against kabs (NB, 16):
+    the step-1 group fails where this is not ≤ s_floor (T_s = qn1·kabs + s_floor; NaN included). On the
+    GPU one FFMA (the product unrounded); the interpreter rounds the product first, as the reference
+    does."""
+    if NB == 1:
+        kb = kabs[None, :]
     else:
-        m = tl.fma(-qn1[:, None], kabs[None, :], tl.abs(d1))
+        kb = kabs[None, :, :]
+    if INTERP:
+        m = tl.abs(d1) - _per_group(qn1, NB) * kb
+    else:
+        m = tl.fma(-_per_group(qn1, NB), kb, tl.abs(d1))
     return m
 
 
@@ -95,16 +112,20 @@ def _score_test(s, sc1, kabs, qn1, s_floor, row_ok, chk, L: tl.constexpr, INTERP
     thr = qn1[:, None] * kabs[None, :]
     sg = tl.reshape(s, (s.shape[0], L, 16))
     d1 = sc1 - tl.sum(sg, axis=1)
-    m = tl.where(thr == thr, _t1_margin(d1, kabs, qn1, INTERP), tl.abs(d1))  # 0·inf: the group is 0
+    m = tl.where(thr == thr, _t1_margin(d1, kabs, qn1, 1, INTERP), tl.abs(d1))  # 0·inf: the group is 0
     return sg, d1, ~(m <= s_floor) & row_ok[:, None] & chk
 
 
 @triton.jit
-def _score_margin(s, sc1, kabs, qn1, L: tl.constexpr, INTERP: tl.constexpr):
+def _score_margin(s, sc1, kabs, qn1, NB: tl.constexpr, INTERP: tl.constexpr):
     """The clean pass's step-1 test of one key block: `_t1_margin` per group (BLOCK_M, 16), failing
-    where not ≤ s_floor. Only meaningful while the inputs are finite (`_key_loop`), where T_s is."""
-    d1 = sc1 - tl.sum(tl.reshape(s, (s.shape[0], L, 16)), axis=1)
-    return _t1_margin(d1, kabs, qn1, INTERP)
+    where not ≤ s_floor. Only meaningful while the inputs are finite (`_key_loop`), where T_s is. A wide
+    key block (NB checksum blocks: Sc1 (BLOCK_M, NB, 16), kabs (NB, 16)) tests each block's groups as the
+    tables and the reference do, and returns the worse margin of each (row, residue)."""
+    m = _t1_margin(sc1 - _group_sums(s, NB), kabs, qn1, NB, INTERP)
+    if NB > 1:
+        m = _nanmax(m, 1, INTERP)
+    return m
 
 
 @triton.jit
@@ -128,19 +149,6 @@ def _score_checksum_wide(q, KC, KA, SC, cb, nsub, offs_d, scale, BLOCK_D: tl.con
     kabs = tl.load(KA + (cb + t)[:, None] * 16 + tl.arange(0, 16)[None, :], mask=here[:, None], other=0.0)
     knf = tl.max((tl.load(SC + (cb + t) * 4 + 3, mask=here, other=0.0) != 0).to(tl.int32), axis=0)
     return z * kic[None, :, None], kabs, knf
-
-
-@triton.jit
-def _score_margin_wide(s, sc1, kabs, qn1, NB: tl.constexpr, INTERP: tl.constexpr):
-    """`_score_margin` of a wide key block against its NB blocks' Sc1 (BLOCK_M, NB, 16) and kabs (NB, 16):
-    each checksum block's groups tested as the tables and the reference test them; returns the worse
-    margin of each (row, residue), (BLOCK_M, 16)."""
-    d1 = sc1 - _group_sums(s, NB)
-    if INTERP:
-        m = tl.abs(d1) - qn1[:, None, None] * kabs[None, :, :]
-    else:
-        m = tl.fma(-qn1[:, None, None], kabs[None, :, :], tl.abs(d1))
-    return _nanmax(m, 1, INTERP)
 
 
 @triton.jit
