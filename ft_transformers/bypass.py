@@ -229,10 +229,11 @@ def _refusal(name: str) -> Callable:
 
 def _on_module_registration(parent: torch.nn.Module, name: str, value: torch.nn.Module | None) -> None:
     """torch's global module-registration hook: ``parent.name = value`` is about to happen."""
-    if not _WATCHES:
-        return None
+    # the parent's own slot first: a fresh container filling empty slots (``self.layers[:n]`` under
+    # torch.compile, traced) never reads the global weak dictionary, whose size dynamo would guard on
+    # while the garbage collector may change it (a guard failing on its own frame)
     old = parent.__dict__.get("_modules", {}).get(name)
-    if old is None or old is value:
+    if old is None or old is value or not _WATCHES:
         return None
     for rel, sub in old.named_modules():
         ctx = sub.__dict__.get("_ftt")
