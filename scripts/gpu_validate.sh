@@ -25,6 +25,11 @@
 #              tables made per call (CUDA graphs, quick shapes)
 #   lmhead     lm_head tightness of the shipped thresholds, fp16 and bf16 (issue 38's 0.05 target)
 #   cublasform the checked GEMM as cuBLAS's fp32-output product plus the group check (Qwen2 layer shapes)
+#   reliability issue 38's GPU measurements, spread over the visible GPUs (4 on nvidia-h100-x4; ~9 min): the
+#              token-level campaign on the qwen2-0.5b-config model (fp16 and bf16; protection on 10,000 trials,
+#              off 2,000; stores resumed from $RESUME/<name>.jsonl when present), the tightness of Qwen2-0.5B and
+#              Qwen2-7B dims, clean generations; everything packed into reliability.tar.gz (REL_JOBS: a subset of
+#              "tokens tight falsepos")
 #   xvar       x's outlier variance estimate in the GEMM threshold (FTT_GEMM_XVAR=1, issue 38), ~9 min: its own
 #              accumulator e_max (fp16, bf16; written into the device's e_max table, copied to the part's folder),
 #              then lm_head tightness and clean generations (GPT-2 124M and Qwen2-0.5B configs) with it
@@ -126,6 +131,48 @@ run_part() {
           --configs gpt2-124m-config qwen2-0.5b-config --device cuda --dtype $dt --prompts 2 --max-new-tokens 16 \
           --json "$dir/false_positives_$dt.json" 2>&1 | grep -v Warning | tail -8
       done ;;
+    reliability)  # independent jobs, job i on GPU i mod n (host-bound: two or three share a GPU well)
+      local n w=/tmp/reliability i=0 pids=() limit=${REL_LIMIT:-500}
+      n=$(nvidia-smi -L | wc -l)
+      mkdir -p $w
+      job() {  # job NAME CMD...: on the next GPU, its log in $w/NAME.log, stopped at the part's limit
+        local name=$1; shift
+        CUDA_VISIBLE_DEVICES=$((i % n)) timeout $limit "$@" > "$w/$name.log" 2>&1 &
+        pids+=($!); i=$((i + 1))
+      }
+      local jobs=${REL_JOBS:-tokens tight falsepos}
+      local common="--model qwen2-0.5b-config --device cuda --uniform --max-new-tokens 4 --seed 0 --threads 1 --no-progress"
+      for arm in on off; do
+        for dt in float16 bfloat16; do
+          [[ " $jobs " == *" tokens "* ]] || continue
+          local name=tokens_${dt}_$arm trials=10000 workers=${TOKENS_WORKERS:-3}
+          [ $arm = off ] && trials=2000 && workers=$(( (workers + 2) / 3 ))
+          [ -f "${RESUME:-/nonexistent}/$name.jsonl" ] && cp "$RESUME/$name.jsonl" $w/
+          job $name python3 scripts/campaign.py run --out $w/$name.jsonl $common --dtype $dt --arms $arm \
+            --trials $trials --workers $workers
+        done
+      done
+      for dt in float16 bfloat16; do
+        [[ " $jobs " == *" tight "* ]] || continue
+        job tight_q05_$dt python3 scripts/tightness.py --dims qwen2-0.5b --layers 4 --device cuda --dtype $dt \
+          --prompts 4 --tokens 128 --max-rows 128 --flips 10000 --budget ${TIGHT_BUDGET:-20} --out $w/tight_q05_$dt
+        job tight_q7b_$dt python3 scripts/tightness.py --dims qwen2-7b --layers 2 --device cuda --dtype $dt \
+          --prompts 4 --tokens 128 --max-rows 128 --flips 10000 --budget ${TIGHT_BUDGET:-20} --out $w/tight_q7b_$dt
+      done
+      for dt in float16 bfloat16; do  # clean generations under the device's shipped thresholds
+        [[ " $jobs " == *" falsepos "* ]] || continue
+        job falsepos_$dt python3 scripts/false_positives.py --calls 0 --skip-models --configs gpt2-124m-config \
+          qwen2-0.5b-config --device cuda --dtype $dt --prompts 2 --max-new-tokens 16 --json $w/falsepos_$dt.json
+      done
+      while sleep 60; do  # progress: the last line of every log
+        local alive=0; for p in "${pids[@]}"; do kill -0 $p 2>/dev/null && alive=$((alive + 1)); done
+        echo "--- $(date +%H:%M:%S): $alive of ${#pids[@]} jobs running"
+        for f in $w/*.log; do echo "$(basename $f .log): $(tr '\r' '\n' < $f | grep -v Warning | tail -1 | cut -c1-160)"; done
+        [ $alive = 0 ] && break
+      done
+      wait
+      for f in $w/*.log; do echo "=== $(basename $f)"; grep -v Warning $f | tail -15; done
+      tar -czf "$dir/reliability.tar.gz" -C $w . && ls -la "$dir" ;;
     cublasform)
       FTT_ABFT_GEMM_TUNE=0 timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_gemm_cublas_form.py --rounds 3 \
         --out "$dir/gemm_cublas_form_fp16.csv" 2>&1 | grep --line-buffered -v Warning | tail -40 ;;

@@ -19,6 +19,10 @@ shards, colwise / rowwise Linear layers, each rank's attention heads) and then:
 4. times prefill (``--prompt`` tokens, one forward) and decode (ms per token over ``--new-tokens``) for both
    variants (CUDA events), and reads the peak GPU memory of every rank.
 
+``--compile MODE`` also times decode through transformers' compiled decode step (a static cache; with
+``reduce-overhead`` CUDA graphs), each variant compiling its own: eager decode under tensor parallelism is
+bound by the host, the compiled step measures the GPU's work.
+
 ``--per-layer`` adds a third variant, protected with one checked launch per Linear (``Options.siblings``
 off): the A/B of the one-launch Q/K/V and gate/up GEMMs (`ft_transformers.siblings`, on each rank's colwise
 shards), in the same process. They take calls of up to 16 rows, so decode steps, not a long prefill.
@@ -60,6 +64,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 import zlib
 from pathlib import Path
 
@@ -67,7 +72,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import device_label, fixed_length, versions  # noqa: E402
-from bench_generate import Timer, Workload, model_config, run_workload  # noqa: E402
+from bench_generate import Timer, Workload, compile_kwargs, model_config, run_workload  # noqa: E402
 from ft_transformers.kernels.contract import KINDS  # noqa: E402
 from ft_transformers.kernels.options import override  # noqa: E402
 
@@ -76,6 +81,7 @@ from ft_transformers.distributed import gather, is_sharded, local_shard, rank, w
 
 MODELS = ("qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "qwen2-72b")
 PER_LAYER = "protected_per_layer"  # the variant of --per-layer
+COMPILED = "decode_compiled"  # the timing key of --compile's decode
 TOPK = 8  # logits kept per generation step for the comparison with another run
 _M32 = 0xFFFFFFFF
 _T0 = time.perf_counter()
@@ -103,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing each workload")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per workload (median)")
     p.add_argument("--no-timing", action="store_true", help="skip the timed workloads")
+    p.add_argument("--compile", default="off", choices=("off", "default", "reduce-overhead"),
+                   help="also time decode through transformers' compiled decode step with a static cache "
+                        "(reduce-overhead: CUDA graphs), beside the eager decode")
     p.add_argument("--per-layer", action="store_true", help="also run the protected model with one checked "
                    "launch per Linear (the sibling launches off)")
     p.add_argument("--reference", type=Path, default=None, help="the JSON of an unsharded (tp = 1) run")
@@ -312,9 +321,28 @@ def timings(model, args, device: torch.device, vocab: int, between) -> dict:
     memory (MiB) over them."""
     timer = Timer(device)
     out = {}
-    for wl in (Workload("prefill", 1, args.prompt), Workload("decode", 1, args.prompt, args.new_tokens)):
-        ms, std, peak = run_workload(model, wl, device, timer, args.warmup, args.repeats, vocab, between=between)
-        out[wl.kind] = {"ms": ms, "ms_std": std, "peak_mib_per_rank": gather(peak)}
+    loads = [("prefill", Workload("prefill", 1, args.prompt), None),
+             ("decode", Workload("decode", 1, args.prompt, args.new_tokens), None)]
+    if args.compile != "off":
+        loads.append((COMPILED, Workload("decode", 1, args.prompt, args.new_tokens, args.compile),
+                      compile_kwargs(args.compile, "inductor", device)))
+    for key, wl, kw in loads:
+        if kw is not None:  # this variant compiles and records its own decode step
+            torch._dynamo.reset()
+            model.__dict__.pop("_compiled_call", None)
+        try:
+            ms, std, peak = run_workload(model, wl, device, timer, args.warmup, args.repeats, vocab,
+                                         gen_kwargs=kw, between=between)
+        except Exception as e:  # a compiled step that does not build under sharding is reported, not fatal
+            if kw is None:
+                raise
+            if rank() == 0:
+                traceback.print_exc()
+            first = (str(e).strip().splitlines() or [""])[0][:200].replace("|", "/")
+            out[key] = {"error": f"{type(e).__name__}: {first}"}
+            say(f"{key} failed: {out[key]['error']}")
+            continue
+        out[key] = {"ms": ms, "ms_std": std, "peak_mib_per_rank": gather(peak)}
     return out
 
 
@@ -342,7 +370,8 @@ def variant(model, args, device, ids, cfg, name: str) -> dict:
         say(f"{name}: timing prefill and decode ({args.warmup} warmup, {args.repeats} timed each)")
         res["timing"] = timings(model, args, device, cfg.vocab_size, collect)
         t = res["timing"]
-        say(f"{name}: prefill {t['prefill']['ms']:.2f} ms, decode {t['decode']['ms']:.3f} ms/token")
+        say(f"{name}: prefill {t['prefill']['ms']:.2f} ms, decode {t['decode']['ms']:.3f} ms/token"
+            + (f", compiled decode {t[COMPILED]['ms']:.3f} ms/token" if "ms" in t.get(COMPILED, {}) else ""))
     if protected:
         res["clean_events"] = clean
         say(f"{name}: clean events over {clean['calls']} model call(s) on all ranks: {clean['totals']}")
@@ -394,12 +423,19 @@ def markdown(result: dict, reference: dict | None) -> str:
         ref_t = (reference or {}).get("variants", {})
         lines += ["| workload | unprotected ms | protected ms | protected / unprotected | same ratio at tp = 1 "
                   "| difference | peak MiB per rank (unprot. / prot.) |", "|---|---:|---:|---:|---:|---:|---|"]
-        for kind, unit in (("prefill", "per forward"), ("decode", "per token")):
+        kinds = [("prefill", "per forward"), ("decode", "per token")]
+        if COMPILED in v["protected"]["timing"]:
+            kinds.append((COMPILED, "per token, compiled step"))
+        for kind, unit in kinds:
             u, p = v["unprotected"]["timing"][kind], v["protected"]["timing"][kind]
+            if "ms" not in u or "ms" not in p:
+                lines.append(f"| {kind} ({unit}) | {u.get('error', '')} | {p.get('error', '')} | – | – | – | – |")
+                continue
             ratio = p["ms"] / u["ms"]
             r1 = "–"
             diff = "–"
-            if "timing" in ref_t.get("protected", {}):
+            if "ms" in ref_t.get("protected", {}).get("timing", {}).get(kind, {}) and \
+                    "ms" in ref_t["unprotected"]["timing"].get(kind, {}):
                 ref_ratio = ref_t["protected"]["timing"][kind]["ms"] / ref_t["unprotected"]["timing"][kind]["ms"]
                 r1, diff = f"{ref_ratio:.3f}", f"{ratio - ref_ratio:+.3f}"
             peaks = " / ".join(", ".join(f"{x:.0f}" for x in t["peak_mib_per_rank"]) for t in (u, p))

@@ -116,6 +116,22 @@ def _worker(ckpt: str, ckpt16: str, out: str) -> None:
     res["clean"] = {"events": _events(clean), "ranks": list(clean.ranks), "steps": clean.steps}
     ftt.fault_report(sharded).reset()
 
+    # transformers' compiled decode step (static cache) on the shards: the graph hands the checked op a fresh
+    # view of each shard on every call, which must still find the shard's checksum cache entry
+    from transformers import CompileConfig
+
+    cc = CompileConfig(fullgraph=False)
+    cc._compile_all_devices = True  # (transformers compiles on CUDA only unless told)
+    torch._dynamo.utils.counters.clear()
+    with torch.inference_mode():
+        seq = sharded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+                               do_sample=False, cache_implementation="static", compile_config=cc)
+    res["compiled_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    res["compiled_tokens"] = seq[0, PROMPT:].tolist()
+    res["compiled_checksums_kept"] = o_proj.__dict__["_ftt_vabft_checksums"][None][3] is cached
+    res["compiled_events"] = _events(ftt.fault_report(sharded, all_ranks=True))
+    ftt.fault_report(sharded).reset()
+
     res["faults"] = {}
     for site, target in RANK1_SITES:
         spec = ftt.FaultSpec(site=site, bit=30, layers=[target], calls=[FAULT_CALL], ranks=[1], seed=3)
@@ -359,6 +375,16 @@ def test_each_rank_checks_its_own_shard(ranks):
 def test_clean_sharded_run_has_no_events_on_any_rank(ranks):
     for res in ranks:
         assert res["clean"] == {"events": [], "ranks": [0, 1], "steps": NEW + 2}
+
+
+def test_compiled_decode_on_shards(ranks):
+    """transformers' compiled decode step runs the checked ops on each rank's shards: the eager tokens, no
+    event, and each shard's weight checksums built once (kept across the compiled calls)."""
+    for r in ranks:
+        assert r["compiled_graphs"] > 0
+        assert r["compiled_tokens"] == r["tokens"]
+        assert r["compiled_events"] == []
+        assert r["compiled_checksums_kept"]
 
 
 @pytest.mark.parametrize("site,target", RANK1_SITES)
