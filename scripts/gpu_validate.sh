@@ -140,6 +140,11 @@ run_part() {
         CUDA_VISIBLE_DEVICES=$((i % n)) timeout $limit "$@" > "$w/$name.log" 2>&1 &
         pids+=($!); i=$((i + 1))
       }
+      spread() {  # spread NAME CMD...: every GPU visible (a campaign's workers take them in turn)
+        local name=$1; shift
+        timeout $limit "$@" > "$w/$name.log" 2>&1 &
+        pids+=($!)
+      }
       local jobs=${REL_JOBS:-tokens tight falsepos}
       local common="--model qwen2-0.5b-config --device cuda --uniform --max-new-tokens 4 --seed 0 --threads 1 --no-progress"
       for arm in on off; do
@@ -148,7 +153,7 @@ run_part() {
           local name=tokens_${dt}_$arm trials=10000 workers=${TOKENS_WORKERS:-3}
           [ $arm = off ] && trials=2000 && workers=$(( (workers + 2) / 3 ))
           [ -f "${RESUME:-/nonexistent}/$name.jsonl" ] && cp "$RESUME/$name.jsonl" $w/
-          job $name python3 scripts/campaign.py run --out $w/$name.jsonl $common --dtype $dt --arms $arm \
+          spread $name python3 scripts/campaign.py run --out $w/$name.jsonl $common --dtype $dt --arms $arm \
             --trials $trials --workers $workers
         done
       done

@@ -590,6 +590,15 @@ def test_workers_write_the_same_records(tmp_path):
         C.run_campaign(cfg, tmp_path / "x.jsonl", model=object(), workers=2)
 
 
+def test_workers_spread_over_the_visible_gpus():
+    from ft_transformers.campaign.runner import _worker_gpu
+
+    assert [_worker_gpu("cuda", w, 4) for w in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert [_worker_gpu("cuda", w, 1) for w in range(3)] == [None] * 3  # one GPU: its default device
+    assert _worker_gpu("cuda:1", 2, 4) is None  # a named device keeps every worker there
+    assert _worker_gpu("cpu", 1, 0) is None
+
+
 def test_a_faulty_run_keeps_the_clean_prefix_events(tiny):
     """Steps before the faulted one are not re-run; events the clean run recorded there still belong
     to the trial (a trial with any event is not silent)."""

@@ -78,7 +78,8 @@ def _common_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: on a loaded machine one thread is much faster)")
     p.add_argument("--workers", type=int, default=1,
-                   help="run the trials in this many processes (each loads the model; default 1)")
+                   help="run the trials in this many processes (each loads the model; default 1); with "
+                        "--device cuda and several GPUs visible, the workers take them in turn")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-shortcut", action="store_true",
                    help="run every step of every faulty generation (default: stop once the state is bitwise "

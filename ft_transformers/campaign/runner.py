@@ -368,15 +368,24 @@ def run_campaign(config: CampaignConfig, path: str | os.PathLike, *, model=None,
     return [store.trials[trial_id(config.seed, i)] for i in range(config.trials)]
 
 
+def _worker_gpu(device: str, worker: int, gpus: int) -> int | None:
+    """The GPU worker ``worker`` runs on when a campaign on ``device`` has ``gpus`` visible: a bare "cuda"
+    spreads the workers over them in turn; a named device ("cuda:1") or a single GPU keeps them together."""
+    return worker % gpus if device == "cuda" and gpus > 1 else None
+
+
 def _worker(config: dict, indices: list[int], shortcut: bool, threads: int, clean_tokens: list[list[int]],
-            queue) -> None:
-    """A worker process: set the model up as the parent did, run ``indices``, send each record."""
+            queue, gpu: int | None = None) -> None:
+    """A worker process: set the model up as the parent did (on GPU ``gpu``, the current CUDA device, when
+    given), run ``indices``, send each record."""
     try:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         torch.set_num_threads(threads)
+        if gpu is not None:
+            torch.cuda.set_device(gpu)  # "cuda" then means this GPU for the model, the inputs and the kernels
         cfg = CampaignConfig.from_dict(config)
         model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
         session = Session(model, tok, cfg, shortcut=shortcut)
@@ -400,15 +409,17 @@ def _worker(config: dict, indices: list[int], shortcut: bool, threads: int, clea
 def _in_workers(config: CampaignConfig, todo: list[int], workers: int, shortcut: bool,
                 clean_tokens: list[list[int]]):
     """Records of the trials ``todo`` run by ``workers`` spawned processes (each loads the model and
-    redoes the clean runs and probes, ~1 min), in the order they finish. Closing the generator stops them."""
+    redoes the clean runs and probes, ~1 min), in the order they finish; on ``--device cuda`` with several
+    GPUs visible, worker w runs on GPU w mod their number (`_worker_gpu`). Closing the generator stops them."""
     import multiprocessing
     import queue as queue_mod
 
+    gpus = torch.cuda.device_count() if config.device == "cuda" else 0
     ctx = multiprocessing.get_context("spawn")  # fork after torch has run is not safe
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(config.to_dict(), todo[w::workers], shortcut, torch.get_num_threads(), clean_tokens,
-                               q)) for w in range(workers)]
+                               q, _worker_gpu(config.device, w, gpus))) for w in range(workers)]
     for p in procs:
         p.start()
     try:
