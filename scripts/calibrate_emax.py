@@ -29,6 +29,9 @@ of the same compute capability, e.g. an H200 from the H100's), named in ``"inher
     python scripts/calibrate_emax.py --device cpu --trials 40 --slack-trials 4
     python scripts/calibrate_emax.py --device cuda --trials 400 --slack-trials 20
     python scripts/calibrate_emax.py --device cuda --modes accumulator --dtypes float16,bfloat16 --xvar
+    # how each distribution's slack moves with K (recorded, not chosen from), into a scratch folder
+    python scripts/calibrate_emax.py --device cuda --modes accumulator --dtypes float16 --xvar \
+        --trend-k 1024,4096,8192,18944 --out-dir /tmp/cal
 """
 
 from __future__ import annotations
@@ -165,13 +168,14 @@ def protocol_emax(dtype: torch.dtype, device: torch.device | str = "cpu",
 def threshold_slack(dtype: torch.dtype, device: torch.device | str = "cpu",
                     shapes: Sequence[tuple[int, int, int]] = _CAL_SHAPES, trials: int = 20,
                     distributions: Sequence[str] = DISTRIBUTIONS, csigma: float = 2.5, seed: int = 0,
-                    mode: str = "output") -> dict:
+                    mode: str = "output", per_shape: dict | None = None) -> dict:
     """The smallest ``e_max`` without a false positive: ``max |D1| / T(e_max = 1)`` over clean GEMMs.
 
     For each distribution, ``trials`` GEMMs per shape (M, K, N) with x, W (and, every other
     trial, a bias) drawn from it, verified exactly as the checked linear layer (``mode="output"``)
     or the fused kernel (``mode="accumulator"``) does. Returns ``{dist: max ratio}``; a table entry
-    ``e_max`` has slack ``e_max / ratio`` over that data.
+    ``e_max`` has slack ``e_max / ratio`` over that data. ``per_shape``, when given, is filled with
+    ``{dist: {"MxKxN": max ratio}}`` (how the ratio moves with K, per distribution).
     """
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -179,12 +183,16 @@ def threshold_slack(dtype: torch.dtype, device: torch.device | str = "cpu",
     for dist in distributions:
         worst = torch.zeros((), device=dev)
         for (m, k, n) in shapes:
+            shape_worst = torch.zeros((), device=dev)
             for t in range(trials):
                 a = sample_matrix(dist, (m, k), g).to(dev, dtype)
                 w = sample_matrix(dist, (n, k), g).to(dev, dtype)
                 b = sample_matrix(dist, (n,), g).to(dev, dtype) if t % 2 else None
                 d1, _, t1 = clean_residuals(a, w, b, mode=mode, csigma=csigma)
-                worst = torch.maximum(worst, (d1.abs() / t1).max())
+                shape_worst = torch.maximum(shape_worst, (d1.abs() / t1).max())
+            worst = torch.maximum(worst, shape_worst)
+            if per_shape is not None:
+                per_shape.setdefault(dist, {})[f"{m}x{k}x{n}"] = float(shape_worst)
         out[dist] = float(worst)
     return out
 
@@ -211,6 +219,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtypes", default="float32,float16,bfloat16")
     ap.add_argument("--out-dir", type=Path, default=EMAX_TABLE_DIR)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trend-k", default="",
+                    help="comma-separated K values: also measure the slack of each distribution at (64, K, 1024), "
+                         "recorded as \"slack_trend\" beside the entry and not used for the choice (how the "
+                         "threshold's headroom moves with K, e.g. past the table's k_ref)")
     ap.add_argument("--xvar", action="store_true",
                     help="calibrate for x's outlier variance estimate (the table's \"xvar\" section) instead of "
                          "SPEC §5's bound")
@@ -262,8 +274,13 @@ def main(argv: list[str] | None = None) -> dict:
             with torch.no_grad(), override(gemm_xvar=bool(args.xvar)):
                 prot = protocol_emax(DTYPES[dt], dev, shapes=shapes, trials=args.trials, seed=args.seed,
                                       margin=args.margin, mode=mode)
+                slack_shape: dict = {}
                 slack = threshold_slack(DTYPES[dt], dev, shapes=slack_shapes, trials=args.slack_trials,
-                                        seed=args.seed + 1, mode=mode)
+                                        seed=args.seed + 1, mode=mode, per_shape=slack_shape)
+                trend: dict = {}
+                if args.trend_k:
+                    threshold_slack(DTYPES[dt], dev, shapes=[(64, int(k), 1024) for k in args.trend_k.split(",")],
+                                    trials=args.slack_trials, seed=args.seed + 2, mode=mode, per_shape=trend)
             p, s = prot["max"], max(slack.values())
             u = UNIT["float32" if mode == "accumulator" else dt]
             val = choose(mode, dt, p, s, dev.type, args.margin, args.slack_margin)
@@ -271,8 +288,11 @@ def main(argv: list[str] | None = None) -> dict:
             section["measured"].setdefault(mode, {})[dt] = {
                 "protocol_max": p, "protocol_max_over_u": p / u,
                 "protocol_per_shape": {"x".join(map(str, k)): v for k, v in prot["per_shape"].items()},
-                "protocol_rows": prot["samples"], "slack_max": s, "slack_per_dist": slack, "chosen": val,
+                "protocol_rows": prot["samples"], "slack_max": s, "slack_per_dist": slack,
+                "slack_per_dist_shape": slack_shape, "chosen": val,
             }
+            if trend:
+                section["measured"][mode][dt]["slack_trend"] = trend
             est = "outlier" if args.xvar else "bound"
             print(f"{name} {est} {mode:11s} {dt:8s}: P {p:.3e} ({p / u:.2f}u)  S {s:.3e}  -> e_max {val:.3g}"
                   f"   [{prot['samples']} rows, {time.time() - t0:.1f}s]", flush=True)

@@ -18,7 +18,8 @@ from ft_transformers.vabft import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from calibrate_emax import protocol_emax  # noqa: E402
+from calibrate_emax import main as calibrate_main  # noqa: E402
+from calibrate_emax import protocol_emax, threshold_slack  # noqa: E402
 
 
 def _threshold_f64(a: torch.Tensor, b: torch.Tensor, emax: float, csigma: float) -> torch.Tensor:
@@ -241,3 +242,24 @@ def test_cuda_device_without_a_table_takes_its_architectures(monkeypatch):
     for name, dt in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
         assert vabft.builtin_emax(dt, "cuda", "accumulator") > h100["emax"]["accumulator"][name]
     assert vabft.builtin_emax(torch.float32, "cuda", "accumulator") == 2e-5
+
+
+def test_calibration_slack_per_shape_and_its_trend(tmp_path):
+    """The slack's maximum per distribution is the maximum over its shapes; ``--trend-k`` records the slack at
+    more K values beside the entry without moving the chosen e_max."""
+    per: dict = {}
+    shapes = ((16, 64, 64), (16, 512, 64))
+    got = threshold_slack(torch.float32, "cpu", shapes=shapes, trials=2, per_shape=per)
+    assert set(per) == set(got)
+    for dist, ratios in per.items():
+        assert set(ratios) == {"16x64x64", "16x512x64"}
+        assert max(ratios.values()) == got[dist] > 0
+
+    args = ["--device", "cpu", "--trials", "1", "--slack-trials", "1", "--modes", "accumulator", "--dtypes",
+            "float32", "--out-dir", str(tmp_path)]
+    plain = calibrate_main(args)["measured"]["accumulator"]["float32"]
+    trend = calibrate_main(args + ["--trend-k", "128,1024"])["measured"]["accumulator"]["float32"]
+    assert "slack_trend" not in plain
+    assert set(trend["slack_trend"]) == set(trend["slack_per_dist"])
+    assert all(set(v) == {"64x128x1024", "64x1024x1024"} for v in trend["slack_trend"].values())
+    assert trend["chosen"] == plain["chosen"] and trend["slack_per_dist_shape"] == plain["slack_per_dist_shape"]
