@@ -109,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing each workload")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per workload (median)")
     p.add_argument("--no-timing", action="store_true", help="skip the timed workloads")
+    p.add_argument("--no-injection", action="store_true",
+                   help="skip the injected flips (3.): tokens, clean events and timings only, e.g. for a timing call "
+                        "whose compiled decode steps take the time")
     p.add_argument("--compile", default="off", choices=("off", "default", "reduce-overhead"),
                    help="also time decode through transformers' compiled decode step with a static cache "
                         "(reduce-overhead: CUDA graphs), beside the eager decode")
@@ -534,11 +537,11 @@ def main(argv: list[str] | None = None) -> int:
     sites = (("linear.output", linear, lin_bit), ("attn.scores", block, 30))
     clean = results["protected"]["tokens"]
     injection = {"protected": [], "unprotected": []}
-    for site, target, bit in sites:
+    for site, target, bit in sites if not args.no_injection else ():
         say(f"protected: one flip at {site} of {target} on rank {fault_rank}")
         injection["protected"].append(inject(model, args, ids, site, target, bit, clean, fault_rank))
     ftt.enable_fault_tolerance(model, ftt.FTConfig(detect=False, correct=False))
-    for site, target, bit in sites:
+    for site, target, bit in sites if not args.no_injection else ():
         say(f"unprotected (checks off): one flip at {site} of {target} on rank {fault_rank}")
         injection["unprotected"].append(inject(model, args, ids, site, target, bit, clean, fault_rank))
     ftt.disable_fault_tolerance(model)

@@ -525,14 +525,17 @@ def test_tp_check_script_on_two_cpu_ranks(tmp_path):
         pytest.skip(why)
     script = str(ROOT / "scripts" / "tp_check.py")
     common = ["--tiny", "--device", "cpu", "--no-timing", "--out", str(tmp_path)]
-    one = subprocess.run([sys.executable, script, *common], cwd=ROOT, capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    one = subprocess.run([sys.executable, script, *common, "--no-injection"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=240, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert one.returncode == 0, _failed(one)
     ref = tmp_path / "tp_check_qwen2-7b_float32_tp1.json"
     two = _torchrun([script, *common, "--per-layer", "--reference", str(ref)], cwd=ROOT)
     assert two.returncode == 0, _failed(two)
     res = json.loads((tmp_path / "tp_check_qwen2-7b_float32_tp2.json").read_text())
     reference = json.loads(ref.read_text())
+    # the reference ran without its flips (--no-injection): no flip was made, none is checked
+    assert reference["injection"] == {"protected": [], "unprotected": []}
+    assert not any("flip" in name for name in reference["checks"]) and reference["checks"]
     assert res["tp"] == 2 and all(res["checks"].values())
     assert res["variants"]["protected"]["tokens"] == reference["variants"]["protected"]["tokens"]
     # the sharded model's Q/K/V and gate/up parents are grouped (on CPU fp32 their calls run one by one)
