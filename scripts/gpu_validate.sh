@@ -30,6 +30,10 @@
 #              off 2,000; stores resumed from $RESUME/<name>.jsonl when present), the tightness of Qwen2-0.5B and
 #              Qwen2-7B dims, clean generations; everything packed into reliability.tar.gz (REL_JOBS: a subset of
 #              "tokens tight falsepos")
+#   tpratio    issue 41's ratio: Qwen2-7B dims at tp = 1, then tp = 4 against it, eager and compiled decode (CUDA
+#              graphs), no flips (4 GPUs: nvidia-h100-x4; ~9 min)
+#   caltrend   the accumulator e_max's slack per distribution and K, past k_ref (fp16, bf16, x's outlier estimate;
+#              written to the part's folder, the shipped tables untouched)
 #   xvar       x's outlier variance estimate in the GEMM threshold (FTT_GEMM_XVAR=1, issue 38), ~9 min: its own
 #              accumulator e_max (fp16, bf16; written into the device's e_max table, copied to the part's folder),
 #              then lm_head tightness and clean generations (GPT-2 124M and Qwen2-0.5B configs) with it
@@ -178,6 +182,17 @@ run_part() {
       wait
       for f in $w/*.log; do echo "=== $(basename $f)"; grep -v Warning $f | tail -15; done
       tar -czf "$dir/reliability.tar.gz" -C $w . && ls -la "$dir" ;;
+    tpratio)  # the flips were checked at every size already: --no-injection leaves the time to the compiled steps
+      FTT_ABFT_GEMM_TUNE=0 timeout 280 python3 scripts/tp_check.py --model qwen2-7b --compile reduce-overhead \
+        --no-injection --out "$dir" 2>&1 | grep --line-buffered -v Warning | grep -E "tp_check |^\||OK|FAILED"
+      FTT_ABFT_GEMM_TUNE=0 timeout 280 python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+        scripts/tp_check.py --model qwen2-7b --compile reduce-overhead --no-injection --out "$dir" \
+        --reference "$dir/tp_check_qwen2-7b_float16_tp1.json" 2>&1 | grep --line-buffered -v Warning \
+        | grep -E "tp_check |^\||OK|FAILED" ;;
+    caltrend)
+      FTT_ABFT_GEMM_TUNE=0 timeout ${BENCH_TIMEOUT:-400} python3 scripts/calibrate_emax.py --device cuda \
+        --modes accumulator --dtypes float16,bfloat16 --xvar --trials 30 --slack-trials 4 \
+        --trend-k 1024,4096,8192,18944,29568 --out-dir "$dir" 2>&1 | grep -v Warning | tail -6 ;;
     cublasform)
       FTT_ABFT_GEMM_TUNE=0 timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_gemm_cublas_form.py --rounds 3 \
         --out "$dir/gemm_cublas_form_fp16.csv" 2>&1 | grep --line-buffered -v Warning | tail -40 ;;
