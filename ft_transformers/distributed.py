@@ -96,11 +96,11 @@ def local_shard(t: torch.Tensor | None) -> torch.Tensor | None:
         return None
     if is_sharded(t):
         return t._local_tensor
-    base = t._base
     if torch.compiler.is_compiling():
         # dynamo traces no data pointer and AOT tracing keeps no ``_base``; the compiled graph hands the checked
         # op the shard itself, whose checksum cache entry it keeps (tests/test_tensor_parallel.py)
         return t
+    base = t._base
     if (base is not None and base.dtype == t.dtype and base.shape == t.shape and base.stride() == t.stride()
             and base.data_ptr() == t.data_ptr()):
         return base
