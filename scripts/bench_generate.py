@@ -172,12 +172,17 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, *, tiny: boo
     return fixed_length(model)  # every variant generates the full length
 
 
+def drop_compiled(model) -> None:
+    """Forget ``model``'s compiled decode step (transformers keeps it as ``_compiled_call``) and Dynamo's
+    caches, so that the next compiled generation compiles the model as it is configured now."""
+    torch._dynamo.reset()
+    model.__dict__.pop("_compiled_call", None)
+
+
 def set_variant(model, variant: str, compiled: bool = False) -> None:
     """Put ``model`` into ``variant`` (from any other variant); ``compiled`` drops earlier compilations."""
     if compiled:
-        torch._dynamo.reset()
-        if "_compiled_call" in model.__dict__:
-            del model._compiled_call
+        drop_compiled(model)
     ftt.disable_fault_tolerance(model)
     model._bench_kv_tables = variant == "attn_only_kv"  # read by `_workload_calls`
     if model.config._attn_implementation != "sdpa":

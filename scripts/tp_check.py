@@ -72,7 +72,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import device_label, fixed_length, versions  # noqa: E402
-from bench_generate import Timer, Workload, compile_kwargs, model_config, run_workload  # noqa: E402
+from bench_generate import Timer, Workload, compile_kwargs, drop_compiled, model_config, run_workload  # noqa: E402
 from ft_transformers.kernels.contract import KINDS  # noqa: E402
 from ft_transformers.kernels.options import override  # noqa: E402
 
@@ -331,8 +331,7 @@ def timings(model, args, device: torch.device, vocab: int, between) -> dict:
                       compile_kwargs(args.compile, "inductor", device)))
     for key, wl, kw in loads:
         if kw is not None:  # this variant compiles and records its own decode step
-            torch._dynamo.reset()
-            model.__dict__.pop("_compiled_call", None)
+            drop_compiled(model)
         try:
             ms, std, peak = run_workload(model, wl, device, timer, args.warmup, args.repeats, vocab,
                                          gen_kwargs=kw, between=between)
@@ -534,14 +533,14 @@ def main(argv: list[str] | None = None) -> int:
     block = (cfg.num_hidden_layers - 1) // 2  # (with two layers the first: the last one's flips reach no later layer)
     linear = f"model.layers.{block}.mlp.down_proj"
     lin_bit = 30 if args.dtype == "float32" else 14  # the top exponent bit of the output's format
-    sites = (("linear.output", linear, lin_bit), ("attn.scores", block, 30))
+    sites = () if args.no_injection else (("linear.output", linear, lin_bit), ("attn.scores", block, 30))
     clean = results["protected"]["tokens"]
     injection = {"protected": [], "unprotected": []}
-    for site, target, bit in sites if not args.no_injection else ():
+    for site, target, bit in sites:
         say(f"protected: one flip at {site} of {target} on rank {fault_rank}")
         injection["protected"].append(inject(model, args, ids, site, target, bit, clean, fault_rank))
     ftt.enable_fault_tolerance(model, ftt.FTConfig(detect=False, correct=False))
-    for site, target, bit in sites if not args.no_injection else ():
+    for site, target, bit in sites:
         say(f"unprotected (checks off): one flip at {site} of {target} on rank {fault_rank}")
         injection["unprotected"].append(inject(model, args, ids, site, target, bit, clean, fault_rank))
     ftt.disable_fault_tolerance(model)

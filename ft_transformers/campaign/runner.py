@@ -149,7 +149,7 @@ class Session:
             for c in per_arm:
                 r = self._teacher_forced(ref, ids, c.tokens).cpu()  # (the noise is kept on the host)
                 n = min(len(noise), r.shape[0])
-                noise[:n] = torch.maximum(noise[:n], (c.logits[:n].float().cpu() - r[:n]).abs().amax(-1))
+                noise[:n] = torch.maximum(noise[:n], (c.logits[:n].cpu() - r[:n]).abs().amax(-1))
             self.noise[i] = [float(x) for x in noise]
             recs.append(self._clean_record(i))
         del ref
