@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import math
 import re
@@ -38,6 +39,7 @@ __all__ = [
     "WeightChecksums",
     "builtin_emax",
     "default_emax",
+    "default_emax_var",
     "device_name",
     "device_slug",
     "gemm_emax",
@@ -158,19 +160,19 @@ def load_emax_table(name: str) -> dict | None:
     Written by ``scripts/calibrate_emax.py``: ``{"device", "emax": {mode: {dtype name: value}},
     "k_ref", "k_scaling": {mode: "sqrt" | "linear"}, "measured": ..., ...}``, calibrated for SPEC §5's
     bound of x's row variance; entries calibrated for the outlier estimate (`xvar_in_use`) go under
-    ``"xvar": {"emax": {mode: {dtype name: value}}, "measured": ...}``.
+    ``"xvar": {"emax": {mode: {dtype name: value}}, "measured": ...}``. Either section may hold
+    ``"emax_var"`` beside ``"emax"``, alike in form: the variance terms' unit error (`default_emax_var`).
     """
     path = EMAX_TABLE_DIR / f"{device_slug(name)}.json"
     if not path.is_file():
         return None
     with open(path, encoding="utf-8") as fh:
         table = json.load(fh)
-    for where, emax in (("emax", table.get("emax", {})), ("xvar.emax", table.get("xvar", {}).get("emax", {}))):
-        for mode in _MODES:
-            for dt in _DTYPE_NAMES.values():
-                v = emax.get(mode, {}).get(dt)
-                if v is not None and not (isinstance(v, (int, float)) and v > 0):
-                    raise ValueError(f"{path}: {where}[{mode}][{dt}] must be a positive number, got {v!r}")
+    for prefix, section in (("", table), ("xvar.", table.get("xvar", {}))):
+        for key, mode, dt in itertools.product(("emax", "emax_var"), _MODES, _DTYPE_NAMES.values()):
+            v = section.get(key, {}).get(mode, {}).get(dt)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"{path}: {prefix}{key}[{mode}][{dt}] must be a positive number, got {v!r}")
     return table
 
 
@@ -243,11 +245,12 @@ def builtin_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "outp
 _XVAR_WARNED: set[tuple[str, str, str]] = set()
 
 
-def table_entry(table: dict, mode: str, dtype_name: str, xvar: bool) -> float | None:
+def table_entry(table: dict, mode: str, dtype_name: str, xvar: bool, key: str = "emax") -> float | None:
     """A table's e_max for (mode, dtype name) under x's variance estimate: ``table["emax"]``'s (the bound),
-    or with ``xvar`` ``table["xvar"]["emax"]``'s (the outlier estimate); None where it has none."""
+    or with ``xvar`` ``table["xvar"]["emax"]``'s (the outlier estimate); None where it has none. ``key``
+    "emax_var": the variance terms' unit error of the same section (`default_emax_var`)."""
     section = table.get("xvar", {}) if xvar else table
-    return section.get("emax", {}).get(mode, {}).get(dtype_name)
+    return section.get(key, {}).get(mode, {}).get(dtype_name)
 
 
 def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "output", *,
@@ -273,6 +276,26 @@ def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "outp
             thresholds are then those of an e_max calibrated for the larger bound, which is what a
             calibration run measures (``scripts/calibrate_emax.py --xvar``).
     """
+    return _lookup(dtype, device_type, mode, k, xvar, "emax")
+
+
+def default_emax_var(dtype: torch.dtype, device_type: str = "cpu", mode: str = "output", *,
+                     k: int | None = None, xvar: bool | None = None) -> float:
+    """The unit error of the threshold's variance terms (SPEC §5's ``cσ·sqrt(...)`` terms), where the table
+    calibrates it apart from e_max (``"emax_var"``); `default_emax`'s value elsewhere. Same arguments.
+
+    Why apart: the mean term ``N|μ_A|·Σ|μ_B|`` bounds the rounding of partial sums that grow in one
+    direction, the variance terms that of sums that cancel. The paper's single e_max is set by data of
+    positive mean (its protocol's |N(1,1)|), whose rounding is several times that of zero-mean data per unit
+    of threshold; a layer whose operands have means near 0 (an MLP's down projection) then gets that
+    margin on terms that need far less. The calibration measures the variance terms' unit error on
+    zero-mean data and keeps e_max for the mean term, so every calibration row stays within half its
+    threshold (``scripts/calibrate_emax.py``, "split")."""
+    return _lookup(dtype, device_type, mode, k, xvar, "emax_var")
+
+
+def _lookup(dtype: torch.dtype, device_type: str, mode: str, k: int | None, xvar: bool | None, key: str) -> float:
+    """`default_emax` (``key`` "emax") or `default_emax_var` (``key`` "emax_var"; e_max where there is none)."""
     if dtype not in _DTYPES:
         raise TypeError(f"no e_max for {dtype}; V-ABFT supports float16, bfloat16 and float32")
     if mode not in _MODES:
@@ -292,13 +315,16 @@ def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "outp
     if table is not None:
         entry = table_entry(table, mode, _DTYPE_NAMES[eff], bool(xvar))
         if entry is None and xvar:
+            xvar = False
             entry = table_entry(table, mode, _DTYPE_NAMES[eff], False)
             if entry is not None and (table.get("device"), mode, _DTYPE_NAMES[eff]) not in _XVAR_WARNED:
                 _XVAR_WARNED.add((table.get("device"), mode, _DTYPE_NAMES[eff]))
                 warnings.warn(f"the e_max table of {table.get('device')} has no {mode}-side {_DTYPE_NAMES[eff]} "
                               "entry calibrated for x's outlier variance estimate (FTT_GEMM_XVAR=1): taking the "
                               "entry calibrated for the bound (scripts/calibrate_emax.py --xvar calibrates one)",
-                              RuntimeWarning, stacklevel=2)
+                              RuntimeWarning, stacklevel=3)
+        if entry is not None and key == "emax_var":
+            entry = table_entry(table, mode, _DTYPE_NAMES[eff], bool(xvar), key) or entry
     k_ref, scaling = _EMAX_K_REF, "sqrt"
     if entry is not None:
         emax = float(entry)
@@ -312,22 +338,23 @@ def default_emax(dtype: torch.dtype, device_type: str = "cpu", mode: str = "outp
     return emax
 
 
+_GEMM_EMAX: dict[tuple, tuple[float, float]] = {}  # (dtype, device, mode, K, xvar) → (e_max, e_var); never dropped
 
-_GEMM_EMAX: dict[tuple, float] = {}  # (dtype, device, mode, K, xvar) → e_max; never dropped (package data)
 
-
-def gemm_emax(dtype: torch.dtype, device: torch.device, mode: str, k: int) -> float:
-    """`default_emax` of a checked GEMM on ``device``, for the variance estimate its checks take
-    (`xvar_in_use`), memoised per (dtype, device, mode, K, estimate): the table lookup reads the device's
-    name and table on every call. Not memoised for fp32 output-side entries, which follow the current
-    matmul precision. This is the ``emax_table`` the Triton kernels take (`ft_transformers.kernels.abft_gemm`)."""
+def gemm_emax(dtype: torch.dtype, device: torch.device, mode: str, k: int) -> tuple[float, float]:
+    """``(e_max, e_var)`` of a checked GEMM on ``device`` (`default_emax`, `default_emax_var`), for the variance
+    estimate its checks take (`xvar_in_use`), memoised per (dtype, device, mode, K, estimate): the table lookup
+    reads the device's name and table on every call. Not memoised for fp32 output-side entries, which follow
+    the current matmul precision. This is the ``emax_table`` the Triton kernels take
+    (`ft_transformers.kernels.abft_gemm`)."""
     if mode == "output" and dtype == torch.float32:
-        return default_emax(dtype, device.type, mode, k=k)
+        return (default_emax(dtype, device.type, mode, k=k), default_emax_var(dtype, device.type, mode, k=k))
     key = (dtype, device, mode, k, xvar_in_use(device.type, dtype, mode))
     e = _GEMM_EMAX.get(key)
     if e is None:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            e = _GEMM_EMAX[key] = default_emax(dtype, device.type, mode, k=k, xvar=key[-1])
+            e = _GEMM_EMAX[key] = (default_emax(dtype, device.type, mode, k=k, xvar=key[-1]),
+                                   default_emax_var(dtype, device.type, mode, k=k, xvar=key[-1]))
     return e
 
 # ---------------------------------------------------------------------------------------------

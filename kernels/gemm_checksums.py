@@ -18,7 +18,8 @@ import torch
 from .options import options
 
 __all__ = ["GROUP_COLS", "GROUP_CONSTS", "WeightChecksums", "XVAR_AUTO_CPU", "autocast_dtype", "group_checksums",
-           "group_threshold", "row_stats", "set_xvar_auto_cuda", "xvar_estimate", "xvar_guard", "xvar_in_use"]
+           "group_threshold", "row_stats", "scale_variance_terms", "set_xvar_auto_cuda", "xvar_estimate", "xvar_guard",
+           "xvar_in_use"]
 
 _CHUNK_ELEMS = 1 << 24  # at most 16M fp32 temporaries (64 MiB) while building a weight's checksums
 GROUP_COLS = 64  # output columns per checksum group of the decode kernel
@@ -249,6 +250,26 @@ def group_checksums(weight: torch.Tensor, bias: torch.Tensor | None, weight_is_k
     consts[:, 4] = (n_g * sums[:, 1]).sqrt()
     consts[:, 7] = n_g
     return w1g, consts
+
+
+def scale_variance_terms(consts: torch.Tensor, var_scale: float) -> torch.Tensor:
+    """`group_checksums`' constants with the threshold's variance terms scaled by ``var_scale`` = e_var / e_max
+    (`ft_transformers.vabft.default_emax_var`): ``v2``, ``v3`` (under the square root) by its square, ``v4``
+    and ``bias_sd`` by it; the checksum, the mean terms and ``n_g`` as they are. `group_threshold` with
+    these constants and ``emax`` = e_max is ``e_max·(mean terms) + e_var·(variance terms)``, so the kernels
+    take the split without a second unit error.
+
+    Args:
+        consts: (T, 8) fp32.
+        var_scale: a finite positive number.
+    Returns:
+        (T, 8) fp32, a new tensor.
+    """
+    s = torch.ones(GROUP_CONSTS, dtype=consts.dtype, device=consts.device)
+    s[2:4] = var_scale * var_scale
+    s[4] = var_scale
+    s[6] = var_scale
+    return consts * s
 
 
 def group_threshold(mu: torch.Tensor, var: torch.Tensor, consts: torch.Tensor, emax: float, csigma: float

@@ -123,7 +123,7 @@ def bench_shape(m: int, n: int, k: int, dtype: torch.dtype, rep: int, rounds: in
     x = torch.randn(m, k, device=dev, generator=g).to(dtype)
     w = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(dtype)
     b = torch.randn(n, device=dev, generator=g).to(dtype) if bias else None
-    emax = gemm_emax(dtype, dev, "accumulator", k)
+    emax = gemm_emax(dtype, dev, "accumulator", k)[0]  # (the form's speed: one unit error for every term)
     form = CublasForm(w, b, emax)
     counts = {name: new_counters(dev) for name in ("fused", "cublas_fused")}
     owners = {name: torch.nn.Module() for name in counts}  # each keeps its own checksums and fast path

@@ -32,6 +32,9 @@
 #              "tokens tight falsepos")
 #   tpratio    issue 41's ratio: Qwen2-7B dims at tp = 1, then tp = 4 against it, eager and compiled decode (CUDA
 #              graphs), no flips (4 GPUs: nvidia-h100-x4; ~9 min)
+#   split      the threshold's variance terms with their own unit error (issue 38): calibrates fp16/bf16 (x's
+#              outlier estimate, with the K trend; into the device's table, copied to the part's folder), then
+#              the Linear classes' tightness of Qwen2-0.5B and Qwen2-7B dims and clean generations with it (~9 min)
 #   caltrend   the accumulator e_max's slack per distribution and K, past k_ref (fp16, bf16, x's outlier estimate;
 #              written to the part's folder, the shipped tables untouched)
 #   xvar       x's outlier variance estimate in the GEMM threshold (FTT_GEMM_XVAR=1, issue 38), ~9 min: its own
@@ -164,9 +167,11 @@ run_part() {
       for dt in float16 bfloat16; do
         [[ " $jobs " == *" tight "* ]] || continue
         job tight_q05_$dt python3 scripts/tightness.py --dims qwen2-0.5b --layers 4 --device cuda --dtype $dt \
-          --prompts 4 --tokens 128 --max-rows 128 --flips 10000 --budget ${TIGHT_BUDGET:-20} --out $w/tight_q05_$dt
+          --prompts 4 --tokens 128 --max-rows 128 --flips 10000 --budget ${TIGHT_BUDGET:-20} --out $w/tight_q05_$dt \
+          ${TIGHT_ONLY:+--only $TIGHT_ONLY}
         job tight_q7b_$dt python3 scripts/tightness.py --dims qwen2-7b --layers 2 --device cuda --dtype $dt \
-          --prompts 4 --tokens 128 --max-rows 128 --flips 10000 --budget ${TIGHT_BUDGET:-20} --out $w/tight_q7b_$dt
+          --prompts 4 --tokens 128 --max-rows 128 --flips 10000 --budget ${TIGHT_BUDGET:-20} --out $w/tight_q7b_$dt \
+          ${TIGHT_ONLY:+--only $TIGHT_ONLY}
       done
       for dt in float16 bfloat16; do  # clean generations under the device's shipped thresholds
         [[ " $jobs " == *" falsepos "* ]] || continue
@@ -183,12 +188,19 @@ run_part() {
       for f in $w/*.log; do echo "=== $(basename $f)"; grep -v Warning $f | tail -15; done
       tar -czf "$dir/reliability.tar.gz" -C $w . && ls -la "$dir" ;;
     tpratio)  # the flips were checked at every size already: --no-injection leaves the time to the compiled steps
-      FTT_ABFT_GEMM_TUNE=0 timeout 280 python3 scripts/tp_check.py --model qwen2-7b --compile reduce-overhead \
-        --no-injection --out "$dir" 2>&1 | grep --line-buffered -v Warning | grep -E "tp_check |^\||OK|FAILED"
-      FTT_ABFT_GEMM_TUNE=0 timeout 280 python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
-        scripts/tp_check.py --model qwen2-7b --compile reduce-overhead --no-injection --out "$dir" \
-        --reference "$dir/tp_check_qwen2-7b_float16_tp1.json" 2>&1 | grep --line-buffered -v Warning \
+      local tpa="--model qwen2-7b --compile reduce-overhead --no-injection --new-tokens ${TP_TOKENS:-64} --out $dir"
+      FTT_ABFT_GEMM_TUNE=0 timeout ${TP1_TIMEOUT:-280} python3 scripts/tp_check.py $tpa 2>&1 \
+        | grep --line-buffered -v Warning | grep -E "tp_check |^\||OK|FAILED"
+      local ref="$dir/tp_check_qwen2-7b_float16_tp1.json"
+      FTT_ABFT_GEMM_TUNE=0 timeout ${TP4_TIMEOUT:-280} python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+        scripts/tp_check.py $tpa $( [ -f $ref ] && echo --reference $ref ) 2>&1 | grep --line-buffered -v Warning \
         | grep -E "tp_check |^\||OK|FAILED" ;;
+    split)
+      FTT_ABFT_GEMM_TUNE=0 timeout ${CAL_TIMEOUT:-200} python3 scripts/calibrate_emax.py --device cuda \
+        --modes accumulator --dtypes float16,bfloat16 --xvar --trials 30 --slack-trials 4 \
+        --trend-k 4096,8192,18944,29568 2>&1 | grep -v Warning | tail -4
+      cp ft_transformers/emax_tables/*.json "$dir/" 2>/dev/null
+      REL_JOBS="${SPLIT_JOBS:-tight falsepos}" TIGHT_ONLY="q k v o gate up down lm_head" run_part reliability ;;
     caltrend)
       FTT_ABFT_GEMM_TUNE=0 timeout ${BENCH_TIMEOUT:-400} python3 scripts/calibrate_emax.py --device cuda \
         --modes accumulator --dtypes float16,bfloat16 --xvar --trials 30 --slack-trials 4 \

@@ -238,8 +238,8 @@ def linear_clean_ratio(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
         from ft_transformers.vabft import gemm_emax
 
-        e = emax if emax is not None else gemm_emax(x.dtype, x.device, "accumulator", x.shape[-1])
-        r = gemm_residuals(x, weight, bias, mode="accumulator", emax=e, csigma=csigma)
+        e, e_var = (emax, emax) if emax is not None else gemm_emax(x.dtype, x.device, "accumulator", x.shape[-1])
+        r = gemm_residuals(x, weight, bias, mode="accumulator", emax=e, emax_var=e_var, csigma=csigma)
         return _ratio(r["d"], r["thr"]), "gemm_residuals"
     d, thr = group_residuals(x, weight, bias, emax=emax, csigma=csigma)
     return _ratio(d, thr), "group_residuals"
@@ -739,6 +739,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         torch.set_num_threads(threads)
 
 
+def _emax_in_use(a: argparse.Namespace, classes: dict[str, list[LinearLayer]]) -> dict[str, list[float]]:
+    """Per Linear class, the kernels' (e_max, e_var) at its K (`vabft.gemm_emax`; e_var: the variance terms'),
+    where the Triton backend runs the checks and ``--emax`` does not set them."""
+    dev = torch.device(a.device)
+    if a.emax is not None or not (a.backend == "triton" or (a.backend == "auto" and dev.type == "cuda")):
+        return {}
+    from ft_transformers.vabft import gemm_emax
+
+    return {cls: list(gemm_emax(getattr(torch, a.dtype), dev, "accumulator", ls[0].weight.shape[1]))
+            for cls, ls in classes.items()}
+
+
 def _run(a: argparse.Namespace, argv: Sequence[str] | None) -> dict:
     os.makedirs(a.out, exist_ok=True)
     t_start = time.monotonic()
@@ -791,7 +803,8 @@ def _run(a: argparse.Namespace, argv: Sequence[str] | None) -> dict:
                source=_source_state(),
                # x's variance estimate in the Linear checks' thresholds (FTT_GEMM_XVAR, `xvar_in_use`)
                linear_xvar="outlier" if xvar_in_use(torch.device(a.device).type, getattr(torch, a.dtype)) else "bound",
-               seconds=time.monotonic() - t_start, seconds_per_class=timing, skipped_sites=skipped)
+               linear_emax=_emax_in_use(a, classes), seconds=time.monotonic() - t_start, seconds_per_class=timing,
+               skipped_sites=skipped)
     with open(os.path.join(a.out, "run.json"), "w", encoding="utf-8") as fh:
         json.dump(run, fh, indent=1)
     print(redraw(a.out, plot_too=not a.no_plot))

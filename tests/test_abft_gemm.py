@@ -136,11 +136,13 @@ def _group_sums64(y, n):
     return F.pad(y64, (0, (-n) % GC)).view(y64.shape[0], -1, GC).sum(-1)
 
 
-def _thr64(x, w_nk, b, emax, csigma=2.5):
+def _thr64(x, w_nk, b, emax, csigma=2.5, emax_var=None):
     """SPEC §5's threshold of every (row, 64-column group) in float64, from the operands alone: the
     V-ABFT threshold of ``x`` (M, K) times the group's rows of ``w_nk`` (N, K), plus the bias share of the
     group's bias values: x's row variance bounded as SPEC §5 bounds it (Bhatia–Davis, (max − μ)(μ − min)),
-    the weight groups' and the bias's exact (population) variances, as the library takes them."""
+    the weight groups' and the bias's exact (population) variances, as the library takes them. The mean
+    terms take ``emax``, the variance terms ``emax_var`` (None: ``emax``)."""
+    ev = emax if emax_var is None else emax_var
     x64, w64 = x.double().cpu(), w_nk.double().cpu()
     mu = x64.mean(1)
     var = ((x64.amax(1) - mu) * (mu - x64.amin(1))).clamp_min(0.0)
@@ -150,13 +152,14 @@ def _thr64(x, w_nk, b, emax, csigma=2.5):
         ng = wg.shape[0]
         mu_b = wg.mean(0)
         var_b = wg.var(0, unbiased=False)
-        t = (ng * mu.abs() * mu_b.abs().sum()
-             + csigma * torch.sqrt(ng * mu**2 * var_b.sum() + ng**2 * var * (mu_b**2).sum())
-             + csigma * ng**0.5 * var.sqrt() * var_b.sum().sqrt())
+        mean_terms = ng * mu.abs() * mu_b.abs().sum()
+        var_terms = (csigma * torch.sqrt(ng * mu**2 * var_b.sum() + ng**2 * var * (mu_b**2).sum())
+                     + csigma * ng**0.5 * var.sqrt() * var_b.sum().sqrt())
         if b is not None:
             bg = b.double().cpu()[g0:g0 + GC]
-            t = t + ng * bg.mean().abs() + csigma * ng**0.5 * bg.var(unbiased=False).sqrt()
-        out.append(emax * t)
+            mean_terms = mean_terms + ng * bg.mean().abs()
+            var_terms = var_terms + csigma * ng**0.5 * bg.var(unbiased=False).sqrt()
+        out.append(emax * mean_terms + ev * var_terms)
     return torch.stack(out, 1)
 
 
@@ -327,15 +330,15 @@ def _check_residuals(x, w, b, kn, mode, where=None):
     w_nk = w.t() if kn else w
     n = w_nk.shape[0]
     ref = _ref64(x, w, b, kn)
-    emax, plan, flip = 1.0, None, None
+    emax, emax_var, plan, flip = 1.0, None, None, None
     if where is not None:
         bit = MID_BIT[x.dtype]
         grows = lambda r, c: not (ref[r, c].to(x.dtype).view(_ITY[x.dtype]) >> bit) & 1  # noqa: E731 (0→1)
         seed = _seed_where(bit, 1, m, n, x.dtype, ref, lambda pos: where(*pos[0]) and grows(*pos[0]))
         plan = FaultPlan(FaultSpec(site=SITE, bit=bit, count=1, seed=seed))
         flip = _positions(plan.specs[0], m, n, x.dtype)[0]
-        emax = gemm_emax(x.dtype, x.device, mode, k)
-    res = G.gemm_residuals(x, w, b, weight_is_kn=kn, mode=mode, emax=emax, plan=plan)
+        emax, emax_var = gemm_emax(x.dtype, x.device, mode, k)
+    res = G.gemm_residuals(x, w, b, weight_is_kn=kn, mode=mode, emax=emax, emax_var=emax_var, plan=plan)
     tg = -(-n // GC)
     assert res["d"].shape == res["c"].shape == res["thr"].shape == (m, tg)
     x64 = x.double().cpu()
@@ -349,7 +352,8 @@ def _check_residuals(x, w, b, kn, mode, where=None):
     scale = absdot + x64.abs().sum(1, keepdim=True) * w1g.abs().max() + b1g.abs()
     c_tol = 2.0**-19 * scale + 4 * k**0.5 * 2.0**-24 * absdot
     assert bool(((res["c"].double().cpu() - c64).abs() <= c_tol).all())
-    torch.testing.assert_close(res["thr"].double().cpu(), _thr64(x, w_nk, b, emax), rtol=1e-4, atol=0)
+    torch.testing.assert_close(res["thr"].double().cpu(), _thr64(x, w_nk, b, emax, emax_var=emax_var),
+                               rtol=1e-4, atol=0)
     y = res["y"]
     # the fp32 sums' bound (K products, then 64 terms per unit, a flipped one among them), beside C's
     bound = ((k + GC) * 2.0**-23 * _group_sums64(x64.abs() @ w_nk.double().cpu().abs().t(), n)
@@ -661,7 +665,8 @@ def test_many_flips_all_repaired(monkeypatch):
     assert st_t["uncorrectable"] == 0 and st_t["corrected"] + st_t["recomputed"] == st_t["detected"], st_t
     assert st_r["uncorrectable"] == st_r["detected"] - _cl.RECOMPUTE_GROUPS > 0, st_r
     ref = _ref64(x, w)
-    thr = G.gemm_residuals(x, w, emax=gemm_emax(dtype, x.device, "accumulator", k))["thr"].double().cpu()
+    e, e_var = gemm_emax(dtype, x.device, "accumulator", k)
+    thr = G.gemm_residuals(x, w, emax=e, emax_var=e_var)["thr"].double().cpu()
     err = (y_t.double().cpu() - ref).abs()
     assert bool((err <= _gemm_rel_tol(dtype, k) * ref.abs().max() + thr).all()), (err - thr).max()
     detected = st_t["detected"]

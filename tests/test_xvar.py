@@ -236,14 +236,14 @@ def test_emax_entry_follows_the_estimate(monkeypatch):
     assert _vabft.default_emax(f16, "cuda", "accumulator", xvar=False) == 1e-4
     assert _vabft.default_emax(f16, "cuda", "accumulator", xvar=True) == 3e-4
     with override(gemm_xvar=True):
-        assert _vabft.gemm_emax(f16, torch.device("cpu"), "accumulator", 64) == 3e-4
+        assert _vabft.gemm_emax(f16, torch.device("cpu"), "accumulator", 64) == (3e-4, 3e-4)
         with pytest.warns(RuntimeWarning, match="outlier variance"):
             assert _vabft.default_emax(f32, "cpu", "output") == 2e-6
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert _vabft.default_emax(f32, "cpu", "output") == 2e-6  # warned once
     with override(gemm_xvar=False):
-        assert _vabft.gemm_emax(f16, torch.device("cpu"), "accumulator", 64) == 1e-4
+        assert _vabft.gemm_emax(f16, torch.device("cpu"), "accumulator", 64) == (1e-4, 1e-4)
 
 
 # --------------------------------------------------------------------------- every path, the same thresholds
@@ -402,9 +402,9 @@ def test_outlier_estimate_detects_a_flip_the_bound_misses(backend, dtype, m):
     mode = "output" if backend == "reference" else "accumulator"
     e_dtype = torch.float32 if backend == "reference" else dtype
     with override(gemm_xvar=True):
-        e_on = gemm_emax(e_dtype, x.device, mode, k)
+        e_on = gemm_emax(e_dtype, x.device, mode, k)[0]
     with override(gemm_xvar=False):
-        e_off = gemm_emax(e_dtype, x.device, mode, k)
+        e_off = gemm_emax(e_dtype, x.device, mode, k)[0]
     t_on = _thr64(x, w, None, e_on, xvar=True)
     t_off = _thr64(x, w, None, e_off, xvar=False)
     found = None

@@ -5,8 +5,9 @@ one input, in one launch), `linear_forward` (the checked linear's Triton backend
 A call takes its form from `forms.choose_form`, its config from `tuning.pick_config`, builds its launches
 (`calls`) and records them as a `prepared.PreparedCall` that later calls of the same signature replay.
 The e_max tables belong to the caller: it passes ``emax`` and ``emax_table``, a function ``(dtype, device,
-mode, K) → e_max`` (``ft_transformers.vabft.gemm_emax``) asked only where a call needs a value it was not
-given (the verification's own when ``emax`` is None, and the output side's for re-verifying a repair).
+mode, K) → e_max`` or ``→ (e_max, e_var)`` (``ft_transformers.vabft.gemm_emax``; e_var: the unit error of the
+threshold's variance terms, `gemm_checksums.scale_variance_terms`) asked only where a call needs a value it
+was not given (the verification's own when ``emax`` is None, and the output side's for re-verifying a repair).
 """
 
 from __future__ import annotations
@@ -33,27 +34,31 @@ SIBLINGS_MAX = 3  # weights per sibling launch (the decode kernel's SEGS)
 SIBLINGS_MAX_ROWS = 16  # rows per sibling launch (the decode kernel's BLOCK_M)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-EmaxTable = Callable[[torch.dtype, torch.device, str, int], float]
+EmaxTable = Callable[[torch.dtype, torch.device, str, int], "float | tuple[float, float]"]
 
 
 class AbftGemmUnsupported(ValueError):
     """The Triton kernel cannot run this call (wrong device, dtype or layout)."""
 
 
-def _emax_of(emax_table: EmaxTable | None, dtype: torch.dtype, device: torch.device, mode: str, k: int) -> float:
+def _emax_of(emax_table: EmaxTable | None, dtype: torch.dtype, device: torch.device, mode: str,
+             k: int) -> tuple[float, float]:
+    """``(e_max, e_var)`` from the caller's table (e_var = e_max where it gives one number)."""
     if emax_table is None:
         raise ValueError(f"this call needs the {mode}-side e_max of {dtype} at K = {k}: pass emax_table "
                          "(e.g. ft_transformers.vabft.gemm_emax)")
-    return emax_table(dtype, device, mode, k)
+    e = emax_table(dtype, device, mode, k)
+    return (float(e), float(e)) if isinstance(e, (int, float)) else (float(e[0]), float(e[1]))
 
 
-def _reverify_scale(dtype: torch.dtype, device: torch.device, k: int, emax: float, correct: bool,
+def _reverify_scale(dtype: torch.dtype, device: torch.device, k: int, emax_var: float, correct: bool,
                     verify_output: bool, emax_table: EmaxTable | None) -> float:
     """The threshold factor a repaired row is re-verified with: it is re-verified as stored (rounded), so
-    with the output-side unit error (1 without correction or in output mode)."""
+    with the output-side unit error (1 without correction or in output mode). Against the smaller of the
+    call's two unit errors (e_var), so that neither term of the re-verification is below the output side's."""
     if not correct or verify_output:
         return 1.0
-    return max(1.0, _emax_of(emax_table, dtype, device, "output", k) / float(emax))
+    return max(1.0, _emax_of(emax_table, dtype, device, "output", k)[0] / float(emax_var))
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -95,6 +100,7 @@ def checked_gemm(
     counters: torch.Tensor | None = None,
     mode: str = "accumulator",
     debug: torch.Tensor | None = None,
+    emax_var: float | None = None,
 ) -> torch.Tensor:
     """The checked GEMM on 2-D operands; events are added into ``counters``.
 
@@ -106,6 +112,7 @@ def checked_gemm(
         emax: threshold unit error; None asks ``emax_table(dtype, device, mode, K)``.
         emax_table: the caller's e_max table (module docstring), needed unless ``emax`` is given and
             nothing is repaired.
+        emax_var: with ``emax``, the unit error of the threshold's variance terms (None: ``emax``).
         detect / correct: verify / repair (``correct=False`` counts ``detected`` + ``uncorrectable``).
         plan: faults at ``linear.output`` (logical shape (M, N), y's dtype), a fault plan as
             `ft_transformers.kernels.contract` describes it, or None.
@@ -141,12 +148,14 @@ def checked_gemm(
     if weight.device != dev or (bias is not None and bias.device != dev):
         raise ValueError("x, weight and bias must be on one device")
     _check_mode_counters(mode, detect, counters, dev)
+    if emax_var is not None and emax is None:
+        raise ValueError("emax_var goes with emax (without emax, both come from emax_table)")
     return _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma, detect, correct, plan,
-                         counters, mode, debug)
+                         counters, mode, debug, emax_var=emax_var)
 
 
 def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma, detect, correct, plan, counters,
-                  mode, debug, kept: list | None = None) -> torch.Tensor:
+                  mode, debug, kept: list | None = None, emax_var: float | None = None) -> torch.Tensor:
     """`checked_gemm` on validated arguments (the module path validates once, in `checked_linear`).
     ``kept``: a list the call's `PreparedCall` is appended to (when it has one)."""
     n = weight.shape[1] if weight_is_kn else weight.shape[0]
@@ -157,7 +166,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
     if detect and wc is not None and not plan and debug is None and m and n and k:
         prep_key = (m, *x2d.stride(), x2d.data_ptr() % 16 == 0, weight.data_ptr(), *weight.stride(),
                     bias.data_ptr() if bias is not None else None, counters.data_ptr(), *counters.stride(),
-                    emax, csigma, correct, mode, options(),
+                    emax, emax_var, csigma, correct, mode, options(),
                     dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
         prepared = wc.launches.get(prep_key)
         if prepared is not None:
@@ -192,12 +201,12 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
                          f"the forced config {cfg} is not")
     if wc is None:
         wc = WeightChecksums.compute(weight, bias, weight_is_kn=weight_is_kn)
-    if emax is None:
-        emax = _emax_of(emax_table, y.dtype, dev, mode, k)
-    reverify = _reverify_scale(y.dtype, dev, k, emax, correct, verify_output, emax_table)
+    emax, emax_var = _emax_of(emax_table, y.dtype, dev, mode, k) if emax is None else (
+        emax, emax if emax_var is None else emax_var)
+    reverify = _reverify_scale(y.dtype, dev, k, emax_var, correct, verify_output, emax_table)
     ver = C._Verify(counters, debug, bool(wc.finite), reverify, correct)
     xvar = xvar_in_use(dev.type, y.dtype, mode)  # x's variance estimate (e_max's entry follows it, `emax_table`)
-    groups = C._group_sums(wc, weight, bias, weight_is_kn)
+    groups = C._threshold_groups(wc, weight, bias, weight_is_kn, emax_var / emax)
     # the verification's operand, built now if this call does not use it: a decode step compiled with CUDA
     # graphs (after an eager prefill) must find it made, since a tensor first allocated in the graphs' warm-up
     # lands in their pool and makes the capture fail ("tensor(s) in the cudagraph pool not tracked as outputs")
@@ -303,13 +312,12 @@ def siblings_forward(x2d: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     y = torch.empty((m, n), dtype=dtype, device=dev)
     w0 = weights[0]
     L = C._Launch(x2d, w0, biases[0], y, w0.stride(0), w0.stride(1))
-    groups = [C._group_sums(wc, w, b, False) for w, b, wc in zip(weights, biases, wcs)]
+    emax, emax_var = _emax_of(emax_table, dtype, dev, "accumulator", k) if emax is None else (emax, emax)
+    groups = [C._threshold_groups(wc, w, b, False, emax_var / emax) for w, b, wc in zip(weights, biases, wcs)]
     sibs = tuple(zip(weights[1:], biases[1:], groups[1:], counters[1:]))
     cfg = pick_config(L, bias=biases[0], detect=True, verify_output=False, dot_f32=INTERP, decode=True,
                       siblings=sibs)
-    if emax is None:
-        emax = _emax_of(emax_table, dtype, dev, "accumulator", k)
-    reverify = _reverify_scale(dtype, dev, k, emax, correct, False, emax_table)
+    reverify = _reverify_scale(dtype, dev, k, emax_var, correct, False, emax_table)
     ver = C._Verify(counters[0], None, True, reverify, correct)
     P = C._grouped_buffer(m, n, k, cfg, dev)
     launches = [(2, *C._grouped_call(cfg, L, bias=biases[0], groups=groups[0], P=P, inj=None, ver=ver, emax=emax,
@@ -323,19 +331,19 @@ def siblings_forward(x2d: torch.Tensor, weights: Sequence[torch.Tensor], biases:
 
 def gemm_residuals(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    weight_is_kn: bool = False, mode: str = "accumulator", emax: float = 1.0,
-                   csigma: float = 2.5, plan=None) -> dict[str, torch.Tensor]:
+                   csigma: float = 2.5, plan=None, emax_var: float | None = None) -> dict[str, torch.Tensor]:
     """Run the kernel without repair and return its verification quantities (calibration, studies).
 
     Returns ``{"y": (M, N), "d": (M, T_g), "c": (M, T_g), "thr": (M, T_g), "counters": (sites, kinds)}`` with
     T_g = ⌈N/64⌉: per (row, 64-column group) the checksum difference, the checksum ``x·w1_g + b1_g`` and the
-    threshold with the given ``emax`` (1.0 gives ``T / e_max``), all fp32 as the kernel computed them (the
-    tile, persistent or cuBLAS form's verification).
+    threshold with the given ``emax`` (1.0 gives ``T / e_max``) and ``emax_var`` (the variance terms'; None:
+    ``emax``), all fp32 as the kernel computed them (the tile, persistent or cuBLAS form's verification).
     """
     tg = _cdiv(weight.shape[1] if weight_is_kn else weight.shape[0], GROUP_COLS)
     dbg = torch.zeros((x2d.shape[0], tg, 3), dtype=torch.float32, device=x2d.device)
     cnt = new_counters(x2d.device)
     y = checked_gemm(x2d, weight, bias, weight_is_kn=weight_is_kn, emax=emax, csigma=csigma, detect=True,
-                     correct=False, plan=plan, counters=cnt, mode=mode, debug=dbg)
+                     correct=False, plan=plan, counters=cnt, mode=mode, debug=dbg, emax_var=emax_var)
     return {"y": y, "d": dbg[..., 0], "c": dbg[..., 1], "thr": dbg[..., 2], "counters": cnt}
 
 

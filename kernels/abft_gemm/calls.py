@@ -17,7 +17,7 @@ import torch
 import triton
 
 from ..contract import derive_seed
-from ..gemm_checksums import GROUP_COLS, WeightChecksums, group_checksums
+from ..gemm_checksums import GROUP_COLS, WeightChecksums, group_checksums, scale_variance_terms
 from ..launch import DirectLauncher
 from ..tl_common import cdiv as _cdiv
 from .common import SITE
@@ -204,6 +204,20 @@ def _group_sums(wc: WeightChecksums, weight: torch.Tensor, bias: torch.Tensor | 
     if g is None:
         g = wc.groups[GROUP_COLS] = group_checksums(weight, bias, weight_is_kn)
     return g
+
+
+def _threshold_groups(wc: WeightChecksums, weight: torch.Tensor, bias: torch.Tensor | None, weight_is_kn: bool,
+                      var_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_group_sums` with the constants' variance terms scaled by ``var_scale`` = e_var / e_max
+    (`gemm_checksums.scale_variance_terms`), cached per scale with the `WeightChecksums`."""
+    g = _group_sums(wc, weight, bias, weight_is_kn)
+    if var_scale == 1.0:
+        return g
+    key = ("consts", var_scale)
+    c = wc.groups.get(key)
+    if c is None:
+        c = wc.groups[key] = scale_variance_terms(g[1], var_scale)
+    return g[0], c
 
 
 def group_operand(wc: WeightChecksums, weight: torch.Tensor, bias: torch.Tensor | None, weight_is_kn: bool,
