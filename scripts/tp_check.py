@@ -332,6 +332,7 @@ def timings(model, args, device: torch.device, vocab: int, between) -> dict:
     for key, wl, kw in loads:
         if kw is not None:  # this variant compiles and records its own decode step
             drop_compiled(model)
+            torch._dynamo.utils.counters.clear()
         try:
             ms, std, peak = run_workload(model, wl, device, timer, args.warmup, args.repeats, vocab,
                                          gen_kwargs=kw, between=between)
@@ -345,6 +346,10 @@ def timings(model, args, device: torch.device, vocab: int, between) -> dict:
             say(f"{key} failed: {out[key]['error']}")
             continue
         out[key] = {"ms": ms, "ms_std": std, "peak_mib_per_rank": gather(peak)}
+        if kw is not None:  # what the compiled step became on this rank: its graphs and the breaks between them
+            c = torch._dynamo.utils.counters
+            out[key]["graphs"] = int(c["stats"]["unique_graphs"])
+            out[key]["graph_breaks"] = {reason.splitlines()[0][:160]: n for reason, n in c["graph_break"].items()}
     return out
 
 
@@ -443,6 +448,11 @@ def markdown(result: dict, reference: dict | None) -> str:
             peaks = " / ".join(", ".join(f"{x:.0f}" for x in t["peak_mib_per_rank"]) for t in (u, p))
             lines.append(f"| {kind} ({unit}) | {u['ms']:.3f} | {p['ms']:.3f} | {ratio:.3f} | {r1} | {diff} "
                          f"| {peaks} |")
+        for name in ("unprotected", "protected"):
+            ct = v[name]["timing"].get(COMPILED, {})
+            if "graphs" in ct:
+                breaks = "; ".join(f"{n} × {r}" for r, n in ct["graph_breaks"].items()) or "none"
+                lines.append(f"\n- compiled step, {name}, rank 0: {ct['graphs']} graph(s); graph breaks: {breaks}")
         if "timing" in v.get(PER_LAYER, {}):
             lines.append("")
             for kind, unit in (("prefill", "per forward"), ("decode", "per token")):

@@ -550,6 +550,34 @@ def test_tp_check_script_on_two_cpu_ranks(tmp_path):
     assert (tmp_path / "tp_check_qwen2-7b_float32_tp2.md").read_text().count("| OK |") == len(res["checks"])
 
 
+def test_compiled_step_on_shards_breaks_as_the_unsharded_one(tmp_path):
+    """``tp_check.py --compile``: the protected model's compiled decode step on two ranks becomes the graphs of
+    the unsharded one, with the same breaks (one: the event recorder's step end, outside the graph), so a
+    sharded Linear or attention adds no graph break."""
+    why = _gloo()
+    if why:
+        pytest.skip(why)
+    script = str(ROOT / "scripts" / "tp_check.py")
+    common = ["--tiny", "--device", "cpu", "--no-injection", "--compile", "default", "--warmup", "0",
+              "--repeats", "1", "--out", str(tmp_path)]
+    one = subprocess.run([sys.executable, script, *common], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert one.returncode == 0, _failed(one)
+    ref = tmp_path / "tp_check_qwen2-7b_float32_tp1.json"
+    two = _torchrun([script, *common, "--reference", str(ref)], cwd=ROOT, timeout=300)
+    assert two.returncode == 0, _failed(two)
+    res = json.loads((tmp_path / "tp_check_qwen2-7b_float32_tp2.json").read_text())
+    reference = json.loads(ref.read_text())
+    for name in ("unprotected", "protected"):
+        sharded, whole = (r["variants"][name]["timing"]["decode_compiled"] for r in (res, reference))
+        assert sharded["graphs"] == whole["graphs"] >= 1, (name, sharded, whole)
+        assert sharded["graph_breaks"] == whole["graph_breaks"], (name, sharded, whole)
+    breaks = res["variants"]["protected"]["timing"]["decode_compiled"]["graph_breaks"]
+    assert sum(breaks.values()) == 1 and "torch.compiler.disable" in next(iter(breaks))
+    assert res["variants"]["protected"]["tokens"] == reference["variants"]["protected"]["tokens"]
+    assert all(res["checks"].values())
+
+
 # -- one process ----------------------------------------------------------------------------------------
 
 def test_fault_spec_ranks_are_validated():
