@@ -79,8 +79,9 @@ class FTConfig:
         correct: repair what was detected (locate + correct, else recompute). ``False`` only counts.
         pasa: run the score GEMM with PASA's pseudo-average shift (FP16 without overflow).
         pasa_beta: PASA shift factor in (0, 1); ``None`` picks the optimal one for the dtype and block.
-        emax: V-ABFT unit error bound, finite and positive; ``None`` takes the calibrated table for
-            device and dtype.
+        emax: V-ABFT unit error bound, finite and positive, for every term of the threshold; ``None`` takes
+            the calibrated table for device and dtype (whose entry may give the variance terms a unit
+            error of their own, `ft_transformers.vabft.default_emax_var`).
         csigma: V-ABFT variance coefficient (c_sigma of the threshold formula), finite and positive.
         layers: transformer block indices (0-based ints) to protect; a bare int is one block;
             ``None``: all. Modules outside the blocks (e.g. ``lm_head``) are protected only with
