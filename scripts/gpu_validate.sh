@@ -35,6 +35,8 @@
 #   split      the threshold's variance terms with their own unit error (issue 38): calibrates fp16/bf16 (x's
 #              outlier estimate, with the K trend; into the device's table, copied to the part's folder), then
 #              the Linear classes' tightness of Qwen2-0.5B and Qwen2-7B dims and clean generations with it (~9 min)
+#   cprobe     where a clean check's difference comes from, the sums or the checksum C (q, down, lm_head of Qwen2-0.5B
+#              and 7B dims, fp16 and bf16; scripts/checksum_error_probe.py, ~2 min)
 #   caltrend   the accumulator e_max's slack per distribution and K, past k_ref (fp16, bf16, x's outlier estimate;
 #              written to the part's folder, the shipped tables untouched)
 #   xvar       x's outlier variance estimate in the GEMM threshold (FTT_GEMM_XVAR=1, issue 38), ~9 min: its own
@@ -201,6 +203,8 @@ run_part() {
         --trend-k 4096,8192,18944,29568 2>&1 | grep -v Warning | tail -4
       cp ft_transformers/emax_tables/*.json "$dir/" 2>/dev/null
       REL_JOBS="${SPLIT_JOBS:-tight falsepos}" TIGHT_ONLY="q k v o gate up down lm_head" run_part reliability ;;
+    cprobe)
+      timeout ${BENCH_TIMEOUT:-300} python3 scripts/checksum_error_probe.py 2>&1 | grep -v Warning | tee "$dir/probe.txt" ;;
     caltrend)
       FTT_ABFT_GEMM_TUNE=0 timeout ${BENCH_TIMEOUT:-400} python3 scripts/calibrate_emax.py --device cuda \
         --modes accumulator --dtypes float16,bfloat16 --xvar --trials 30 --slack-trials 4 \
