@@ -14,6 +14,12 @@ operands), with the kernel's D and C per (row, 64-column group):
   ("slices C/T").
 
     python scripts/checksum_error_probe.py --dims qwen2-0.5b qwen2-7b --classes q down lm_head
+
+``--cpu-emulation`` (no GPU): the checksum of the same operands (fp32 model, inputs and weights cast to fp16,
+32 rows, the first block's Linears and lm_head) in emulated fp32 arithmetic, from the kernel's operand slices:
+each slice's dot accumulated 16 products at a time, exactly, then truncated to fp32 (the tensor cores'
+truncating accumulation), against the split threshold (e_max 1.08e-4, e_var 2e-5): what an fp32 dot of these
+operands errs by, to compare with the GPU's C-err/T.
 """
 
 from __future__ import annotations
@@ -58,12 +64,54 @@ def probe(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int = 
     return out
 
 
+def _truncating_dot(x: torch.Tensor, w: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+    """x (M, K) · w (T, K)ᵀ, float64 (M, T): products exact, summed ``chunk`` at a time with the accumulator
+    exactly, the result truncated to fp32 toward zero after each chunk."""
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for k0 in range(0, x.shape[1], chunk):
+        s = acc + x[:, k0:k0 + chunk].double() @ w[:, k0:k0 + chunk].double().t()
+        f = s.float()
+        f = torch.where(f.double().abs() > s.abs(), torch.nextafter(f, torch.zeros_like(f)), f)
+        acc = f.double()
+    return acc
+
+
+def emulate(dims: str, classes: list[str], e_det: float = 1.08e-4, e_var: float = 2e-5) -> None:
+    """``--cpu-emulation`` (module docstring)."""
+    from ft_transformers.kernels.gemm_checksums import group_threshold, scale_variance_terms, xvar_estimate
+
+    model = T.dims_model(dims, LAYERS[dims], torch.float32, "cpu")
+    layers, _ = T.capture(model, T.random_prompts(model.config.vocab_size, 1, 128), 128)
+    for lay in layers:
+        if lay.layer_class not in classes or (lay.layer_class != "lm_head" and ".layers.0." not in lay.name):
+            continue
+        x, w = torch.cat(lay.inputs)[:32].half(), lay.weight.half()
+        wc = WeightChecksums.compute(w, None)
+        consts = calls._group_sums(wc, w, None, False)[1]
+        slices, winv = calls.group_operand(wc, w, None, False, torch.float16)
+        xf = x.float()
+        mu = xf.mean(1)
+        var = xvar_estimate(mu, xf.square().sum(1), xf.amax(1), xf.amin(1), x.shape[1])
+        thr = group_threshold(mu[:, None], var[:, None], scale_variance_terms(consts, e_var / e_det), e_det, 2.5)
+        ng = consts.shape[0]
+        exact = torch.nn.functional.pad(x.double() @ w.double().t(), (0, ng * 64 - w.shape[0]))
+        exact = exact.view(x.shape[0], ng, 64).sum(-1)
+        c = sum(_truncating_dot(x, sl).float() for sl in slices).double() * float(winv)
+        print(f"{dims} float16 {lay.name} emulated: C-err/T {float(((c - exact).abs() / thr.double()).max()):.3f}",
+              flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dims", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
     ap.add_argument("--classes", nargs="+", default=["q", "down", "lm_head"])
+    ap.add_argument("--cpu-emulation", action="store_true", help="the checksum's fp32 arithmetic emulated on the CPU")
     a = ap.parse_args(argv)
+    if a.cpu_emulation:
+        for dims in a.dims:
+            emulate(dims, a.classes)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("checksum_error_probe.py measures the CUDA kernels: it needs a GPU")
     for dims in a.dims:
