@@ -19,7 +19,8 @@ operands), with the kernel's D and C per (row, 64-column group):
 32 rows, the first block's Linears and lm_head) in emulated fp32 arithmetic, from the kernel's operand slices:
 each slice's dot accumulated 16 products at a time, exactly, then truncated to fp32 (the tensor cores'
 truncating accumulation), against the split threshold (e_max 1.08e-4, e_var 2e-5): what an fp32 dot of these
-operands errs by, to compare with the GPU's C-err/T.
+operands errs by, to compare with the GPU's C-err/T. With ``TRITON_INTERPRET=1`` also the kernel's own checksum
+under the interpreter (slow: about 2 minutes for Qwen2-0.5B's lm_head).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tightness as T  # noqa: E402
-from ft_transformers.kernels.abft_gemm import calls, gemm_residuals, tuning  # noqa: E402
+from ft_transformers.kernels.abft_gemm import calls, gemm_residuals, interpreting, tuning  # noqa: E402
 from ft_transformers.kernels.gemm_checksums import WeightChecksums  # noqa: E402
 
 from ft_transformers.vabft import gemm_emax  # noqa: E402
@@ -97,8 +98,11 @@ def emulate(dims: str, classes: list[str], e_det: float = 1.08e-4, e_var: float 
         exact = torch.nn.functional.pad(x.double() @ w.double().t(), (0, ng * 64 - w.shape[0]))
         exact = exact.view(x.shape[0], ng, 64).sum(-1)
         c = sum(_truncating_dot(x, sl).float() for sl in slices).double() * float(winv)
-        print(f"{dims} float16 {lay.name} emulated: C-err/T {float(((c - exact).abs() / thr.double()).max()):.3f}",
-              flush=True)
+        line = f"{dims} float16 {lay.name} emulated: C-err/T {float(((c - exact).abs() / thr.double()).max()):.3f}"
+        if interpreting():  # the kernel itself, under the Triton interpreter (numpy's fp32 dots)
+            ck = gemm_residuals(x, w, None, emax=e_det, emax_var=e_var)["c"].double()
+            line += f"; the kernel interpreted: C-err/T {float(((ck - exact).abs() / thr.double()).max()):.3f}"
+        print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
