@@ -191,12 +191,16 @@ run_part() {
       tar -czf "$dir/reliability.tar.gz" -C $w . && ls -la "$dir" ;;
     tpratio)  # the flips were checked at every size already: --no-injection leaves the time to the compiled steps
       local tpa="--model qwen2-7b --compile reduce-overhead --no-injection --new-tokens ${TP_TOKENS:-64} --out $dir"
+      tpa="$tpa ${TP_PROFILE:+--profile}"  # TP_PROFILE=1: each workload once more under torch.profiler, every rank
       FTT_ABFT_GEMM_TUNE=0 timeout ${TP1_TIMEOUT:-280} python3 scripts/tp_check.py $tpa 2>&1 \
         | grep --line-buffered -v Warning | grep -E "tp_check |^\||OK|FAILED"
       local ref="$dir/tp_check_qwen2-7b_float16_tp1.json"
       FTT_ABFT_GEMM_TUNE=0 timeout ${TP4_TIMEOUT:-280} python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
         scripts/tp_check.py $tpa $( [ -f $ref ] && echo --reference $ref ) 2>&1 | grep --line-buffered -v Warning \
-        | grep -E "tp_check |^\||OK|FAILED" ;;
+        | grep -E "tp_check |^\||OK|FAILED"
+      if ls "$dir"/profile_*.txt > /dev/null 2>&1; then  # ($OUT brings back a few files: the tables in one)
+        tar -czf "$dir/profiles.tar.gz" -C "$dir" $(cd "$dir" && ls profile_*.txt) && rm -f "$dir"/profile_*.txt
+      fi ;;
     split)
       FTT_ABFT_GEMM_TUNE=0 timeout ${CAL_TIMEOUT:-200} python3 scripts/calibrate_emax.py --device cuda \
         --modes accumulator --dtypes float16,bfloat16 --xvar --trials 30 --slack-trials 4 \

@@ -23,6 +23,10 @@ shards, colwise / rowwise Linear layers, each rank's attention heads) and then:
 ``reduce-overhead`` CUDA graphs), each variant compiling its own: eager decode under tensor parallelism is
 bound by the host, the compiled step measures the GPU's work.
 
+``--profile``: after each timed workload, every rank runs it once more under ``torch.profiler`` (all ranks
+together: the collectives need them) and writes the ops and kernels that took the most device time to
+``profile_tp<N>_rank<R>_<variant>_<workload>.txt`` in ``--out``: where the protected step's extra time goes.
+
 ``--per-layer`` adds a third variant, protected with one checked launch per Linear (``Options.siblings``
 off): the A/B of the one-launch Q/K/V and gate/up GEMMs (`ft_transformers.siblings`, on each rank's colwise
 shards), in the same process. They take calls of up to 16 rows, so decode steps, not a long prefill.
@@ -117,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(reduce-overhead: CUDA graphs), beside the eager decode")
     p.add_argument("--per-layer", action="store_true", help="also run the protected model with one checked "
                    "launch per Linear (the sibling launches off)")
+    p.add_argument("--profile", action="store_true",
+                   help="one more call of each workload under torch.profiler on every rank (module docstring)")
     p.add_argument("--reference", type=Path, default=None, help="the JSON of an unsharded (tp = 1) run")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompt")
     p.add_argument("--weight-std", type=float, default=None,
@@ -319,7 +325,7 @@ def inject(model, args, ids, site: str, target, bit: int, clean_tokens: list[int
             "tokens_equal_clean": tokens == clean_tokens[:args.inject_tokens]}
 
 
-def timings(model, args, device: torch.device, vocab: int, between) -> dict:
+def timings(model, args, device: torch.device, vocab: int, between, name: str = "") -> dict:
     """Prefill (ms per forward) and decode (ms per token) medians on this rank, and every rank's peak
     memory (MiB) over them."""
     timer = Timer(device)
@@ -334,8 +340,10 @@ def timings(model, args, device: torch.device, vocab: int, between) -> dict:
             drop_compiled(model)
             torch._dynamo.utils.counters.clear()
         try:
+            prof = (args.out / f"profile_tp{world_size()}_rank{rank()}_{name.replace(' ', '_').replace(',', '')}"
+                    f"_{key}.txt") if args.profile else None
             ms, std, peak = run_workload(model, wl, device, timer, args.warmup, args.repeats, vocab,
-                                         gen_kwargs=kw, between=between)
+                                         gen_kwargs=kw, between=between, profile_path=prof)
         except Exception as e:  # a compiled step that does not build under sharding is reported, not fatal
             if kw is None:
                 raise
@@ -375,7 +383,7 @@ def variant(model, args, device, ids, cfg, name: str) -> dict:
     collect()
     if not args.no_timing:
         say(f"{name}: timing prefill and decode ({args.warmup} warmup, {args.repeats} timed each)")
-        res["timing"] = timings(model, args, device, cfg.vocab_size, collect)
+        res["timing"] = timings(model, args, device, cfg.vocab_size, collect, name)
         t = res["timing"]
         say(f"{name}: prefill {t['prefill']['ms']:.2f} ms, decode {t['decode']['ms']:.3f} ms/token"
             + (f", compiled decode {t[COMPILED]['ms']:.3f} ms/token" if "ms" in t.get(COMPILED, {}) else ""))
@@ -503,6 +511,8 @@ def read_reference(path: Path, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.profile:
+        args.out.mkdir(parents=True, exist_ok=True)  # (every rank writes its tables there)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and importlib.util.find_spec("accelerate") is None:
         # transformers' tensor-parallel loading places the shards through a device map, which needs it
         raise SystemExit("tensor-parallel loading needs the accelerate package (carry its wheel: it is pure "

@@ -553,7 +553,7 @@ def test_tp_check_script_on_two_cpu_ranks(tmp_path):
 def test_compiled_step_on_shards_breaks_as_the_unsharded_one(tmp_path):
     """``tp_check.py --compile``: the protected model's compiled decode step on two ranks becomes the graphs of
     the unsharded one, with the same breaks (one: the event recorder's step end, outside the graph), so a
-    sharded Linear or attention adds no graph break."""
+    sharded Linear or attention adds no graph break; ``--profile`` writes every rank's tables."""
     why = _gloo()
     if why:
         pytest.skip(why)
@@ -564,9 +564,13 @@ def test_compiled_step_on_shards_breaks_as_the_unsharded_one(tmp_path):
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert one.returncode == 0, _failed(one)
     ref = tmp_path / "tp_check_qwen2-7b_float32_tp1.json"
-    two = _torchrun([script, *common, "--reference", str(ref)], cwd=ROOT, timeout=300)
+    two = _torchrun([script, *common, "--reference", str(ref), "--profile"], cwd=ROOT, timeout=300)
     assert two.returncode == 0, _failed(two)
     res = json.loads((tmp_path / "tp_check_qwen2-7b_float32_tp2.json").read_text())
+    for r in range(2):  # --profile: every rank's table of every workload, the checked ops among the rows
+        table = (tmp_path / f"profile_tp2_rank{r}_protected_decode_compiled.txt").read_text()
+        assert "ftt::checked_linear_module" in table
+        assert (tmp_path / f"profile_tp2_rank{r}_unprotected_prefill.txt").is_file()
     reference = json.loads(ref.read_text())
     for name in ("unprotected", "protected"):
         sharded, whole = (r["variants"][name]["timing"]["decode_compiled"] for r in (res, reference))
