@@ -165,6 +165,12 @@ def _ceil3(v: float) -> float:
     return float(f"{math.ceil(v / q * (1 - 1e-12)) * q:.3g}")
 
 
+def _min_margin(d: torch.Tensor, m: torch.Tensor, v: torch.Tensor, e_det: float, e_var: float) -> float:
+    """The smallest threshold / |D| ``(e_det·M + e_var·V) / |D|`` over the rows with |D| > 0 (inf if none)."""
+    pos = d > 0
+    return float(((e_det * m + e_var * v)[pos] / d[pos]).min()) if bool(pos.any()) else float("inf")
+
+
 def split_emax(rows: Sequence[tuple], e_max: float, margin: float, floor: float,
                zero_mean: Sequence[str] = ZERO_MEAN) -> dict:
     """The pair (e_det, e_var) of the threshold's mean and variance terms, from the slack rows.
@@ -193,11 +199,7 @@ def split_emax(rows: Sequence[tuple], e_max: float, margin: float, floor: float,
     for dist, d, m, v, _ in rows:
         det_need[dist] = max(det_need.get(dist, 0.0), float(((d - e_var * v / margin) / m.clamp_min(tiny)).max()))
     e_det = max(e_max, _ceil3(margin * max(det_need.values(), default=0.0)))
-    worst = float("inf")
-    for _, d, m, v, _ in rows:
-        pos = d > 0
-        if bool(pos.any()):
-            worst = min(worst, float(((e_det * m + e_var * v)[pos] / d[pos]).min()))
+    worst = min((_min_margin(d, m, v, e_det, e_var) for _, d, m, v, _ in rows), default=float("inf"))
     return {"emax": e_det, "emax_var": e_var, "var_need_per_dist": var_need, "det_need_per_dist": det_need,
             "min_margin": worst}
 
@@ -288,8 +290,7 @@ def split_trend(rows: Sequence[tuple], e_det: float, e_var: float, margin: float
     out: dict = {}
     for dist, d, m, v, k in rows:
         grow = max(1.0, k / 8192)
-        pos = d > 0
-        r = float(((grow * (e_det * m + e_var * v))[pos] / d[pos]).min()) if bool(pos.any()) else float("inf")
+        r = _min_margin(d, m, v, grow * e_det, grow * e_var)
         out.setdefault(dist, {})[str(k)] = min(out.get(dist, {}).get(str(k), float("inf")), r)
     return out
 
@@ -312,9 +313,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--split-dtypes", default="bfloat16",
                     help="comma-separated dtypes whose entries take the split (e_det, e_var); the others keep the "
                          "single e_max for both (the split is measured and recorded for every dtype). Not fp16 by "
-                         "default: "
-                         "on Qwen2 lm_heads (N = 151,936) its checksum C carries rounding that e_var = 2e-5 does not "
-                         "cover (docs/reliability.md, \"The variance terms' own unit error\")")
+                         "default: on Qwen2 lm_heads (N = 151,936) its checksum C carries rounding that e_var = 2e-5 "
+                         "does not cover (docs/reliability.md, \"The variance terms' own unit error\")")
     ap.add_argument("--xvar", action="store_true",
                     help="calibrate for x's outlier variance estimate (the table's \"xvar\" section) instead of "
                          "SPEC §5's bound")

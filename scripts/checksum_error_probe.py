@@ -42,6 +42,13 @@ from ft_transformers.vabft import gemm_emax  # noqa: E402
 LAYERS = {"qwen2-0.5b": 4, "qwen2-7b": 1}
 
 
+def _exact_group_sums(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """(M, ⌈N/64⌉) float64: each (row, 64-column group)'s sum of ``x·wᵀ + b`` from float64 products."""
+    ng = -(-w.shape[0] // 64)
+    y = x.double() @ w.double().t() + (b.double() if b is not None else 0.0)
+    return torch.nn.functional.pad(y, (0, ng * 64 - w.shape[0])).view(x.shape[0], ng, 64).sum(-1)
+
+
 def probe(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int = 128) -> list[float]:
     """(E/T, acc-err/T, C-err/T, fp32 C/T, slices C/T) maxima over x (M, K) in chunks of ``rows`` rows, w (N, K),
     b (N,) or None."""
@@ -55,8 +62,7 @@ def probe(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int = 
     for i in range(0, x.shape[0], rows):
         xi = x[i:i + rows]
         r = gemm_residuals(xi, w, b, emax=e, emax_var=e_var)
-        s = xi.double() @ w.double().t() + (b.double() if b is not None else 0.0)
-        s = torch.nn.functional.pad(s, (0, ng * 64 - w.shape[0])).view(xi.shape[0], ng, 64).sum(-1)
+        s = _exact_group_sums(xi, w, b)
         d, c, thr = r["d"].double(), r["c"].double(), r["thr"].double()
         c32 = (xi.float() @ w1g.t()).double() + b1
         csl = sum(torch.mm(xi, sl.t(), out_dtype=torch.float32) for sl in slices).double() * float(winv) + b1
@@ -94,9 +100,7 @@ def emulate(dims: str, classes: list[str], e_det: float = 1.08e-4, e_var: float 
         mu = xf.mean(1)
         var = xvar_estimate(mu, xf.square().sum(1), xf.amax(1), xf.amin(1), x.shape[1])
         thr = group_threshold(mu[:, None], var[:, None], scale_variance_terms(consts, e_var / e_det), e_det, 2.5)
-        ng = consts.shape[0]
-        exact = torch.nn.functional.pad(x.double() @ w.double().t(), (0, ng * 64 - w.shape[0]))
-        exact = exact.view(x.shape[0], ng, 64).sum(-1)
+        exact = _exact_group_sums(x, w, None)
         c = sum(_truncating_dot(x, sl).float() for sl in slices).double() * float(winv)
         line = f"{dims} float16 {lay.name} emulated: C-err/T {float(((c - exact).abs() / thr.double()).max()):.3f}"
         if interpreting():  # the kernel itself, under the Triton interpreter (numpy's fp32 dots)

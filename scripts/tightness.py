@@ -228,12 +228,17 @@ def _ratio(d: torch.Tensor, thr: torch.Tensor) -> float:
     return float(r.max()) if r.numel() else 0.0
 
 
+def _on_triton(backend: str, device_type: str) -> bool:
+    """Whether the Linear checks run in the Triton kernels: ``--backend triton``, or ``auto`` on CUDA."""
+    return backend == "triton" or (backend == "auto" and device_type == "cuda")
+
+
 def linear_clean_ratio(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, emax: float | None,
                        csigma: float = 2.5, backend: str = "auto") -> tuple[float, str]:
     """``(E/T, source)`` of one checked GEMM on x (M, K): the largest clean |D|/T over its (row, column
     group) checks. The Triton backend (``"triton"``, or ``"auto"`` on CUDA): the kernel's own residuals
     (``gemm_residuals``, accumulator mode); otherwise the reference path's (`group_residuals`)."""
-    if backend == "triton" or (backend == "auto" and x.device.type == "cuda"):
+    if _on_triton(backend, x.device.type):
         from ft_transformers.kernels.abft_gemm import gemm_residuals
 
         from ft_transformers.vabft import gemm_emax
@@ -743,7 +748,7 @@ def _emax_in_use(a: argparse.Namespace, classes: dict[str, list[LinearLayer]]) -
     """Per Linear class, the kernels' (e_max, e_var) at its K (`vabft.gemm_emax`; e_var: the variance terms'),
     where the Triton backend runs the checks and ``--emax`` does not set them."""
     dev = torch.device(a.device)
-    if a.emax is not None or not (a.backend == "triton" or (a.backend == "auto" and dev.type == "cuda")):
+    if a.emax is not None or not _on_triton(a.backend, dev.type):
         return {}
     from ft_transformers.vabft import gemm_emax
 
