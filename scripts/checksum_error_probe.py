@@ -11,7 +11,13 @@ operands), with the kernel's D and C per (row, 64-column group):
 * C-err/T: ``max |C − S| / T``: the rounding of the checksum itself;
 * and, to tell the kernel's dot from the operand: the same checksum through cuBLAS, ``x·w1_gᵀ`` in fp32 (TF32
   off; "fp32 C/T") and from the kernel's own operand slices (`calls.group_operand`) with fp32 outputs
-  ("slices C/T").
+  ("slices C/T");
+* and, to tell the verification's launch from its arithmetic, the slices' dot in kernels of the verification's
+  tile (64 rows × 32 groups, 4 warps; `_slice_dot`): a plain tensor-core dot over K ("dot"), IEEE fp32 FMAs
+  without tensor cores ("fma"), and the verification's own `groups._row_stats_and_checksums` alone in a launch
+  ("library", with x's outlier statistics "library_xvar"). A C-err/T above these columns is the launch's, not
+  the dot's: that is how a miscompiled loop (x's statistics reduced inside the pipelined dot loop, Triton 3.6)
+  showed, a wrong C in a few units of calls with several row blocks and no split-K.
 
     python scripts/checksum_error_probe.py --dims qwen2-0.5b qwen2-7b --classes q down lm_head
 
@@ -31,10 +37,13 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tightness as T  # noqa: E402
 from ft_transformers.kernels.abft_gemm import calls, gemm_residuals, interpreting, tuning  # noqa: E402
+from ft_transformers.kernels.abft_gemm.groups import _row_stats_and_checksums  # noqa: E402
 from ft_transformers.kernels.gemm_checksums import WeightChecksums  # noqa: E402
 
 from ft_transformers.vabft import gemm_emax  # noqa: E402
@@ -49,16 +58,70 @@ def _exact_group_sums(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) 
     return torch.nn.functional.pad(y, (0, ng * 64 - w.shape[0])).view(x.shape[0], ng, 64).sum(-1)
 
 
+@triton.jit
+def _slice_dot_kernel(X, Wc, C, M, K, TG, S: tl.constexpr, BLOCK_K: tl.constexpr, FMA: tl.constexpr):
+    """C (M, TG) fp32 = Σ_s X (M, K) · Wc[s] (TG, K)ᵀ for one (64-row, 32-group) tile per program."""
+    rows = tl.program_id(0) * 64 + tl.arange(0, 64)
+    grps = tl.program_id(1) * 32 + tl.arange(0, 32)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((64, 32), tl.float32)
+    for s in range(S):
+        part = tl.zeros((64, 32), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            a = tl.load(X + rows[:, None] * K + kk[None, :], mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(Wc + s * TG * K + grps[None, :] * K + kk[:, None],
+                        mask=(grps[None, :] < TG) & (kk[:, None] < K), other=0.0)
+            if FMA:
+                part = tl.dot(a.to(tl.float32), b.to(tl.float32), part, input_precision="ieee")
+            else:
+                part = tl.dot(a, b, part)
+        acc += part
+    tl.store(C + rows[:, None] * TG + grps[None, :], acc, mask=(rows[:, None] < M) & (grps[None, :] < TG))
+
+
+@triton.jit
+def _library_dot_kernel(X, Wc, C, M, K, TG, S: tl.constexpr, XVAR: tl.constexpr):
+    """C (M, TG) fp32 as the verification's own `groups._row_stats_and_checksums` forms it, one (64-row,
+    32-group) tile per program over every K block."""
+    rows = tl.program_id(0) * 64 + tl.arange(0, 64)
+    grps = tl.program_id(1) * 32 + tl.arange(0, 32)
+    r_ok = rows < M
+    g_ok = grps < TG
+    c = _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, 0, tl.cdiv(K, 64), K, TG, K, 1, 64, S, False,
+                                 XVAR)[4]
+    tl.store(C + rows[:, None] * TG + grps[None, :], c, mask=r_ok[:, None] & g_ok[None, :])
+
+
+VARIANTS = {"dot": (64, False), "fma": (64, True), "library": None, "library_xvar": None}
+
+
+def _slice_dot(x: torch.Tensor, slices: torch.Tensor, variant: str) -> torch.Tensor:
+    """(M, T_g) fp32: ``x`` (M, K) · each of ``slices`` (S, T_g, K)ᵀ summed, as `VARIANTS[variant]` forms it."""
+    m, k = x.shape
+    tg = slices.shape[1]
+    c = torch.empty(m, tg, dtype=torch.float32, device=x.device)
+    if variant.startswith("library"):
+        _library_dot_kernel[(triton.cdiv(m, 64), triton.cdiv(tg, 32))](x.contiguous(), slices, c, m, k, tg,
+                                                                       S=slices.shape[0], XVAR=variant.endswith("xvar"),
+                                                                       num_warps=4, num_stages=3)
+        return c
+    bk, fma = VARIANTS[variant]
+    _slice_dot_kernel[(triton.cdiv(m, 64), triton.cdiv(tg, 32))](x.contiguous(), slices, c, m, k, tg, S=slices.shape[0],
+                                                                   BLOCK_K=bk, FMA=fma, num_warps=4)
+    return c
+
+
 def probe(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int = 128) -> list[float]:
-    """(E/T, acc-err/T, C-err/T, fp32 C/T, slices C/T) maxima over x (M, K) in chunks of ``rows`` rows, w (N, K),
-    b (N,) or None."""
+    """(E/T, acc-err/T, C-err/T, fp32 C/T, slices C/T, then the C/T of every `VARIANTS` entry) maxima over x (M, K)
+    in chunks of ``rows`` rows, w (N, K), b (N,) or None."""
     e, e_var = gemm_emax(x.dtype, x.device, "accumulator", x.shape[1])
     ng = -(-w.shape[0] // 64)
     wc = WeightChecksums.compute(w, b)
     w1g = calls._group_sums(wc, w, b, False)[0]  # (T_g, K) fp32
     slices, winv = calls.group_operand(wc, w, b, False, x.dtype)  # (S, T_g, K) in x's dtype, (1,) fp32
     b1 = 0.0 if b is None else torch.nn.functional.pad(b.double(), (0, ng * 64 - w.shape[0])).view(ng, 64).sum(-1)
-    out = [0.0] * 5
+    out = [0.0] * (5 + len(VARIANTS))
     for i in range(0, x.shape[0], rows):
         xi = x[i:i + rows]
         r = gemm_residuals(xi, w, b, emax=e, emax_var=e_var)
@@ -66,7 +129,9 @@ def probe(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int = 
         d, c, thr = r["d"].double(), r["c"].double(), r["thr"].double()
         c32 = (xi.float() @ w1g.t()).double() + b1
         csl = sum(torch.mm(xi, sl.t(), out_dtype=torch.float32) for sl in slices).double() * float(winv) + b1
-        for j, v in enumerate((d.abs(), (d + c - s).abs(), (c - s).abs(), (c32 - s).abs(), (csl - s).abs())):
+        cv = [_slice_dot(xi, slices, v).double() * float(winv) + b1 for v in VARIANTS]
+        for j, v in enumerate([d.abs(), (d + c - s).abs(), (c - s).abs(), (c32 - s).abs(), (csl - s).abs()]
+                              + [(cvi - s).abs() for cvi in cv]):
             out[j] = max(out[j], float((v / thr).max()))
     return out
 
@@ -130,10 +195,11 @@ def main(argv: list[str] | None = None) -> None:
                 if lay.layer_class not in a.classes:
                     continue
                 w = lay.weight
-                et, acc, cerr, c32, csl = probe(torch.cat(lay.inputs), w, lay.bias)
+                et, acc, cerr, c32, csl, *cv = probe(torch.cat(lay.inputs), w, lay.bias)
                 cfgs = sorted({v for k, v in tuning._TUNE_CACHE.items() if k[7:9] == (w.shape[0], w.shape[1])})
                 print(f"{dims} {dt} {lay.name} tune={os.environ.get('FTT_ABFT_GEMM_TUNE', '1')} E/T {et:.3f}  "
-                      f"acc-err/T {acc:.3f}  C-err/T {cerr:.3f}  fp32 C/T {c32:.3f}  slices C/T {csl:.3f}  cfg {cfgs}",
+                      f"acc-err/T {acc:.3f}  C-err/T {cerr:.3f}  fp32 C/T {c32:.3f}  slices C/T {csl:.3f}  "
+                      + "  ".join(f"{v} {e:.3f}" for v, e in zip(VARIANTS, cv)) + f"  cfg {cfgs}",
                       flush=True)
             del model, layers
             torch.cuda.empty_cache()

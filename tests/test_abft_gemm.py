@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from cuda_graphs import captured
 from interpreted import interpreted_tests
+from thresholds64 import xvar64
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -47,6 +48,7 @@ from ft_transformers.kernels.abft_gemm import (  # noqa: E402
     tile,
     tuning,
 )
+from ft_transformers.kernels.gemm_checksums import xvar_in_use  # noqa: E402
 from ft_transformers.kernels.options import Options, override  # noqa: E402
 
 import ft_transformers as ftt  # noqa: E402
@@ -136,16 +138,17 @@ def _group_sums64(y, n):
     return F.pad(y64, (0, (-n) % GC)).view(y64.shape[0], -1, GC).sum(-1)
 
 
-def _thr64(x, w_nk, b, emax, csigma=2.5, emax_var=None):
+def _thr64(x, w_nk, b, emax, csigma=2.5, emax_var=None, xvar=False):
     """SPEC §5's threshold of every (row, 64-column group) in float64, from the operands alone: the
     V-ABFT threshold of ``x`` (M, K) times the group's rows of ``w_nk`` (N, K), plus the bias share of the
-    group's bias values: x's row variance bounded as SPEC §5 bounds it (Bhatia–Davis, (max − μ)(μ − min)),
-    the weight groups' and the bias's exact (population) variances, as the library takes them. The mean
-    terms take ``emax``, the variance terms ``emax_var`` (None: ``emax``)."""
+    group's bias values: x's row variance bounded as SPEC §5 bounds it (Bhatia–Davis, (max − μ)(μ − min)), or
+    with ``xvar`` x's outlier estimate (`thresholds64.xvar64`), the weight groups' and the bias's exact
+    (population) variances, as the library takes them. The mean terms take ``emax``, the variance terms
+    ``emax_var`` (None: ``emax``)."""
     ev = emax if emax_var is None else emax_var
     x64, w64 = x.double().cpu(), w_nk.double().cpu()
     mu = x64.mean(1)
-    var = ((x64.amax(1) - mu) * (mu - x64.amin(1))).clamp_min(0.0)
+    var = xvar64(x64)[1] if xvar else ((x64.amax(1) - mu) * (mu - x64.amin(1))).clamp_min(0.0)
     out = []
     for g0 in range(0, w64.shape[0], GC):
         wg = w64[g0:g0 + GC]  # (n_g, K): per k, statistics over the group's rows
@@ -352,7 +355,9 @@ def _check_residuals(x, w, b, kn, mode, where=None):
     scale = absdot + x64.abs().sum(1, keepdim=True) * w1g.abs().max() + b1g.abs()
     c_tol = 2.0**-19 * scale + 4 * k**0.5 * 2.0**-24 * absdot
     assert bool(((res["c"].double().cpu() - c64).abs() <= c_tol).all())
-    torch.testing.assert_close(res["thr"].double().cpu(), _thr64(x, w_nk, b, emax, emax_var=emax_var),
+    # (the estimate of x's variance the call took: the outlier estimate where the device's table has it)
+    xvar = xvar_in_use(x.device.type, x.dtype, mode)
+    torch.testing.assert_close(res["thr"].double().cpu(), _thr64(x, w_nk, b, emax, emax_var=emax_var, xvar=xvar),
                                rtol=1e-4, atol=0)
     y = res["y"]
     # the fp32 sums' bound (K products, then 64 terms per unit, a flipped one among them), beside C's
@@ -1676,6 +1681,30 @@ def test_gpu_group_verification_at_real_shapes(dtype, form, monkeypatch, setopt)
         assert float((y_t.double().cpu() - ref).abs().max()) <= tol
         checked += 1
     assert checked >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES16, ids=str)
+def test_gpu_checksums_repeat_bit_for_bit_without_split(dtype, setopt):
+    """The verification's checksum C at a call of several row blocks and no split-K (512 × 18,432 × 896: 72
+    verification blocks, more than half the SMs of an H100 or H200), three calls on the same operands: C is
+    bit-identical every time, and within 0.1 of the threshold of the float64 checksum in fp16. With x's
+    statistics reduced inside the pipelined dot loop, Triton 3.6's code computed a wrong C in 0.02-0.6 % of
+    such a call's units (up to 0.3 of the threshold), a different set at each call."""
+    setopt(gemm_cublas=False)
+    m, k, n = 512, 896, 18432
+    assert forms.verify_split(m, n, k, torch.device("cuda"))[0] == 1
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
+    emax, emax_var = gemm_emax(dtype, x.device, "accumulator", k)
+    runs = [G.gemm_residuals(x, w, None, emax=emax, emax_var=emax_var) for _ in range(3)]
+    assert all(torch.equal(r["c"], runs[0]["c"]) for r in runs[1:])
+    if dtype == torch.float16:
+        c64 = x.double() @ _group_sums64(w.t(), n).t().to(x.device)
+        assert float(((runs[0]["c"].double() - c64).abs() / runs[0]["thr"].double()).max()) <= 0.1
+    assert all(dict(FaultStats(r["counters"])) == ZERO for r in runs)
 
 
 @pytest.mark.gpu

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from interpreted import interpreted_tests
+from thresholds64 import bound64, xvar64
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -39,7 +40,6 @@ from ft_transformers.kernels.gemm_checksums import (  # noqa: E402
     group_checksums,
     group_threshold,
     row_stats,
-    xvar_guard,
     xvar_in_use,
 )
 from ft_transformers.kernels.options import override  # noqa: E402
@@ -69,29 +69,9 @@ def xvar_on():
         yield
 
 
-def _xvar64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(μ, σ²) (M,) float64 of x (M, K) under the outlier estimate, computed in float64: the exact variance
-    plus the guard and the outlier term, capped at the bound (`gemm_checksums.xvar_estimate`'s terms)."""
-    x = x.double().cpu()
-    k = x.shape[1]
-    mu = x.mean(1)
-    v = (x - mu[:, None]).square().mean(1)
-    mx, mn = x.amax(1), x.amin(1)
-    dev = torch.maximum(mx - mu, mu - mn)
-    est = v + xvar_guard(k) * x.square().mean(1) + dev.square() / math.sqrt(k)
-    return mu, torch.minimum(est, ((mx - mu) * (mu - mn)).clamp_min(0.0))
-
-
-def _bound64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(μ, σ²) (M,) float64 of x (M, K) under SPEC §5's bound."""
-    x = x.double().cpu()
-    mu = x.mean(1)
-    return mu, ((x.amax(1) - mu) * (mu - x.amin(1))).clamp_min(0.0)
-
-
 def _thr64(x, w, b, emax, xvar: bool) -> torch.Tensor:
     """(M, ⌈N/64⌉) float64 group thresholds of x (M, K) and w (N, K) under either estimate."""
-    mu, var = (_xvar64 if xvar else _bound64)(x)
+    mu, var = (xvar64 if xvar else bound64)(x)
     consts = group_checksums(w.cpu(), None if b is None else b.cpu())[1].double()
     return group_threshold(mu[:, None], var[:, None], consts, emax, 2.5)
 

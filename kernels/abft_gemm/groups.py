@@ -47,24 +47,21 @@ G: tl.constexpr = tl.constexpr(64)  # = gemm_checksums.GROUP_COLS
 def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm, sxk, BLOCK_K: tl.constexpr,
                              SLICES: tl.constexpr, DOT_F32: tl.constexpr, XVAR: tl.constexpr):
     """x's row sum, sum of squares (XVAR; else 0), max and min (BLOCK_R,) and the checksum dots
-    (BLOCK_R, BLOCK_G) of ``Wc``'s S slices (S, T_g, K) summed, over the K blocks ``[kb0, kb1)``."""
+    (BLOCK_R, BLOCK_G) of ``Wc``'s S slices (S, T_g, K) summed, over the K blocks ``[kb0, kb1)``.
+
+    Two loops over the K blocks: the dots alone, then x's statistics. With the reductions in the pipelined
+    dot loop (one load of x for both), Triton 3.6's sm_90 code computed a wrong checksum in 0.02-0.6 % of
+    the (row, group) units of calls with more than one row block and no split-K, a different set at each run
+    (H100, fp16, Qwen2-0.5B's lm_head, 128-512 rows: up to 0.3 of the threshold against the 0.015 of the same
+    dots alone); one loop without software pipelining, or the dots and the statistics in loops of their own,
+    gave the exact dots at every run. The second loop reads x again (from L2: the call's other group blocks
+    read the same rows)."""
     BLOCK_R: tl.constexpr = rows.shape[0]
     BLOCK_G: tl.constexpr = grps.shape[0]
     offs_k = tl.arange(0, BLOCK_K)
     c0 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
     c1 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
     c2 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
-    # sum, max, min: reduced per K block for tensor-core dtypes (element-wise accumulators would hold
-    # register tiles as large as x's); element-wise for fp32, whose IEEE dot's operand Triton 3.6 failed to
-    # lower ("PassManager::run failed" on an H200) once it also fed a reduction in the loop
-    sm = tl.zeros((BLOCK_R,), tl.float32)
-    sq = tl.zeros((BLOCK_R,), tl.float32)
-    mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
-    mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
-    sme = tl.zeros((BLOCK_R, BLOCK_K if DOT_F32 else 1), tl.float32)
-    sqe = tl.zeros((BLOCK_R, BLOCK_K if DOT_F32 and XVAR else 1), tl.float32)
-    mxe = tl.full((BLOCK_R, BLOCK_K if DOT_F32 else 1), -float("inf"), tl.float32)
-    mne = tl.full((BLOCK_R, BLOCK_K if DOT_F32 else 1), float("inf"), tl.float32)
     for kb in range(kb0, kb1):
         kk = kb * BLOCK_K + offs_k
         k_ok = kk < K
@@ -76,7 +73,22 @@ def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm
             c1 = _mma(xa, tl.load(wp + TG * K, mask=wm, other=0.0), c1, DOT_F32)
         if SLICES > 2:
             c2 = _mma(xa, tl.load(wp + 2 * TG * K, mask=wm, other=0.0), c2, DOT_F32)
-        xf = xa.to(tl.float32)  # (x is 0 past K: masked for max / min)
+    # sum, max, min: reduced per K block for tensor-core dtypes (element-wise accumulators would hold register
+    # tiles as large as x's; tiles of 2 or 4 K blocks per step measured no faster); element-wise for fp32,
+    # whose per-block reductions Triton 3.6 fails to lower here (TritonGPUOptimizeThreadLocality)
+    sm = tl.zeros((BLOCK_R,), tl.float32)
+    sq = tl.zeros((BLOCK_R,), tl.float32)
+    mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
+    mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
+    sme = tl.zeros((BLOCK_R, BLOCK_K if DOT_F32 else 1), tl.float32)
+    sqe = tl.zeros((BLOCK_R, BLOCK_K if DOT_F32 and XVAR else 1), tl.float32)
+    mxe = tl.full((BLOCK_R, BLOCK_K if DOT_F32 else 1), -float("inf"), tl.float32)
+    mne = tl.full((BLOCK_R, BLOCK_K if DOT_F32 else 1), float("inf"), tl.float32)
+    for kb in range(kb0, kb1):
+        kk = kb * BLOCK_K + offs_k
+        k_ok = kk < K
+        xf = tl.load(X + rows[:, None] * sxm + kk[None, :] * sxk, mask=r_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float32)  # (x is 0 past K: masked for max / min)
         if DOT_F32:
             sme += xf
             if XVAR:
