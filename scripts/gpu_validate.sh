@@ -34,7 +34,8 @@
 #              graphs), no flips (4 GPUs: nvidia-h100-x4; ~9 min)
 #   split      the threshold's variance terms with their own unit error (issue 38): calibrates fp16/bf16 (x's
 #              outlier estimate, with the K trend; into the device's table, copied to the part's folder), then
-#              the Linear classes' tightness of Qwen2-0.5B and Qwen2-7B dims and clean generations with it (~9 min)
+#              the Linear classes' tightness of Qwen2-0.5B and Qwen2-7B dims and clean generations with it (~9 min);
+#              SPLIT_DTYPES (e.g. float16,bfloat16): the dtypes whose table entries take the split (default bf16)
 #   cprobe     where a clean check's difference comes from, the sums or the checksum C (q, down, lm_head of Qwen2-0.5B
 #              and 7B dims, fp16 and bf16; scripts/checksum_error_probe.py, ~2 min)
 #   caltrend   the accumulator e_max's slack per distribution and K, past k_ref (fp16, bf16, x's outlier estimate;
@@ -204,7 +205,7 @@ run_part() {
     split)
       FTT_ABFT_GEMM_TUNE=0 timeout ${CAL_TIMEOUT:-200} python3 scripts/calibrate_emax.py --device cuda \
         --modes accumulator --dtypes float16,bfloat16 --xvar --trials 30 --slack-trials 4 \
-        --trend-k 4096,8192,18944,29568 2>&1 | grep -v Warning | tail -4
+        --trend-k 4096,8192,18944,29568 ${SPLIT_DTYPES:+--split-dtypes $SPLIT_DTYPES} 2>&1 | grep -v Warning | tail -4
       cp ft_transformers/emax_tables/*.json "$dir/" 2>/dev/null
       REL_JOBS="${SPLIT_JOBS:-tight falsepos}" TIGHT_ONLY="q k v o gate up down lm_head" run_part reliability ;;
     cprobe)
