@@ -8,6 +8,8 @@ weights from `ft_transformers.embedded`):
 * ``qwen2-0.5b``  — Qwen2-0.5B (24 layers, 896 wide, 14 heads / 2 KV heads, MLP 4864)
 * ``qwen2-1.5b``  — Qwen2-1.5B (28 layers, 1536 wide, 12 heads / 2 KV heads, MLP 8960)
 * ``smollm2``     — SmolLM2-135M-Instruct (Llama, 30 layers, 576 wide, 9 heads / 3 KV heads), real weights
+* ``qwen2-7b``    — Qwen2-7B (28 layers, 3584 wide, 28 heads / 4 KV heads, MLP 18944; about 15 GB in fp16):
+  asked for by name only (``--models qwen2-7b``), not in the default set
 
 Variants, measured side by side on the same model object in one run:
 
@@ -93,7 +95,8 @@ from ft_transformers.kv_checksums import track_kv_cache
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import environment, fixed_length  # noqa: E402
 
-MODELS = ("gpt2", "qwen2-0.5b", "qwen2-1.5b", "smollm2")
+DEFAULT_MODELS = ("gpt2", "qwen2-0.5b", "qwen2-1.5b", "smollm2")
+MODELS = (*DEFAULT_MODELS, "qwen2-7b")
 VARIANTS = ("sdpa", "efta_off", "attn_only", "full")
 ALL_VARIANTS = (*VARIANTS, "full_off", "full_per_layer", "attn_only_kv")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -658,7 +661,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
               file=sys.stderr)
     quick = args.quick
     d = dict(
-        models=list(MODELS) if not cpu else ["gpt2", "qwen2-0.5b"],
+        models=list(DEFAULT_MODELS) if not cpu else ["gpt2", "qwen2-0.5b"],
         dtype=["fp32"] if cpu else ["fp16"],
         prefill=[32, 64] if cpu else ([1024, 4096] if quick else [1024, 4096, 16384]),
         new_tokens=6 if cpu else (32 if quick else 128),

@@ -201,3 +201,14 @@ def test_compiled_decode_rows_say_so_and_old_files_read_as_eager(tmp_path):
     assert "| gpt2 | fp16 | decode b1 (512+128, compiled reduce-overhead) | 2.000 ms/tok | 2.200 ms/tok | 1.10× |" \
         in table
     assert "| gpt2 | fp16 | decode b1 (512+128) | 2.000 ms/tok |" in table
+
+
+def test_qwen2_7b_is_chosen_by_name_with_its_published_dims():
+    """``--models qwen2-7b`` (issue 39's end-to-end model) parses, is left out of the default set, and its config
+    has Qwen2-7B's published dims with its own lm_head."""
+    args = bg.parse_args(["--models", "qwen2-7b"])
+    assert args.models == ["qwen2-7b"] and "qwen2-7b" not in bg.DEFAULT_MODELS
+    cfg = bg.model_config("qwen2-7b", tiny=False, max_positions=4096)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (3584, 18944, 28)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (28, 4, 152064)
+    assert not cfg.tie_word_embeddings
