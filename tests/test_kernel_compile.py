@@ -90,6 +90,32 @@ def test_gemm_compiles_for_sm90(kernel):
     _compile_in_subprocess(_GEMM_COMPILE.format(kernel=kernel))
 
 
+_VERIFY_BUFFERS = r"""
+import re
+slots = {}
+for name, kernel, dtype, cfg, over in kr.GEMM_VARIANTS:
+    if kernel != "verify" or over.get("DOT_F32"):
+        continue
+    c = kr.compile_gemm_variant(kernel, dtype, cfg, dict(over, CORRECT=False), 90)
+    ttgir = c.asm["ttgir"]
+    assert "isAsync = true" in ttgir, name  # asynchronous wgmma: what a shallow buffer races with
+    depths = re.findall(r"ttg.local_alloc[^\n]*-> !ttg.memdesc<(\d+)x\d+x\d+x", ttgir)
+    slots[name + " [" + dtype + "]"] = sorted({int(d) for d in depths})
+assert slots and all(len(v) == 1 for v in slots.values()), slots
+name, compiled = "verify check loops", c
+"""
+
+
+def test_verify_check_loop_buffers_share_one_depth():
+    """The verification's check loop (`groups._row_stats_and_checksums`, every tensor-core variant, repair
+    compiled out) stages x's tile and the checksum slices in shared-memory buffers of one depth. Triton's
+    pipeliner gave x's tile one slot fewer while the tile also fed x's row statistics, with the wgmmas left
+    pending across the next copy: the copy for block i + 2 overwrote the tile block i's wgmma still read, and
+    the checksum came out wrong in a few units on an H100 (docs/reliability.md, "The verification's checksum,
+    computed wrong in a few units")."""
+    _compile_in_subprocess(_VERIFY_BUFFERS)
+
+
 _SASS = """
         /*0000*/                   MOV R0, RZ ;
 .L_x_0:
