@@ -38,6 +38,10 @@
 #              SPLIT_DTYPES (e.g. float16,bfloat16): the dtypes whose table entries take the split (default bf16)
 #   cprobe     where a clean check's difference comes from, the sums or the checksum C (q, down, lm_head of Qwen2-0.5B
 #              and 7B dims, fp16 and bf16; scripts/checksum_error_probe.py, ~2 min)
+#   verifyab   the group verification against an older tree in $BASELINE (default .baseline; `git archive <commit>
+#              ft_transformers kernels patches scripts tests pyproject.toml | tar -x -C .baseline`, carried): the
+#              repeated-call checksum test and the real-shape test, the fp16 lm_head checksum probe, then
+#              bench_linear's short and layer shapes under CUDA graphs through gpu_ab.sh (~6 min)
 #   caltrend   the accumulator e_max's slack per distribution and K, past k_ref (fp16, bf16, x's outlier estimate;
 #              written to the part's folder, the shipped tables untouched)
 #   xvar       x's outlier variance estimate in the GEMM threshold (FTT_GEMM_XVAR=1, issue 38), ~9 min: its own
@@ -210,6 +214,14 @@ run_part() {
       REL_JOBS="${SPLIT_JOBS:-tight falsepos}" TIGHT_ONLY="q k v o gate up down lm_head" run_part reliability ;;
     cprobe)
       timeout ${BENCH_TIMEOUT:-300} python3 scripts/checksum_error_probe.py 2>&1 | grep -v Warning | tee "$dir/probe.txt" ;;
+    verifyab)
+      FTT_ABFT_GEMM_TUNE=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_abft_gemm.py \
+        -k "bit_for_bit or real_shapes" 2>&1 | tail -4
+      timeout 120 python3 scripts/checksum_error_probe.py --dims qwen2-0.5b --dtypes float16 --classes lm_head 2>&1 \
+        | grep -v Warning | tee "$dir/probe.txt"
+      OUT="$dir" timeout 260 bash scripts/gpu_ab.sh "${BASELINE:-.baseline}" 1 -- python3 scripts/bench_linear.py \
+        --kinds short,layer --graph --no-torch-checked --dtypes float16 --rounds 3 --out @OUT@/lin 2>&1 \
+        | grep -E "===|short|layer" ;;
     caltrend)
       FTT_ABFT_GEMM_TUNE=0 timeout ${BENCH_TIMEOUT:-400} python3 scripts/calibrate_emax.py --device cuda \
         --modes accumulator --dtypes float16,bfloat16 --xvar --trials 30 --slack-trials 4 \
