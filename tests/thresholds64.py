@@ -1,16 +1,20 @@
-"""Float64 references of x's row variance as the checked GEMM's thresholds take it, for the GEMM tests."""
+"""Float64 references of x's row variance as the checked GEMM's thresholds take it, for the GEMM tests.
+
+Nothing of the library is imported at module level: test files import this before they set
+``TRITON_INTERPRET``, which must precede triton's import."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-from ft_transformers.kernels.gemm_checksums import xvar_guard
 
 
 def xvar64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(μ, σ²) (M,) float64 of x (M, K) under the outlier estimate, computed in float64: the exact variance
     plus the guard and the outlier term, capped at the bound (`gemm_checksums.xvar_estimate`'s terms)."""
+    from ft_transformers.kernels.gemm_checksums import xvar_guard
+
     x = x.double().cpu()
     k = x.shape[1]
     mu = x.mean(1)
