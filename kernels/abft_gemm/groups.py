@@ -11,8 +11,9 @@ whole row let the rounding noise of a 49k–152k-wide lm_head hide a change of s
 ``C`` is a GEMM of 1/64 of the layer's: ``x (M, K) · w1gᵀ (K, T_g)`` on the tensor cores, with ``w1g``
 held in fp32 accuracy as S slices of x's dtype (`calls.group_operand`: 2 for fp16, 3 for bf16, 1 for
 fp32 in IEEE FMAs), every product of x and a slice exact in fp32. x's row sum, max and min
-for the threshold come from the same loads of x (with XVAR, x's outlier variance estimate, its sum of
-squares too: `gemm_checksums.xvar_estimate`), so the GEMM's K loop carries no checksum work.
+for the threshold come from a second loop over the same K blocks (with XVAR, x's outlier variance estimate,
+its sum of squares too: `gemm_checksums.xvar_estimate`; `_row_stats_and_checksums` says why not the dot loop),
+so the GEMM's K loop carries no checksum work.
 
 The cuBLAS form (Y32) has no GEMM epilogue: cuBLAS leaves the product x·Wᵀ in fp32 (y32, M × N), and this
 launch makes y from it before verifying: each (BLOCK_R, 64) tile of y32 is read once, the bias added in
@@ -206,7 +207,7 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
     (T_g, 8) the groups' constants (`group_checksums`); ``P`` (T_g, M) the GEMM's group sums (with SPLIT
     followed by the partials); ``Flag`` the call's flag cell (`call_flag`); ``Cnt`` the (sites, kinds) int32
     counters. DEBUG: (D, C, T) of every unit into ``Dbg`` (M, T_g, 3). XVAR: x's outlier variance estimate
-    in the thresholds (`gemm_checksums.xvar_estimate`; x's sum of squares from the same loads), else SPEC §5's
+    in the thresholds (`gemm_checksums.xvar_estimate`; x's sum of squares beside its sum), else SPEC §5's
     bound.
 
     Y32 (the cuBLAS form): ``P`` starts with the product x·Wᵀ in fp32 (M, N), contiguous, the group sums
