@@ -59,15 +59,15 @@ def _exact_group_sums(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) 
 
 
 @triton.jit
-def _slice_dot_kernel(X, Wc, C, M, K, TG, S: tl.constexpr, BLOCK_K: tl.constexpr, FMA: tl.constexpr):
-    """C (M, TG) fp32 = Σ_s X (M, K) · Wc[s] (TG, K)ᵀ for one (64-row, 32-group) tile per program."""
+def _slice_dot_kernel(X, Wc, C, M, K, TG, S: tl.constexpr, FMA: tl.constexpr):
+    """C (M, TG) fp32 = Σ_s X (M, K) · Wc[s] (TG, K)ᵀ for one (64-row, 32-group) tile per program, 64 keys a step."""
     rows = tl.program_id(0) * 64 + tl.arange(0, 64)
     grps = tl.program_id(1) * 32 + tl.arange(0, 32)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = tl.arange(0, 64)
     acc = tl.zeros((64, 32), tl.float32)
     for s in range(S):
         part = tl.zeros((64, 32), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, K, 64):
             kk = k0 + offs_k
             a = tl.load(X + rows[:, None] * K + kk[None, :], mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
             b = tl.load(Wc + s * TG * K + grps[None, :] * K + kk[:, None],
@@ -93,7 +93,9 @@ def _library_dot_kernel(X, Wc, C, M, K, TG, S: tl.constexpr, XVAR: tl.constexpr)
     tl.store(C + rows[:, None] * TG + grps[None, :], c, mask=r_ok[:, None] & g_ok[None, :])
 
 
-VARIANTS = {"dot": (64, False), "fma": (64, True), "library": None, "library_xvar": None}
+# name → (kernel, its constexpr switch)
+VARIANTS = {"dot": (_slice_dot_kernel, dict(FMA=False)), "fma": (_slice_dot_kernel, dict(FMA=True)),
+            "library": (_library_dot_kernel, dict(XVAR=False)), "library_xvar": (_library_dot_kernel, dict(XVAR=True))}
 
 
 def _slice_dot(x: torch.Tensor, slices: torch.Tensor, variant: str) -> torch.Tensor:
@@ -101,14 +103,9 @@ def _slice_dot(x: torch.Tensor, slices: torch.Tensor, variant: str) -> torch.Ten
     m, k = x.shape
     tg = slices.shape[1]
     c = torch.empty(m, tg, dtype=torch.float32, device=x.device)
-    if variant.startswith("library"):
-        _library_dot_kernel[(triton.cdiv(m, 64), triton.cdiv(tg, 32))](x.contiguous(), slices, c, m, k, tg,
-                                                                       S=slices.shape[0], XVAR=variant.endswith("xvar"),
-                                                                       num_warps=4, num_stages=3)
-        return c
-    bk, fma = VARIANTS[variant]
-    _slice_dot_kernel[(triton.cdiv(m, 64), triton.cdiv(tg, 32))](x.contiguous(), slices, c, m, k, tg, S=slices.shape[0],
-                                                                   BLOCK_K=bk, FMA=fma, num_warps=4)
+    kernel, switch = VARIANTS[variant]
+    kernel[(triton.cdiv(m, 64), triton.cdiv(tg, 32))](x.contiguous(), slices, c, m, k, tg, S=slices.shape[0], **switch,
+                                                      num_warps=4, num_stages=3)
     return c
 
 
