@@ -54,9 +54,10 @@ def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm
     dot loop (one load of x for both), Triton 3.6's sm_90 code computed a wrong checksum in 0.02-0.6 % of
     the (row, group) units of calls with more than one row block and no split-K, a different set at each run
     (H100, fp16, Qwen2-0.5B's lm_head, 128-512 rows: up to 0.3 of the threshold against the 0.015 of the same
-    dots alone); one loop without software pipelining, or the dots and the statistics in loops of their own,
-    gave the exact dots at every run. The second loop reads x again (from L2: the call's other group blocks
-    read the same rows)."""
+    dots alone): the pipeliner staged x's tile in 2 shared-memory slots against the slices' 3, and the copy
+    for block i + 2 overwrote the tile block i's still-pending wgmma read
+    (`tests/test_kernel_compile.py::test_verify_check_loop_buffers_share_one_depth`). The second loop reads x
+    again, from memory where x exceeds L2 (up to 0.15 of cuBLAS's throughput at large K, docs/vabft.md)."""
     BLOCK_R: tl.constexpr = rows.shape[0]
     BLOCK_G: tl.constexpr = grps.shape[0]
     offs_k = tl.arange(0, BLOCK_K)
