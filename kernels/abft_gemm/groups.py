@@ -50,34 +50,21 @@ def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm
     """x's row sum, sum of squares (XVAR; else 0), max and min (BLOCK_R,) and the checksum dots
     (BLOCK_R, BLOCK_G) of ``Wc``'s S slices (S, T_g, K) summed, over the K blocks ``[kb0, kb1)``.
 
-    Two loops over the K blocks: the dots alone, then x's statistics. With the reductions in the pipelined
-    dot loop (one load of x for both), Triton 3.6's sm_90 code computed a wrong checksum in 0.02-0.6 % of
-    the (row, group) units of calls with more than one row block and no split-K, a different set at each run
-    (H100, fp16, Qwen2-0.5B's lm_head, 128-512 rows: up to 0.3 of the threshold against the 0.015 of the same
-    dots alone): the pipeliner staged x's tile in 2 shared-memory slots against the slices' 3, and the copy
-    for block i + 2 overwrote the tile block i's still-pending wgmma read
-    (`tests/test_kernel_compile.py::test_verify_check_loop_buffers_share_one_depth`). The second loop reads x
-    again, from memory where x exceeds L2 (up to 0.15 of cuBLAS's throughput at large K, docs/vabft.md)."""
+    One loop; the statistics reduce a plain load of x's tile (``.cg``: a global load beside the dots'
+    asynchronous copies, served by L2 which the copy just filled), never the dots' pipelined operand: reduced
+    from that operand, Triton 3.6's sm_90 code computed a wrong checksum in 0.02-0.6 % of the (row, group)
+    units of calls with more than one row block and no split-K, a different set at each run (H100, fp16,
+    Qwen2-0.5B's lm_head: up to 0.3 of the threshold against the 0.015 of the same dots alone). The decode
+    kernel reads its statistics from loads of their own too."""
     BLOCK_R: tl.constexpr = rows.shape[0]
     BLOCK_G: tl.constexpr = grps.shape[0]
     offs_k = tl.arange(0, BLOCK_K)
     c0 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
     c1 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
     c2 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
-    for kb in range(kb0, kb1):
-        kk = kb * BLOCK_K + offs_k
-        k_ok = kk < K
-        xa = tl.load(X + rows[:, None] * sxm + kk[None, :] * sxk, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        wp = Wc + grps[None, :] * K + kk[:, None]
-        wm = k_ok[:, None] & g_ok[None, :]
-        c0 = _mma(xa, tl.load(wp, mask=wm, other=0.0), c0, DOT_F32)
-        if SLICES > 1:
-            c1 = _mma(xa, tl.load(wp + TG * K, mask=wm, other=0.0), c1, DOT_F32)
-        if SLICES > 2:
-            c2 = _mma(xa, tl.load(wp + 2 * TG * K, mask=wm, other=0.0), c2, DOT_F32)
-    # sum, max, min: reduced per K block for tensor-core dtypes (element-wise accumulators would hold register
-    # tiles as large as x's; tiles of 2 or 4 K blocks per step measured no faster); element-wise for fp32,
-    # whose per-block reductions Triton 3.6 fails to lower here (TritonGPUOptimizeThreadLocality)
+    # sum, max, min: reduced per K block for tensor-core dtypes (element-wise accumulators would hold
+    # register tiles as large as x's); element-wise for fp32, whose per-block reductions Triton 3.6 fails to
+    # lower here (TritonGPUOptimizeThreadLocality)
     sm = tl.zeros((BLOCK_R,), tl.float32)
     sq = tl.zeros((BLOCK_R,), tl.float32)
     mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
@@ -89,8 +76,17 @@ def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm
     for kb in range(kb0, kb1):
         kk = kb * BLOCK_K + offs_k
         k_ok = kk < K
-        xf = tl.load(X + rows[:, None] * sxm + kk[None, :] * sxk, mask=r_ok[:, None] & k_ok[None, :],
-                     other=0.0).to(tl.float32)  # (x is 0 past K: masked for max / min)
+        xp = X + rows[:, None] * sxm + kk[None, :] * sxk
+        xm = r_ok[:, None] & k_ok[None, :]
+        xa = tl.load(xp, mask=xm, other=0.0)
+        wp = Wc + grps[None, :] * K + kk[:, None]
+        wm = k_ok[:, None] & g_ok[None, :]
+        c0 = _mma(xa, tl.load(wp, mask=wm, other=0.0), c0, DOT_F32)
+        if SLICES > 1:
+            c1 = _mma(xa, tl.load(wp + TG * K, mask=wm, other=0.0), c1, DOT_F32)
+        if SLICES > 2:
+            c2 = _mma(xa, tl.load(wp + 2 * TG * K, mask=wm, other=0.0), c2, DOT_F32)
+        xf = tl.load(xp, mask=xm, other=0.0, cache_modifier=".cg").to(tl.float32)  # (0 past K: masked for max / min)
         if DOT_F32:
             sme += xf
             if XVAR:
