@@ -11,9 +11,9 @@ whole row let the rounding noise of a 49k–152k-wide lm_head hide a change of s
 ``C`` is a GEMM of 1/64 of the layer's: ``x (M, K) · w1gᵀ (K, T_g)`` on the tensor cores, with ``w1g``
 held in fp32 accuracy as S slices of x's dtype (`calls.group_operand`: 2 for fp16, 3 for bf16, 1 for
 fp32 in IEEE FMAs), every product of x and a slice exact in fp32. x's row sum, max and min
-for the threshold come from a second loop over the same K blocks (with XVAR, x's outlier variance estimate,
-its sum of squares too: `gemm_checksums.xvar_estimate`; `_row_stats_and_checksums` says why not the dot loop),
-so the GEMM's K loop carries no checksum work.
+for the threshold come from a plain load of the same x tile in that loop (with XVAR, x's outlier variance
+estimate, its sum of squares too: `gemm_checksums.xvar_estimate`; `_row_stats_and_checksums` says why not the
+dots' operand), so the GEMM's K loop carries no checksum work.
 
 The cuBLAS form (Y32) has no GEMM epilogue: cuBLAS leaves the product x·Wᵀ in fp32 (y32, M × N), and this
 launch makes y from it before verifying: each (BLOCK_R, 64) tile of y32 is read once, the bias added in
