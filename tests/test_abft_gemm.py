@@ -1702,7 +1702,7 @@ def test_gpu_checksums_repeat_bit_for_bit_without_split(dtype, setopt):
     runs = [G.gemm_residuals(x, w, None, emax=emax, emax_var=emax_var) for _ in range(3)]
     assert all(torch.equal(r["c"], runs[0]["c"]) for r in runs[1:])
     if dtype == torch.float16:
-        c64 = x.double() @ _group_sums64(w.t(), n).t().to(x.device)
+        c64 = x.double() @ _group_sums64(w.t(), n).to(x.device)  # (M, K) @ (K, ⌈N/64⌉)
         assert float(((runs[0]["c"].double() - c64).abs() / runs[0]["thr"].double()).max()) <= 0.1
     assert all(dict(FaultStats(r["counters"])) == ZERO for r in runs)
 
