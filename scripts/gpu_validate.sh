@@ -29,7 +29,8 @@
 #              token-level campaign on the qwen2-0.5b-config model (fp16 and bf16; protection on 10,000 trials,
 #              off 2,000; stores resumed from $RESUME/<name>.jsonl when present), the tightness of Qwen2-0.5B and
 #              Qwen2-7B dims, clean generations; everything packed into reliability.tar.gz (REL_JOBS: a subset of
-#              "tokens tight falsepos")
+#              "tokens tight falsepos"; TOKENS_ARMS: "on", "off" or both; a campaign still in its clean phase after
+#              4 minutes gets SIGUSR1 and writes its threads' stacks into its log)
 #   tpratio    issue 41's ratio: Qwen2-7B dims at tp = 1, then tp = 4 against it, eager and compiled decode (CUDA
 #              graphs), no flips (4 GPUs: nvidia-h100-x4; ~9 min)
 #   split      the threshold's variance terms with their own unit error (issue 38): calibrates fp16/bf16 (x's
@@ -161,7 +162,7 @@ run_part() {
       }
       local jobs=${REL_JOBS:-tokens tight falsepos}
       local common="--model qwen2-0.5b-config --device cuda --uniform --max-new-tokens 4 --seed 0 --threads 1 --no-progress"
-      for arm in on off; do
+      for arm in ${TOKENS_ARMS:-on off}; do
         for dt in float16 bfloat16; do
           [[ " $jobs " == *" tokens "* ]] || continue
           local name=tokens_${dt}_$arm trials=10000 workers=${TOKENS_WORKERS:-3}
@@ -185,9 +186,19 @@ run_part() {
         job falsepos_$dt python3 scripts/false_positives.py --calls 0 --skip-models --configs gpt2-124m-config \
           qwen2-0.5b-config --device cuda --dtype $dt --prompts 2 --max-new-tokens 16 --json $w/falsepos_$dt.json
       done
+      local tick=0
       while sleep 60; do  # progress: the last line of every log
         local alive=0; for p in "${pids[@]}"; do kill -0 $p 2>/dev/null && alive=$((alive + 1)); done
         echo "--- $(date +%H:%M:%S): $alive of ${#pids[@]} jobs running"
+        tick=$((tick + 1))
+        if [ $tick = 4 ]; then  # a campaign still in its clean phase after 4 minutes: its stacks into its log
+          for f in $w/tokens_*.log; do
+            tail -1 $f 2>/dev/null | grep -q "clean runs" || continue
+            for q in $(pgrep -f "$(basename $f .log).jsonl"); do  # the campaign's python, not its `timeout`
+              [ "$(cat /proc/$q/comm 2>/dev/null)" = timeout ] || kill -USR1 $q 2>/dev/null
+            done
+          done
+        fi
         for f in $w/*.log; do echo "$(basename $f .log): $(tr '\r' '\n' < $f | grep -v Warning | tail -1 | cut -c1-160)"; done
         [ $alive = 0 ] && break
       done

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import signal
 import sys
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     pq.add_argument("trial", help="trial id, e.g. s0-t000042")
     pq.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack on stderr, to see where a long run is
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     if args.cmd == "replay":
         torch.set_num_threads(max(1, args.threads))
