@@ -361,7 +361,9 @@ def _stats(samples: list[float]) -> tuple[float, float]:
 
 def profile_once(run: Callable[[], None], path: Path, device: torch.device, rows: int = 30) -> str:
     """One more, untimed, call of ``run`` under ``torch.profiler``: the table of the ops and kernels that
-    took the most device time (CPU time on the CPU) goes to ``path``; returns it."""
+    took the most device time, then (on a GPU) the ops that took the most host time, go to ``path``; on the
+    CPU the host table alone. Returns the text. A step bound by its host (a compiled step on several ranks)
+    shows its cost in the second table only."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -369,8 +371,11 @@ def profile_once(run: Callable[[], None], path: Path, device: torch.device, rows
         run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort, row_limit=rows)
+    avg = prof.key_averages()
+    table = avg.table(sort_by="self_cpu_time_total", row_limit=rows)
+    if device.type == "cuda":
+        table = (f"By device time:\n{avg.table(sort_by='self_device_time_total', row_limit=rows)}\n\n"
+                 f"By host time:\n{table}")
     path.write_text(table)
     return table
 

@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import math
 import os
 import sys
@@ -339,11 +340,13 @@ def timings(model, args, device: torch.device, vocab: int, between, name: str = 
         if kw is not None:  # this variant compiles and records its own decode step
             drop_compiled(model)
             torch._dynamo.utils.counters.clear()
+        skips = _CudagraphSkips()
         try:
             prof = (args.out / f"profile_tp{world_size()}_rank{rank()}_{name.replace(' ', '_').replace(',', '')}"
                     f"_{key}.txt") if args.profile else None
-            ms, std, peak = run_workload(model, wl, device, timer, args.warmup, args.repeats, vocab,
-                                         gen_kwargs=kw, between=between, profile_path=prof)
+            with skips:
+                ms, std, peak = run_workload(model, wl, device, timer, args.warmup, args.repeats, vocab,
+                                             gen_kwargs=kw, between=between, profile_path=prof)
         except Exception as e:  # a compiled step that does not build under sharding is reported, not fatal
             if kw is None:
                 raise
@@ -358,7 +361,31 @@ def timings(model, args, device: torch.device, vocab: int, between, name: str = 
             c = torch._dynamo.utils.counters
             out[key]["graphs"] = int(c["stats"]["unique_graphs"])
             out[key]["graph_breaks"] = {reason.splitlines()[0][:160]: n for reason, n in c["graph_break"].items()}
+            out[key]["cudagraph_skips"] = skips.reasons
     return out
+
+
+class _CudagraphSkips(logging.Handler):
+    """The reasons inductor gives for running a compiled graph without CUDA graphs (its ``cudagraphs`` log,
+    a warning per skipped graph), first line of each, counted: a compiled step that skips them launches every
+    kernel from the host on every token."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.reasons: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        first = (record.getMessage().strip().splitlines() or [""])[0][:160]
+        self.reasons[first] = self.reasons.get(first, 0) + 1
+
+    def __enter__(self):
+        from torch._inductor.cudagraph_utils import cudagraphs_log
+        cudagraphs_log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        from torch._inductor.cudagraph_utils import cudagraphs_log
+        cudagraphs_log.removeHandler(self)
 
 
 def variant(model, args, device, ids, cfg, name: str) -> dict:
@@ -461,6 +488,9 @@ def markdown(result: dict, reference: dict | None) -> str:
             if "graphs" in ct:
                 breaks = "; ".join(f"{n} × {r}" for r, n in ct["graph_breaks"].items()) or "none"
                 lines.append(f"\n- compiled step, {name}, rank 0: {ct['graphs']} graph(s); graph breaks: {breaks}")
+                skipped = "; ".join(f"{n} × {r}" for r, n in ct.get("cudagraph_skips", {}).items())
+                if skipped:
+                    lines.append(f"- compiled step, {name}, rank 0: CUDA graphs skipped: {skipped}")
         if "timing" in v.get(PER_LAYER, {}):
             lines.append("")
             for kind, unit in (("prefill", "per forward"), ("decode", "per token")):
