@@ -214,6 +214,7 @@ run_part() {
       FTT_ABFT_GEMM_TUNE=0 timeout ${TP4_TIMEOUT:-280} python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
         scripts/tp_check.py $tpa $( [ -f $ref ] && echo --reference $ref ) 2>&1 | grep --line-buffered -v Warning \
         | grep -E "tp_check |^\||OK|FAILED"
+      grep -h "compiled step" "$dir"/tp_check_*.md 2>/dev/null  # its graphs, breaks and CUDA-graph skips per size
       if ls "$dir"/profile_*.txt > /dev/null 2>&1; then  # ($OUT brings back a few files: the tables in one)
         tar -czf "$dir/profiles.tar.gz" -C "$dir" $(cd "$dir" && ls profile_*.txt) && rm -f "$dir"/profile_*.txt
       fi ;;
