@@ -23,7 +23,7 @@ data by its variance terms, and the first is several times the second per unit o
 for the mean term, `split_emax` gives the variance terms the smallest unit error that keeps every slack row
 within ``1 / slack-margin`` of its threshold (floored as e_max is, never above it), so layers whose operands
 have means near 0 are not checked with the margin that positive means need. The table takes the split for
-``--split-dtypes`` (bf16 by default) and records it for every dtype.
+``--split-dtypes`` (fp16 and bf16 by default) and records it for every dtype.
 
 The slack depends on the estimate of x's row variance in the threshold: SPEC §5's bound (the table's
 ``"emax"``) or the outlier estimate (``--xvar``: the table's ``"xvar"`` section,
@@ -310,11 +310,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="comma-separated K values: also measure the slack of each distribution at (64, K, 1024), "
                          "recorded as \"slack_trend\" beside the entry and not used for the choice (how the "
                          "threshold's headroom moves with K, e.g. past the table's k_ref)")
-    ap.add_argument("--split-dtypes", default="bfloat16",
+    ap.add_argument("--split-dtypes", default="float16,bfloat16",
                     help="comma-separated dtypes whose entries take the split (e_det, e_var); the others keep the "
-                         "single e_max for both (the split is measured and recorded for every dtype). Not fp16 by "
-                         "default: on Qwen2 lm_heads (N = 151,936) its checksum C carries rounding that e_var = 2e-5 "
-                         "does not cover (docs/reliability.md, \"The variance terms' own unit error\")")
+                         "single e_max for both (the split is measured and recorded for every dtype; "
+                         "docs/reliability.md, \"The variance terms' own unit error\")")
     ap.add_argument("--xvar", action="store_true",
                     help="calibrate for x's outlier variance estimate (the table's \"xvar\" section) instead of "
                          "SPEC §5's bound")

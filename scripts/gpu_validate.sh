@@ -36,7 +36,7 @@
 #   split      the threshold's variance terms with their own unit error (issue 38): calibrates fp16/bf16 (x's
 #              outlier estimate, with the K trend; into the device's table, copied to the part's folder), then
 #              the Linear classes' tightness of Qwen2-0.5B and Qwen2-7B dims and clean generations with it (~9 min);
-#              SPLIT_DTYPES (e.g. float16,bfloat16): the dtypes whose table entries take the split (default bf16)
+#              SPLIT_DTYPES (e.g. bfloat16): the dtypes whose table entries take the split (default fp16 and bf16)
 #   cprobe     where a clean check's difference comes from, the sums or the checksum C (q, down, lm_head of Qwen2-0.5B
 #              and 7B dims, fp16 and bf16; scripts/checksum_error_probe.py, ~2 min)
 #   verifyab   the group verification against an older tree in $BASELINE (default .baseline; `git archive <commit>
