@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import _real
 from .counters import FaultStats, add_count, new_counters
@@ -136,6 +137,25 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y.view(*x.shape[:-1], n)
 
 
+class _WeightOwner:
+    """Where `checked_linear` keeps one weight tensor's checksums (`vabft.weight_checksums`' cache) between
+    calls: no module owns a weight passed to the function. No prepared launches: each call's counter
+    block is new, so a recorded call signature would never match again."""
+
+    __slots__ = ("__dict__", "__weakref__")
+
+
+# weight tensor -> its `_WeightOwner`, for as long as the tensor lives (by identity: tensors compare by value)
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _owner_of(weight: torch.Tensor) -> _WeightOwner:
+    owner = _OWNERS.get(weight)
+    if owner is None:
+        owner = _OWNERS[weight] = _WeightOwner()
+    return owner
+
+
 # The attribute of a protected module (the ``cache_owner``) holding its last call signature's prepared
 # launches: the `FastPath` the Triton backend returned for it. This module writes it, tries it before
 # anything else, and `ft_transformers.protect` drops it with the protection.
@@ -226,7 +246,8 @@ def _triton(fwd, x, weight, bias, k, n, weight_is_kn, emax, csigma, detect, corr
     wc = None
     if detect and x.numel() > 0 and n > 0 and k > 0:
         wc = weight_checksums(weight, bias, weight_is_kn=weight_is_kn, cache_owner=cache_owner, cast=cast)
-    settings = (weight_is_kn, emax, csigma, correct) if cache_owner is not None else None
+    settings = ((weight_is_kn, emax, csigma, correct) if cache_owner is not None
+                and not isinstance(cache_owner, _WeightOwner) else None)
     y, fast = fwd(x, weight, bias, weight_is_kn=weight_is_kn, wc=wc, emax=emax, emax_table=gemm_emax, csigma=csigma,
                   detect=detect, correct=correct, plan=plan, counters=counters, cast=cast, settings=settings)
     if fast is not None:
@@ -439,6 +460,10 @@ def checked_linear(
         ``(y, stats)``: y (..., N) in x's dtype (on the PyTorch path bit-identical to ``F.linear``
         when nothing is detected; the Triton kernel's own GEMM otherwise), stats a `FaultStats`
         ``{kind: count}`` (reading it synchronises).
+
+    The weight's checksums are built by the first call with that weight tensor and kept while the tensor
+    lives, rebuilt when it changes in place (`ft_transformers.vabft.weight_checksums` says how a change is
+    seen); later calls with it read no host value.
     Raises:
         TypeError / ValueError on unsupported dtypes, shape or device mismatches, an ``inject``
         naming an attention site, or an ``emax``/``csigma`` that is not a finite positive number;
@@ -456,6 +481,8 @@ def checked_linear(
     plan = FaultPlan(inject)
     plan.check_sites(LINEAR_SITES, "checked_linear")
     counters = new_counters(x.device)
+    owner = _owner_of(weight) if isinstance(weight, torch.Tensor) else None
     y = _checked_linear_forward(x, weight, bias, weight_is_kn=False, emax=emax, csigma=csigma, detect=detect,
-                                correct=correct and detect, plan=plan, counters=counters, backend=backend)
+                                correct=correct and detect, plan=plan, counters=counters, cache_owner=owner,
+                                backend=backend)
     return y, FaultStats(counters)

@@ -36,6 +36,7 @@ import torch
 
 from .efta_reference.stored import ReferenceTables
 from .kernels.contract import kernel_head_dim, site_shape
+from .kernels.gemm_checksums import tensor_version
 
 __all__ = ["KVChecksums", "flip_kv_cache", "kv_checksums_of", "track_forward_cache", "track_kv_cache",
            "untrack_kv_cache"]
@@ -51,11 +52,6 @@ def _triton_tables() -> Any:
     except ImportError:
         return None
     return CacheTables
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """t's version counter (bumped by every in-place write), None for inference tensors (they have none)."""
-    return None if t.is_inference() else t._version
 
 
 class KVChecksums:
@@ -152,7 +148,7 @@ class KVChecksums:
 
     def restamp(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Record ``keys``, ``values`` as the cache the tables describe (their identity, version and shape)."""
-        self._stamp = (weakref.ref(keys), _version(keys), weakref.ref(values), _version(values),
+        self._stamp = (weakref.ref(keys), tensor_version(keys), weakref.ref(values), tensor_version(values),
                        tuple(keys.shape), tuple(values.shape))
 
     # -- what an attention call asks --------------------------------------------------------------
@@ -163,7 +159,7 @@ class KVChecksums:
         if self._owner is not None and self._owner.compiled:  # updated under torch.compile since
             return False
         return (self._valid and st is not None and st[0]() is keys and st[2]() is values
-                and st[1] == _version(keys) and st[3] == _version(values)
+                and st[1] == tensor_version(keys) and st[3] == tensor_version(values)
                 and st[4] == tuple(keys.shape) and st[5] == tuple(values.shape))
 
     def tables(self, keys: torch.Tensor, values: torch.Tensor, form: str) -> Any:

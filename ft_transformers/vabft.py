@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .kernels.gemm_checksums import WeightChecksums, row_stats, set_xvar_auto_cuda, xvar_in_use
+from .kernels.gemm_checksums import WeightChecksums, row_stats, set_xvar_auto_cuda, tensor_version, xvar_in_use
 
 __all__ = [
     "WeightChecksums",
@@ -432,20 +432,21 @@ class _ChecksumCache(dict):
 def _key(t: torch.Tensor | None) -> tuple:
     if t is None:
         return (None,)
-    return (t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape), tuple(t.stride()))
+    return (t.data_ptr(), tensor_version(t), t.dtype, t.device, tuple(t.shape), tuple(t.stride()))
 
 
 def weight_checksums(weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_is_kn: bool = False,
                      cache_owner: object | None = None, cast: torch.dtype | None = None) -> WeightChecksums:
     """`WeightChecksums` of ``weight``/``bias``, cached on ``cache_owner`` (e.g. the module).
 
-    The cache entry is keyed by the identity, storage pointer, version counter (``_version``,
-    bumped by every in-place update), dtype, device, shape and strides of both tensors, so it
-    refreshes when the weight changes. Note: updates through ``.data`` bypass the version
-    counter; use ``with torch.no_grad(): weight.copy_(...)`` (as ``load_state_dict`` does).
-    The cache is an attribute ``_ftt_vabft_checksums`` of the owner (dropped when the owner is
-    pickled or copied). Without ``cache_owner`` nothing is cached. ``cast`` (the autocast dtype) builds the checksums
-    of ``weight.to(cast)`` / ``bias.to(cast)``, cached separately.
+    The cache entry is keyed by the identity, storage pointer, version counter (``_version``, bumped by
+    every in-place update; an inference tensor has none, `tensor_version`), dtype, device, shape and
+    strides of both tensors, so it refreshes when the weight changes. Note: updates through ``.data``
+    bypass the version counter, and so do in-place writes to an inference tensor; use
+    ``with torch.no_grad(): weight.copy_(...)`` (as ``load_state_dict`` does). The cache is an attribute
+    ``_ftt_vabft_checksums`` of the owner (dropped when the owner is pickled or copied). Without
+    ``cache_owner`` nothing is cached. ``cast`` (the autocast dtype) builds the checksums of
+    ``weight.to(cast)`` / ``bias.to(cast)``, cached separately.
     """
 
     def build() -> WeightChecksums:

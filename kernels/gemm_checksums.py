@@ -18,12 +18,19 @@ import torch
 from .options import options
 
 __all__ = ["GROUP_COLS", "GROUP_CONSTS", "WeightChecksums", "XVAR_AUTO_CPU", "autocast_dtype", "group_checksums",
-           "group_threshold", "row_stats", "scale_variance_terms", "set_xvar_auto_cuda", "xvar_estimate", "xvar_guard",
-           "xvar_in_use"]
+           "group_threshold", "row_stats", "scale_variance_terms", "set_xvar_auto_cuda", "tensor_version",
+           "xvar_estimate", "xvar_guard", "xvar_in_use"]
 
 _CHUNK_ELEMS = 1 << 24  # at most 16M fp32 temporaries (64 MiB) while building a weight's checksums
 GROUP_COLS = 64  # output columns per checksum group of the decode kernel
 GROUP_CONSTS = 8  # fp32 per group: b1, det, v2, v3, v4, bias_det, bias_sd, n_g (`group_checksums`)
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place write), or None for an inference tensor, which has
+    none: a cache keyed by it then sees an inference tensor's in-place writes only through its identity,
+    storage and layout."""
+    return None if t.is_inference() else t._version
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:

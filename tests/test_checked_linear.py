@@ -382,6 +382,51 @@ def test_weight_cache_refreshes_after_inplace_update():
     assert lin._ftt_vabft_checksums[None][-1] is not cached
 
 
+def test_public_function_keeps_a_weights_checksums_between_calls(monkeypatch):
+    """`ftt.checked_linear` builds a weight tensor's checksums once (building them reads host values), rebuilds
+    them after an in-place update, and a flip written into the stored weight without a version bump (as a soft
+    error would) is caught by the next call against the checksums of the weight as it was."""
+    from ft_transformers.kernels.gemm_checksums import WeightChecksums
+
+    builds = []
+    real = WeightChecksums.compute.__func__
+    monkeypatch.setattr(WeightChecksums, "compute",
+                        classmethod(lambda cls, *a, **k: builds.append(1) or real(cls, *a, **k)))
+    g = torch.Generator().manual_seed(21)
+    lin = torch.nn.Linear(96, 80)
+    x = torch.randn(6, 96, generator=g)
+    with torch.no_grad():
+        for _ in range(3):
+            y, st = ftt.checked_linear(x, lin.weight, lin.bias)
+            assert torch.equal(y, F.linear(x, lin.weight, lin.bias)) and _zero_stats(st)
+        assert len(builds) == 1
+        lin.weight.mul_(-2.0)  # in place, versioned: a stale checksum would flag every row
+        y, st = ftt.checked_linear(x, lin.weight, lin.bias)
+        assert len(builds) == 2 and _zero_stats(st) and torch.equal(y, F.linear(x, lin.weight, lin.bias))
+        clean = F.linear(x, lin.weight, lin.bias)
+        w = lin.weight.data.view(torch.int32)
+        w[7, 3] ^= 1 << 30  # the stored weight's exponent MSB, behind the version counter's back
+        y, st = ftt.checked_linear(x, lin.weight, lin.bias, correct=False)
+        assert len(builds) == 2 and st["detected"] == x.shape[0], dict(st)
+    assert not torch.equal(y, clean)
+
+
+def test_public_function_takes_inference_tensors():
+    """Weights made under ``torch.inference_mode`` carry no version counter; the checksum cache keys them
+    without one (`tensor_version`), and the call checks and corrects as for any other weight."""
+    g = torch.Generator().manual_seed(22)
+    with torch.inference_mode():
+        lin = torch.nn.Linear(64, 48)
+        x = torch.randn(4, 64, generator=g)
+        for _ in range(2):
+            y, st = ftt.checked_linear(x, lin.weight, lin.bias)
+            assert torch.equal(y, F.linear(x, lin.weight, lin.bias)) and _zero_stats(st)
+        spec = ftt.FaultSpec(site="linear.output", bit=30, count=1, seed=3)
+        y, st = ftt.checked_linear(x, lin.weight, lin.bias, inject=spec)
+    assert st["detected"] == 1 and st["corrected"] == 1, dict(st)
+    torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- validation
 
 

@@ -279,3 +279,25 @@ def test_forward_with_grad_enabled_raises_and_frozen_model_matches():
     model.requires_grad_(False)  # grad mode on, nothing requiring grad: runs
     out = model(input_ids=ids, attention_mask=mask).logits
     assert (out[mask.bool()] - ref[mask.bool()]).abs().max().item() < TOL
+
+
+def test_model_built_under_inference_mode_is_protected():
+    """A model whose parameters are inference tensors (built inside ``torch.inference_mode``: no version
+    counters) runs protected, matches eager, and a flip in one of its Linears is corrected."""
+    with torch.inference_mode():
+        model = make_model("llama")
+    ids, mask = padded_batch(seed=3)
+    with torch.inference_mode():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    ftt.enable_fault_tolerance(model, ftt.FTConfig())
+    spec = ftt.FaultSpec(site="linear.output", bit=30, count=1, layers=[1], seed=0)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask).logits
+        with ftt.inject_faults(model, spec):
+            hit = model(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert (out[valid] - ref[valid]).abs().max().item() < TOL
+    assert (hit[valid] - ref[valid]).abs().max().item() < TOL
+    totals = ftt.fault_report(model).summary()
+    assert sum(v["corrected"] for v in totals.values()) >= 1, totals
+    assert sum(v["uncorrectable"] for v in totals.values()) == 0, totals

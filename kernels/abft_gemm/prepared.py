@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..gemm_checksums import autocast_dtype
+from ..gemm_checksums import autocast_dtype, tensor_version
 from ..launch import DirectLauncher, record_launches, replay_launches
 from ..options import options
 from ..tl_common import call_flag
@@ -87,8 +87,8 @@ def module_key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     the caller's ``settings`` and the `options()` in force."""
     dev = x.device
     return (x.shape, x.stride(), x.dtype, dev, x.data_ptr() % 16 == 0, x.requires_grad,
-            id(weight), weight.data_ptr(), weight._version,
-            None if bias is None else (id(bias), bias.data_ptr(), bias._version),
+            id(weight), weight.data_ptr(), tensor_version(weight),
+            None if bias is None else (id(bias), bias.data_ptr(), tensor_version(bias)),
             counters.data_ptr(), settings, options(), torch.is_grad_enabled(), autocast_dtype(dev.type),
             dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
