@@ -21,12 +21,14 @@ traced code reads of the protection is laid out so that the compiled model's gua
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import types
 import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
+from transformers import PretrainedConfig
 from transformers.pytorch_utils import Conv1D
 
 from ._states import CACHE_OWNERS as _CACHE_OWNERS
@@ -133,6 +135,36 @@ class _ProtectionState:
         """Its entries in `_states`: the state's, the contexts', the sibling groups'."""
         groups = {c.sibling_key for c in self.contexts if c.sibling_key is not None}
         return [self.key, *(c.key for c in self.contexts), *groups]
+
+
+def _refuse_copy(protocol: int | None = None):
+    """A protected model's ``__reduce_ex__``: pickling (``torch.save(model)``, multiprocessing) and
+    ``copy.copy`` / ``copy.deepcopy`` stop here with the reason, instead of at whichever patched part of the
+    model pickle happens to reach first."""
+    raise TypeError("a model with fault tolerance enabled cannot be pickled or copied (torch.save(model), "
+                    "copy.deepcopy, multiprocessing): its layers find their counters and injected faults by keys "
+                    "of this process, and a copy would report into the original's. Copy or pickle it before "
+                    "enable_fault_tolerance, or disable_fault_tolerance, copy, and enable each; its weights "
+                    "(model.state_dict(), save_pretrained) save as usual while it is protected")
+
+
+def _own_config(model: torch.nn.Module) -> None:
+    """Give ``model`` a config object of its own (a deep copy, its sub-configs included) before protection
+    switches its attention implementation, which lives on the config. transformers hands every model built
+    from one config object (``Model(cfg)``, ``from_config(cfg)`` twice) that same object: switching it would
+    move the other models to EFTA as well, unprotected and unreported, and their own protection would then
+    take EFTA for the implementation to restore. Every module whose ``config`` is the old object (or one of
+    its sub-configs) is pointed at the copy."""
+    old = model.config
+    new = copy.deepcopy(old)
+    swap = {id(old): new}
+    for name, value in vars(old).items():
+        if isinstance(value, PretrainedConfig):
+            swap[id(value)] = getattr(new, name)
+    for module in model.modules():
+        held = module.__dict__.get("config")
+        if held is not None and id(held) in swap:
+            module.config = swap[id(held)]
 
 
 def _checked_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -302,6 +334,7 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
         return layers is None or layer in layers
 
     if config.attention and model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        _own_config(model)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     for name, module in model.named_modules():
         layer = adapter.layer_of(name)
@@ -331,6 +364,7 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
         # the caches generate hands the model keep EFTA's checksum tables, made as tokens enter them
         state.hooks.append(model.register_forward_pre_hook(track_forward_cache, with_kwargs=True))
     setattr(model, _STATE_ATTR, state)
+    model.__reduce_ex__ = _refuse_copy  # (found before the class's: pickle and copy ask the instance)
     return model
 
 
@@ -418,6 +452,7 @@ def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
     if state.original_attn and model.config._attn_implementation != state.original_attn:
         model.set_attn_implementation(state.original_attn)
     delattr(model, _STATE_ATTR)
+    model.__dict__.pop("__reduce_ex__", None)
     state.release()  # (runs `forget` once and detaches the finalizer)
     return model
 

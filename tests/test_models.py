@@ -301,3 +301,51 @@ def test_model_built_under_inference_mode_is_protected():
     totals = ftt.fault_report(model).summary()
     assert sum(v["corrected"] for v in totals.values()) >= 1, totals
     assert sum(v["uncorrectable"] for v in totals.values()) == 0, totals
+
+
+def test_protecting_one_of_two_models_sharing_a_config_leaves_the_other_alone():
+    """transformers gives models built from one config object that same object, and the attention
+    implementation lives on it: protection gives its model a config of its own first, so the other model
+    keeps its implementation (and its outputs), and each restores its own on disable."""
+    from tiny_models import llama_config
+    from transformers import AutoModelForCausalLM
+
+    cfg = llama_config()
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    a = AutoModelForCausalLM.from_config(cfg).eval()
+    b = AutoModelForCausalLM.from_config(cfg).eval()
+    assert a.config is b.config  # (what makes the test meaningful)
+    ids, mask = padded_batch(seed=4)
+    with torch.no_grad():
+        ref = b(input_ids=ids, attention_mask=mask).logits
+    ftt.enable_fault_tolerance(a)
+    assert a.config._attn_implementation == "efta"
+    assert b.config._attn_implementation == "sdpa" and cfg._attn_implementation == "sdpa"
+    assert all(m.config is a.config for m in a.modules() if "config" in m.__dict__)
+    with torch.no_grad():
+        assert torch.equal(b(input_ids=ids, attention_mask=mask).logits, ref)
+    ftt.enable_fault_tolerance(b)
+    ftt.disable_fault_tolerance(b)
+    assert b.config._attn_implementation == "sdpa"
+    ftt.disable_fault_tolerance(a)
+    assert a.config._attn_implementation == "sdpa"
+
+
+def test_pickling_a_protected_model_says_why_and_its_weights_still_save(tmp_path):
+    """``torch.save(model)`` / pickle / ``copy.copy`` of a protected model raise one clear TypeError (they failed
+    on whichever patched part pickle reached first); its state dict saves and loads with ``weights_only``, and
+    after `disable_fault_tolerance` the model pickles again."""
+    import copy
+    import pickle
+
+    model = ftt.enable_fault_tolerance(make_model("llama"))
+    for attempt in (lambda: pickle.dumps(model), lambda: torch.save(model, tmp_path / "m.pt"),
+                    lambda: copy.copy(model)):
+        with pytest.raises(TypeError, match="cannot be pickled or copied.*disable_fault_tolerance"):
+            attempt()
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    loaded = torch.load(tmp_path / "sd.pt", weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    ftt.disable_fault_tolerance(model)
+    assert isinstance(pickle.loads(pickle.dumps(model)), type(model))
