@@ -73,7 +73,8 @@ class FTConfig:
 
     Attributes:
         attention: run every attention through EFTA (fault-tolerant fused attention).
-        linear: verify every ``nn.Linear`` (and GPT-2 ``Conv1D``) with a V-ABFT checksum.
+        linear: verify every ``nn.Linear`` (and GPT-2 ``Conv1D``) with a V-ABFT checksum. At least one of
+            ``attention`` and ``linear`` must be on.
         detect: verify checksums and range checks. ``False`` runs the same computation unchecked
             (useful as the unprotected arm of an injection experiment).
         correct: repair what was detected (locate + correct, else recompute). ``False`` only counts.
@@ -109,6 +110,9 @@ class FTConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"FTConfig.{name} must be a bool, got {type(value).__name__} {value!r}")
+        if not self.attention and not self.linear:
+            raise ValueError("FTConfig(attention=False, linear=False) protects nothing and injects nowhere: keep "
+                             "one of them, or leave the model unprotected")
         if not isinstance(self.on_uncorrectable, str) or self.on_uncorrectable not in _POLICIES:
             raise ValueError(f"on_uncorrectable must be one of {_POLICIES}, got {self.on_uncorrectable!r}")
         if self.correct and not self.detect:

@@ -61,6 +61,12 @@ def test_config_layers_forms():
         ftt.FTConfig(layers=[])
 
 
+def test_config_with_nothing_to_protect_is_refused():
+    with pytest.raises(ValueError, match="protects nothing"):
+        ftt.FTConfig(attention=False, linear=False)
+    assert ftt.FTConfig(attention=False).linear and ftt.FTConfig(linear=False).attention
+
+
 @pytest.mark.parametrize("family, layers, valid", [("llama", [7], "0..1"), ("gpt2", [0, 2], "0..1"),
                                                    ("llama", 5, "0..1")])
 def test_enable_rejects_layers_the_model_lacks(family, layers, valid):
