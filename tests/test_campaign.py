@@ -633,3 +633,18 @@ def test_checksum_site_exists_only_with_protection(tiny, tmp_path):
         assert r["protected"]["injected"] == 1 and r["protected"]["masked_position"] is not True
         assert r["unprotected"]["injected"] == 0 and r["unprotected"]["landings"] == ["not_injected"]
         assert r["unprotected"]["masked_position"] is True and not r["unprotected"]["token_change"]
+
+
+def test_cli_refuses_a_file_of_another_campaign_without_a_traceback(tmp_path, capsys):
+    """`ftt-campaign run` into a file that holds another campaign exits 2 with one error line (a usage error,
+    like argparse's), and leaves the file as it was."""
+    out = tmp_path / "c.jsonl"
+    common = ["--out", str(out), "--model", "tiny-llama", "--sites", "linear.output", "--max-new-tokens", "2",
+              "--prompts", "hello", "--no-progress"]
+    assert C.main(["run", *common, "--trials", "2", "--seed", "1"]) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    assert C.main(["run", *common, "--trials", "2", "--seed", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "ftt-campaign: error:" in err and "holds another campaign" in err and "Traceback" not in err
+    assert out.read_bytes() == before

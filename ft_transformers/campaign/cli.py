@@ -17,7 +17,7 @@ from ..kernels import contract
 from .config import ARM_LABELS, DEFAULT_PROMPTS, CampaignConfig
 from .models import TINY_MODELS
 from .report import silent_markdown, summary_markdown, write_report
-from .runner import _comparable, replay_trial, run_campaign
+from .runner import StoreMismatch, _comparable, replay_trial, run_campaign
 from .store import CampaignStore, load_campaign
 
 _ARM_OF = {label: arm for arm, label in ARM_LABELS.items()}
@@ -108,6 +108,9 @@ def _run_and_report(config: CampaignConfig, args) -> int:
     try:
         records = run_campaign(config, args.out, progress=not args.no_progress, log=_say,
                                shortcut=not args.no_shortcut, workers=max(1, args.workers))
+    except StoreMismatch as e:
+        print(f"ftt-campaign: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"\ninterrupted; every finished trial is in {args.out}. Re-run the same command (or "
               f"`ftt-campaign resume {args.out}`) to continue.", file=sys.stderr)
@@ -161,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     pq.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack on stderr, to see where a long run is
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor (a notebook, a test)
+            pass
 
     if args.cmd == "replay":
         torch.set_num_threads(max(1, args.threads))

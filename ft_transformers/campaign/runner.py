@@ -72,6 +72,11 @@ def _window(model: torch.nn.Module) -> int | None:
     return int(w)
 
 
+class StoreMismatch(ValueError):
+    """The campaign file cannot take this run: it holds another campaign, or its clean runs do not reproduce
+    here. The command line reports it as a usage error, without a traceback."""
+
+
 class Session:
     """A model set up for a campaign: encoded prompts, clean runs per (arm, prompt), noise, probes.
 
@@ -298,7 +303,7 @@ def run_campaign(config: CampaignConfig, path: str | os.PathLike, *, model=None,
         warn(f"campaign: dropped a partial last line ({store.dropped_bytes} bytes) of {path}")
     fp = config.fingerprint()
     if store.header is not None and store.header["fingerprint"] != fp:
-        raise ValueError(f"{path} holds another campaign (fingerprint {store.header['fingerprint']}, "
+        raise StoreMismatch(f"{path} holds another campaign (fingerprint {store.header['fingerprint']}, "
                          f"this one {fp}); use another output file or `resume` it")
     ver = versions()
     if store.header is not None and store.header.get("versions", {}).get("source") != ver["source"]:
@@ -321,7 +326,7 @@ def run_campaign(config: CampaignConfig, path: str | os.PathLike, *, model=None,
         if old is None:
             store.append(rec)
         elif not _same_outputs(old, rec):
-            raise ValueError(f"clean run of prompt {i} does not reproduce the stored one "
+            raise StoreMismatch(f"clean run of prompt {i} does not reproduce the stored one "
                              "(different numerics: device, threads, library versions?); start a new file")
         if rec["false_positives"] or not rec["arms_agree"]:
             warn(f"campaign: prompt {i}: clean protected run had {rec['false_positives']} detection(s); "
