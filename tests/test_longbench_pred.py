@@ -847,3 +847,12 @@ def test_smollm2_smoke(tmp_path):
     assert b["ft"]["flips"] == 1 and b["ft"].get("detected", 0) >= 1
     out = E.main(["--pred-dir", str(tmp_path), "--direct", "--no-plot"])
     assert set(out["comparison"]["runs"]) == {"eager", "efta+fault"}
+
+
+def test_eval_of_a_missing_or_empty_folder_says_so(tmp_path):
+    """`ftt-longbench-eval` on a folder that does not exist, or holds no predictions, exits with one message
+    naming it (it raised FileNotFoundError from deep inside for a missing one)."""
+    with pytest.raises(SystemExit, match="is not a folder"):
+        E.main(["--pred-dir", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="no prediction files"):
+        E.main(["--pred-dir", str(tmp_path)])

@@ -392,6 +392,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     pred_dir = Path(args.pred_dir)
+    if not pred_dir.is_dir():
+        raise SystemExit(f"--pred-dir {pred_dir} is not a folder (give a run folder of ftt-longbench-pred, or the "
+                         "model folder that holds its runs)")
     runs = find_runs(pred_dir)
     if args.runs:
         wanted = [x.strip() for x in args.runs.split(",") if x.strip()]
