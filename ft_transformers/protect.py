@@ -312,6 +312,8 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
     """
     from .discovery import discover, warn_unchecked
 
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
     config = config if config is not None else FTConfig()
     if not isinstance(config, FTConfig):
         raise TypeError(f"config must be an FTConfig, got {type(config).__name__}")

@@ -61,6 +61,12 @@ def test_config_layers_forms():
         ftt.FTConfig(layers=[])
 
 
+def test_enable_refuses_what_is_not_a_module():
+    for bad in ("model", None, {"weight": torch.zeros(2, 2)}):
+        with pytest.raises(TypeError, match="torch.nn.Module"):
+            ftt.enable_fault_tolerance(bad)
+
+
 def test_config_with_nothing_to_protect_is_refused():
     with pytest.raises(ValueError, match="protects nothing"):
         ftt.FTConfig(attention=False, linear=False)
