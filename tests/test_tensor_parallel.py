@@ -679,10 +679,6 @@ def test_only_transformers_tp_forward_is_recognised():
         assert torch.equal(fn(x), torch.nn.functional.linear(x, lin.weight, lin.bias) * 2)  # original untouched
 
 
-if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2], sys.argv[3])
-
-
 def test_tp_check_records_why_inductor_skipped_cuda_graphs():
     """tp_check's recorder keeps inductor's own skip messages, first line, counted, and only while active."""
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -697,3 +693,7 @@ def test_tp_check_records_why_inductor_skipped_cuda_graphs():
     log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to something after the run")
     assert skips.reasons == {"skipping cudagraphs due to mutated inputs (1 instances)": 2,
                              "skipping cudagraphs due to cpu device (primals_1)": 1}
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2], sys.argv[3])
