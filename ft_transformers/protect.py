@@ -125,7 +125,11 @@ class _ProtectionState:
         self.unchecked: dict[str, str] = {}  # module name -> why its product runs unchecked (`discovery`)
 
     def __deepcopy__(self, memo):
-        _refuse_copy()
+        # The protected layers find their model's state and settings by key (`_states`); a copy would share
+        # the keys, count its events into this model's report and read its fault injections.
+        raise TypeError("copy.deepcopy of a model with fault tolerance enabled is not supported (the copy's "
+                        "layers would report into the original's counters): copy the model before "
+                        "enable_fault_tolerance, or disable_fault_tolerance, copy, and enable each")
 
     def keys(self) -> list[int]:
         """Its entries in `_states`: the state's, the contexts', the sibling groups'."""
@@ -134,11 +138,9 @@ class _ProtectionState:
 
 
 def _refuse_copy(protocol: int | None = None):
-    """``__reduce_ex__`` of a protected model and of each of its protected modules: pickling
-    (``torch.save(model)``, multiprocessing) and ``copy.copy`` / ``copy.deepcopy`` of the model or of a part
-    holding protected layers stop here with the reason. The protected layers find their model's state and
-    settings by key (`_states`): a copy would share the keys, count its events into the original's report and
-    read its fault injections."""
+    """A protected model's ``__reduce_ex__``: pickling (``torch.save(model)``, multiprocessing) and
+    ``copy.copy`` / ``copy.deepcopy`` stop here with the reason, instead of at whichever patched part of the
+    model pickle happens to reach first."""
     raise TypeError("a model with fault tolerance enabled cannot be pickled or copied (torch.save(model), "
                     "copy.deepcopy, multiprocessing): its layers find their counters and injected faults by keys "
                     "of this process, and a copy would report into the original's. Copy or pickle it before "
@@ -350,7 +352,6 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
             _CACHE_OWNERS[id(module)] = module
             state.patched.append(module)
         module._ftt = ctx
-        module.__reduce_ex__ = _refuse_copy  # (found before the class's: pickle and copy ask the instance)
         state.contexts.append(ctx)
     if config.linear:
         state.patched += install_siblings(model, adapter, _install_forward)  # (on local shards under TP)
@@ -365,7 +366,7 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
         # the caches generate hands the model keep EFTA's checksum tables, made as tokens enter them
         state.hooks.append(model.register_forward_pre_hook(track_forward_cache, with_kwargs=True))
     setattr(model, _STATE_ATTR, state)
-    model.__reduce_ex__ = _refuse_copy
+    model.__reduce_ex__ = _refuse_copy  # (found before the class's: pickle and copy ask the instance)
     return model
 
 
@@ -447,12 +448,13 @@ def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
         _uninstall_forward(module)
         _CACHE_OWNERS.pop(id(module), None)
     for module in model.modules():
-        for attr in ("_ftt", "_ftt_vabft_checksums", "_ftt_sibling_key", _FAST_PATH_ATTR, "__reduce_ex__"):
+        for attr in ("_ftt", "_ftt_vabft_checksums", "_ftt_sibling_key", _FAST_PATH_ATTR):
             if attr in module.__dict__:
                 delattr(module, attr)
     if state.original_attn and model.config._attn_implementation != state.original_attn:
         model.set_attn_implementation(state.original_attn)
     delattr(model, _STATE_ATTR)
+    model.__dict__.pop("__reduce_ex__", None)
     state.release()  # (runs `forget` once and detaches the finalizer)
     return model
 
