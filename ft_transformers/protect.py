@@ -43,7 +43,7 @@ from .distributed import gather, is_sharded, local_shard, tp_forward_of, with_in
 from .events import EventRecorder, FTReport, ModuleSlot
 from .injection import FaultPlan, FaultSpec, check_ranks, derive_seed
 from .kernels.options import options
-from .kv_checksums import track_forward_cache
+from .model_hooks import end_step_hook, track_cache_hook
 from .siblings import install_siblings, sibling_output
 
 _STATE_ATTR = "_ftt_state"
@@ -360,11 +360,11 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
     # its `_states` entries go when protection is disabled, or with the model if it is dropped protected
     state.release = weakref.finalize(model, forget, state.keys())
     state.recorder.prepare({p.device for p in model.parameters()} | {b.device for b in model.buffers()})
-    state.hooks.append(model.register_forward_hook(lambda *_: state.recorder.end_step()))
+    state.hooks.append(model.register_forward_hook(end_step_hook(state.recorder)))
     state.hooks.append(_watch_bypass(model, state))  # attention leaving EFTA, modules swapped out
     if config.attention and config.detect and _kv_tables(model):
         # the caches generate hands the model keep EFTA's checksum tables, made as tokens enter them
-        state.hooks.append(model.register_forward_pre_hook(track_forward_cache, with_kwargs=True))
+        state.hooks.append(model.register_forward_pre_hook(track_cache_hook, with_kwargs=True))
     setattr(model, _STATE_ATTR, state)
     model.__reduce_ex__ = _refuse_copy  # (found before the class's: pickle and copy ask the instance)
     return model

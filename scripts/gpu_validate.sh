@@ -32,7 +32,8 @@
 #              "tokens tight falsepos"; TOKENS_ARMS: "on", "off" or both; a campaign still in its clean phase after
 #              4 minutes gets SIGUSR1 and writes its threads' stacks into its log)
 #   tpratio    issue 41's ratio: Qwen2-7B dims at tp = 1, then tp = 4 against it, eager and compiled decode (CUDA
-#              graphs), no flips (4 GPUs: nvidia-h100-x4; ~9 min)
+#              graphs), no flips (4 GPUs: nvidia-h100-x4; ~9 min); TP_TOKENS, TP_PROFILE=1, TP_WORKLOADS (tp_check's
+#              --workloads, e.g. decode_compiled); a fresh machine spends ~80 s compiling the kernels per variant
 #   split      the threshold's variance terms with their own unit error (issue 38): calibrates fp16/bf16 (x's
 #              outlier estimate, with the K trend; into the device's table, copied to the part's folder), then
 #              the Linear classes' tightness of Qwen2-0.5B and Qwen2-7B dims and clean generations with it (~9 min);
@@ -208,10 +209,11 @@ run_part() {
     tpratio)  # the flips were checked at every size already: --no-injection leaves the time to the compiled steps
       local tpa="--model qwen2-7b --compile reduce-overhead --no-injection --new-tokens ${TP_TOKENS:-64} --out $dir"
       tpa="$tpa ${TP_PROFILE:+--profile}"  # TP_PROFILE=1: each workload once more under torch.profiler, every rank
-      FTT_ABFT_GEMM_TUNE=0 timeout ${TP1_TIMEOUT:-280} python3 scripts/tp_check.py $tpa 2>&1 \
+      tpa="$tpa ${TP_WORKLOADS:+--workloads $TP_WORKLOADS}"  # e.g. decode_compiled: the compiled step alone
+      FTT_ABFT_GEMM_TUNE=0 timeout ${TP1_TIMEOUT:-330} python3 scripts/tp_check.py $tpa 2>&1 \
         | grep --line-buffered -v Warning | grep -E "tp_check |^\||OK|FAILED"
       local ref="$dir/tp_check_qwen2-7b_float16_tp1.json"
-      FTT_ABFT_GEMM_TUNE=0 timeout ${TP4_TIMEOUT:-280} python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+      FTT_ABFT_GEMM_TUNE=0 timeout ${TP4_TIMEOUT:-330} python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
         scripts/tp_check.py $tpa $( [ -f $ref ] && echo --reference $ref ) 2>&1 | grep --line-buffered -v Warning \
         | grep -E "tp_check |^\||OK|FAILED"
       grep -h "compiled step" "$dir"/tp_check_*.md 2>/dev/null  # its graphs, breaks and CUDA-graph skips per size

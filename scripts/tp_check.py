@@ -120,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", default="off", choices=("off", "default", "reduce-overhead"),
                    help="also time decode through transformers' compiled decode step with a static cache "
                         "(reduce-overhead: CUDA graphs), beside the eager decode")
+    p.add_argument("--workloads", default="prefill,decode," + COMPILED,
+                   help=f"the timed workloads, comma-separated, of prefill, decode and {COMPILED} (the last only "
+                        "with --compile)")
     p.add_argument("--per-layer", action="store_true", help="also run the protected model with one checked "
                    "launch per Linear (the sibling launches off)")
     p.add_argument("--profile", action="store_true",
@@ -138,6 +141,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.prompt = args.prompt or (24 if tiny else 1024)
     args.new_tokens = args.new_tokens or (6 if tiny else 64)
     args.inject_tokens = args.inject_tokens or (3 if tiny else 8)
+    args.workloads = args.workloads.split(",")
+    unknown = sorted(set(args.workloads) - {"prefill", "decode", COMPILED})
+    if unknown:
+        p.error(f"unknown workload(s) {', '.join(unknown)}; choose from prefill, decode, {COMPILED}")
+    if args.per_layer and not {"prefill", "decode"} <= set(args.workloads):
+        p.error("--per-layer compares the prefill and decode workloads: keep both in --workloads")
     if args.new_tokens < 2:
         p.error("--new-tokens must be at least 2 (decode time per token)")
     return args
@@ -337,6 +346,8 @@ def timings(model, args, device: torch.device, vocab: int, between, name: str = 
         loads.append((COMPILED, Workload("decode", 1, args.prompt, args.new_tokens, args.compile),
                       compile_kwargs(args.compile, "inductor", device)))
     for key, wl, kw in loads:
+        if key not in args.workloads:
+            continue
         if kw is not None:  # this variant compiles and records its own decode step
             drop_compiled(model)
             torch._dynamo.utils.counters.clear()
@@ -412,8 +423,9 @@ def variant(model, args, device, ids, cfg, name: str) -> dict:
         say(f"{name}: timing prefill and decode ({args.warmup} warmup, {args.repeats} timed each)")
         res["timing"] = timings(model, args, device, cfg.vocab_size, collect, name)
         t = res["timing"]
-        say(f"{name}: prefill {t['prefill']['ms']:.2f} ms, decode {t['decode']['ms']:.3f} ms/token"
-            + (f", compiled decode {t[COMPILED]['ms']:.3f} ms/token" if "ms" in t.get(COMPILED, {}) else ""))
+        units = {"prefill": "ms", "decode": "ms/token", COMPILED: "ms/token"}
+        say(f"{name}: " + ", ".join(f"{k.replace('_', ' ')} {t[k]['ms']:.3f} {units[k]}" for k in units
+                                    if "ms" in t.get(k, {})))
     if protected:
         res["clean_events"] = clean
         say(f"{name}: clean events over {clean['calls']} model call(s) on all ranks: {clean['totals']}")
@@ -465,10 +477,10 @@ def markdown(result: dict, reference: dict | None) -> str:
         ref_t = (reference or {}).get("variants", {})
         lines += ["| workload | unprotected ms | protected ms | protected / unprotected | same ratio at tp = 1 "
                   "| difference | peak MiB per rank (unprot. / prot.) |", "|---|---:|---:|---:|---:|---:|---|"]
-        kinds = [("prefill", "per forward"), ("decode", "per token")]
-        if COMPILED in v["protected"]["timing"]:
-            kinds.append((COMPILED, "per token, compiled step"))
+        kinds = [("prefill", "per forward"), ("decode", "per token"), (COMPILED, "per token, compiled step")]
         for kind, unit in kinds:
+            if kind not in v["protected"]["timing"]:
+                continue
             u, p = v["unprotected"]["timing"][kind], v["protected"]["timing"][kind]
             if "ms" not in u or "ms" not in p:
                 lines.append(f"| {kind} ({unit}) | {u.get('error', '')} | {p.get('error', '')} | – | – | – | – |")
