@@ -124,12 +124,8 @@ class _ProtectionState:
         self.release: weakref.finalize | None = None  # drops its `_states` entries (`enable_fault_tolerance`)
         self.unchecked: dict[str, str] = {}  # module name -> why its product runs unchecked (`discovery`)
 
-    def __deepcopy__(self, memo):
-        # The protected layers find their model's state and settings by key (`_states`); a copy would share
-        # the keys, count its events into this model's report and read its fault injections.
-        raise TypeError("copy.deepcopy of a model with fault tolerance enabled is not supported (the copy's "
-                        "layers would report into the original's counters): copy the model before "
-                        "enable_fault_tolerance, or disable_fault_tolerance, copy, and enable each")
+    def __reduce_ex__(self, protocol):
+        _refuse_copy()
 
     def keys(self) -> list[int]:
         """Its entries in `_states`: the state's, the contexts', the sibling groups'."""
@@ -138,12 +134,14 @@ class _ProtectionState:
 
 
 def _refuse_copy(protocol: int | None = None):
-    """A protected model's ``__reduce_ex__``: pickling (``torch.save(model)``, multiprocessing) and
-    ``copy.copy`` / ``copy.deepcopy`` stop here with the reason, instead of at whichever patched part of the
-    model pickle happens to reach first."""
-    raise TypeError("a model with fault tolerance enabled cannot be pickled or copied (torch.save(model), "
-                    "copy.deepcopy, multiprocessing): its layers find their counters and injected faults by keys "
-                    "of this process, and a copy would report into the original's. Copy or pickle it before "
+    """``__reduce_ex__`` of a protected model, of its protection state and of each module holding a protected
+    layer's context: pickling (``torch.save(model)``, multiprocessing) and ``copy.copy`` / ``copy.deepcopy`` of
+    the model, or a deep copy or pickle of any part of it holding protected layers, stop here with the reason,
+    instead of at whichever patched part pickle happens to reach first or, for a part, silently."""
+    raise TypeError("a model with fault tolerance enabled, or a part of it holding protected layers, cannot be "
+                    "pickled or copied (torch.save(model), copy.deepcopy, multiprocessing): its layers find their "
+                    "counters and injected faults by keys of this process, and a copy would report into the "
+                    "original's. Copy or pickle it before "
                     "enable_fault_tolerance, or disable_fault_tolerance, copy, and enable each; its weights "
                     "(model.state_dict(), save_pretrained) save as usual while it is protected")
 
@@ -352,6 +350,9 @@ def enable_fault_tolerance(model: torch.nn.Module, config: FTConfig | None = Non
             _CACHE_OWNERS[id(module)] = module
             state.patched.append(module)
         module._ftt = ctx
+        # a copy would keep ctx's key, count into this model's report and read its injections; found before the
+        # class's method, it stops pickle before any hook or patched forward of the module does
+        module.__reduce_ex__ = _refuse_copy
         state.contexts.append(ctx)
     if config.linear:
         state.patched += install_siblings(model, adapter, _install_forward)  # (on local shards under TP)
@@ -448,13 +449,12 @@ def disable_fault_tolerance(model: torch.nn.Module) -> torch.nn.Module:
         _uninstall_forward(module)
         _CACHE_OWNERS.pop(id(module), None)
     for module in model.modules():
-        for attr in ("_ftt", "_ftt_vabft_checksums", "_ftt_sibling_key", _FAST_PATH_ATTR):
+        for attr in ("_ftt", "_ftt_vabft_checksums", "_ftt_sibling_key", _FAST_PATH_ATTR, "__reduce_ex__"):
             if attr in module.__dict__:
                 delattr(module, attr)
     if state.original_attn and model.config._attn_implementation != state.original_attn:
         model.set_attn_implementation(state.original_attn)
     delattr(model, _STATE_ATTR)
-    model.__dict__.pop("__reduce_ex__", None)
     state.release()  # (runs `forget` once and detaches the finalizer)
     return model
 

@@ -23,6 +23,7 @@ import importlib
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -1313,7 +1314,7 @@ def test_module_fast_path_like_full_path(monkeypatch, setopt):
     """A protected model's Linear/Conv1D calls take the module's fast path (`FastPath`) from the
     second call of a signature on: same outputs as the first (full-path) call and as the unprotected
     model; a call with active faults, an in-place weight update, or a grad-mode change take the full
-    path again; copies and disabled models carry no fast path."""
+    path again; disabled models and copies of a fast path's holder carry none (a protected layer refuses copies)."""
     import copy  # noqa: PLC0415
 
     from tiny_models import make_model  # noqa: PLC0415
@@ -1360,8 +1361,11 @@ def test_module_fast_path_like_full_path(monkeypatch, setopt):
     with torch.no_grad():
         ftt.enable_fault_tolerance(model, ftt.FTConfig(attention=False))
         model(ids)
-    clone = copy.deepcopy(model.transformer.h[0].mlp.c_fc)
-    assert clone.__dict__.get(_cl._FAST_PATH_ATTR) is None
+    with pytest.raises(TypeError, match="cannot be pickled or copied"):  # (a copy would report into the model's)
+        copy.deepcopy(model.transformer.h[0].mlp.c_fc)
+    fast = model.transformer.h[0].mlp.c_fc.__dict__[_cl._FAST_PATH_ATTR]
+    holder = types.SimpleNamespace(**{_cl._FAST_PATH_ATTR: fast})  # copies of any holder carry no fast path
+    assert fast is not None and copy.deepcopy(holder).__dict__.get(_cl._FAST_PATH_ATTR) is None
 
 
 def test_bad_inputs_raise_clear_errors(setopt):

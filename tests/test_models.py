@@ -333,9 +333,10 @@ def test_protecting_one_of_two_models_sharing_a_config_leaves_the_other_alone():
 
 
 def test_pickling_a_protected_model_says_why_and_its_weights_still_save(tmp_path):
-    """``torch.save(model)`` / pickle / ``copy.copy`` of a protected model raise one clear TypeError (they failed
-    on whichever patched part pickle reached first); its state dict saves and loads with ``weights_only``, and
-    after `disable_fault_tolerance` the model pickles again."""
+    """``torch.save(model)`` / pickle / ``copy.copy`` of a protected model, and deep copies or pickles of a part of
+    it holding protected layers, raise one clear TypeError (the model's failed on whichever patched part pickle
+    reached first; a part copied silently, keyed to the original's counters); its state dict saves and loads
+    with ``weights_only``, and after `disable_fault_tolerance` the model pickles and its parts copy again."""
     import copy
     import pickle
 
@@ -344,8 +345,16 @@ def test_pickling_a_protected_model_says_why_and_its_weights_still_save(tmp_path
                     lambda: copy.copy(model)):
         with pytest.raises(TypeError, match="cannot be pickled or copied.*disable_fault_tolerance"):
             attempt()
+    # A part holding protected layers would report into the model's counters and read its injections.
+    block = model.model.layers[0]
+    for part in (block, block.self_attn, block.mlp, block.mlp.down_proj):
+        for attempt in (copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="part of it holding protected layers"):
+                attempt(part)
+    assert "_ftt" in block.mlp.down_proj.__dict__  # (the refusal leaves the original as it was)
     torch.save(model.state_dict(), tmp_path / "sd.pt")
     loaded = torch.load(tmp_path / "sd.pt", weights_only=True)
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
     ftt.disable_fault_tolerance(model)
     assert isinstance(pickle.loads(pickle.dumps(model)), type(model))
+    assert isinstance(copy.deepcopy(block), type(block))
