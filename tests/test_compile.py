@@ -164,6 +164,34 @@ def test_generation_compile_config_route():
     assert report.steps == NEW_TOKENS and report.events == []
 
 
+@pytest.mark.filterwarnings("ignore:.*uncorrectable fault:RuntimeWarning")
+def test_compiled_module_holding_the_model_files_each_call_like_eager():
+    # A compiled module that calls the protected model traces the model's hooks inline (the step end then
+    # breaks the graph, being host code): every call is still one step, with eager's events.
+    model = _protected("llama", ftt.FTConfig(emax=1e-12, on_uncorrectable="ignore"))
+
+    class Holder(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids):
+            return self.inner(input_ids=ids).logits
+
+    holder, ids = Holder(model), _prompt(9)
+    with torch.no_grad():
+        eager = [holder(ids) for _ in range(2)]
+    eager_events = _events(model)
+    assert {s for s, *_ in eager_events} == {0, 1}
+    ftt.fault_report(model).reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(holder, backend="aot_eager")
+    with torch.no_grad():
+        outs = [compiled(ids) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+    assert ftt.fault_report(model).steps == 2 and _events(model) == eager_events
+
+
 def _frames_compiled_by_generate(model, ids: torch.Tensor) -> int:
     """The frames dynamo compiles while ``generate`` runs transformers' compiled decode route."""
     from transformers import CompileConfig
