@@ -5,7 +5,7 @@ the head dim for GEMM II (Lv = Dp/s groups, D padded with zeros to Dp). Group (r
 of a row x holds the L members ``x[l·s+r]``. Here:
 
 * the tables of one call: ``[Kc1 | Kc2]`` and ``max_d Σ_l |K|`` per key block (`key_checksums`),
-  V augmented with ``[Vc1 | Vc2 | 1]`` and ``max_n Σ_l |V|`` (`value_checksums`), all summed in one
+  V augmented with ``[Vc1 | Vc2 | 1 | 1]`` and ``max_n Σ_l |V|`` (`value_checksums`), all summed in one
   order (`ordered_sums`);
 * the group sums ``Σ_l x[l·s+r]`` and ``Σ_l (l+1)·x[l·s+r]`` they are compared with (`group_sums`);
 * the location of a single fault from ``D2/D1`` (`locate`) and its rebuild from the checksum and
@@ -92,8 +92,8 @@ def value_checksums(vp: torch.Tensor, n_keys: int, stride: int) -> tuple[torch.T
         vp: (B, Hkv, Np, D) fp32 values, zero-padded to whole key blocks (Np ≥ n_keys).
         n_keys: N, the real keys; stride: s.
     Returns:
-        ``vaug`` (B, Hkv, Np, D + 2s + 1): ``[V | Vc1 | Vc2 | 1]`` (`value_sums`); the ones column
-        accumulates ``lc``, the row sum's independent twin (step 6). ``vmax`` (B, Hkv, 1, s):
+        ``vaug`` (B, Hkv, Np, D + 2s + 2): ``[V | Vc1 | Vc2 | 1 | 1]`` (`value_sums`); the ones columns
+        accumulate the row sum ``l`` and its twin ``lc`` (step 6). ``vmax`` (B, Hkv, 1, s):
         ``max_n Σ_l |V[n, l·s+r]|`` over the real keys.
     """
     vc, va = value_sums(vp, stride)
@@ -101,8 +101,8 @@ def value_checksums(vp: torch.Tensor, n_keys: int, stride: int) -> tuple[torch.T
 
 
 def augment_values(vp: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
-    """``[V | Vc1 | Vc2 | 1]`` (B, Hkv, Np, D + 2s + 1) from vp (B, Hkv, Np, D) and vc (B, Hkv, Np, 2s)."""
-    ones = torch.ones(*vp.shape[:3], 1, dtype=torch.float32, device=vp.device)
+    """``[V | Vc1 | Vc2 | 1 | 1]`` (B, Hkv, Np, D + 2s + 2) from vp (B, Hkv, Np, D) and vc (B, Hkv, Np, 2s)."""
+    ones = torch.ones(*vp.shape[:3], 2, dtype=torch.float32, device=vp.device)
     return torch.cat([vp, vc, ones], dim=-1)
 
 

@@ -4,8 +4,8 @@
 that were flagged (`RowRecompute`: plain fp32 materialised softmax attention, unchecked and
 without injection).
 
-Shapes: GQA rows, (B, Hkv, G·M, ·); the accumulator ``acc`` (B, Hkv, G·M, D + 2s + 1) holds
-``[O | Oc1 | Oc2 | lc]`` when checking.
+Shapes: GQA rows, (B, Hkv, G·M, ·); the accumulator ``acc`` (B, Hkv, G·M, D + 2s + 2) holds
+``[O | Oc1 | Oc2 | l | lc]`` when checking.
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ def check_row_sums(l: torch.Tensor, acc: torch.Tensor, nvalid: torch.Tensor, *, 
     """Step 6: the row sum's range and its twin; counts at ``attn.rowsum``.
 
     With ``τ_l = 2·g(block_n + 2·nblocks + 4)``, a row with unmasked keys is faulty unless
-    ``1 − τ_l ≤ l ≤ nvalid·(1 + τ_l)`` and ``|l − lc| ≤ τ_l·l``; a fully masked row is faulty if
-    ``l ≠ 0``. Faulty rows are ``recomputed`` (from scratch, after step 7).
+    ``1 − τ_l ≤ l ≤ nvalid·(1 + τ_l)`` and ``l = lc`` (two columns of one product, rescaled alike: equal
+    bit for bit in a clean run); a fully masked row is faulty if ``l ≠ 0``. Faulty rows are ``recomputed``
+    (from scratch, after step 7).
 
     Args:
         l: (B, Hkv, G·M, 1) fp32 row sums; acc: the accumulator (its last column is lc).
@@ -81,7 +82,7 @@ def check_row_sums(l: torch.Tensor, acc: torch.Tensor, nvalid: torch.Tensor, *, 
     tau_l = 2.0 * g(block_n + 2 * nblocks + 4)
     lc = acc[..., -1:]
     nv = nvalid.to(torch.float32)
-    fine = (l >= 1.0 - tau_l) & (l <= nv * (1.0 + tau_l)) & ((l - lc).abs() <= tau_l * l)
+    fine = (l >= 1.0 - tau_l) & (l <= nv * (1.0 + tau_l)) & (l == lc)
     bad6 = torch.where(nvalid > 0, ~fine, l != 0)
     if not bool(bad6.any()):
         return None

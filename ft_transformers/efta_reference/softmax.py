@@ -2,11 +2,12 @@
 running max and its SNVR check, the exponent ``x = S − m``, ``P = exp(x)`` and P rounded to the dtype
 GEMM II reads it in, with the product check per group (on that rounded P, against exponents taken from
 the scores, so that faults in x and in the rounded P are seen too), and the rescaled accumulation (α
-checked against its recomputation) of the row sum ``l`` and its twin ``lc`` (both of the fp32 P), the
-output ``O`` and its checksum columns (of the rounded P).
+checked against its recomputation) of the output ``O``, its checksum columns, the row sum ``l`` and its
+twin ``lc``, all of the rounded P (checked: ``l`` and ``lc`` are the two ones columns of GEMM II's
+product; unchecked, ``l`` sums the fp32 P).
 
 Shapes: GQA rows, (B, Hkv, G·M, ·); m, l: (B, Hkv, G·M, 1); the accumulator (B, Hkv, G·M, DA) holds
-``[O | Oc1 | Oc2 | lc]`` when checking (DA = D + 2s + 1), ``O`` alone otherwise.
+``[O | Oc1 | Oc2 | l | lc]`` when checking (DA = D + 2s + 2), ``O`` alone otherwise.
 """
 
 from __future__ import annotations
@@ -202,40 +203,44 @@ def rescale(m: torch.Tensor, m_new: torch.Tensor, sf: SiteFaults | None, site_sh
 def accumulate(P: torch.Tensor, pd: torch.Tensor, alpha: torch.Tensor, l: torch.Tensor, acc: torch.Tensor,
                vb: torch.Tensor, sfs: dict[str, SiteFaults | None], block_site: tuple[int, ...], j: int, *,
                head_dim: int, stride: int, half_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 5: ``l = α·l + Σ_n P`` (fp32 P; then the ``attn.rowsum`` faults), ``acc = α·acc + pd·vb`` with
-    the rounded P that GEMM II reads (then the ``attn.acc`` faults on O and the ``attn.checksum`` faults
-    on Oc1), except the ones column of vb: the twin ``lc`` sums the fp32 P, like l (as the kernel's
-    twin does; step 4 checks pd). ``l`` and ``acc`` are updated in place.
+    """Step 5: ``acc = α·acc + pd·vb`` with the rounded P that GEMM II reads (then the ``attn.acc`` faults on
+    O and the ``attn.checksum`` faults on Oc1). Checked (vb ``[V | Vc1 | Vc2 | 1 | 1]``), the row sum is that
+    product's first ones column, ``l = α·l + Σ_n pd`` (then the ``attn.rowsum`` faults, in that column), and
+    its twin ``lc`` the second: two accumulators of one product, equal in a clean run. Unchecked (vb = V),
+    ``l = α·l + Σ_n P`` of the fp32 P, as plain flash attention sums it (then the ``attn.rowsum`` faults).
+    ``acc`` is updated in place.
 
     Args:
         P: (B, Hkv, G·M, block_n) fp32; pd: the same rounded as GEMM II reads it (held in fp32), from
             `probabilities`; alpha: (B, Hkv, G·M, 1) from `rescale`.
-        l: (B, Hkv, G·M, 1); acc: (B, Hkv, G·M, DA).
-        vb: (B, Hkv, block_n, DA) the block of ``[V | Vc1 | Vc2 | 1]`` (or V alone), fp32.
+        l: (B, Hkv, G·M, 1) the running row sum (checked: unread, acc holds it); acc: (B, Hkv, G·M, DA).
+        vb: (B, Hkv, block_n, DA) the block of ``[V | Vc1 | Vc2 | 1 | 1]`` (or V alone), fp32.
         sfs: the call's `SiteFaults` by site; block_site = (B, Hq, M, block_n); j: the block index.
         head_dim: D; stride: s (the checksum columns).
-        half_state: PASA's fp16 state: every update is then rounded to fp16 and P·V is an FP16 GEMM with
-            FP16 accumulation (vb is then fp16 V).
+        half_state: PASA's fp16 state (unchecked only): every update is then rounded to fp16 and P·V is an
+            FP16 GEMM with FP16 accumulation (vb is then fp16 V).
     Returns:
-        (l, acc).
+        (l, acc); checked, l is acc's column ``D + 2s`` (a view).
     """
     row_site = (*block_site[:3], 1)
+    D, s = head_dim, stride
+    checked = acc.shape[-1] > D
     if half_state:
         alpha = round16(alpha)
         l = round16(round16(l * alpha) + round16(P.sum(-1, keepdim=True)))
-        l = inject(sfs["attn.rowsum"], l, row_site, j)
         acc = round16(round16(acc * alpha) + _pasa.fp16_matmul(pd.to(torch.float16), vb).to(torch.float32))
     else:
-        l = l.mul_(alpha).add_(P.sum(-1, keepdim=True))
+        if not checked:
+            l = l.mul_(alpha).add_(P.sum(-1, keepdim=True))
+        acc = acc.mul_(alpha).add_(torch.matmul(pd, vb))
+    if checked:
+        lcol = D + 2 * s
+        acc[..., lcol:lcol + 1] = inject(sfs["attn.rowsum"], acc[..., lcol:lcol + 1], row_site, j)
+        l = acc[..., lcol:lcol + 1]
+    else:
         l = inject(sfs["attn.rowsum"], l, row_site, j)
-        if acc.shape[-1] > head_dim:  # [O | Oc1 | Oc2] from pd, the twin lc (the ones column) from P
-            upd = torch.cat([torch.matmul(pd, vb[..., :-1]), torch.matmul(P, vb[..., -1:])], dim=-1)
-        else:
-            upd = torch.matmul(pd, vb)
-        acc = acc.mul_(alpha).add_(upd)
-    D, s = head_dim, stride
     if sfs["attn.acc"] is not None:
         acc[..., :D] = inject(sfs["attn.acc"], acc[..., :D], (*block_site[:3], D), j * D)
-    if sfs["attn.checksum"] is not None and acc.shape[-1] > D:  # the checksum columns: Oc1
+    if sfs["attn.checksum"] is not None and checked:  # the checksum columns: Oc1
         acc[..., D:D + s] = inject(sfs["attn.checksum"], acc[..., D:D + s], (*block_site[:3], s), j * 2 * s + s)
     return l, acc

@@ -19,7 +19,13 @@ summed in registers (`_fold_parts`).
 GEMM II's ``Vc1`` and ``Vc2`` (checksums over the head dim, same splitting) are stored transposed, so
 that the dot ``P·Vc`` takes a K-major B operand like ``Q·Kc``'s: stored N-major, as V is, the kernels
 with in-loop injection computed wrong ``Oc`` on the H100 with Triton 3.6 (every output group failed
-step 7, or an illegal address with both passes in one launch).
+step 7, or an illegal address with both passes in one launch). Two ones columns follow Vc1's slices
+(`VC_ONES`): the operand ``[Vc1 slices | 1 | 1 | 0…]`` (`_load_parts` with ONES: 64 columns for fp16 and
+bf16, 32 for fp32) makes the row sum ``l = Σ_n P_lp[i, n]`` and its twin in two columns of the same
+dot's accumulator (`_fold_ones`), unscaled: the slice scale multiplies the slices' sum only. Per key
+block a table row holds ``VC_ONES + 32·PARTS`` rows of 64 keys (`vc_rows`): Vc1's slices, the ones, Vc2's
+slices. The ones are stored like the slices (not made in registers inside the loop) so that the operand
+is a plain load, as the other operands of the dot are.
 """
 
 from __future__ import annotations
@@ -29,6 +35,14 @@ import triton.language as tl
 
 from ..tl_common import dot as _dot
 from .common import _max_nan, _nanmax
+
+VC_ONES = 2  # ones columns after Vc1's slices: the row sum l and its twin (step 6)
+_VC_ONES = tl.constexpr(VC_ONES)
+
+
+def vc_rows(parts: int) -> int:
+    """Rows (of 64 keys) of one key block's V-checksum table: Vc1's ``parts`` slices of 16, the ones, Vc2's."""
+    return 32 * parts + VC_ONES
 
 
 @triton.jit
@@ -140,9 +154,10 @@ def _store_block(KC, VC, KA, VA, SC, KC2, cb, kc1, kc2, kabs_rd, v1, v2, vtile, 
                  BLOCK_N: tl.constexpr, KC2_OUT: tl.constexpr):
     """Row cb of the tables from a key block's sums: Kc1 kc1, Kc2 kc2 and Σ_l |K| kabs_rd (16, BLOCK_D),
     Vc1 v1 and Vc2 v2 (BLOCK_N, 16), vtile (16,) = max_n Σ_l |V|; KDT, VDT the key and value dtypes
-    (the slices'). Writes KC's slices of Kc1 (`_split`), VC's of Vc1 and Vc2 (transposed), KA = max_d kabs_rd,
-    VA = vtile, SC = (the inverse scales of Kc1, Vc1, Vc2, 1.0 if the keys are non-finite) and, with KC2_OUT,
-    KC2 = kc2 in fp32 (the weighted checksum of keys kept in a cache: it locates a fault in the stored keys)."""
+    (the slices'). Writes KC's slices of Kc1 (`_split`), VC's of Vc1, the ones columns and Vc2's (transposed,
+    `vc_rows`), KA = max_d kabs_rd, VA = vtile, SC = (the inverse scales of Kc1, Vc1, Vc2, 1.0 if the keys are
+    non-finite) and, with KC2_OUT, KC2 = kc2 in fp32 (the weighted checksum of keys kept in a cache: it
+    locates a fault in the stored keys)."""
     LVP: tl.constexpr = BLOCK_D // 16
     r16 = tl.arange(0, 16)
     offs_d = tl.arange(0, BLOCK_D)
@@ -158,17 +173,23 @@ def _store_block(KC, VC, KA, VA, SC, KC2, cb, kc1, kc2, kabs_rd, v1, v2, vtile, 
     if KC2_OUT:
         tl.store(KC2 + cb * (16 * BLOCK_D) + r16[:, None] * BLOCK_D + offs_d[None, :], kc2)
     vcmax = tl.max(vtile, axis=0)  # ≥ max |Vc1|; ·LVP ≥ max |Vc2|
-    vp = VC + cb * (2 * PARTS * 16 * BLOCK_N) + offs_j[:, None] + r16[None, :] * BLOCK_N  # stored as (16, BLOCK_N)
+    VROWS: tl.constexpr = 32 * PARTS + _VC_ONES
+    vrow = VC + cb * (VROWS * BLOCK_N)
+    vp = vrow + offs_j[:, None] + r16[None, :] * BLOCK_N  # stored as (16, BLOCK_N)
     a0, a1, a2, aic = _split(v1, vcmax, VDT, PARTS, SCALE_CS)
     c0, c1, c2, cic = _split(v2, vcmax * LVP, VDT, PARTS, SCALE_CS)
+    C2: tl.constexpr = (16 * PARTS + _VC_ONES) * BLOCK_N  # Vc2's first slice, after Vc1's and the ones
     tl.store(vp, a0)
-    tl.store(vp + PARTS * 16 * BLOCK_N, c0)
+    tl.store(vp + C2, c0)
     if PARTS >= 2:
         tl.store(vp + 16 * BLOCK_N, a1)
-        tl.store(vp + (PARTS + 1) * 16 * BLOCK_N, c1)
+        tl.store(vp + C2 + 16 * BLOCK_N, c1)
     if PARTS == 3:
         tl.store(vp + 32 * BLOCK_N, a2)
-        tl.store(vp + (PARTS + 2) * 16 * BLOCK_N, c2)
+        tl.store(vp + C2 + 32 * BLOCK_N, c2)
+    ones = tl.arange(0, _VC_ONES)
+    tl.store(vrow + (16 * PARTS + ones)[:, None] * BLOCK_N + offs_j[None, :],
+             tl.full((_VC_ONES, BLOCK_N), 1.0, VDT))
     tl.store(KA + cb * 16 + r16, kabs)
     tl.store(VA + cb * 16 + r16, vtile)
     four = tl.arange(0, 4)
@@ -177,57 +198,77 @@ def _store_block(KC, VC, KA, VA, SC, KC2, cb, kc1, kc2, kabs_rd, v1, v2, vtile, 
 
 
 @triton.jit
-def _load_parts(base, inner, PARTS: tl.constexpr, STRIDE_R: tl.constexpr):
-    """The PARTS slices of a checksum table row as one operand (len(inner), 16·2^(PARTS−1)): column
-    c = 16·part + r sits at base + inner + c·STRIDE_R (the tables store the slices one after the other).
-    The width is a power of two: bf16's three slices take 64 columns, the last 16 zeros."""
-    PW: tl.constexpr = 16 << (PARTS - 1)
+def _load_parts(base, inner, PARTS: tl.constexpr, STRIDE_R: tl.constexpr, ONES: tl.constexpr):
+    """The PARTS slices of a checksum table row as one operand (len(inner), PW): column c = 16·part + r
+    sits at base + inner + c·STRIDE_R (the tables store the slices one after the other). The width PW is
+    16·PARTS rounded up to a power of two: bf16's three slices take 64 columns, the last 16 zeros. With
+    ONES (the Vc1 operand) the `VC_ONES` ones columns stored after the slices come too, in 64 columns
+    (fp16, bf16) or 32 (fp32), the rest zeros."""
+    PW: tl.constexpr = (32 if PARTS == 1 else 64) if ONES else 16 << (PARTS - 1)
+    LIVE: tl.constexpr = 16 * PARTS + (_VC_ONES if ONES else 0)
     rp = tl.arange(0, PW)
     ptr = base + inner[:, None] + rp[None, :] * STRIDE_R
-    if PW == 16 * PARTS:
+    if PW == LIVE:
         t = tl.load(ptr)
     else:
-        t = tl.load(ptr, mask=rp[None, :] < 16 * PARTS, other=0.0)
+        t = tl.load(ptr, mask=rp[None, :] < LIVE, other=0.0)
     return t
 
 
 @triton.jit
 def _load_vparts_wide(VC, cb, nsub, PARTS: tl.constexpr, NB: tl.constexpr, STACK: tl.constexpr):
-    """The Vc1 operand of a wide key block: NB checksum blocks of CS keys (table rows cb … cb + NB − 1, the
-    first ``nsub`` existing; the others read as zeros, like their keys), for ``P·operand``.
+    """The Vc1 operand of a wide key block, with its ones columns: NB checksum blocks of CS keys (table rows
+    cb … cb + NB − 1, the first ``nsub`` existing; the others read as zeros, like their keys), for
+    ``P·operand``.
 
     STACK (no slice scales: bf16, fp32): the blocks' slices stacked along the keys, (NB·CS, PW): the dot
     sums every block's product at once. Otherwise (fp16, a scale per block and slice) block-diagonal,
     (NB·CS, NB·PW): block t's keys meet only its own columns, so each product keeps its own scale
-    (`_fold_wide`). PW is `_load_parts`' width."""
+    (`_fold_wide`). PW is `_load_parts`' width with ONES."""
     CS: tl.constexpr = 64  # keys per checksum block (`configs.CS_BLOCK_N`)
-    PW: tl.constexpr = 16 << (PARTS - 1)
+    PW: tl.constexpr = 32 if PARTS == 1 else 64
+    LIVE: tl.constexpr = 16 * PARTS + _VC_ONES
     n = tl.arange(0, NB * CS)
-    row = VC + (cb + n // CS)[:, None] * (2 * PARTS * 16 * CS) + (n % CS)[:, None]
+    row = VC + (cb + n // CS)[:, None] * ((32 * PARTS + _VC_ONES) * CS) + (n % CS)[:, None]
     live = (n // CS < nsub)[:, None]
     if STACK:
         c = tl.arange(0, PW)
-        t = tl.load(row + c[None, :] * CS, mask=live & (c < 16 * PARTS)[None, :], other=0.0)
+        t = tl.load(row + c[None, :] * CS, mask=live & (c < LIVE)[None, :], other=0.0)
     else:
         c = tl.arange(0, NB * PW)
         mine = (c // PW)[None, :] == (n // CS)[:, None]
-        t = tl.load(row + (c % PW)[None, :] * CS, mask=live & mine & ((c % PW) < 16 * PARTS)[None, :], other=0.0)
+        t = tl.load(row + (c % PW)[None, :] * CS, mask=live & mine & ((c % PW) < LIVE)[None, :], other=0.0)
     return t
 
 
 @triton.jit
-def _fold_wide(z, aic, NB: tl.constexpr, STACK: tl.constexpr, SCALE: tl.constexpr):
-    """(rows, width) product with `_load_vparts_wide`'s operand → (rows, 16): every slice of every block
-    summed, each block's slices times its scale aic (NB,) where SCALE."""
+def _fold_ones(z, PARTS: tl.constexpr):
+    """(rows, PW) product with a `_load_parts` operand with ONES → the sum of its slices' products (rows,
+    16), not yet times the slice scale, and the ones group (rows, 16): column 0 the row sum l, column 1 its
+    twin, the rest 0. Group g = columns [16·g, 16·g + 16) lies in the same threads for every g (the MMA
+    layout repeats every 8 columns), so both are in-register selections."""
+    g = tl.reshape(z, (z.shape[0], z.shape[1] // 16, 16))
+    part = tl.arange(0, z.shape[1] // 16)[None, :, None]
+    return tl.sum(tl.where(part < PARTS, g, 0.0), axis=1), tl.sum(tl.where(part == PARTS, g, 0.0), axis=1)
+
+
+@triton.jit
+def _fold_wide(z, aic, PARTS: tl.constexpr, NB: tl.constexpr, STACK: tl.constexpr, SCALE: tl.constexpr):
+    """(rows, width) product with `_load_vparts_wide`'s operand → as `_fold_ones`: every slice of every block
+    summed, each block's slices times its scale aic (NB,) where SCALE, and the ones group summed over the
+    blocks (unscaled)."""
     if STACK:
-        f = _fold_parts(z)
+        f, ones = _fold_ones(z, PARTS)
     else:
-        g = tl.reshape(z, (z.shape[0], NB, z.shape[1] // (16 * NB), 16))
-        f = tl.sum(g, axis=2)
+        NP: tl.constexpr = z.shape[1] // (16 * NB)
+        g = tl.reshape(z, (z.shape[0], NB, NP, 16))
+        part = tl.arange(0, NP)[None, None, :, None]
+        f = tl.sum(tl.where(part < PARTS, g, 0.0), axis=2)
         if SCALE:
             f = f * aic[None, :, None]
         f = tl.sum(f, axis=1)
-    return f
+        ones = tl.sum(tl.sum(tl.where(part == PARTS, g, 0.0), axis=2), axis=1)
+    return f, ones
 
 
 @triton.jit

@@ -50,7 +50,8 @@ def _program_rows(start_m, M, GROUP, BLOCK_M: tl.constexpr, PACK: tl.constexpr):
 @triton.jit
 def _merge_splits(base, nsplit, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, REC: tl.constexpr):
     """Split-key decode: the ``nsplit`` partial states of one row block, records of REC floats from
-    ``base`` — (m, l, lc, nvalid, O, Oc1, Oc2) rescaled to the common maximum exactly like the loop's α,
+    ``base`` — (m, l, lc, nvalid, O, Oc1, Oc2) rescaled to the common maximum exactly like the loop's α
+    (l and its twin lc by the same operations, so they stay equal bit for bit),
     the Σ|V| maxima and the non-finite flags merged. Read through L2 (``.cg``): with the checks off the
     other programs of the same launch wrote them. Returns m, l, lc (BLOCK_M,), nvalid (BLOCK_M,) int32,
     O (BLOCK_M, BLOCK_D), Oc1, Oc2 (BLOCK_M, 16), vmax (16,), nf."""

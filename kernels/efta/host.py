@@ -42,6 +42,7 @@ from ..launch import DirectLauncher, record_launches, replay_launches
 from ..options import Options, options
 from ..tl_common import call_flag, on_tensor_device, runs_interpreted
 from ..tl_common import cdiv as _cdiv
+from .checksums import vc_rows
 from .common import _HDR
 from .configs import (
     BOUNDS,
@@ -449,7 +450,7 @@ def _scratch(q, counters, B, Hq, Hkv, M, N, ax1, qrows, block_m, block_d, parts,
     if tables_needed:
         rows = B * Hkv * nb
         tables = (torch.empty((rows, parts, 16, block_d), dtype=q.dtype, device=dev),
-                  torch.empty((rows, 2, parts, 16, CS_BLOCK_N), dtype=q.dtype, device=dev),
+                  torch.empty((rows, vc_rows(parts), CS_BLOCK_N), dtype=q.dtype, device=dev),
                   torch.empty((rows, 16), dtype=torch.float32, device=dev),
                   torch.empty((rows, 16), dtype=torch.float32, device=dev),
                   torch.empty((rows, 4), dtype=torch.float32, device=dev))

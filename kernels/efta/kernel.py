@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _dot
-from .checksums import _fold_parts, _fold_wide, _load_parts, _load_vparts_wide, _scaled
+from .checksums import _VC_ONES, _fold_ones, _fold_parts, _fold_wide, _load_parts, _load_vparts_wide, _scaled
 from .common import (
     _DET,
     _I_ACC,
@@ -87,9 +87,10 @@ def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Empty loop state: m (−inf), l, O (BLOCK_M, BLOCK_D), the row-sum twin lc, the GEMM II checksums
     Oc1, Oc2 (BLOCK_M, 16), nvalid (int32), vmax (16,), and the event slots (_NSLOT,) int32.
 
-    The GEMM II checksums Oc1 = P·Vc1 and Oc2 = P·Vc2 go through the same α rescale as O. Vc comes
-    from the pre-pass's table, stored K-major (`checksums`): built in registers inside the loop, that
-    wgmma operand gives wrong sums on the H100."""
+    The GEMM II checksums Oc1 = P·Vc1 and Oc2 = P·Vc2 go through the same α rescale as O, and so do l
+    and lc, two ones columns of the P·Vc1 dot's operand. Vc comes from the pre-pass's table, stored
+    K-major (`checksums`): built in registers inside the loop, that wgmma operand gives wrong sums on
+    the H100."""
     return (tl.full((BLOCK_M,), -float("inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
             tl.zeros((BLOCK_M, BLOCK_D), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
             tl.zeros((BLOCK_M, 16), tl.float32), tl.zeros((BLOCK_M, 16), tl.float32),
@@ -128,6 +129,10 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
     block, and the blocks whose test fails take the repair branch. It recomputes GEMM I with the
     same (deterministic) injected faults, and counts and repairs in the contract's order.
 
+    Row sum (DETECT): l = Σ_n P_lp and its twin lc are columns 0 and 1 of the ones group of the P·Vc1
+    dot (`checksums._fold_ones`), carried as that (BLOCK_M, 16) group through the loop, where the
+    `attn.rowsum` faults strike column 0; unchecked, l is the fp32 row sum of P (FADD).
+
     Returns the online-softmax state m_i, l_i (BLOCK_M,), acc (BLOCK_M, BLOCK_D); the checksum
     state lc (BLOCK_M,), oc1, oc2 (BLOCK_M, 16), nvalid (BLOCK_M,) int32, vmax (16,); the event
     slots cnt (_NSLOT,) int32 (REPAIR only); nf; and the clean pass's flags: rows with a raised flag
@@ -142,6 +147,8 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
     tl.static_assert(NB == 1 or not DETECT or not (REPAIR or PASA or OC2 or HALF_STATE or KC2_TABLE or INJ_M != 0
                                                    or INJ_A != 0 or INJ_L != 0 or INJ_ACC != 0 or INJ_CS != 0))
     STACK: tl.constexpr = not SCALE_CS  # wide V-checksum operand stacked (no slice scales) or block-diagonal
+    VROWS: tl.constexpr = 32 * PARTS + _VC_ONES  # rows of a key block's V-checksum table (`checksums.vc_rows`)
+    tl.static_assert(not (HALF_STATE and DETECT))  # PASA's fp16 state runs unchecked (`host._validate`)
     offs_j = tl.arange(0, BLOCK_N)
     m_i, l_i, acc, lc, oc1, oc2, nvalid, vmax, cnt = _fresh_state(BLOCK_M, BLOCK_D)
     wl = (tl.arange(0, L) + 1).to(tl.float32)
@@ -153,7 +160,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
     NEG_INF: tl.constexpr = -float("inf")
     worst1 = tl.full((BLOCK_M, 16), NEG_INF, tl.float32)  # clean pass: worst step-1 / step-4 margins
     worst4 = tl.full((BLOCK_M, 16), NEG_INF, tl.float32)  # per (row, group) over the key blocks
-    lc16 = tl.zeros((BLOCK_M, 16), tl.float32)  # the row-sum twin per residue group
+    lt = tl.zeros((BLOCK_M, 16), tl.float32)  # checked: the ones group of GEMM II's checksum dot (l, twin, 0…)
 
     for start_n in range(scan_lo, scan_hi, BLOCK_N):
         jblk = start_n // CSN  # (the first) checksum block
@@ -271,14 +278,15 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
                                      DETECT, CORRECT, REPAIR, INTERP)
         if DETECT and not REPAIR:
             flag_rows = flag_rows | bad_a
-        if HALF_STATE:  # the PASA paper's full FP16 allocation: every state update rounded to fp16
-            alpha = alpha.to(tl.float16).to(tl.float32)
-            l_i = ((l_i * alpha).to(tl.float16).to(tl.float32)
-                   + tl.sum(p, axis=1).to(tl.float16).to(tl.float32)).to(tl.float16).to(tl.float32)
-        else:
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-        if INJ_L != 0:
-            l_i = _inject(l_i, Inj, _I_ROWSUM, INJ_L, bh, offs_m, jblk, M, nblocks)
+        if not DETECT:  # l from the fp32 P (plain flash attention); checked, from GEMM II's checksum dot below
+            if HALF_STATE:  # the PASA paper's full FP16 allocation: every state update rounded to fp16
+                alpha = alpha.to(tl.float16).to(tl.float32)
+                l_i = ((l_i * alpha).to(tl.float16).to(tl.float32)
+                       + tl.sum(p, axis=1).to(tl.float16).to(tl.float32)).to(tl.float16).to(tl.float32)
+            else:
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+            if INJ_L != 0:
+                l_i = _inject(l_i, Inj, _I_ROWSUM, INJ_L, bh, offs_m, jblk, M, nblocks)
         if HALF_STATE:  # P·V an FP16 GEMM with FP16 accumulation
             pv = tl.dot(pd, v, out_dtype=tl.float16).to(tl.float32)
             acc = ((acc * alpha[:, None]).to(tl.float16).to(tl.float32) + pv).to(tl.float16).to(tl.float32)
@@ -288,39 +296,42 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
             acc = _inject(acc, Inj, _I_ACC, INJ_ACC, bh, offs_m[:, None],
                           tl.where(offs_d < D, jblk * D + offs_d, nblocks * D)[None, :], M, nblocks * D)
         if DETECT:
-            # the twin per group (in-thread sums; one cross-thread sum after the loop). Of the fp32 P, like
-            # l: summing pd instead would see a fault in pd above u_lp·l, but keeps pd's fp32 copy alive
-            # (~35 more registers, spills at D = 128 on sm_90); step 4 checks pd
-            lc16 = lc16 * alpha[:, None] + tl.sum(tl.reshape(p, (BLOCK_M, L, 16)), axis=1)
-            # Oc += P·Vc, the slices side by side in one dot (one tensor-core wait, not one per slice).
-            # Two other orders make ptxas serialise every wgmma of the loop (warning C7515, 2.2× the
-            # time in one case): Oc accumulated in place like O (in units of each block's slice scale),
-            # and this dot issued before P·V.
-            vbase = VC + cb * (2 * PARTS * 16 * BLOCK_N)
+            # [Oc1 | l, twin] += P_lp·[Vc1 slices | 1 | 1 | 0…]: the checksum, the row sum l = Σ_n P_lp and its
+            # twin from one dot, the slices side by side (one tensor-core wait, not one per slice), the ones
+            # columns unscaled. Two other orders make ptxas serialise every wgmma of the loop (warning C7515,
+            # 2.2× the time in one case): Oc accumulated in place like O (in units of each block's slice
+            # scale), and this dot issued before P·V.
+            vbase = VC + cb * (VROWS * BLOCK_N)
             if NB > 1:
                 a = _load_vparts_wide(VC, cb, nblocks - jblk, PARTS, NB, STACK)
                 tt = tl.arange(0, NB)
                 aic = tl.load(SC + (cb + tt) * 4 + 1, mask=tt < nblocks - jblk, other=0.0)
-                zero = tl.zeros((BLOCK_M, a.shape[1]), tl.float32)
-                oc1 = oc1 * alpha[:, None] + _fold_wide(_dot(pd, a, zero, DOT_F32 or PARTS == 1), aic, NB, STACK,
-                                                        SCALE_CS)
+                vz, lz = _fold_wide(_dot(pd, a, tl.zeros((BLOCK_M, a.shape[1]), tl.float32), DOT_F32 or PARTS == 1),
+                                    aic, PARTS, NB, STACK, SCALE_CS)
             else:
-                a = _load_parts(vbase, offs_j, PARTS, BLOCK_N)  # (BLOCK_N, 16·parts)
+                a = _load_parts(vbase, offs_j, PARTS, BLOCK_N, True)  # (BLOCK_N, 32 or 64)
                 aic = tl.load(SC + cb * 4 + 1)
-                zero = tl.zeros((BLOCK_M, a.shape[1]), tl.float32)
-                oc1 = oc1 * alpha[:, None] + _scaled(_fold_parts(_dot(pd, a, zero, DOT_F32 or PARTS == 1)), aic,
-                                                     SCALE_CS)
+                vz, lz = _fold_ones(_dot(pd, a, tl.zeros((BLOCK_M, a.shape[1]), tl.float32), DOT_F32 or PARTS == 1),
+                                    PARTS)
+                vz = _scaled(vz, aic, SCALE_CS)
+            oc1 = oc1 * alpha[:, None] + vz
+            lt = lt * alpha[:, None] + lz
+            if INJ_L != 0:  # the `attn.rowsum` faults on l, column 0 of the ones group
+                lt = _inject(lt, Inj, _I_ROWSUM, INJ_L, bh, offs_m[:, None], tl.where(r16 == 0, jblk, nblocks)[None, :],
+                             M, nblocks)
             if INJ_CS != 0:  # the `attn.checksum` faults on Oc1: columns [32·jblk + 16, 32·jblk + 32)
                 oc1 = _inject(oc1, Inj, _I_CHECKSUM, INJ_CS, bh, offs_m[:, None], (jblk * 32 + 16 + r16)[None, :], M,
                               nblocks * 32)
             if OC2:  # the weighted checksum only locates output faults: carried when it may be needed
-                c = _load_parts(vbase + PARTS * 16 * BLOCK_N, offs_j, PARTS, BLOCK_N)
+                c = _load_parts(vbase + (16 * PARTS + _VC_ONES) * BLOCK_N, offs_j, PARTS, BLOCK_N, False)
                 cic = tl.load(SC + cb * 4 + 2)
-                oc2 = oc2 * alpha[:, None] + _scaled(_fold_parts(_dot(pd, c, zero, DOT_F32 or PARTS == 1)),
-                                                     cic, SCALE_CS)
+                oc2 = oc2 * alpha[:, None] + _scaled(
+                    _fold_parts(_dot(pd, c, tl.zeros((BLOCK_M, c.shape[1]), tl.float32), DOT_F32 or PARTS == 1)),
+                    cic, SCALE_CS)
         m_i = m_new
-    if DETECT:
-        lc = tl.sum(lc16, axis=1)
+    if DETECT:  # l and its twin: columns 0 and 1 of the ones group (one cross-thread sum each, once)
+        l_i = tl.sum(tl.where(r16[None, :] == 0, lt, 0.0), axis=1)
+        lc = tl.sum(tl.where(r16[None, :] == 1, lt, 0.0), axis=1)
     if DETECT and not REPAIR:
         # the clean pass's tests of steps 1 and 4, once: a group fails if it failed in some key block
         n1_rows = tl.sum((~(worst1 <= s_floor) & row_ok[:, None]).to(tl.int32), axis=1)

@@ -74,7 +74,7 @@ def _score_checksum(q, KC, KA, SC, cb, offs_d, scale, BLOCK_D: tl.constexpr, PAR
     scores' units: unscaled when FOLD), kabs (16,) = max_d Σ_l |K|, and 1 if the block is non-finite."""
     r16 = tl.arange(0, 16)
     kabs = tl.load(KA + cb * 16 + r16)
-    kc = _load_parts(KC + cb * (PARTS * 16 * BLOCK_D), offs_d, PARTS, BLOCK_D)  # (BLOCK_D, 16·parts)
+    kc = _load_parts(KC + cb * (PARTS * 16 * BLOCK_D), offs_d, PARTS, BLOCK_D, False)  # (BLOCK_D, 16·parts)
     kic = tl.load(SC + cb * 4)
     knf = (tl.load(SC + cb * 4 + 3) != 0).to(tl.int32)
     # one dot over the slices side by side (one tensor-core wait instead of one per slice)

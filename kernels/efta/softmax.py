@@ -1,5 +1,5 @@
 """Steps 3–5: the running row max with its SNVR check, the exponent x and ``P = exp(x)`` with the product
-check, the rescale α with its check, and the row sum.
+check, the rescale α with its check, and the unchecked row sum.
 
 * Step 3 (SNVR, the EFTA paper §4.2): a row-max error cancels out unless it makes exp overflow; the check
   tests that the block's max does not exceed the new running max by more than
@@ -10,10 +10,10 @@ check, the rescale α with its check, and the row sum.
   from the masked scores the row max read, ``Σ_l max(S, base + x_min) − L·base``, not from x: a fault in
   x (the FMA that makes it, or its register) or in the rounded P would otherwise go unseen.
 * Step 5: the rescale ``α = exp(m_old − m_new)``, checked against ``exp(−(m_new − m_old))`` (`_rescale`: α
-  scales l, lc, O and Oc alike, so nothing later sees a wrong α); row sum ``l`` (fp32 sum of P) and its
-  twin ``lc`` (the sum of the P that GEMM II reads, rounded to the input dtype, carried per residue
-  group and summed across them after the loop), ``O += P·V``, all rescaled by the same α
-  (`kernel._key_loop`).
+  scales l, lc, O and Oc alike, so nothing later sees a wrong α); ``O += P_lp·V`` and, checked, the row
+  sum ``l = Σ_n P_lp`` (P as GEMM II reads it, rounded to the input dtype) and its twin ``lc`` from two
+  ones columns of GEMM II's checksum dot (`checksums._fold_ones`); unchecked, ``l`` is the fp32 sum of
+  P, as plain flash attention has it; all rescaled by the same α (`kernel._key_loop`).
 
 One FFMA per score on the GPU (FOLD): the scores stay unscaled and the exponent is
 ``fma(s, scale·log2 e, −m·log2 e)``; off where a bias, an additive mask, PASA or score injection needs

@@ -11,7 +11,7 @@ that grows by whole blocks (dynamic caches) reallocates its tables to the new ro
 tokens (a copy of the tables, about a third of the cache's bytes, every 64 steps), so that the forward
 kernel indexes them exactly as the pre-pass's.
 
-Memory per key and kv head, D = 128: the tables 256 B (fp16) / 384 B (bf16) and Kc2 128 B, against 512 B
+Memory per key and kv head, D = 128: the tables 260 B (fp16) / 388 B (bf16) and Kc2 128 B, against 512 B
 of K and V; with the per (batch, kv head) running sums of the last block (24 KiB + 8 KiB at D = 128).
 """
 
@@ -25,7 +25,7 @@ import torch
 from ..contract import kernel_head_dim
 from ..launch import DirectLauncher
 from ..tl_common import runs_interpreted
-from .checksums import _efta_checksums, _efta_checksums_append
+from .checksums import _efta_checksums, _efta_checksums_append, vc_rows
 from .configs import CS_BLOCK_N, _pow2_bucket
 
 _INTERP = runs_interpreted(_efta_checksums_append)
@@ -45,8 +45,9 @@ def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
 class StoredTables(NamedTuple):
     """A KV cache's checksum tables as `efta_triton_forward` takes them (``stored=``); rows = B·Hkv·nb.
 
-    kc (rows, PARTS, 16, BLOCK_D) and vc (rows, 2, PARTS, 16, 64) in the input dtype, ka, va (rows, 16),
-    sc (rows, 4) and kc2 (rows, 16, BLOCK_D) fp32 (`checksums._store_block`)."""
+    kc (rows, PARTS, 16, BLOCK_D) and vc (rows, 32·PARTS + 2, 64) (Vc1's slices, the ones columns of the row
+    sum, Vc2's slices: `checksums.vc_rows`) in the input dtype, ka, va (rows, 16), sc (rows, 4) and kc2 (rows,
+    16, BLOCK_D) fp32 (`checksums._store_block`)."""
 
     kc: torch.Tensor
     vc: torch.Tensor
@@ -59,7 +60,7 @@ class StoredTables(NamedTuple):
     def shapes(B: int, Hkv: int, N: int, block_d: int, dtype: torch.dtype) -> tuple[tuple[int, ...], ...]:
         """The shapes of the tables of a cache of N keys, head dims padded to block_d."""
         rows, parts = B * Hkv * -(-N // CS_BLOCK_N), _PARTS[dtype]
-        return ((rows, parts, 16, block_d), (rows, 2, parts, 16, CS_BLOCK_N), (rows, 16), (rows, 16), (rows, 4),
+        return ((rows, parts, 16, block_d), (rows, vc_rows(parts), CS_BLOCK_N), (rows, 16), (rows, 16), (rows, 4),
                 (rows, 16, block_d))
 
 
