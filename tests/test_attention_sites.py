@@ -257,6 +257,26 @@ def test_masks_gqa_window_decode():
                         2e-4, **kw)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_row_sum_twin_is_exact(dtype):
+    """l = Σ P_lp and its twin lc are two ones columns of GEMM II's checksum product, equal bit for bit in a
+    clean run, so step 6 compares them exactly: a flip of l in the last key block is found at every bit class
+    (sign, exponent, a mantissa bit, and bit 2, a relative change of about 2^-21, far below the range test's
+    τ_l), counted at ``attn.rowsum`` with the row recomputed, with the reference's counts; the output is
+    the clean one. A flip in the first block, rescaled and added to by two more blocks, too."""
+    q, k, v = rand_qkv(*SHAPE, dtype=dtype, seed=11)
+    clean, stats, _ = _call("kernel", q, k, v, causal=True)
+    assert all(val == 0 for val in stats.values())
+    nb = -(-SHAPE[4] // 64)
+    last = _first_seed("attn.rowsum", q, k, lambda pos: pos[3] == nb - 1)
+    first = _first_seed("attn.rowsum", q, k, lambda pos: pos[3] == 0)
+    for bit, seed in ((31, last), (30, last), (20, last), (2, last), (27, first), (12, first)):
+        spec = FaultSpec(site="attn.rowsum", bit=bit, seed=seed)
+        stats = _check_repaired("attn.rowsum", q, k, v, clean, spec, TOL[dtype] / 4, causal=True)
+        assert set(stats.by_site()) == {"attn.rowsum"} and stats["detected"] == stats["recomputed"] == 1, \
+            (bit, stats.by_site())
+
+
 @pytest.mark.parametrize("site", NEW_SITES)
 def test_correct_false_counts_uncorrectable(site, data):
     q, k, v, _ = data

@@ -75,6 +75,24 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_checked_row_sum_sums_the_probabilities_gemm_ii_reads(dtype):
+    """Checked, the row sum is l = Σ_n P_lp, of the P that GEMM II reads (rounded to the input dtype): O / l
+    divides Σ P_lp·V by the sum of the same weights, so with every value 1 the fp32 output is 1 up to fp32
+    rounding. Unchecked, l sums the fp32 P (plain flash attention), which differs from Σ P_lp by P's
+    rounding: there the output is off 1 by far more."""
+    B, Hq, Hkv, M, N, D = 1, 2, 1, 40, 150, 32
+    q, k, _ = rand_qkv(B, Hq, Hkv, M, N, D, dtype, seed=9)
+    v = torch.ones(B, Hkv, N, D, dtype=dtype)
+    kw = dict(scale=D**-0.5, causal=True, bias=None, attn_mask=None, window=None, plan=None, counters=None,
+              out_dtype=torch.float32)
+    with torch.no_grad():
+        checked = efta_reference(q, k, v, detect=True, correct=True, **kw)
+        plain = efta_reference(q, k, v, detect=False, correct=False, **kw)
+    assert (checked - 1.0).abs().max().item() <= 1e-6
+    assert (plain - 1.0).abs().max().item() > 2e-6
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_float64(case, dtype):

@@ -149,6 +149,19 @@ def test_kernel_tables_extended_equal_built(dtype):
     kc1 = (t.kc.double().cpu().sum(1) * t.sc[:, 0, None, None].double().cpu())
     assert torch.allclose(kc1, k64.sum(1), rtol=0, atol=2e-5 * float(k64.abs().sum(1).max()))
     assert torch.allclose(t.kc2.double().cpu(), (k64 * w).sum(1), rtol=1e-5, atol=1e-5)
+    # a block's V-checksum rows (`checksums.vc_rows`): Vc1's slices, the two ones rows whose product with P
+    # is the row sum l and its twin (at every key, padding included), Vc2's slices; each sum of slices
+    # times its scale against float64
+    parts = {torch.float16: 2, torch.bfloat16: 3, torch.float32: 1}[dtype]
+    vc = t.vc.double().cpu()
+    assert vc.shape == (B * Hkv * nb, 32 * parts + 2, 64)
+    assert (vc[:, 16 * parts:16 * parts + 2] == 1).all()
+    v64 = torch.nn.functional.pad(v.double().cpu(), (0, 0, 0, nb * 64 - N)).view(B * Hkv * nb, 64, D // 16, 16)
+    wv = torch.arange(1, D // 16 + 1, dtype=torch.float64).view(1, 1, -1, 1)
+    for rows, col, exact in ((slice(0, 16 * parts), 1, v64.sum(2)),
+                             (slice(16 * parts + 2, None), 2, (v64 * wv).sum(2))):
+        sums = vc[:, rows].reshape(-1, parts, 16, 64).sum(1) * t.sc[:, col, None, None].double().cpu()
+        assert torch.allclose(sums, exact.transpose(1, 2), rtol=0, atol=2e-5 * float(exact.abs().max())), col
 
 
 # ------------------------------------------------------------------------------------------------
