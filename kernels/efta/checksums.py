@@ -23,7 +23,7 @@ step 7, or an illegal address with both passes in one launch). Two ones columns 
 (`VC_ONES`): the operand ``[Vc1 slices | 1 | 1 | 0…]`` (`_load_parts` with ONES: 64 columns for fp16 and
 bf16, 32 for fp32) makes the row sum ``l = Σ_n P_lp[i, n]`` and its twin in two columns of the same
 dot's accumulator (`_fold_ones`), unscaled: the slice scale multiplies the slices' sum only. Per key
-block a table row holds ``VC_ONES + 32·PARTS`` rows of 64 keys (`vc_rows`): Vc1's slices, the ones, Vc2's
+block the table holds ``32·PARTS + VC_ONES`` rows of 64 keys (`vc_rows`): Vc1's slices, the ones, Vc2's
 slices. The ones are stored like the slices (not made in registers inside the loop) so that the operand
 is a plain load, as the other operands of the dot are.
 """
