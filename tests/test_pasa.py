@@ -286,11 +286,16 @@ def test_pasa_efta_no_false_positives():
         "normal": [normal(s, 0.0, 1.0, gen) for s in (shape_q, shape_kv, shape_kv)],
     }
     for name, (q, k, v) in cases.items():
+        # clean checks change nothing but the row sum: checked, l sums P as GEMM II reads it (rounded to v's
+        # dtype, unit roundoff u), unchecked the fp32 P, so the two differ by ≤ u of l, and the outputs by
+        # that and their own rounding to the input dtype (≤ u each; 3.01: the products of those u)
+        u = 2.0**-11 if v.dtype == torch.float16 else 2.0**-8
         for causal in (False, True):
             out, st = efta_attention(q, k, v, pasa=True, causal=causal)
             assert st["detected"] == 0, name
             unchecked, _ = efta_attention(q, k, v, pasa=True, causal=causal, detect=False, correct=False)
-            assert torch.equal(out, unchecked), name  # clean checks change nothing
+            diff = (out.float() - unchecked.float()).abs()
+            assert bool((diff <= 3.01 * u * unchecked.float().abs() + 2.0**-24).all()), (name, float(diff.max()))
 
 
 # --------------------------------------------------------------------------------------------
