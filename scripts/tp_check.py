@@ -420,7 +420,7 @@ def variant(model, args, device, ids, cfg, name: str) -> dict:
 
     collect()
     if not args.no_timing:
-        say(f"{name}: timing prefill and decode ({args.warmup} warmup, {args.repeats} timed each)")
+        say(f"{name}: timing {', '.join(args.workloads)} ({args.warmup} warmup, {args.repeats} timed each)")
         res["timing"] = timings(model, args, device, cfg.vocab_size, collect, name)
         t = res["timing"]
         units = {"prefill": "ms", "decode": "ms/token", COMPILED: "ms/token"}

@@ -553,8 +553,8 @@ def test_tp_check_script_on_two_cpu_ranks(tmp_path):
 def test_compiled_step_on_shards_breaks_as_the_unsharded_one(tmp_path):
     """``tp_check.py --compile``: the protected model's compiled decode step on two ranks becomes the graphs of
     the unsharded one, with the same breaks, so a sharded Linear or attention adds no graph break, and none
-    at all: the event recorder's step end runs after the compiled call; ``--profile`` writes every rank's
-    tables."""
+    at all: the model's hooks (the event recorder's step end among them) run as plain Python beside the
+    compiled forward (`ft_transformers.model_hooks`); ``--profile`` writes every rank's tables."""
     why = _gloo()
     if why:
         pytest.skip(why)
