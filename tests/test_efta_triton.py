@@ -712,6 +712,40 @@ def test_packed_gqa_decode_nonfinite_and_injection_unpacked(monkeypatch):
     assert counts(stats) == counts(rstats)
 
 
+def test_repairing_pass_drops_pipeline_stages_that_do_not_fit(monkeypatch):
+    """The repairing pass runs the autotuned clean pass's config with narrower key blocks, whose kernel can
+    need more shared memory than the device has: it then runs at the deepest pipeline that loads (Triton's
+    OutOfResources for deeper ones), repairs an injected fault there, and later calls (the replayed launches
+    too) go straight to that depth."""
+    from triton.runtime.errors import OutOfResources
+
+    launched: list = []
+    real = H._FWD_LAUNCH
+
+    def small_device(grid, args, kwargs):
+        if kwargs["PHASE"] == 2 and kwargs["num_stages"] > 2:
+            raise OutOfResources(254172, 232448, "shared memory")
+        launched.append((kwargs["PHASE"], kwargs["num_stages"]))
+        real(grid, args, kwargs)
+
+    monkeypatch.setattr(H, "_FWD_LAUNCH", small_device)
+    H._REPAIR_STAGES.clear()
+    H._REPLAYS.clear()
+    q, k, v = rand_qkv(1, 2, 2, 80, 80, 32, torch.float16, seed=11)
+    ref = ref_attention(q, k, v, scale=1.0 / math.sqrt(32), causal=True)
+    with override(efta_config=(32, 64, 4, 4)):
+        clean, stats, _ = kernel(q, k, v, causal=True)
+        assert launched == [(1, 4), (2, 2)] and all(val == 0 for val in stats.values())
+        assert maxdiff(clean, ref) <= TOL[torch.float16]
+        out, stats, _ = kernel(q, k, v, causal=True, inject=FaultSpec(site="attn.scores", bit=30, seed=1))
+        assert stats["corrected"] >= 1 and maxdiff(out, clean) <= 2e-3
+        del launched[:]
+        for _ in range(2):  # recorded, then replayed
+            again, _, _ = kernel(q, k, v, causal=True)
+            assert torch.equal(again, clean)
+    assert launched[:2] == [(1, 4), (2, 2)] and set(launched) == {(1, 4), (2, 2)}
+
+
 REPLAY_CASES = {
     "causal_prefill": dict(shape=(1, 4, 2, 80, 80, 32), kw=dict(causal=True)),
     "bool_mask_bias": dict(shape=(2, 2, 2, 24, 40, 32), kw=dict(mask="bool", bias=True)),

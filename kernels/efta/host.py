@@ -114,6 +114,34 @@ def _launcher(which: int) -> DirectLauncher:
 # (0.26-0.47 ms per call on the H100 host against SDPA's 0.02-0.03 ms; 15 us under a CUDA graph).
 _TUNED: dict[tuple, Config] = {}
 _ARRIVE: dict[torch.device, torch.Tensor] = {}
+# The pipeline depth the repairing pass runs at, per (device, dtype, clean-pass config, flags): see
+# `_fitting_stages`.
+_REPAIR_STAGES: dict[tuple, int] = {}
+
+
+def _fitting_stages(launch: Callable[[int], None], stages: int, key: tuple) -> int:
+    """Run ``launch(s)`` at the deepest pipeline ``s ≤ stages`` whose kernel fits the device's shared
+    memory; returns ``s`` (remembered under ``key``, so later calls compile and try nothing).
+
+    The repairing pass inherits the autotuned clean pass's config with key blocks of `CS_BLOCK_N`
+    instead of two of them; its checksum and repair operands can need more shared memory than the
+    clean pass the autotuner measured (fp16, D = 128: 254,172 B at 3 stages on sm_90, limit 232,448).
+    Its programs return at once unless the clean pass flagged them, so a shallower pipeline costs a
+    clean call nothing. Triton raises ``OutOfResources`` when it loads the kernel, before launching."""
+    known = _REPAIR_STAGES.get(key)
+    if known is not None:
+        launch(known)
+        return known
+    for s in range(stages, 0, -1):
+        try:
+            launch(s)
+        except triton.runtime.errors.OutOfResources:
+            if s == 1:
+                raise
+            continue
+        _REPAIR_STAGES[key] = s
+        return s
+    raise ValueError(f"num_stages must be ≥ 1, got {stages}")
 
 
 def _arrival_cells(device: torch.device) -> torch.Tensor:
@@ -573,8 +601,8 @@ def efta_triton_forward(
     launches: list = []
 
     def run(which: int, grid: tuple, args_: tuple, kwargs: dict) -> None:
-        launches.append((which, grid, args_, kwargs))
         _launcher(which)(grid, args_, kwargs)
+        launches.append((which, grid, args_, kwargs))  # (only launches that ran are replayed)
 
     pasa_args = _pasa_scalars(pasa, D, slack) if use_pasa else (0.0,) * 8
     if (detect or use_pasa) and stored is None:  # the checksum tables (and PASA's shifted keys), once per key block
@@ -626,7 +654,8 @@ def efta_triton_forward(
     if on_config is not None:
         on_config(cfg)
     if phased:  # the repairing pass: its programs return at once unless the clean launch flagged them
-        launch_fwd((cfg[0], CS_BLOCK_N, *cfg[2:]), 1, PHASE=2)  # (the checksum blocks, after a wide clean pass)
+        _fitting_stages(lambda s: launch_fwd((cfg[0], CS_BLOCK_N, cfg[2], s), 1, PHASE=2),  # (checksum blocks)
+                        cfg[3], (dev, q.dtype, tuple(cfg), *meta.values()))
     if nsplit > 1 and detect:  # checked split-key decode: the merge launch (checks off merge in `_efta_fwd`)
         run(_COMBINE, (_cdiv(qrows, block_m), ax1, B), (
             q, k, v, out, counters, flag, bias4, mask4, inj, work, *strides,
