@@ -211,11 +211,11 @@ run_part() {
       tpa="$tpa ${TP_PROFILE:+--profile}"  # TP_PROFILE=1: each workload once more under torch.profiler, every rank
       tpa="$tpa ${TP_WORKLOADS:+--workloads $TP_WORKLOADS}"  # e.g. decode_compiled: the compiled step alone
       FTT_ABFT_GEMM_TUNE=0 timeout ${TP1_TIMEOUT:-330} python3 scripts/tp_check.py $tpa 2>&1 \
-        | grep --line-buffered -v Warning | grep -E "tp_check |^\||OK|FAILED"
+        | grep --line-buffered -v Warning | grep -E "tp_check |^\||OK|FAILED|Error"
       local ref="$dir/tp_check_qwen2-7b_float16_tp1.json"
       FTT_ABFT_GEMM_TUNE=0 timeout ${TP4_TIMEOUT:-330} python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
         scripts/tp_check.py $tpa $( [ -f $ref ] && echo --reference $ref ) 2>&1 | grep --line-buffered -v Warning \
-        | grep -E "tp_check |^\||OK|FAILED"
+        | grep -E "tp_check |^\||OK|FAILED|Error"
       grep -h "compiled step" "$dir"/tp_check_*.md 2>/dev/null  # its graphs, breaks and CUDA-graph skips per size
       if ls "$dir"/profile_*.txt > /dev/null 2>&1; then  # ($OUT brings back a few files: the tables in one)
         tar -czf "$dir/profiles.tar.gz" -C "$dir" $(cd "$dir" && ls profile_*.txt) && rm -f "$dir"/profile_*.txt
