@@ -33,7 +33,7 @@
 #              4 minutes gets SIGUSR1 and writes its threads' stacks into its log)
 #   tpratio    issue 41's ratio: Qwen2-7B dims at tp = 1, then tp = 4 against it, eager and compiled decode (CUDA
 #              graphs), no flips (4 GPUs: nvidia-h100-x4; ~9 min); TP_TOKENS, TP_PROFILE=1, TP_WORKLOADS (tp_check's
-#              --workloads, e.g. decode_compiled); a fresh machine spends ~80 s compiling the kernels per variant
+#              --workloads, e.g. decode_compiled; TP_NPROC: the second size, default 4); a fresh machine spends ~80 s compiling the kernels per variant
 #   split      the threshold's variance terms with their own unit error (issue 38): calibrates fp16/bf16 (x's
 #              outlier estimate, with the K trend; into the device's table, copied to the part's folder), then
 #              the Linear classes' tightness of Qwen2-0.5B and Qwen2-7B dims and clean generations with it (~9 min);
@@ -213,7 +213,7 @@ run_part() {
       FTT_ABFT_GEMM_TUNE=0 timeout ${TP1_TIMEOUT:-330} python3 scripts/tp_check.py $tpa 2>&1 \
         | grep --line-buffered -v Warning | grep -E "tp_check |^\||OK|FAILED|Error"
       local ref="$dir/tp_check_qwen2-7b_float16_tp1.json"
-      FTT_ABFT_GEMM_TUNE=0 timeout ${TP4_TIMEOUT:-330} python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+      FTT_ABFT_GEMM_TUNE=0 timeout ${TP4_TIMEOUT:-330} python3 -m torch.distributed.run --standalone --nproc-per-node ${TP_NPROC:-4} \
         scripts/tp_check.py $tpa $( [ -f $ref ] && echo --reference $ref ) 2>&1 | grep --line-buffered -v Warning \
         | grep -E "tp_check |^\||OK|FAILED|Error"
       grep -h "compiled step" "$dir"/tp_check_*.md 2>/dev/null  # its graphs, breaks and CUDA-graph skips per size
