@@ -221,6 +221,9 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3
 
 
+RECORD_STEPS = 2  # decode steps of a compiled step's warm-up run and CUDA-graph record, per generate
+
+
 class StepClock(StoppingCriteria):
     """Marks the end of every generation step (a CUDA event, no synchronisation; perf_counter on CPU).
 
@@ -245,15 +248,17 @@ class StepClock(StoppingCriteria):
             self.marks.append(time.perf_counter())
         return self.never[: input_ids.shape[0]]
 
-    def per_token_ms(self) -> float:
-        """Decode ms per token of the last ``generate`` (synchronises once, after it)."""
-        if len(self.marks) < 2:
-            raise RuntimeError(f"generate took {len(self.marks)} step(s); need at least 2 to time decoding")
-        first, last = self.marks[0], self.marks[-1]
+    def per_token_ms(self, skip: int = 0) -> float:
+        """Decode ms per token of the last ``generate`` (synchronises once, after it), over the steps after
+        the first ``skip`` decode steps (a compiled step's first two are its warm-up and CUDA-graph record)."""
+        if len(self.marks) < skip + 2:
+            raise RuntimeError(f"generate took {len(self.marks)} step(s); need at least {skip + 2} to time "
+                               f"decoding after {skip} step(s)")
+        first, last = self.marks[skip], self.marks[-1]
         if self.cuda:
             last.synchronize()
-            return float(first.elapsed_time(last)) / (len(self.marks) - 1)
-        return (last - first) * 1e3 / (len(self.marks) - 1)
+            return float(first.elapsed_time(last)) / (len(self.marks) - 1 - skip)
+        return (last - first) * 1e3 / (len(self.marks) - 1 - skip)
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -350,7 +355,11 @@ def _workload_calls(model, wl: Workload, device: torch.device, timer: Timer, voc
 
         def sample() -> float:  # ms per decoded token of one generation
             run()
+            if gen_kwargs and wl.new_tokens > RECORD_STEPS + 2:
+                sample.after_record.append(clock.per_token_ms(skip=RECORD_STEPS))
             return clock.per_token_ms()
+
+        sample.after_record = []  # per generation: ms per token after the compiled step's warm-up and record
     return run, sample
 
 
@@ -383,14 +392,17 @@ def profile_once(run: Callable[[], None], path: Path, device: torch.device, rows
 def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup: int, repeats: int,
                  vocab: int, gen_kwargs: dict | None = None,
                  between: Callable[[], None] = lambda: None,
-                 profile_path: Path | None = None) -> tuple[float, float, float]:
+                 profile_path: Path | None = None, extra: dict | None = None) -> tuple[float, float, float]:
     """``(ms, std ms, peak MiB)`` of one workload on the model as configured now.
 
     ``gen_kwargs`` go to ``generate`` (decode only), e.g. a static cache and a compile config.
     ``between`` runs, untimed, after the warmup and after every timed call (it collects and resets
     the fault report, so the device-side event history of one call is all the peak memory holds).
     ``profile_path``: after the timed calls (and the peak memory reading), one more call under the
-    profiler (`profile_once`), its table written there.
+    profiler (`profile_once`), its table written there. ``extra`` (a dict), for a decode with
+    ``gen_kwargs``: gets ``ms_after_record``, the median ms per token over the steps after the first
+    `RECORD_STEPS` (each ``generate`` makes a new static cache, so its compiled step warms up and records its
+    CUDA graph again: the difference to ``ms`` is that cost spread over the generation).
     """
     run, sample = _workload_calls(model, wl, device, timer, vocab, gen_kwargs)
     for _ in range(warmup):
@@ -402,6 +414,8 @@ def run_workload(model, wl: Workload, device: torch.device, timer: Timer, warmup
         samples.append(sample())
         between()
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else math.nan
+    if extra is not None and getattr(sample, "after_record", None):
+        extra["ms_after_record"] = _stats(sample.after_record)[0]
     if profile_path is not None:
         profile_once(run, profile_path, device)
         between()

@@ -355,9 +355,10 @@ def timings(model, args, device: torch.device, vocab: int, between, name: str = 
         try:
             prof = (args.out / f"profile_tp{world_size()}_rank{rank()}_{name.replace(' ', '_').replace(',', '')}"
                     f"_{key}.txt") if args.profile else None
+            extra: dict = {}
             with skips:
                 ms, std, peak = run_workload(model, wl, device, timer, args.warmup, args.repeats, vocab,
-                                             gen_kwargs=kw, between=between, profile_path=prof)
+                                             gen_kwargs=kw, between=between, profile_path=prof, extra=extra)
         except Exception as e:  # a compiled step that does not build under sharding is reported, not fatal
             if kw is None:
                 raise
@@ -367,7 +368,7 @@ def timings(model, args, device: torch.device, vocab: int, between, name: str = 
             out[key] = {"error": f"{type(e).__name__}: {first}"}
             say(f"{key} failed: {out[key]['error']}")
             continue
-        out[key] = {"ms": ms, "ms_std": std, "peak_mib_per_rank": gather(peak)}
+        out[key] = {"ms": ms, "ms_std": std, "peak_mib_per_rank": gather(peak), **extra}
         if kw is not None:  # what the compiled step became on this rank: its graphs and the breaks between them
             c = torch._dynamo.utils.counters
             out[key]["graphs"] = int(c["stats"]["unique_graphs"])
@@ -503,6 +504,12 @@ def markdown(result: dict, reference: dict | None) -> str:
                 skipped = "; ".join(f"{n} × {r}" for r, n in ct.get("cudagraph_skips", {}).items())
                 if skipped:
                     lines.append(f"- compiled step, {name}, rank 0: CUDA graphs skipped: {skipped}")
+        replay = [v[n]["timing"].get(COMPILED, {}).get("ms_after_record") for n in ("unprotected", "protected")]
+        if all(replay):
+            u, p = (v[n]["timing"][COMPILED]["ms"] for n in ("unprotected", "protected"))
+            lines.append(f"- compiled step after its warm-up and CUDA-graph record (each `generate` records again): "
+                         f"{replay[0]:.3f} / {replay[1]:.3f} ms per token, ratio {replay[1] / replay[0]:.3f}; the "
+                         f"record's share of the figures above {u - replay[0]:.3f} / {p - replay[1]:.3f} ms per token")
         if "timing" in v.get(PER_LAYER, {}):
             lines.append("")
             for kind, unit in (("prefill", "per forward"), ("decode", "per token")):

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_generate as bg  # noqa: E402
@@ -212,3 +213,14 @@ def test_qwen2_7b_is_chosen_by_name_with_its_published_dims():
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (3584, 18944, 28)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (28, 4, 152064)
     assert not cfg.tie_word_embeddings
+
+
+def test_step_clock_times_the_steps_after_a_skip():
+    """``per_token_ms(skip)`` divides the time from the mark after the first ``skip`` decode steps to the last
+    by the steps in between; too few marks for the skip raise instead of dividing by zero."""
+    clock = bg.StepClock(torch.device("cpu"), 1)
+    clock.marks = [0.0, 1.0, 1.5, 1.6, 1.7, 1.8]  # prefill ends at 0 s; two slow steps, then 0.1 s each
+    assert clock.per_token_ms() == pytest.approx(1800 / 5)
+    assert clock.per_token_ms(skip=2) == pytest.approx(300 / 3)
+    with pytest.raises(RuntimeError, match="at least 7"):
+        clock.per_token_ms(skip=5)

@@ -577,6 +577,8 @@ def test_compiled_step_on_shards_breaks_as_the_unsharded_one(tmp_path):
         sharded, whole = (r["variants"][name]["timing"]["decode_compiled"] for r in (res, reference))
         assert sharded["graphs"] == whole["graphs"] >= 1, (name, sharded, whole)
         assert sharded["graph_breaks"] == whole["graph_breaks"], (name, sharded, whole)
+        assert 0 < whole["ms_after_record"] and 0 < sharded["ms_after_record"], (name, sharded, whole)
+    assert "after its warm-up and CUDA-graph record" in (tmp_path / "tp_check_qwen2-7b_float32_tp2.md").read_text()
     breaks = res["variants"]["protected"]["timing"]["decode_compiled"]["graph_breaks"]
     assert breaks == {}, breaks
     assert res["variants"]["protected"]["tokens"] == reference["variants"]["protected"]["tokens"]
