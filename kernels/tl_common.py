@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["call_flag", "cdiv", "dot", "gpu_time", "on_tensor_device", "runs_interpreted", "sm_count"]
+__all__ = ["call_flag", "cdiv", "dot", "gpu_time", "on_tensor_device", "runs_interpreted", "shared_memory",
+           "sm_count"]
 
 
 @triton.jit
@@ -37,6 +38,21 @@ def sm_count(device: torch.device) -> int:
     if sms is None:
         sms = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return sms
+
+
+_SMEM: dict[torch.device, int] = {}
+HOPPER_SHARED_MEMORY = 232_448  # bytes of shared memory a block may use on an H100 / H200 (sm_90)
+
+
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one block may use on a CUDA device (the opt-in maximum, as Triton checks a
+    kernel against it when it loads it); cached per device."""
+    smem = _SMEM.get(device)
+    if smem is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        smem = _SMEM[device] = int(props["max_shared_mem"])
+    return smem
 
 
 def gpu_time(fn, quantiles=None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import types
 
 import pytest
 import torch
@@ -171,7 +172,7 @@ def test_autotuner_candidates_per_call_kind():
     configs = [C._cfg(c) for c in C.CONFIGS_PREFILL + C.CONFIGS_DECODE]
 
     def picked(**kw):
-        args = dict(M_KEY=1, BLOCK_D=64, DETECT=False, PASA=False, PHASE=0, KC2_TABLE=False) | kw
+        args = dict(Q=torch.empty(0), M_KEY=1, BLOCK_D=64, DETECT=False, PASA=False, PHASE=0, KC2_TABLE=False) | kw
         return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in C._prune(configs, args)}
 
     cs, wide = K.CS_BLOCK_N, {c for c in C.CONFIGS_PREFILL if c[1] == 2 * K.CS_BLOCK_N and c[2] == 8}
@@ -186,6 +187,32 @@ def test_autotuner_candidates_per_call_kind():
     assert picked(M_KEY=4096, DETECT=True, PHASE=1, BLOCK_D=128, PASA=True) == narrow
     assert picked(M_KEY=4096, DETECT=True, PHASE=1, BLOCK_D=128, KC2_TABLE=True) == narrow
     assert picked(M_KEY=4096, BLOCK_D=128) == {c for c in C.CONFIGS_PREFILL if c[1] == 64}
+
+
+def test_autotuner_adds_shallow_pipelines_where_shared_memory_is_small(monkeypatch):
+    """On a GPU with less shared memory per block than an H100 (an sm_86 / sm_89 one: 101,376 bytes) the
+    autotuner also times every candidate with at most two pipeline stages, which fit there at D = 128
+    (`scripts/kernel_resources.py --arch 86`), so that a checked prefill at D = 128 has a config that loads;
+    on an H100's 232,448 bytes the candidates stay the list's."""
+    configs = [C._cfg(c) for c in C.CONFIGS_PREFILL + C.CONFIGS_DECODE]
+    gpu = types.SimpleNamespace(device=torch.device("cuda", 0))  # (only its device is read)
+    smem = {"bytes": 101_376}
+    monkeypatch.setattr(C, "shared_memory", lambda device: smem["bytes"])
+
+    def picked(**kw):
+        args = dict(Q=gpu, M_KEY=4096, BLOCK_D=128, DETECT=True, PASA=False, PHASE=1, KC2_TABLE=False) | kw
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in C._prune(configs, args)]
+
+    small = picked()
+    shape_only = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                  for c in C._prune_shapes(configs, dict(M_KEY=4096, BLOCK_D=128, DETECT=True, PASA=False, PHASE=1,
+                                                         KC2_TABLE=False))]
+    assert small[:len(shape_only)] == shape_only  # the list's own first, in its order
+    assert {(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2)} <= set(small) and len(set(small)) == len(small)
+    assert {c[:3] for c in small} == {c[:3] for c in shape_only}  # only the stage counts are new
+    assert any(c[3] <= 2 for c in picked(M_KEY=1))  # decode too
+    smem["bytes"] = 232_448
+    assert picked() == shape_only
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])

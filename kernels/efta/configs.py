@@ -16,7 +16,7 @@ import triton
 
 from ..contract import EXP_ULPS
 from ..options import options
-from ..tl_common import gpu_time, sm_count
+from ..tl_common import HOPPER_SHARED_MEMORY, gpu_time, shared_memory, sm_count
 from .kernel import _efta_fwd
 
 
@@ -79,8 +79,33 @@ def _cfg(c):
     return triton.Config({"BLOCK_M": c[0], "BLOCK_N": c[1]}, num_warps=c[2], num_stages=c[3])
 
 
+def _shallow_twins(configs: list, smem: int) -> list:
+    """``configs``, and on a device with less shared memory per block than an H100 (``smem`` bytes) also
+    each one with at most two pipeline stages (in that order, without duplicates). The list's stage counts
+    are the H100's; on an sm_86 / sm_89 GPU (99 KB) every checked prefill config at D = 128 needs more
+    (fp16, 3 stages: 114,688 B at (64, 64, 4, 3)), and with none that loads the autotuner would launch
+    one that fails. Two stages fit there (fp16, D = 128: 65,536 B at (64, 64, 4, 2), 81,920 B at
+    (128, 64, 8, 2); `scripts/kernel_resources.py --arch 86`); the autotuner drops the ones that do not."""
+    if smem >= HOPPER_SHARED_MEMORY:
+        return list(configs)
+    out, seen = [], set()
+    for c in [*configs, *(_cfg((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, min(c.num_stages, 2)))
+                          for c in configs)]:
+        key = (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
 def _prune(configs, named_args, **kwargs):
-    args = {**named_args, **kwargs}
+    keep = _prune_shapes(configs, {**named_args, **kwargs})
+    q = named_args["Q"]
+    return _shallow_twins(keep, shared_memory(q.device)) if q.device.type == "cuda" else keep
+
+
+def _prune_shapes(configs, args: dict) -> list:
+    """The configs that suit the call's shape and checks (``args``: the kernel's arguments by name)."""
     m_key, d = args["M_KEY"], args["BLOCK_D"]
     # the wide clean pass where it gained with pointer loads (D = 128; at D = 64 only with TMA, which is off)
     wide = d > 64 and _wide(args["DETECT"], args["PHASE"] == 1, args["PASA"], args["KC2_TABLE"])
