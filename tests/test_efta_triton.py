@@ -191,11 +191,11 @@ def test_autotuner_candidates_per_call_kind():
 
 def test_autotuner_adds_shallow_pipelines_where_shared_memory_is_small(monkeypatch):
     """On a GPU with less shared memory per block than an H100 (an sm_86 / sm_89 one: 101,376 bytes) the
-    autotuner also times every candidate with at most two pipeline stages, which fit there at D = 128
-    (`scripts/kernel_resources.py --arch 86`), so that a checked prefill at D = 128 has a config that loads;
-    on an H100's 232,448 bytes the candidates stay the list's."""
+    autotuner also times every candidate with at most two pipeline stages (fp32: also one), which fit there
+    at D = 128 (`scripts/kernel_resources.py --arch 86`), so that a checked prefill at D = 128 has a config
+    that loads; on an H100's 232,448 bytes the candidates stay the list's."""
     configs = [C._cfg(c) for c in C.CONFIGS_PREFILL + C.CONFIGS_DECODE]
-    gpu = types.SimpleNamespace(device=torch.device("cuda", 0))  # (only its device is read)
+    gpu = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float16)  # (as q: its device, dtype)
     smem = {"bytes": 101_376}
     monkeypatch.setattr(C, "shared_memory", lambda device: smem["bytes"])
 
@@ -211,6 +211,9 @@ def test_autotuner_adds_shallow_pipelines_where_shared_memory_is_small(monkeypat
     assert {(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2)} <= set(small) and len(set(small)) == len(small)
     assert {c[:3] for c in small} == {c[:3] for c in shape_only}  # only the stage counts are new
     assert any(c[3] <= 2 for c in picked(M_KEY=1))  # decode too
+    assert min(c[3] for c in small) == 2  # fp16: two stages at the least; fp32 also one
+    gpu.dtype = torch.float32
+    assert (64, 64, 4, 1) in picked() and set(small) < set(picked())
     smem["bytes"] = 232_448
     assert picked() == shape_only
 

@@ -79,29 +79,33 @@ def _cfg(c):
     return triton.Config({"BLOCK_M": c[0], "BLOCK_N": c[1]}, num_warps=c[2], num_stages=c[3])
 
 
-def _shallow_twins(configs: list, smem: int) -> list:
+def _shallow_twins(configs: list, smem: int, fp32: bool) -> list:
     """``configs``, and on a device with less shared memory per block than an H100 (``smem`` bytes) also
-    each one with at most two pipeline stages (in that order, without duplicates). The list's stage counts
-    are the H100's; on an sm_86 / sm_89 GPU (99 KB) every checked prefill config at D = 128 needs more
-    (fp16, 3 stages: 114,688 B at (64, 64, 4, 3)), and with none that loads the autotuner would launch
-    one that fails. Two stages fit there (fp16, D = 128: 65,536 B at (64, 64, 4, 2), 81,920 B at
-    (128, 64, 8, 2); `scripts/kernel_resources.py --arch 86`); the autotuner drops the ones that do not."""
+    each one with at most two pipeline stages, and for fp32 inputs with one (in that order, without
+    duplicates). The list's stage counts are the H100's; on an sm_86 / sm_89 GPU (99 KB) no checked
+    prefill config at D = 128 fits them (fp16 (64, 64, 4, 3): 114,688 B), and with none that loads the
+    autotuner would launch one that fails. Two stages fit there in fp16 and bf16 (fp16, D = 128: 65,536 B
+    at (64, 64, 4, 2), 81,920 B at (128, 64, 8, 2)); fp32 at D = 128 needs one (98,304 B at (64, 64, 4, 1);
+    `scripts/kernel_resources.py --arch 86`). The autotuner drops the ones that do not load."""
     if smem >= HOPPER_SHARED_MEMORY:
         return list(configs)
     out, seen = [], set()
-    for c in [*configs, *(_cfg((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, min(c.num_stages, 2)))
-                          for c in configs)]:
-        key = (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-        if key not in seen:
-            seen.add(key)
-            out.append(c)
+    for depth in (None, 2, *((1,) if fp32 else ())):
+        for c in configs:
+            key = (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
+                   c.num_stages if depth is None else min(c.num_stages, depth))
+            if key not in seen:
+                seen.add(key)
+                out.append(c if depth is None else _cfg(key))
     return out
 
 
 def _prune(configs, named_args, **kwargs):
     keep = _prune_shapes(configs, {**named_args, **kwargs})
     q = named_args["Q"]
-    return _shallow_twins(keep, shared_memory(q.device)) if q.device.type == "cuda" else keep
+    if q.device.type != "cuda":
+        return keep
+    return _shallow_twins(keep, shared_memory(q.device), q.dtype == torch.float32)
 
 
 def _prune_shapes(configs, args: dict) -> list:
