@@ -8,6 +8,9 @@
 # Parts:
 #   smoke      clean smoke of the main kernel variants and the split-key decode (~1 min)
 #   tests      GPU tests of both kernels under one forced block config
+#   autotuned  the GPU attention tests that compare with fp32 attention and count false positives, with the
+#              autotuner's own configs (the "tests" part forces one; a config the autotuner or the repairing
+#              launch derives can fail to load, as 254 KB of shared memory once did; ~5 min on a fresh machine)
 #   attention  scripts/bench_attention.py (all shapes, fp16 + bf16; ~6 min) -> bench_attention.csv/png
 #   quick      scripts/bench_attention.py --quick (fp16, 12 shapes; ~2 min with compilation)
 #   quickgraph the same timed under CUDA graphs (kernel time without host launch overhead)
@@ -75,6 +78,9 @@ run_part() {
           2>&1 | grep -E "^OK|Error" | tail -1
       done
       ;;
+    autotuned)  # no FTT_EFTA_CONFIG: each shape's candidates timed, the winners and their repairing launches run
+      FTT_ABFT_GEMM_TUNE=0 timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -q -x -m gpu -p no:cacheprovider \
+        tests/test_efta_triton.py -k "gpu_matches_fp32_attention or gpu_no_false_positives" 2>&1 | tail -15 ;;
     tests)  # one forced block config: autotuning every test's variants would take far over 10 minutes
       FTT_EFTA_CONFIG=64,64,4,3 FTT_ABFT_GEMM_TUNE=0 timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -x -m gpu -p no:cacheprovider \
         tests/test_efta_triton.py tests/test_abft_gemm.py 2>&1
