@@ -393,6 +393,37 @@ def test_wide_clean_pass_counts_like_the_reference(dtype, case):
             assert sum(map(sum, counts(stats))) > 0, (dtype, case, spec.site)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_clean_launch_flags_nothing_clean(monkeypatch, causal):
+    """A clean fp16 call's wide clean launch flags no query block (its `Rep` cells stay 0), so the repairing
+    launch has nothing to redo: l equals its twin and Oc1 passes step 7 with each checksum block's slices
+    times their own scale. The values of the second checksum block are 8× the others' (another slice
+    scale in the same key block), and N = 150 leaves the last key block one partial checksum block and one
+    missing. (The counters alone cannot show this: a flagged block is recomputed clean by the repairing
+    launch.)"""
+    B, Hq, Hkv, M, N, D = 1, 2, 1, 40, 150, 32
+    wide = (32, 128, 4, 1) if DEV == "cpu" else (64, 128, 4, 2)
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, dtype=torch.float32, seed=29)
+    v[:, :, 64:128] *= 8
+    q, k, v = (t.to(torch.float16) for t in (q, k, v))
+    rep = []
+    scratch = H._scratch
+
+    def keep_rep(*args, **kwargs):
+        bufs = scratch(*args, **kwargs)
+        rep.append(bufs[1])  # rep_buf
+        return bufs
+
+    monkeypatch.setattr(H, "_scratch", keep_rep)
+    H._REPLAYS.clear()  # the full host path (a replayed signature takes no new scratch)
+    with override(efta_config=wide):
+        out, stats, _ = kernel(q, k, v, causal=causal)
+    cells = rep[-1].flatten()[: B * Hq * -(-M // wide[0])]  # (b, h, query block) of the clean launch
+    assert (cells == 0).all(), cells
+    assert sum(map(sum, counts(stats))) == 0
+    assert maxdiff(out, ref_attention(q, k, v, causal=causal)) <= 8 * TOL[torch.float16]  # (|V| up to 8×)
+
+
 def test_wide_blocks_only_where_the_clean_launch_runs_alone():
     """Key blocks of 128 in a checked call only for the clean launch of a correcting prefill; elsewhere
     (detect only, decode rows, PASA) a forced wide config is refused with the reason, and while

@@ -25,7 +25,9 @@ bf16, 32 for fp32) makes the row sum ``l = Σ_n P_lp[i, n]`` and its twin in two
 dot's accumulator (`_fold_ones`), unscaled: the slice scale multiplies the slices' sum only. Per key
 block the table holds ``32·PARTS + VC_ONES`` rows of 64 keys (`vc_rows`): Vc1's slices, the ones, Vc2's
 slices. The ones are stored like the slices (not made in registers inside the loop) so that the operand
-is a plain load, as the other operands of the dot are.
+is a plain load, as the other operands of the dot are. The wide clean pass at fp16 reads only the slices
+from the table and takes the ones from an operand made once before its loop (`_vc_dot_wide`: two blocks'
+padded operands would not fit the H100's shared memory at D = 128).
 """
 
 from __future__ import annotations
@@ -216,29 +218,49 @@ def _load_parts(base, inner, PARTS: tl.constexpr, STRIDE_R: tl.constexpr, ONES: 
 
 
 @triton.jit
-def _load_vparts_wide(VC, cb, nsub, PARTS: tl.constexpr, NB: tl.constexpr, STACK: tl.constexpr):
-    """The Vc1 operand of a wide key block, with its ones columns: NB checksum blocks of CS keys (table rows
-    cb … cb + NB − 1, the first ``nsub`` existing; the others read as zeros, like their keys), for
-    ``P·operand``.
+def _vc_dot_wide(pd, ones_op, VC, SC, cb, nsub, PARTS: tl.constexpr, NB: tl.constexpr, STACK: tl.constexpr,
+                 SCALE: tl.constexpr, F32: tl.constexpr):
+    """GEMM II's checksum product of a wide key block: P_lp pd (rows, NB·CS) against the Vc1 slices and the
+    ones of its NB checksum blocks of CS keys (table rows cb … cb + NB − 1, the first ``nsub`` existing; the
+    others read as zeros, like their keys). Returns, as `_fold_ones`, the slices' products summed over the
+    blocks, each block's times its scale where SCALE (rows, 16), and the ones group (rows, 16), unscaled.
 
-    STACK (no slice scales: bf16, fp32): the blocks' slices stacked along the keys, (NB·CS, PW): the dot
-    sums every block's product at once. Otherwise (fp16, a scale per block and slice) block-diagonal,
-    (NB·CS, NB·PW): block t's keys meet only its own columns, so each product keeps its own scale
-    (`_fold_wide`). PW is `_load_parts`' width with ONES."""
+    STACK (no slice scales: bf16, fp32): one dot over the blocks' `_load_parts` operands with ONES stacked
+    along the keys, (NB·CS, PW). Otherwise (fp16, a scale per block; NB = 2): each half of P along the keys
+    against its own block's slices, (CS, 16·PARTS), two dots, and all of P against ``ones_op`` (NB·CS, 16),
+    `VC_ONES` ones columns and zeros, which the caller makes once before the loop (like Q, it is written to
+    shared memory once; P is 0 at keys past N, so ones there add nothing). The pipelined operands take
+    2·CS·16·PARTS·2 B a stage (8 KiB); one block-diagonal [slices | 1 | 1 | 0…] operand (NB·CS, NB·64) would
+    take 32 KiB, half of it zeros, and the launch at D = 128 256 KiB of shared memory, past the H100's."""
     CS: tl.constexpr = 64  # keys per checksum block (`configs.CS_BLOCK_N`)
-    PW: tl.constexpr = 32 if PARTS == 1 else 64
-    LIVE: tl.constexpr = 16 * PARTS + _VC_ONES
-    n = tl.arange(0, NB * CS)
-    row = VC + (cb + n // CS)[:, None] * ((32 * PARTS + _VC_ONES) * CS) + (n % CS)[:, None]
-    live = (n // CS < nsub)[:, None]
+    VROWS: tl.constexpr = 32 * PARTS + _VC_ONES
     if STACK:
+        PW: tl.constexpr = 32 if PARTS == 1 else 64
+        n = tl.arange(0, NB * CS)
+        row = VC + (cb + n // CS)[:, None] * (VROWS * CS) + (n % CS)[:, None]
+        live = (n // CS < nsub)[:, None]
         c = tl.arange(0, PW)
-        t = tl.load(row + c[None, :] * CS, mask=live & (c < LIVE)[None, :], other=0.0)
+        a = tl.load(row + c[None, :] * CS, mask=live & (c < 16 * PARTS + _VC_ONES)[None, :], other=0.0)
+        f, ones = _fold_ones(_dot(pd, a, tl.zeros((pd.shape[0], PW), tl.float32), F32 or PARTS == 1), PARTS)
     else:
-        c = tl.arange(0, NB * PW)
-        mine = (c // PW)[None, :] == (n // CS)[:, None]
-        t = tl.load(row + (c % PW)[None, :] * CS, mask=live & mine & ((c % PW) < LIVE)[None, :], other=0.0)
-    return t
+        tl.static_assert(NB == 2)
+        o = tl.arange(0, 16)
+        # (the select keeps the product out of the loop-carried accumulator that `lt·α + ones` would fold
+        # it into: a second wgmma chain in flight across iterations makes ptxas serialise them, C7515)
+        ones = tl.where(o[None, :] < _VC_ONES, _dot(pd, ones_op, tl.zeros((pd.shape[0], 16), tl.float32), F32), 0.0)
+        # P's two halves along the keys: in each thread's registers (the MMA layout repeats along N)
+        p0, p1 = tl.split(tl.permute(tl.reshape(pd, (pd.shape[0], NB, CS)), (0, 2, 1)))
+        j = tl.arange(0, CS)[:, None]
+        c = tl.arange(0, 16 * PARTS)[None, :]
+        a0 = tl.load(VC + cb * (VROWS * CS) + j + c * CS)
+        second = tl.full((CS, 16 * PARTS), 1, tl.int32) < nsub  # the second block exists (a tensor: the interpreter)
+        a1 = tl.load(VC + (cb + 1) * (VROWS * CS) + j + c * CS, mask=second, other=0.0)
+        z0 = _fold_parts(_dot(p0, a0, tl.zeros((pd.shape[0], 16 * PARTS), tl.float32), F32))
+        z1 = _fold_parts(_dot(p1, a1, tl.zeros((pd.shape[0], 16 * PARTS), tl.float32), F32))
+        aic0 = tl.load(SC + cb * 4 + 1)
+        aic1 = tl.load(SC + tl.minimum(cb + 1, cb + nsub - 1) * 4 + 1)  # (times z1 = 0 if the block is missing)
+        f = _scaled(z0, aic0, SCALE) + _scaled(z1, aic1, SCALE)
+    return f, ones
 
 
 @triton.jit
@@ -250,25 +272,6 @@ def _fold_ones(z, PARTS: tl.constexpr):
     g = tl.reshape(z, (z.shape[0], z.shape[1] // 16, 16))
     part = tl.arange(0, z.shape[1] // 16)[None, :, None]
     return tl.sum(tl.where(part < PARTS, g, 0.0), axis=1), tl.sum(tl.where(part == PARTS, g, 0.0), axis=1)
-
-
-@triton.jit
-def _fold_wide(z, aic, PARTS: tl.constexpr, NB: tl.constexpr, STACK: tl.constexpr, SCALE: tl.constexpr):
-    """(rows, width) product with `_load_vparts_wide`'s operand → as `_fold_ones`: every slice of every block
-    summed, each block's slices times its scale aic (NB,) where SCALE, and the ones group summed over the
-    blocks (unscaled)."""
-    if STACK:
-        f, ones = _fold_ones(z, PARTS)
-    else:
-        NP: tl.constexpr = z.shape[1] // (16 * NB)
-        g = tl.reshape(z, (z.shape[0], NB, NP, 16))
-        part = tl.arange(0, NP)[None, None, :, None]
-        f = tl.sum(tl.where(part < PARTS, g, 0.0), axis=2)
-        if SCALE:
-            f = f * aic[None, :, None]
-        f = tl.sum(f, axis=1)
-        ones = tl.sum(tl.sum(tl.where(part == PARTS, g, 0.0), axis=2), axis=1)
-    return f, ones
 
 
 @triton.jit

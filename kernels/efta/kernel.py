@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _dot
-from .checksums import _VC_ONES, _fold_ones, _fold_parts, _fold_wide, _load_parts, _load_vparts_wide, _scaled
+from .checksums import _VC_ONES, _fold_ones, _fold_parts, _load_parts, _scaled, _vc_dot_wide
 from .common import (
     _DET,
     _I_ACC,
@@ -130,8 +130,9 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
     same (deterministic) injected faults, and counts and repairs in the contract's order.
 
     Row sum (DETECT): l = Σ_n P_lp and its twin lc are columns 0 and 1 of the ones group of the P·Vc1
-    dot (`checksums._fold_ones`), carried as that (BLOCK_M, 16) group through the loop, where the
-    `attn.rowsum` faults strike column 0; unchecked, l is the fp32 row sum of P (FADD).
+    dot (`checksums._fold_ones`; in the wide fp16 pass, of a dot of P with ones, `checksums._vc_dot_wide`),
+    carried as that (BLOCK_M, 16) group through the loop, where the `attn.rowsum` faults strike column 0;
+    unchecked, l is the fp32 row sum of P (FADD).
 
     Returns the online-softmax state m_i, l_i (BLOCK_M,), acc (BLOCK_M, BLOCK_D); the checksum
     state lc (BLOCK_M,), oc1, oc2 (BLOCK_M, 16), nvalid (BLOCK_M,) int32, vmax (16,); the event
@@ -146,7 +147,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
     # a wide key block only in the clean pass of a phased prefill, uninjected at block-indexed sites
     tl.static_assert(NB == 1 or not DETECT or not (REPAIR or PASA or OC2 or HALF_STATE or KC2_TABLE or INJ_M != 0
                                                    or INJ_A != 0 or INJ_L != 0 or INJ_ACC != 0 or INJ_CS != 0))
-    STACK: tl.constexpr = not SCALE_CS  # wide V-checksum operand stacked (no slice scales) or block-diagonal
+    STACK: tl.constexpr = not SCALE_CS  # wide V-checksum operand stacked (no slice scales) or one per block
     VROWS: tl.constexpr = 32 * PARTS + _VC_ONES  # rows of a key block's V-checksum table (`checksums.vc_rows`)
     tl.static_assert(not (HALF_STATE and DETECT))  # PASA's fp16 state runs unchecked (`host._validate`)
     offs_j = tl.arange(0, BLOCK_N)
@@ -161,6 +162,8 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
     worst1 = tl.full((BLOCK_M, 16), NEG_INF, tl.float32)  # clean pass: worst step-1 / step-4 margins
     worst4 = tl.full((BLOCK_M, 16), NEG_INF, tl.float32)  # per (row, group) over the key blocks
     lt = tl.zeros((BLOCK_M, 16), tl.float32)  # checked: the ones group of GEMM II's checksum dot (l, twin, 0…)
+    # the wide fp16 pass's ones operand (BLOCK_N, 16): `VC_ONES` ones columns, made once (`_vc_dot_wide`)
+    ones_op = tl.where(r16[None, :] < _VC_ONES, 1.0, tl.zeros((BLOCK_N, 16), tl.float32)).to(Vb.dtype.element_ty)
 
     for start_n in range(scan_lo, scan_hi, BLOCK_N):
         jblk = start_n // CSN  # (the first) checksum block
@@ -303,11 +306,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
             # scale), and this dot issued before P·V.
             vbase = VC + cb * (VROWS * BLOCK_N)
             if NB > 1:
-                a = _load_vparts_wide(VC, cb, nblocks - jblk, PARTS, NB, STACK)
-                tt = tl.arange(0, NB)
-                aic = tl.load(SC + (cb + tt) * 4 + 1, mask=tt < nblocks - jblk, other=0.0)
-                vz, lz = _fold_wide(_dot(pd, a, tl.zeros((BLOCK_M, a.shape[1]), tl.float32), DOT_F32 or PARTS == 1),
-                                    aic, PARTS, NB, STACK, SCALE_CS)
+                vz, lz = _vc_dot_wide(pd, ones_op, VC, SC, cb, nblocks - jblk, PARTS, NB, STACK, SCALE_CS, DOT_F32)
             else:
                 a = _load_parts(vbase, offs_j, PARTS, BLOCK_N, True)  # (BLOCK_N, 32 or 64)
                 aic = tl.load(SC + cb * 4 + 1)
