@@ -22,6 +22,7 @@ table headed by device and versions, and a plot of throughput relative to cuBLAS
     python scripts/bench_linear.py --quick --out /tmp/bench         # a few shapes
     python scripts/bench_linear.py --kinds decode,short --graph --two-launch   # one launch vs two
     python scripts/bench_linear.py --kinds decode --graph --graph-calls 16     # decode as in a model
+    python scripts/bench_linear.py --kinds target --models qwen2-0.5b --graph   # the target grid of one model
 
 ``--graph-calls N`` (with ``--graph``): each graph holds N calls that cycle over copies of the weight
 (as many as make ~120 MB, at most 8: more bytes than the H100's 50 MB L2, as a model's layer stack
@@ -53,12 +54,42 @@ LAYERS = [(4096, 896 * 3, 896), (4096, 4864, 896), (4096, 896, 4864), (4096, 409
 
 
 SHORT = [(m, n, k) for (n, k) in ((4864, 896), (896, 4864)) for m in (64, 128)]  # one row block of a large config
-KINDS = ("square", "decode", "short", "layer")
+
+# The checked-GEMM target grid: every Linear of these models (published configs: hidden, intermediate, query
+# heads, kv heads, head dim, vocabulary) at M ∈ TARGET_M; the lm_head only at M ≤ 16, since generation runs
+# it on each sequence's last position (``logits_to_keep=1``), not on a whole prompt.
+MODEL_DIMS = {"qwen2-0.5b": (896, 4864, 14, 2, 64, 151936), "qwen2-1.5b": (1536, 8960, 12, 2, 128, 151936),
+              "qwen2-7b": (3584, 18944, 28, 4, 128, 152064), "llama-3-8b": (4096, 14336, 32, 8, 128, 128256)}
+TARGET_M = (1, 16, 128, 512, 4096)
 
 
-def shapes(quick: bool, kinds: tuple[str, ...] = KINDS) -> list[tuple[str, int, int, int]]:
-    lists = {"square": [(s, s, s) for s in SQUARES], "decode": DECODE, "short": SHORT, "layer": LAYERS}
-    picks = {"square": slice(0, 2), "decode": slice(None, None, 3), "short": slice(None, None, 2), "layer": slice(0, 2)}
+def model_linears(model: str) -> list[tuple[str, int, int]]:
+    """(layer, N, K) of each distinct Linear of ``model`` (a key of MODEL_DIMS): q, k and v (one shape), o,
+    gate and up (one shape), down, lm_head."""
+    h, inter, nq, nkv, hd, vocab = MODEL_DIMS[model]
+    return [("q", nq * hd, h), ("kv", nkv * hd, h), ("o", h, nq * hd), ("gate_up", inter, h), ("down", h, inter),
+            ("lm_head", vocab, h)]
+
+
+def target_shapes(models: tuple[str, ...] = tuple(MODEL_DIMS)) -> list[tuple[int, int, int]]:
+    """(M, N, K) of the target grid for ``models``, without repeats, in model and layer order."""
+    out: list[tuple[int, int, int]] = []
+    for model in models:
+        for layer, n, k in model_linears(model):
+            for m in TARGET_M:
+                if (layer != "lm_head" or m <= 16) and (m, n, k) not in out:
+                    out.append((m, n, k))
+    return out
+KINDS = ("square", "decode", "short", "layer", "target")
+DEFAULT_KINDS = KINDS[:4]  # "target" (the checked-GEMM target grid, 88 shapes) only when asked for
+
+
+def shapes(quick: bool, kinds: tuple[str, ...] = DEFAULT_KINDS,
+           models: tuple[str, ...] = tuple(MODEL_DIMS)) -> list[tuple[str, int, int, int]]:
+    lists = {"square": [(s, s, s) for s in SQUARES], "decode": DECODE, "short": SHORT, "layer": LAYERS,
+             "target": target_shapes(models)}
+    picks = {"square": slice(0, 2), "decode": slice(None, None, 3), "short": slice(None, None, 2), "layer": slice(0, 2),
+             "target": slice(None, None, 4)}
     return [(kind, *mnk) for kind in kinds for mnk in (lists[kind][picks[kind]] if quick else lists[kind])]
 
 
@@ -201,8 +232,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="calls per CUDA graph (with --graph), cycling over weight copies past L2; times per call")
     ap.add_argument("--pointer", action="store_true",
                     help="also time fused and plain with pointer loads instead of TMA descriptors")
-    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated shape kinds of {KINDS}")
+    ap.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help=f"comma-separated shape kinds of {KINDS}")
+    ap.add_argument("--models", default=",".join(MODEL_DIMS),
+                    help=f"the models whose Linear shapes the 'target' kind takes, of {tuple(MODEL_DIMS)}")
     args = ap.parse_args(argv)
+    models = tuple(args.models.split(","))
+    if not set(models) <= set(MODEL_DIMS):
+        ap.error(f"--models takes names from {tuple(MODEL_DIMS)}, got {args.models!r}")
     if args.graph_calls < 1:
         ap.error(f"--graph-calls must be at least 1, got {args.graph_calls}")
     kinds = tuple(args.kinds.split(","))
@@ -216,7 +252,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for dt_name in args.dtypes.split(","):
         dt = getattr(torch, dt_name)
-        for (kind, m, n, k) in shapes(args.quick, kinds):
+        for (kind, m, n, k) in shapes(args.quick, kinds, models):
             g = torch.Generator(device=dev).manual_seed(0)
             x = torch.randn(m, k, device=dev, generator=g).to(dt)
             w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt)

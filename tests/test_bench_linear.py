@@ -41,8 +41,21 @@ def test_ratio_summary_pairs_times_of_the_same_round():
 
 def test_shape_kinds():
     quick = bench_linear.shapes(True)
-    assert {kind for kind, *_ in quick} == set(bench_linear.KINDS)
+    assert {kind for kind, *_ in quick} == set(bench_linear.KINDS) - {"target"}  # the grid only when asked for
     assert ("square", 8192, 8192, 8192) in bench_linear.shapes(False, ("square",))
+
+
+def test_target_grid_is_every_linear_of_the_four_models():
+    """The 'target' kind: each model's q, k/v, o, gate/up, down at M ∈ {1, 16, 128, 512, 4096} and its lm_head
+    at M ≤ 16, from the published configs; one model with --models."""
+    grid = bench_linear.target_shapes()
+    assert len(grid) == len(set(grid)) == 4 * (4 * 5 + 2)  # q and o share a shape (query heads × head dim = hidden)
+    assert (4096, 18944, 3584) in grid and (512, 3584, 18944) in grid  # Qwen2-7B gate/up, down
+    assert (1, 1024, 4096) in grid and (4096, 14336, 4096) in grid  # Llama-3-8B k/v, gate/up
+    assert (16, 151936, 896) in grid and (128, 151936, 896) not in grid  # lm_head: decode rows only
+    qwen05 = bench_linear.shapes(False, ("target",), ("qwen2-0.5b",))
+    assert {(n, k) for _, _, n, k in qwen05} == {(896, 896), (128, 896), (4864, 896), (896, 4864), (151936, 896)}
+    assert len(bench_linear.shapes(True, ("target",))) == len(range(0, len(grid), 4))
 
 
 def test_multi_call_graphs_cycle_over_weight_copies_past_l2():
