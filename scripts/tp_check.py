@@ -21,7 +21,9 @@ shards, colwise / rowwise Linear layers, each rank's attention heads) and then:
 
 ``--compile MODE`` also times decode through transformers' compiled decode step (a static cache; with
 ``reduce-overhead`` CUDA graphs), each variant compiling its own: eager decode under tensor parallelism is
-bound by the host, the compiled step measures the GPU's work.
+bound by the host, the compiled step measures the GPU's work. Each ``generate`` makes a new static cache, so its
+compiled step warms up and records its CUDA graph again; the report also gives the time per token after those
+steps (``ms_after_record``) and the record's share of the figure.
 
 ``--profile``: after each timed workload, every rank runs it once more under ``torch.profiler`` (all ranks
 together: the collectives need them) and writes the ops and kernels that took the most device time to
