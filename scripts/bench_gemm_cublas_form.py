@@ -45,18 +45,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment  # noqa: E402
 from _timing import interleaved  # noqa: E402
-from bench_linear import _graphed, _with_options  # noqa: E402
+from bench_linear import MODEL_LAYERS, MODELS, _graphed, _with_options  # noqa: E402
 
-# (model, layer, N, K): the published hidden and intermediate sizes, K/V of (KV heads × 128) columns
-LAYERS = [("qwen2-0.5b", "q/o", 896, 896), ("qwen2-0.5b", "k/v", 128, 896), ("qwen2-0.5b", "gate/up", 4864, 896),
-          ("qwen2-0.5b", "down", 896, 4864),
-          ("qwen2-1.5b", "q/o", 1536, 1536), ("qwen2-1.5b", "k/v", 256, 1536), ("qwen2-1.5b", "gate/up", 8960, 1536),
-          ("qwen2-1.5b", "down", 1536, 8960),
-          ("qwen2-7b", "q/o", 3584, 3584), ("qwen2-7b", "k/v", 512, 3584),
-          ("qwen2-7b", "gate/up", 18944, 3584), ("qwen2-7b", "down", 3584, 18944),
-          ("llama-3-8b", "q/o", 4096, 4096), ("llama-3-8b", "k/v", 1024, 4096), ("llama-3-8b", "gate/up", 14336, 4096),
-          ("llama-3-8b", "down", 4096, 14336)]
-MODELS = tuple(dict.fromkeys(model for model, *_ in LAYERS))
+LAYERS = MODEL_LAYERS  # (model, layer, N, K)
 DEFAULT_MODELS = ("qwen2-0.5b", "qwen2-7b")  # the study's; ``--models`` takes any of MODELS
 ROWS = (64, 128, 512, 4096)  # the study's short prompts to prefill; ``--rows`` adds decode sizes
 FLIP_BIT = {torch.float16: 13, torch.bfloat16: 13}  # an exponent bit: ×2^±8 (fp16), ×2^±64 (bf16)

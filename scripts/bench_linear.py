@@ -55,37 +55,40 @@ LAYERS = [(4096, 896 * 3, 896), (4096, 4864, 896), (4096, 896, 4864), (4096, 409
 
 SHORT = [(m, n, k) for (n, k) in ((4864, 896), (896, 4864)) for m in (64, 128)]  # one row block of a large config
 
-# The checked-GEMM target grid: every Linear of these models (published configs: hidden, intermediate, query
-# heads, kv heads, head dim, vocabulary) at M ∈ TARGET_M; the lm_head only at M ≤ 16, since generation runs
-# it on each sequence's last position (``logits_to_keep=1``), not on a whole prompt.
-MODEL_DIMS = {"qwen2-0.5b": (896, 4864, 14, 2, 64, 151936), "qwen2-1.5b": (1536, 8960, 12, 2, 128, 151936),
-              "qwen2-7b": (3584, 18944, 28, 4, 128, 152064), "llama-3-8b": (4096, 14336, 32, 8, 128, 128256)}
+# (model, layer, N, K) of every distinct Linear shape of these models, from their published configs (hidden and
+# intermediate sizes; k/v of KV heads × head dim columns; q and o share a shape), and each model's lm_head (N, K).
+MODEL_LAYERS = [("qwen2-0.5b", "q/o", 896, 896), ("qwen2-0.5b", "k/v", 128, 896), ("qwen2-0.5b", "gate/up", 4864, 896),
+                ("qwen2-0.5b", "down", 896, 4864),
+                ("qwen2-1.5b", "q/o", 1536, 1536), ("qwen2-1.5b", "k/v", 256, 1536),
+                ("qwen2-1.5b", "gate/up", 8960, 1536), ("qwen2-1.5b", "down", 1536, 8960),
+                ("qwen2-7b", "q/o", 3584, 3584), ("qwen2-7b", "k/v", 512, 3584),
+                ("qwen2-7b", "gate/up", 18944, 3584), ("qwen2-7b", "down", 3584, 18944),
+                ("llama-3-8b", "q/o", 4096, 4096), ("llama-3-8b", "k/v", 1024, 4096),
+                ("llama-3-8b", "gate/up", 14336, 4096), ("llama-3-8b", "down", 4096, 14336)]
+MODELS = tuple(dict.fromkeys(model for model, *_ in MODEL_LAYERS))
+LM_HEADS = {"qwen2-0.5b": (151936, 896), "qwen2-1.5b": (151936, 1536), "qwen2-7b": (152064, 3584),
+            "llama-3-8b": (128256, 4096)}
 TARGET_M = (1, 16, 128, 512, 4096)
 
 
-def model_linears(model: str) -> list[tuple[str, int, int]]:
-    """(layer, N, K) of each distinct Linear of ``model`` (a key of MODEL_DIMS): q, k and v (one shape), o,
-    gate and up (one shape), down, lm_head."""
-    h, inter, nq, nkv, hd, vocab = MODEL_DIMS[model]
-    return [("q", nq * hd, h), ("kv", nkv * hd, h), ("o", h, nq * hd), ("gate_up", inter, h), ("down", h, inter),
-            ("lm_head", vocab, h)]
-
-
-def target_shapes(models: tuple[str, ...] = tuple(MODEL_DIMS)) -> list[tuple[int, int, int]]:
-    """(M, N, K) of the target grid for ``models``, without repeats, in model and layer order."""
+def target_shapes(models: tuple[str, ...] = MODELS) -> list[tuple[int, int, int]]:
+    """(M, N, K) of the checked GEMM's target grid for ``models``: each layer shape at M ∈ TARGET_M, the lm_head
+    only at M ≤ 16 (generation runs it on each sequence's last position, ``logits_to_keep=1``, not on a whole
+    prompt); without repeats, in model and layer order."""
     out: list[tuple[int, int, int]] = []
     for model in models:
-        for layer, n, k in model_linears(model):
-            for m in TARGET_M:
-                if (layer != "lm_head" or m <= 16) and (m, n, k) not in out:
-                    out.append((m, n, k))
+        nks = [(n, k) for mod, _, n, k in MODEL_LAYERS if mod == model]
+        for (n, k), ms in [*((nk, TARGET_M) for nk in nks), (LM_HEADS[model], [m for m in TARGET_M if m <= 16])]:
+            out += [(m, n, k) for m in ms if (m, n, k) not in out]
     return out
+
+
 KINDS = ("square", "decode", "short", "layer", "target")
 DEFAULT_KINDS = KINDS[:4]  # "target" (the checked-GEMM target grid, 88 shapes) only when asked for
 
 
 def shapes(quick: bool, kinds: tuple[str, ...] = DEFAULT_KINDS,
-           models: tuple[str, ...] = tuple(MODEL_DIMS)) -> list[tuple[str, int, int, int]]:
+           models: tuple[str, ...] = MODELS) -> list[tuple[str, int, int, int]]:
     lists = {"square": [(s, s, s) for s in SQUARES], "decode": DECODE, "short": SHORT, "layer": LAYERS,
              "target": target_shapes(models)}
     picks = {"square": slice(0, 2), "decode": slice(None, None, 3), "short": slice(None, None, 2), "layer": slice(0, 2),
@@ -233,12 +236,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--pointer", action="store_true",
                     help="also time fused and plain with pointer loads instead of TMA descriptors")
     ap.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help=f"comma-separated shape kinds of {KINDS}")
-    ap.add_argument("--models", default=",".join(MODEL_DIMS),
-                    help=f"the models whose Linear shapes the 'target' kind takes, of {tuple(MODEL_DIMS)}")
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help=f"the models whose Linear shapes the 'target' kind takes, of {MODELS}")
     args = ap.parse_args(argv)
     models = tuple(args.models.split(","))
-    if not set(models) <= set(MODEL_DIMS):
-        ap.error(f"--models takes names from {tuple(MODEL_DIMS)}, got {args.models!r}")
+    if not set(models) <= set(MODELS):
+        ap.error(f"--models takes names from {MODELS}, got {args.models!r}")
     if args.graph_calls < 1:
         ap.error(f"--graph-calls must be at least 1, got {args.graph_calls}")
     kinds = tuple(args.kinds.split(","))
