@@ -132,16 +132,17 @@ def _fitting_stages(launch: Callable[[int], None], stages: int, key: tuple) -> i
     if known is not None:
         launch(known)
         return known
-    for s in range(stages, 0, -1):
+    s = stages
+    while True:
         try:
             launch(s)
+            break
         except triton.runtime.errors.OutOfResources:
-            if s == 1:
+            if s == 1:  # (nothing shallower to try)
                 raise
-            continue
-        _REPAIR_STAGES[key] = s
-        return s
-    raise ValueError(f"num_stages must be ≥ 1, got {stages}")
+            s -= 1
+    _REPAIR_STAGES[key] = s
+    return s
 
 
 def _arrival_cells(device: torch.device) -> torch.Tensor:
