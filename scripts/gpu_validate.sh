@@ -179,7 +179,7 @@ run_part() {
             --trials $trials --workers $workers
         done
       done
-      for dt in float16 bfloat16; do
+      for dt in ${REL_DTYPES:-float16 bfloat16}; do
         [[ " $jobs " == *" tight "* ]] || continue
         job tight_q05_$dt python3 scripts/tightness.py --dims qwen2-0.5b --layers 4 --device cuda --dtype $dt \
           --prompts 4 --tokens 128 --max-rows 128 --flips 10000 --budget ${TIGHT_BUDGET:-20} --out $w/tight_q05_$dt \
@@ -188,7 +188,7 @@ run_part() {
           --prompts 4 --tokens 128 --max-rows 128 --flips 10000 --budget ${TIGHT_BUDGET:-20} --out $w/tight_q7b_$dt \
           ${TIGHT_ONLY:+--only $TIGHT_ONLY}
       done
-      for dt in float16 bfloat16; do  # clean generations under the device's shipped thresholds
+      for dt in ${REL_DTYPES:-float16 bfloat16}; do  # clean generations under the device's shipped thresholds
         [[ " $jobs " == *" falsepos "* ]] || continue
         job falsepos_$dt python3 scripts/false_positives.py --calls 0 --skip-models --configs gpt2-124m-config \
           qwen2-0.5b-config --device cuda --dtype $dt --prompts 2 --max-new-tokens 16 --json $w/falsepos_$dt.json
@@ -226,6 +226,12 @@ run_part() {
       if ls "$dir"/profile_*.txt > /dev/null 2>&1; then  # ($OUT brings back a few files: the tables in one)
         tar -czf "$dir/profiles.tar.gz" -C "$dir" $(cd "$dir" && ls profile_*.txt) && rm -f "$dir"/profile_*.txt
       fi ;;
+    probslp)  # bf16 P_lp checked bit for bit: its GPU tests, then the attention sites' tightness and clean runs
+      FTT_EFTA_CONFIG=64,64,4,3 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_attention_sites.py 2>&1 | tail -4  # (on CUDA these run the compiled kernel: no gpu mark)
+      REL_JOBS="${PROBSLP_JOBS:-tight falsepos}" TIGHT_ONLY="${TIGHT_ONLY:-attn.scores attn.rowmax attn.exponent \
+attn.probs attn.probs_lp attn.alpha attn.rowsum attn.acc attn.checksum attn.output}" REL_DTYPES=bfloat16 \
+        run_part reliability ;;
     split)
       FTT_ABFT_GEMM_TUNE=0 timeout ${CAL_TIMEOUT:-200} python3 scripts/calibrate_emax.py --device cuda \
         --modes accumulator --dtypes float16,bfloat16 --xvar --trials 30 --slack-trials 4 \

@@ -29,7 +29,7 @@ from ft_transformers.kernels.contract import LOG2E, exp_clamp, site_dtype, site_
 
 from ft_transformers.counters import FaultStats, new_counters  # noqa: E402
 from ft_transformers.efta_reference import efta_reference  # noqa: E402
-from ft_transformers.efta_reference.softmax import exp_group_test  # noqa: E402
+from ft_transformers.efta_reference.softmax import exp_group_test, probs_for_test  # noqa: E402
 from ft_transformers.injection import FaultPlan, FaultSpec  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,6 +148,32 @@ def test_exp_check_sees_the_rounded_probabilities():
             assert int(seen.sum()) > 0, (p_dtype, bit)
 
 
+def test_bf16_rounded_probabilities_are_checked_bit_for_bit():
+    """bf16: a change of one or two ulps of P_lp at one key sits inside the product test's room for P's
+    rounding (half an ulp per key), so the test reads the fp32 P instead, with P_lp tested for being its
+    rounding (`probs_for_test`): every such change fails its group, and clean P passes."""
+    gen = torch.Generator().manual_seed(3)
+    rows = 1000
+    ar = torch.arange(rows)
+    S = torch.randn(rows, 64, generator=gen).float() * 2.0
+    S[::4, 40:] = -math.inf  # masked keys (P = 0)
+    base = S.amax(-1, keepdim=True)
+    P = torch.exp(S - base)
+    pd = P.to(torch.bfloat16)
+    assert not exp_group_test(S, base, probs_for_test(P, pd.float(), torch.bfloat16), 16).any()
+    col = torch.randint(0, 64, (rows,), generator=gen)
+    old_missed = 0
+    for delta in (1, 2, -1):  # ulps of P_lp (bit 0 or 1 of its mantissa, up or down)
+        pi = pd.clone().view(torch.int16)
+        pi[ar, col] += delta
+        pf = pi.view(torch.bfloat16).float()
+        changed = pf[ar, col] != pd.float()[ar, col]
+        bad = exp_group_test(S, base, probs_for_test(P, pf, torch.bfloat16), 16)[ar, col % 16]
+        assert bool(bad[changed].all()), delta
+        old_missed += int((~exp_group_test(S, base, pf, 16, torch.bfloat16)[ar, col % 16] & changed).sum())
+    assert old_missed > rows  # the same test on P_lp with bf16's room lets most of them through
+
+
 # ------------------------------------------------------------------------------------------------
 # the holes, unprotected: a flip at these sites changes the output
 # ------------------------------------------------------------------------------------------------
@@ -239,6 +265,21 @@ def test_low_precision_inputs(dtype):
     for i, site in enumerate(NEW_SITES):
         bit = _high_bit(site, dtype) - i % 2  # 14 / 13 (16-bit) or 30 / 29
         _check_repaired(site, q, k, v, clean, FaultSpec(site=site, bit=bit, seed=i), TOL[dtype] / 4, causal=True)
+
+
+def test_bf16_low_bits_of_the_rounded_probabilities():
+    """bf16: flips of P_lp's lowest mantissa bits (a change of 1–4 of its ulps, which the product test's
+    rounding room let through) are detected and corrected on both paths with the same counts, wherever they
+    land (a masked key's 0 becomes a tiny subnormal): the kernel's output is its clean one bit for bit."""
+    q, k, v = rand_qkv(*SHAPE, dtype=torch.bfloat16, seed=5)
+    clean, stats, _ = _call("kernel", q, k, v, causal=True)
+    assert all(val == 0 for val in stats.values())
+    for bit, seed in ((0, 0), (1, 1), (2, 2), (0, 3), (1, 4)):
+        spec = FaultSpec(site="attn.probs_lp", bit=bit, seed=seed)
+        stats = _check_repaired("attn.probs_lp", q, k, v, clean, spec, TOL[torch.bfloat16] / 4, causal=True)
+        assert torch.equal(_call("kernel", q, k, v, inject=spec, causal=True)[0], clean), (bit, seed)
+        assert set(stats.by_site()) == {"attn.probs"}, (bit, seed, stats.by_site())
+        assert stats["detected"] == stats["corrected"] == 1, (bit, seed, stats.by_site())
 
 
 def test_masks_gqa_window_decode():

@@ -1,7 +1,8 @@
 """The online softmax of one key block with its checks (``docs/algorithms.md`` steps 3–5): the
 running max and its SNVR check, the exponent ``x = S − m``, ``P = exp(x)`` and P rounded to the dtype
 GEMM II reads it in, with the product check per group (on that rounded P, against exponents taken from
-the scores, so that faults in x and in the rounded P are seen too), and the rescaled accumulation (α
+the scores, so that faults in x and in the rounded P are seen too; a bf16 P_lp must be P's rounding bit for
+bit), and the rescaled accumulation (α
 checked against its recomputation) of the output ``O``, its checksum columns, the row sum ``l`` and its
 twin ``lc``, all of the rounded P (checked: ``l`` and ``lc`` are the two ones columns of GEMM II's
 product; unchecked, ``l`` sums the fp32 P).
@@ -77,6 +78,26 @@ def exp_group_test(S: torch.Tensor, base: torch.Tensor, P: torch.Tensor, s: int,
     return ~(d.abs() <= tol)
 
 
+def probs_for_test(P: torch.Tensor, pd: torch.Tensor, p_dtype: torch.dtype) -> torch.Tensor:
+    """The P that step 4's product test reads: ``pd``, P as GEMM II reads it, for fp32 and fp16; for bf16 the
+    fp32 ``P`` where ``pd`` is its rounding bit for bit (negatives rounded as 0: P = exp(x) ≥ 0 in a clean
+    run), NaN (the group fails) where not, tested with fp32's room (none for the rounding).
+
+    bf16's room in the test, half an ulp (2^-9 of P) per key, would let a change of one or two ulps in one
+    key of a group through, which moves an output by 2–3 % of its row's RMS where P is near 1.
+
+    Args:
+        P: (..., n) fp32 P; pd: (..., n) P rounded to ``p_dtype`` (flips at ``attn.probs_lp`` included),
+            held in fp32.
+    Returns:
+        (..., n) fp32.
+    """
+    if p_dtype != torch.bfloat16:
+        return pd
+    again = P.clamp(min=0.0).to(torch.bfloat16).to(torch.float32)
+    return torch.where(pd == again, P, P.new_tensor(float("nan")))
+
+
 def _base(m: torch.Tensor, mb: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
     """The base of ``x = S − base``: m_new, or 0 only where m_new, m and the block max are all −inf (a
     fully masked row so far: its x stays −inf)."""
@@ -133,8 +154,9 @@ def probabilities(S: torch.Tensor, base: torch.Tensor, sfs: dict[str, SiteFaults
                   counters: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 4: the exponent ``x = S − base`` (then the ``attn.exponent`` faults), ``P = exp(x)`` (then the
     ``attn.probs`` faults), P rounded to ``pv_dtype`` as GEMM II reads it (then the ``attn.probs_lp``
-    faults), and the product check per group on that rounded P (`exp_group_test`, anchored on S); counts
-    at ``attn.probs``. A faulty group is ``corrected``: x, P and its rounding again for its members.
+    faults), and the product check per group on that rounded P (`exp_group_test`, anchored on S; for bf16 on
+    the fp32 P, with the rounded P tested for being its rounding bit for bit, `probs_for_test`); counts at
+    ``attn.probs``. A faulty group is ``corrected``: x, P and its rounding again for its members.
 
     ``P`` is flushed to 0 where ``x < −87`` (`exp_ftz`): the check treats those as exp(−87) anyway.
 
@@ -157,7 +179,8 @@ def probabilities(S: torch.Tensor, base: torch.Tensor, sfs: dict[str, SiteFaults
     P = inject(sfs["attn.probs"], P, site_shape4, j0)
     pd = inject(sfs["attn.probs_lp"], P.to(pv_dtype), site_shape4, j0).to(torch.float32)
     if detect:
-        bad = exp_group_test(S, base, pd, stride, pv_dtype)  # (B, Hkv, G·M, s): groups (row, residue) that fail
+        bad = exp_group_test(S, base, probs_for_test(P, pd, pv_dtype), stride,  # (B, Hkv, G·M, s): failing groups
+                             torch.float32 if pv_dtype == torch.bfloat16 else pv_dtype)
         if bool(bad.any()):
             nbad = bad.sum()
             count_detected(counters, "attn.probs", nbad, correct, "corrected")

@@ -6,7 +6,8 @@ check, the rescale α with its check, and the unchecked row sum.
   ``τ_m = min(snvr_rel·(1 + |m_new|), snvr_cap)`` and that a changed max is not far below it.
 * Step 4: the product check of ``P = exp(x)`` per group (row i, residue r) of L keys, the fp32 product
   of the group's clamped P and one ``lg2`` of it per group (`_exp_test`, constants of the contract).
-  P is taken as GEMM II reads it (rounded to V's dtype), and the exponents it is compared with come
+  P is taken as GEMM II reads it (rounded to V's dtype; for bf16 the fp32 P, with P_lp tested for being
+  its rounding bit for bit, `_probs_for_test`), and the exponents it is compared with come
   from the masked scores the row max read, ``Σ_l max(S, base + x_min) − L·base``, not from x: a fault in
   x (the FMA that makes it, or its register) or in the rounded P would otherwise go unseen.
 * Step 5: the rescale ``α = exp(m_old − m_new)``, checked against ``exp(−(m_new − m_old))`` (`_rescale`: α
@@ -59,7 +60,7 @@ _LOG2E = tl.constexpr(LOG2E)
 # step 4's floor of P (the contract's `exp_clamp`) and the room for P's rounding (1.01·L·u_lp·log2 e per
 # unit of L), by the dtype GEMM II reads P in
 _P_MIN32, _P_MIN16 = (tl.constexpr(exp_clamp(t)[1]) for t in (torch.float32, torch.float16))
-_LP16, _LPBF16 = (tl.constexpr(1.01 * LOWP_U[t] * LOG2E) for t in (torch.float16, torch.bfloat16))
+_LP16 = tl.constexpr(1.01 * LOWP_U[torch.float16] * LOG2E)
 _EXP_MAX_GROUP = tl.constexpr(EXP_MAX_GROUP)
 
 
@@ -98,17 +99,52 @@ def _exp(x, INTERP: tl.constexpr, LOG2: tl.constexpr):
 @triton.jit
 def _lowp_clamp(PVDT: tl.constexpr):
     """(P_min, room per key of the group for P's rounding in log2 units) for P held in PVDT (the contract's
-    `exp_clamp`, ``1.01·u_lp·log2 e``)."""
+    `exp_clamp`, ``1.01·u_lp·log2 e``; none for bf16, whose test reads the fp32 P, `_probs_for_test`)."""
     if PVDT == tl.float16:
         pmin = _P_MIN16
         lp = _LP16
-    elif PVDT == tl.bfloat16:
-        pmin = _P_MIN32
-        lp = _LPBF16
     else:
         pmin = _P_MIN32
         lp = 0.0
     return pmin, lp
+
+
+@triton.jit
+def _round_again(p, INTERP: tl.constexpr):
+    """fp32 P (BLOCK_M, BLOCK_N) rounded to bf16 a second time, negatives as 0 (P = exp(x) ≥ 0 in a clean
+    run). On the GPU a ``cvt.rn.relu.bf16x2.f32``, an instruction the compiler cannot merge with the plain
+    conversion that made P_lp (ptxas would fold two identical ones into one, and the equality test into
+    true)."""
+    if INTERP:
+        return _round_to(tl.maximum(p, 0.0), tl.bfloat16, INTERP)
+    return tl.inline_asm_elementwise("cvt.rn.relu.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=tl.bfloat16,
+                                     is_pure=True, pack=2)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _rounding_changed(p, pd, INTERP: tl.constexpr):
+    """Rows (BLOCK_M,) bool where some bf16 ``pd`` is not the fp32 ``p``'s rounding bit for bit: the clean
+    pass's form of `_probs_for_test`, an OR of the two values' bits XORed (two of them per 32-bit
+    instruction), without a predicate per element to keep until the product test."""
+    d = pd.to(tl.int16, bitcast=True) ^ _round_again(p, INTERP).to(tl.int16, bitcast=True)
+    return tl.reduce(d, 1, _or) != 0
+
+
+@triton.jit
+def _probs_for_test(p, pd, PVDT: tl.constexpr, INTERP: tl.constexpr):
+    """The P that step 4's product test reads (BLOCK_M, BLOCK_N) fp32, from the fp32 ``p`` and ``pd``, P as
+    GEMM II reads it in PVDT: ``pd`` itself for fp32 and fp16; for bf16, ``p`` where ``pd`` is its rounding
+    bit for bit, NaN (the group fails) where not. bf16's rounding room in the test, half an ulp (2^-9 of P)
+    per key, would let a change of one or two ulps in one key of a group through, which moves an output by
+    2–3 % of its row's RMS where P is near 1; the fp32 P needs no room, and the equality covers P_lp."""
+    if PVDT == tl.bfloat16:
+        return tl.where(pd == _round_again(p, INTERP), p, float("nan"))
+    return pd.to(tl.float32)
 
 
 @triton.jit
@@ -118,8 +154,8 @@ def _exp_test(s, base, p, scale, exp_tol, exp_base, exp_xmin, PVDT: tl.constexpr
     Π_l P[i, l·16+r] = exp(Σ_l x[i, l·16+r]) (the EFTA paper §4.2, case 2), in log2 on the fp32 product,
     with Σ_l max(x, x_min) taken from the masked scores s the row max read:
     ``Σ_l max(s, base + x_min) − L·base`` (LOG2: ``scale·log2(e)·Σ_l max(s, (base + x_min)/scale) −
-    L·log2(e)·base``, s unscaled), so that x itself is checked too. P is the value GEMM II reads (rounded
-    to PVDT, held in fp32); below P_min = exp(x_min) it counts as P_min (NaN-propagating max: a NaN stays,
+    L·log2(e)·base``, s unscaled), so that x itself is checked too. P is `_probs_for_test`'s (held in fp32);
+    below P_min = exp(x_min) it counts as P_min (NaN-propagating max: a NaN stays,
     a negative P becomes P_min); with L ≤ 4 the product of clamped values stays a normal fp32 number (the
     contract's exp check constants; x_min and P_min by PVDT, `contract.exp_clamp`).
 
@@ -281,10 +317,15 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
         pd = _inject(pd, Inj, _I_PROBS_LP, INJ_PL, bh, offs_m[:, None], offs_n[None, :], M, N)
     e4 = tl.zeros((x.shape[0], 16), tl.float32)
     if DETECT and not REPAIR:
-        e4 = _exp_test(s, base, pd.to(tl.float32), scale, exp_tol, exp_base, exp_xmin, PVDT, INTERP, FOLD)
+        if PVDT == tl.bfloat16:  # the fp32 P, and P_lp's rounding as a row flag (the repairing pass counts)
+            e4 = _exp_test(s, base, p, scale, exp_tol, exp_base, exp_xmin, PVDT, INTERP, FOLD)
+            bad_row = bad_row | (_rounding_changed(p, pd, INTERP) & row_ok & chk)
+        else:
+            e4 = _exp_test(s, base, pd.to(tl.float32), scale, exp_tol, exp_base, exp_xmin, PVDT, INTERP, FOLD)
     if DETECT and REPAIR:
         lim = _exp_limit(exp_tol, exp_base, exp_xmin, x.shape[1] // 16, PVDT, INTERP, FOLD)
-        e4r = _exp_test(s, base, pd.to(tl.float32), scale, exp_tol, exp_base, exp_xmin, PVDT, INTERP, FOLD)
+        e4r = _exp_test(s, base, _probs_for_test(p, pd, PVDT, INTERP), scale, exp_tol, exp_base, exp_xmin, PVDT, INTERP,
+                        FOLD)
         badg = ~(e4r <= lim) & row_ok[:, None] & chk
         bad_row = bad_row | (tl.max(badg.to(tl.int32), axis=1) > 0)
         nbp = tl.sum(tl.sum(badg.to(tl.int32), axis=1), axis=0)
