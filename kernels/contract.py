@@ -106,7 +106,8 @@ def derive_seed(*parts: object) -> int:
 
 # EFTA step 4, the product check of ``P = exp(x)`` per group (row i, residue r) of L keys: it compares
 # ``log2 Π P`` with ``log2(e)·Σ x`` within ``EXP_ULPS·u·log2(e)·(3L + |Σ x|)`` (u = 2^-24) plus the room of
-# two roundings named below. P is taken as GEMM II reads it (rounded to the input dtype), Σ x from the
+# two roundings named below. P is taken as GEMM II reads it (rounded to the input dtype; for bf16 the fp32 P
+# instead, with no room for the rounding, and the rounded P must be its rounding bit for bit), Σ x from the
 # scores the row max read (``Σ max(S, base + x_min) − L·base``), so faults in x and in the rounded P are
 # seen. x below ``x_min`` (masked keys included) counts as ``x_min`` and P below ``P_min = exp(x_min)`` as
 # ``P_min`` (a NaN-propagating fp32 max, so a NaN stays NaN and a negative P becomes ``P_min``). The
@@ -120,7 +121,7 @@ P_MIN = struct.unpack("<f", struct.pack("<f", math.exp(EXP_XMIN)))[0]  # exp(−
 # fp16 holds values below 2^-14 as subnormals, whose rounding is not relative: its clamp sits above
 # them, x_min = −9.5, P_min = exp(−9.5) ≈ 7.5e-5 > 2^-14 (fp32 and bf16 keep −20). Rounding to the input
 # dtype moves each log2 P by at most 1.01·LOWP_U·log2(e), so the group test gets
-# ``L·1.01·LOWP_U·log2(e)`` more room (0 for fp32).
+# ``L·1.01·LOWP_U·log2(e)`` more room (0 for fp32, and for bf16, whose test reads the fp32 P).
 EXP_XMIN_FP16 = -9.5
 
 
