@@ -277,6 +277,8 @@ def test_bf16_low_bits_of_the_rounded_probabilities():
     for bit, seed in ((0, 0), (1, 1), (2, 2), (0, 3), (1, 4)):
         spec = FaultSpec(site="attn.probs_lp", bit=bit, seed=seed)
         stats = _check_repaired("attn.probs_lp", q, k, v, clean, spec, TOL[torch.bfloat16] / 4, causal=True)
+        assert set(stats.by_site()) == {"attn.probs"}, (bit, seed, stats.by_site())
+        assert stats["detected"] == stats["corrected"] == 1, (bit, seed, stats.by_site())
         assert torch.equal(_call("kernel", q, k, v, inject=spec, causal=True)[0], clean), (bit, seed)
     # decode-shaped: 3 queries over 150 keys, GQA 2:1
     q, k, v = rand_qkv(1, 4, 2, 3, 150, 32, dtype=torch.bfloat16, seed=6)
@@ -285,7 +287,6 @@ def test_bf16_low_bits_of_the_rounded_probabilities():
     for bit, seed in ((0, 1), (1, 2)):
         stats = _check_repaired("attn.probs_lp", q, k, v, clean, FaultSpec(site="attn.probs_lp", bit=bit, seed=seed),
                                 TOL[torch.bfloat16] / 4, causal=True)
-        assert stats["detected"] == stats["corrected"] == 1, (bit, seed, stats.by_site())
         assert set(stats.by_site()) == {"attn.probs"}, (bit, seed, stats.by_site())
         assert stats["detected"] == stats["corrected"] == 1, (bit, seed, stats.by_site())
 
