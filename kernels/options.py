@@ -31,6 +31,9 @@ variable                           field                        meaning
 ``FTT_ABFT_GEMM_PERSISTENT=0/1``   ``gemm_persistent``          never / always the persistent form
 ``FTT_ABFT_GEMM_CUBLAS=0/1``       ``gemm_cublas``              never / always the cuBLAS form (auto: CUDA
                                                                 calls of 64 < M ≤ 512, N ≤ 4096)
+``FTT_ABFT_GEMM_FUSED=0/1``        ``gemm_fused``               the tile and persistent forms' group checksums
+                                                                in the verification's launch / as checksum
+                                                                tiles of the GEMM's (auto: fp16/bf16 calls)
 ``FTT_GEMM_XVAR=0/1``              ``gemm_xvar``                x's row variance in the checked GEMM's group
                                                                 threshold: the bound / the outlier estimate
                                                                 (auto: where the device's e_max table has
@@ -102,6 +105,7 @@ class Options:
     gemm_persistent: bool | None = None
     gemm_cublas: bool | None = None  # the cuBLAS form of the checked GEMM (`abft_gemm.forms.cublas_ok`)
     gemm_xvar: bool | None = None  # `gemm_checksums.xvar_in_use`
+    gemm_fused: bool | None = None  # the checksum tiles in the GEMM's launch (`abft_gemm.forms.fused_ok`)
     siblings: bool = True
     kv_tables: bool | None = None  # `ft_transformers.kv_checksums` tracking of a protected model's caches
     tune_cache_dir: str | None = None  # the checked GEMM's tuning store (None: off)
@@ -136,7 +140,7 @@ class Options:
         for name, field in (("FTT_EFTA_FOLD", "efta_fold"), ("FTT_EFTA_TMA", "efta_tma"),
                             ("FTT_ABFT_GEMM_TMA", "gemm_tma"), ("FTT_ABFT_GEMM_PERSISTENT", "gemm_persistent"),
                             ("FTT_ABFT_GEMM_CUBLAS", "gemm_cublas"), ("FTT_KV_TABLES", "kv_tables"),
-                            ("FTT_GEMM_XVAR", "gemm_xvar")):
+                            ("FTT_GEMM_XVAR", "gemm_xvar"), ("FTT_ABFT_GEMM_FUSED", "gemm_fused")):
             kw[field] = _switch(name, get(name))
         for name, field in (("FTT_DIRECT_LAUNCH", "direct_launch"), ("FTT_EFTA_TWO_LAUNCH", "efta_two_launch"),
                             ("FTT_ABFT_GEMM_TUNE", "gemm_tune"), ("FTT_SIBLINGS", "siblings")):

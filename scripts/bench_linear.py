@@ -160,13 +160,15 @@ def _with_options(fn, **changes):
 
 def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_torch_checked: bool,
               graph: bool = False, pointer: bool = False, rounds: int = 1,
-              graph_calls: int = 1) -> tuple[dict[str, list[float]], int, float]:
+              graph_calls: int = 1, unfused: bool = False) -> tuple[dict[str, list[float]], int, float]:
     """Times (ms, one per round, `_timing.interleaved`) of each method on ``F.linear(x, w, b)``; the fused
     call's event count and max error.
 
     ``graph``: also time cuBLAS, fused and plain as CUDA-graph replays (``*_graph``: GPU time without
     the host's launch work). ``pointer``: also time the fused kernel with pointer loads instead of
-    TMA descriptors (``fused_ptr``). ``graph_calls``: calls per graph, cycling over
+    TMA descriptors (``fused_ptr``). ``unfused``: also time the fused call with its group checksums in the
+    verification's launch instead of the GEMM's (``Options.gemm_fused`` False: ``unfused``, and with
+    ``graph`` ``unfused_graph``). ``graph_calls``: calls per graph, cycling over
     `weight_copies` copies of ``w`` (each with its own cached checksums); ``*_graph`` times per call."""
     import triton.testing
     from ft_transformers.kernels import abft_gemm
@@ -206,16 +208,21 @@ def bench_one(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rep: int, with_
         if pointer:
             fns["fused_ptr"] = _with_options(fused, gemm_tma=False)
             fns["plain_ptr"] = _with_options(plain, gemm_tma=False)
+        if unfused:
+            fns["unfused"] = _with_options(fused, gemm_fused=False)
         if with_torch_checked:
             fns["torch_checked"] = torch_checked
+        graphed = ("cublas", "fused", "triton_plain", *(("unfused",) if unfused else ()))
         if graph:
-            for name in ("cublas", "fused", "triton_plain"):
+            for name in graphed:
                 if graph_calls > 1:
-                    fn = _cycled(lambda j, name=name: make(name, j), n_w, graph_calls)
+                    fn = _cycled(lambda j, name=name: make("fused" if name == "unfused" else name, j), n_w,
+                                 graph_calls)
+                    fn = _with_options(fn, gemm_fused=False) if name == "unfused" else fn
                 else:
                     fn = fns[name]
                 fns[f"{name}_graph"] = _graphed(fn)
-        per_call = {f"{name}_graph": graph_calls for name in ("cublas", "fused", "triton_plain")}
+        per_call = {f"{name}_graph": graph_calls for name in graphed}
         times = interleaved(fns, rounds, lambda fn: triton.testing.do_bench(fn, warmup=10, rep=rep))
         times = {name: [t / per_call.get(name, 1) for t in ts] for name, ts in times.items()}
         events = int(cnt.sum())  # every fused call of the run, graph replays included
@@ -235,6 +242,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="calls per CUDA graph (with --graph), cycling over weight copies past L2; times per call")
     ap.add_argument("--pointer", action="store_true",
                     help="also time fused and plain with pointer loads instead of TMA descriptors")
+    ap.add_argument("--unfused", action="store_true",
+                    help="also time the checked call with its group checksums in the verification's launch")
     ap.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help=f"comma-separated shape kinds of {KINDS}")
     ap.add_argument("--models", default=",".join(MODELS),
                     help=f"the models whose Linear shapes the 'target' kind takes, of {MODELS}")
@@ -261,7 +270,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dt)
             b = torch.randn(n, device=dev, generator=g).to(dt)
             per_round, events, err = bench_one(x, w, b, args.rep, not args.no_torch_checked, args.graph,
-                                               args.pointer, args.rounds, args.graph_calls)
+                                               args.pointer, args.rounds, args.graph_calls, args.unfused)
             times = {name: statistics.median(v) for name, v in per_round.items()}
             flops = 2.0 * m * n * k
             row = {"kind": kind, "dtype": dt_name, "M": m, "N": n, "K": k, "rounds": args.rounds, "events": events,
@@ -275,7 +284,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      "torch_checked_vs_cublas": ("cublas", "torch_checked"),
                      "fused_ptr_vs_cublas": ("cublas", "fused_ptr"), "plain_ptr_vs_cublas": ("cublas", "plain_ptr"),
                      "fused_vs_cublas_graph": ("cublas_graph", "fused_graph"),
-                     "plain_vs_cublas_graph": ("cublas_graph", "triton_plain_graph")}
+                     "plain_vs_cublas_graph": ("cublas_graph", "triton_plain_graph"),
+                     "unfused_vs_cublas": ("cublas", "unfused"),
+                     "unfused_vs_cublas_graph": ("cublas_graph", "unfused_graph"),
+                     "fused_over_unfused_time_graph": ("fused_graph", "unfused_graph")}
             for col, (base, name) in pairs.items():
                 if name in per_round:
                     med, lo, hi = ratio_summary(per_round, base, name)
@@ -290,6 +302,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if "fused_graph" in times:
                 extra += (f"  graphs: fused {row['fused_vs_cublas_graph']:.3f}x "
                           f"({row['fused_vs_cublas_graph_spread']}) plain {row['plain_vs_cublas_graph']:.3f}x")
+            if "unfused_graph" in times:
+                extra += (f" unfused {row['unfused_vs_cublas_graph']:.3f}x ({times['fused_graph'] * 1e3:.1f} "
+                          f"against {times['unfused_graph'] * 1e3:.1f} us)")
             print(f"{dt_name:8s} {kind:6s} M={m:5d} N={n:5d} K={k:5d}  cuBLAS {row['cublas_tflops']:6.1f} TF/s  "
                   f"fused {row['fused_tflops']:6.1f} ({row['fused_vs_cublas']:.3f}x, rounds "
                   f"{row['fused_vs_cublas_spread']})  plain "

@@ -567,14 +567,75 @@ def test_nonfinite_rows_skipped_other_rows_still_repaired(form, monkeypatch, set
     assert st2 == ZERO and float((y2.double().cpu() - ref).abs().max()) <= tol
 
 
+@pytest.mark.parametrize("form", ["tile", "persistent"])
+@pytest.mark.parametrize("dtype", DTYPES16, ids=str)
+@pytest.mark.parametrize("xvar", [False, True], ids=["bound", "xvar"])
+def test_checksum_tiles_like_the_verification_loop(dtype, form, xvar, monkeypatch, setopt):
+    """The group checksums and x's statistics computed as checksum tiles of the GEMM's launch (`checksum_tiles`,
+    the default of fp16/bf16 tile and persistent calls) against the verification's own K loop on the same
+    operands: one launch each of the GEMM (with ⌈S·T_g / CN⌉ more column tiles per row block) and of the
+    verification (FUSED, no split); y bit for bit the same; C within fp32 rounding of the loop's; the
+    thresholds (x's sum, max, min, with XVAR its sum of squares) within fp32 rounding; clean calls count
+    nothing; one and two flipped units are counted and repaired alike. The shape has several checksum tiles (S·T_g = 70 or
+    105 checksum columns against CN = 64 on the interpreter), a partial last group, a partial row block, and a
+    K that is not a multiple of BLOCK_K."""
+    rows = _take(form, setopt)
+    setopt(gemm_xvar=xvar)
+    m, k, n = rows + 17, 72, 2200  # (K · 2 bytes a multiple of 16: the persistent form's TMA layout)
+    x = _rand((m, k), dtype, 2101, 2.0)
+    w = _rand((n, k), dtype, 2102, k**-0.5)
+    b = _rand((n,), dtype, 2103)
+    emax, emax_var = gemm_emax(dtype, x.device, "accumulator", k)
+    seen = []
+    for name in ("_GEMM_LAUNCH", "_PERSISTENT_LAUNCH", "_VERIFY_LAUNCH"):
+        real = getattr(calls, name)
+
+        def spy(grid, args, kwargs, name=name, real=real):
+            seen.append((name, grid[0], kwargs.get("FUSED"), kwargs.get("SPLIT"), kwargs.get("CN")))
+            return real(grid, args, kwargs)
+
+        monkeypatch.setattr(calls, name, spy)
+    res = {}
+    for fused in (False, True):
+        with override(gemm_fused=fused):
+            seen.clear()
+            res[fused] = G.gemm_residuals(x, w, b, emax=emax, emax_var=emax_var)
+            launches = list(seen)
+        gemm, ver = launches
+        assert gemm[0] == ("_PERSISTENT_LAUNCH" if form == "persistent" else "_GEMM_LAUNCH") and ver[0] == "_VERIFY_LAUNCH"
+        assert gemm[2] is fused and ver[2] is fused
+        if fused:
+            nc = {torch.float16: 2, torch.bfloat16: 3}[dtype] * -(-n // GC)
+            assert ver[3] is False and -(-nc // gemm[4]) >= 2, launches
+    a, f = res[False], res[True]
+    assert torch.equal(a["y"], f["y"])
+    scale = (x.double().abs().cpu() @ _group_sums64(w.double().abs().t().cpu(), n))  # (M, T_g): Σ|x|·|w1_g|
+    assert float(((a["c"].double().cpu() - f["c"].double().cpu()).abs() / scale).max()) <= 4 * k * 2.0**-24
+    torch.testing.assert_close(f["thr"], a["thr"], rtol=1e-5, atol=0)
+    assert dict(FaultStats(f["counters"])) == dict(FaultStats(a["counters"])) == ZERO
+    ref = _ref64(x, w, b)
+    bit = MID_BIT[dtype]
+    grows = lambda r, c: not (ref[r, c].to(dtype).view(_ITY[dtype]) >> bit) & 1  # noqa: E731 (0→1)
+    for count, pattern in ((1, lambda p: True), (2, lambda p: len({(r, c // GC) for r, c in p}) == 2
+                                                 and all(grows(*q) for q in p))):
+        spec = FaultSpec(site=SITE, bit=bit, count=count, seed=_seed_where(bit, count, m, n, dtype, ref, pattern))
+        got = {}
+        for fused in (False, True):
+            with override(gemm_fused=fused):
+                got[fused] = _triton_faulty(form, x, w, b, spec, monkeypatch)
+        assert torch.equal(got[False][0], got[True][0]) and got[False][1] == got[True][1] != ZERO, got
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_split_verification_like_unsplit(dtype, monkeypatch):
+def test_split_verification_like_unsplit(dtype, monkeypatch, setopt):
     """A call of few verification blocks (here one: 20 rows, 3 groups) splits the verification's K loop over
     programs (`forms.verify_split`; at K = 192, 2 splits of 2 and 1 K blocks of 64, on the interpreter's 4
     SMs as on a GPU's many), the last to count summing the partials in split order. Counted as the
     unsplit verification counts: clean calls nothing, a single flip corrected, three in one unit recomputed,
     a row of non-finite x skipped (once) beside a corrected flip; y within the GEMM bound of float64, the
-    cells back to 0; its checksums and thresholds the unsplit ones up to fp32 rounding."""
+    cells back to 0; its checksums and thresholds the unsplit ones up to fp32 rounding. (The verification's
+    own K loop: the checksum tiles in the GEMM's launch, `checksum_tiles`, switched off.)"""
+    setopt(gemm_fused=False)
     m, k, n = 20, 192, 136
     x = _rand((m, k), dtype, 1001, 2.0)
     w = _rand((n, k), dtype, 1002, k**-0.5)

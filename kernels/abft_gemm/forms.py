@@ -176,6 +176,15 @@ def persistent_ok(m: int, n: int, k: int, x2d: torch.Tensor, weight: torch.Tenso
     return tma_layout(x2d, weight, y)
 
 
+def fused_ok(kind: str, dtype: torch.dtype) -> bool:
+    """Whether a checked call of form ``kind`` computes its group checksums as checksum tiles of the GEMM's
+    own launch (`checksum_tiles`) rather than in the verification's K loop: the tile and persistent forms in
+    fp16/bf16 (their tensor-core dots of the checksum slices; fp32 calls keep the verification's IEEE loop).
+    ``Options.gemm_fused``: False never, True or None (the default) wherever the form and dtype allow."""
+    return (options().gemm_fused is not False and kind in (TILE, PERSISTENT)
+            and dtype in (torch.float16, torch.bfloat16))
+
+
 def groupable(n: int, dtype: torch.dtype) -> bool:
     """Whether a weight of ``n`` output features may take the decode kernel in ``dtype``: fp16 or bf16 (fp32
     calls take the tile form: the decode kernel's fp32 form compiles for sm_90, but was never timed)."""

@@ -110,6 +110,30 @@ def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm
 
 
 @triton.jit
+def _fused_stats_and_checksums(C, rows, r_ok, grps, g_ok, M, TG, SLICES: tl.constexpr, XVAR: tl.constexpr):
+    """`_row_stats_and_checksums`' results as the GEMM's checksum tiles left them (`checksum_tiles`): ``C``
+    (M, S·T_g) the slices' dots (slice s of group g in column s·T_g + g), then x's statistics (M, 4): sum, max,
+    min, sum of squares (read with XVAR only; else 0). The slices summed as there, smallest first."""
+    nc = SLICES * TG
+    m2 = r_ok[:, None] & g_ok[None, :]
+    cp = C + rows[:, None] * nc + grps[None, :]
+    c = tl.load(cp, mask=m2, other=0.0)
+    if SLICES == 3:
+        c += tl.load(cp + TG, mask=m2, other=0.0) + tl.load(cp + 2 * TG, mask=m2, other=0.0)
+    elif SLICES == 2:
+        c += tl.load(cp + TG, mask=m2, other=0.0)
+    sp = C + M * nc + rows * 4
+    sm = tl.load(sp, mask=r_ok, other=0.0)
+    mx = tl.load(sp + 1, mask=r_ok, other=0.0)
+    mn = tl.load(sp + 2, mask=r_ok, other=0.0)
+    if XVAR:
+        sq = tl.load(sp + 3, mask=r_ok, other=0.0)
+    else:
+        sq = tl.zeros_like(sm)
+    return sm, sq, mx, mn, c
+
+
+@triton.jit
 def _repair_group(X, W, Y, Bias, rows, r_ok, bad, gidx, N, K, sxm, sxk, swn, swk, sym, syn,
                   BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr):
     """Group ``gidx``'s failing rows ``bad`` (BLOCK_R,): recompute its columns, locate, replace. Returns
@@ -195,7 +219,7 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
                          BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, SLICES: tl.constexpr,
                          HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr, DOT_F32: tl.constexpr,
                          SPLIT: tl.constexpr, Y32: tl.constexpr, INJ: tl.constexpr, VERIFY_OUTPUT: tl.constexpr,
-                         XVAR: tl.constexpr):
+                         XVAR: tl.constexpr, FUSED: tl.constexpr):
     """Verify the blocks of (BLOCK_R rows) × (BLOCK_G groups) of y (M, N), one per program (``n_split`` with
     SPLIT).
 
@@ -211,6 +235,10 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
     after it. The block's programs first make y from it (`_round_groups`: bias, rounding, the flips of
     ``Inj`` as the tile GEMM's epilogue applies them (INJ), the group sums of the accumulators or, with
     VERIFY_OUTPUT, of the rounded outputs), then verify as after the tile GEMM.
+
+    FUSED (the tile and persistent forms): the GEMM's launch computed the checksum dots and x's statistics
+    (`checksum_tiles`) into ``P`` after the group sums, C (M, S·T_g) then (M, 4); this launch reads them (no K
+    loop, no SPLIT).
 
     SPLIT (calls of few blocks, `forms.verify_split`: a short prompt's 64 rows make one row block): each block
     runs as ``n_split`` programs over ``kb_per`` K blocks each, program ``pid`` being split ``pid % n_split``
@@ -240,9 +268,12 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
         r_ok = rows < M
         grps = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
         g_ok = grps < TG
-        kb0, kb1 = k_blocks(split, kb_per, K, BLOCK_K, SPLIT)
-        sm, sq, mx, mn, c = _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm, sxk,
-                                                     BLOCK_K, SLICES, DOT_F32, XVAR)
+        if FUSED:
+            sm, sq, mx, mn, c = _fused_stats_and_checksums(Part, rows, r_ok, grps, g_ok, M, TG, SLICES, XVAR)
+        else:
+            kb0, kb1 = k_blocks(split, kb_per, K, BLOCK_K, SPLIT)
+            sm, sq, mx, mn, c = _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm, sxk,
+                                                         BLOCK_K, SLICES, DOT_F32, XVAR)
         if SPLIT:
             NST: tl.constexpr = 4 if XVAR else 3  # statistics per row: sum, max, min (, sum of squares)
             n_blk = tl.cdiv(M, BLOCK_R) * n_gb

@@ -10,15 +10,17 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _mma
+from .checksum_tiles import checksum_tile
 from .common import _grouped_tile
-from .tile import group_sums
+from .tile import G, group_sums
 
 
 @triton.jit
-def _persistent_kernel(X, W, Y, Bias, P, M, N, K, sxm, sw, sym,
+def _persistent_kernel(X, W, Y, Bias, P, Wc, M, N, K, NC, sxm, sw, sym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                        NUM_SMS: tl.constexpr, HAS_BIAS: tl.constexpr, W_KN: tl.constexpr,
-                       VERIFY_OUTPUT: tl.constexpr, DOT_F32: tl.constexpr):
+                       VERIFY_OUTPUT: tl.constexpr, DOT_F32: tl.constexpr, FUSED: tl.constexpr, CN: tl.constexpr,
+                       EVEN_K: tl.constexpr, XVAR: tl.constexpr):
     """The persistent form's GEMM: NUM_SMS programs loop over the (BLOCK_M, BLOCK_N) tiles of y (M, N) in
     grouped order, with x (M, K), W (N, K) (or (K, N) when W_KN) and y moved by TMA descriptors made here
     (plain pointer arguments, so a prepared call replays it), the tile and K loops flattened into one
@@ -26,7 +28,11 @@ def _persistent_kernel(X, W, Y, Bias, P, M, N, K, sxm, sw, sym,
     `tile._tile_epilogue` stores them (of the fp32 accumulators, or of the rounded outputs with
     VERIFY_OUTPUT), y rounded and stored. No checksum work in the K loop (it cost 5-50 % there).
     Row strides sxm, sw (of W as stored), sym; unit inner strides, 16-byte aligned rows (`forms.persistent_ok`).
-    DOT_F32: the interpreter's dots in fp32 (as `_gemm_tile`'s)."""
+    DOT_F32: the interpreter's dots in fp32 (as `_gemm_tile`'s).
+
+    FUSED: after y's tiles, the ⌈M / BLOCK_M⌉ · ⌈NC / CN⌉ checksum tiles (`checksum_tiles.checksum_tile`, ``Wc``
+    (NC, K)) continue the same round-robin over the programs, so the programs that had a tile fewer take them
+    first; C (M, NC) and x's statistics (M, 4) land in ``P`` after the group sums."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -59,3 +65,13 @@ def _persistent_kernel(X, W, Y, Bias, P, M, N, K, sxm, sw, sym,
         m_ok = offs_m < M
         group_sums(v, P, pid_n, offs_m, m_ok, M, N)
         yd.store([pid_m * BLOCK_M, pid_n * BLOCK_N], yv)
+    if FUSED:
+        n_tiles = num_pid_m * num_pid_n
+        num_c = tl.cdiv(NC, CN)
+        Cb = P + tl.cdiv(N, G) * M
+        # this program's next tile in the round-robin past y's tiles: the first t ≥ n_tiles with t ≡ pid
+        first = n_tiles + (pid - n_tiles % NUM_SMS + NUM_SMS) % NUM_SMS
+        for t in range(first, n_tiles + num_pid_m * num_c, NUM_SMS):
+            ct = t - n_tiles
+            checksum_tile(X, Wc, Cb, Cb + M * NC, ct // num_c, ct % num_c, M, K, NC, sxm, 1,
+                          BLOCK_M, CN, BLOCK_K, EVEN_K, DOT_F32, XVAR)

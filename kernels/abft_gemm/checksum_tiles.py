@@ -1,0 +1,80 @@
+"""The group checksums as extra output tiles of the GEMM's own launch (`checksum_tile`).
+
+The verification compares each (row, 64-column group) sum of y with ``C[m, g] = x[m]·w1_g``
+(`groups._group_verify_kernel`). Computed in the verification's own launch, that product re-reads x with a K loop
+of its own, latency-bound and serial after the GEMM: 10-25 µs at M = 4096 and K = 896-4864 on an H100, up to a
+quarter of the call. Here it is part of the GEMM instead: the checksum operand ``Wc`` (S, T_g, K) in x's dtype
+(`calls.group_operand`: w1_g in S slices whose sum keeps its fp32 accuracy) is read as a weight of S·T_g rows,
+and a few more column tiles of the same grid compute ``x · Wcᵀ`` beside y's tiles. Each leaves its fp32 dots
+in ``C`` (M, S·T_g), and the first of a row block also x's row statistics that the threshold needs (sum, max,
+min and, with XVAR, the sum of squares) in ``Stats`` (M, 4). The verification then reads only those numbers:
+no K loop, no second pass over x.
+
+The dots are the verification's own (every product of x and a slice exact in fp32, fp32 sums), so the
+threshold's unit error holds for them. The statistics reduce a plain load of x's tile, never the dot's
+pipelined operand (`groups._row_stats_and_checksums` says why).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..tl_common import dot as _mma
+
+
+@triton.jit
+def checksum_tile(X, Wc, C, Stats, pid_m, pid_c, M, K, NC, sxm, sxk,
+                  BLOCK_M: tl.constexpr, CN: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  DOT_F32: tl.constexpr, XVAR: tl.constexpr):
+    """Columns ``[pid_c·CN, (pid_c+1)·CN)`` of ``C`` (M, NC) = x (M, K) · Wc (NC, K)ᵀ for row block ``pid_m``
+    (NC = S·T_g: slice s of group g is column s·T_g + g), fp32, stored unrounded; with ``pid_c == 0`` also
+    the block's rows' statistics of x into ``Stats`` (M, 4): sum, max, min, sum of squares (XVAR; else not
+    written). Operands through pointers (x's strides ``sxm``, ``sxk``; Wc contiguous)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_am = offs_m % M  # wrapped rows: in-bounds loads, never stored
+    offs_c = pid_c * CN + tl.arange(0, CN)
+    c_ok = offs_c < NC
+    offs_bc = offs_c % NC
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = X + offs_am[:, None] * sxm + offs_k[None, :] * sxk
+    b_ptrs = Wc + offs_bc[None, :] * K + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, CN), tl.float32)
+    sm = tl.zeros((BLOCK_M,), tl.float32)
+    sq = tl.zeros((BLOCK_M,), tl.float32)
+    mx = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    mn = tl.full((BLOCK_M,), float("inf"), tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            xf = tl.load(a_ptrs, cache_modifier=".cg").to(tl.float32)
+            k_ok = offs_k < BLOCK_K
+        else:
+            k_ok = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            xf = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+        acc = _mma(a, b, acc, DOT_F32)
+        sm += tl.sum(xf, axis=1)
+        if XVAR:
+            sq += tl.sum(xf * xf, axis=1)
+        mx = tl.maximum(mx, tl.max(tl.where(k_ok[None, :], xf, -float("inf")), axis=1))
+        mn = tl.minimum(mn, tl.min(tl.where(k_ok[None, :], xf, float("inf")), axis=1))
+        a_ptrs += BLOCK_K * sxk
+        b_ptrs += BLOCK_K
+    tl.store(C + offs_m[:, None] * NC + offs_c[None, :], acc, mask=m_ok[:, None] & c_ok[None, :])
+    if pid_c == 0:
+        sp = Stats + offs_m * 4
+        tl.store(sp, sm, mask=m_ok)
+        tl.store(sp + 1, mx, mask=m_ok)
+        tl.store(sp + 2, mn, mask=m_ok)
+        if XVAR:
+            tl.store(sp + 3, sq, mask=m_ok)
+
+
+def checksum_cols(nc: int, block_n: int) -> int:
+    """CN, the width of a checksum tile for NC = S·T_g checksum columns and the GEMM's BLOCK_N: NC rounded up
+    to a power of two, between 16 (the smallest tensor-core dot) and BLOCK_N."""
+    return min(block_n, max(16, triton.next_power_of_2(nc)))
