@@ -576,9 +576,9 @@ def test_checksum_tiles_like_the_verification_loop(dtype, form, xvar, monkeypatc
     operands: one launch each of the GEMM (with ⌈S·T_g / CN⌉ more column tiles per row block) and of the
     verification (FUSED, no split); y bit for bit the same; C within fp32 rounding of the loop's; the
     thresholds (x's sum, max, min, with XVAR its sum of squares) within fp32 rounding; clean calls count
-    nothing; one and two flipped units are counted and repaired alike. The shape has several checksum tiles (S·T_g = 70 or
-    105 checksum columns against CN = 64 on the interpreter), a partial last group, a partial row block, and a
-    K that is not a multiple of BLOCK_K."""
+    nothing; one and two flipped units are counted and repaired alike. The shape has several checksum tiles
+    (S·T_g = 70 or 105 checksum columns against CN = 64 on the interpreter), a partial last group, a partial
+    row block, and a K that is not a multiple of BLOCK_K."""
     rows = _take(form, setopt)
     setopt(gemm_xvar=xvar)
     m, k, n = rows + 17, 72, 2200  # (K · 2 bytes a multiple of 16: the persistent form's TMA layout)
@@ -602,7 +602,8 @@ def test_checksum_tiles_like_the_verification_loop(dtype, form, xvar, monkeypatc
             res[fused] = G.gemm_residuals(x, w, b, emax=emax, emax_var=emax_var)
             launches = list(seen)
         gemm, ver = launches
-        assert gemm[0] == ("_PERSISTENT_LAUNCH" if form == "persistent" else "_GEMM_LAUNCH") and ver[0] == "_VERIFY_LAUNCH"
+        assert gemm[0] == ("_PERSISTENT_LAUNCH" if form == "persistent" else "_GEMM_LAUNCH")
+        assert ver[0] == "_VERIFY_LAUNCH"
         assert gemm[2] is fused and ver[2] is fused
         if fused:
             nc = {torch.float16: 2, torch.bfloat16: 3}[dtype] * -(-n // GC)
