@@ -47,6 +47,9 @@
 #              ft_transformers kernels patches scripts tests pyproject.toml | tar -x -C .baseline`, carried): the
 #              repeated-call checksum test and the real-shape test, the fp16 lm_head checksum probe, then
 #              bench_linear's short and layer shapes under CUDA graphs through gpu_ab.sh (~6 min)
+#   fusedab    the group checksums as checksum tiles of the GEMM's launch (the default) against the verification's
+#              own K loop (Options.gemm_fused False), side by side: the GPU tests of the tile and persistent forms,
+#              then bench_linear --unfused (FUSED_KINDS, FUSED_DTYPES, FUSED_MODELS, FUSED_ROUNDS; ~7 min)
 #   caltrend   the accumulator e_max's slack per distribution and K, past k_ref (fp16, bf16, x's outlier estimate;
 #              written to the part's folder, the shipped tables untouched)
 #   xvar       x's outlier variance estimate in the GEMM threshold (FTT_GEMM_XVAR=1, issue 38), ~9 min: its own
@@ -253,6 +256,13 @@ attn.probs attn.probs_lp attn.alpha attn.rowsum attn.acc attn.checksum attn.outp
       FTT_ABFT_GEMM_TUNE=0 timeout ${BENCH_TIMEOUT:-400} python3 scripts/calibrate_emax.py --device cuda \
         --modes accumulator --dtypes float16,bfloat16 --xvar --trials 30 --slack-trials 4 \
         --trend-k 1024,4096,8192,18944,29568 --out-dir "$dir" 2>&1 | grep -v Warning | tail -6 ;;
+    fusedab)  # the checksum tiles in the GEMM's launch against the verification's own K loop, one process
+      FTT_ABFT_GEMM_TUNE=0 timeout ${TESTS_TIMEOUT:-220} python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/test_abft_gemm.py -k "bit_for_bit or real_shapes or group_verification" 2>&1 | tail -4
+      timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench_linear.py --kinds ${FUSED_KINDS:-square,short,layer} \
+        ${FUSED_MODELS:+--models $FUSED_MODELS} --graph --unfused --no-torch-checked \
+        --dtypes ${FUSED_DTYPES:-float16} --rounds ${FUSED_ROUNDS:-3} --out "$dir/lin" 2>&1 \
+        | grep --line-buffered -E "square|short|layer|target" ;;
     cublasform)
       FTT_ABFT_GEMM_TUNE=0 timeout ${BENCH_TIMEOUT:-300} python3 scripts/bench_gemm_cublas_form.py --rounds 3 \
         --out "$dir/gemm_cublas_form_fp16.csv" 2>&1 | grep --line-buffered -v Warning | tail -40 ;;
