@@ -45,6 +45,7 @@ from ft_transformers.kernels.abft_gemm import (  # noqa: E402
     decode,
     forms,
     groups,
+    persistent,
     prepared,
     tile,
     tuning,
@@ -573,12 +574,13 @@ def test_nonfinite_rows_skipped_other_rows_still_repaired(form, monkeypatch, set
 def test_checksum_tiles_like_the_verification_loop(dtype, form, xvar, monkeypatch, setopt):
     """The group checksums and x's statistics computed as checksum tiles of the GEMM's launch (`checksum_tiles`,
     the default of fp16/bf16 tile and persistent calls) against the verification's own K loop on the same
-    operands: one launch each of the GEMM (with ⌈S·T_g / CN⌉ more column tiles per row block) and of the
-    verification (FUSED, no split); y bit for bit the same; C within fp32 rounding of the loop's; the
-    thresholds (x's sum, max, min, with XVAR its sum of squares) within fp32 rounding; clean calls count
-    nothing; one and two flipped units are counted and repaired alike. The shape has several checksum tiles
-    (S·T_g = 70 or 105 checksum columns against CN = 64 on the interpreter), a partial last group, a partial
-    row block, and a K that is not a multiple of BLOCK_K."""
+    operands. One launch each of the GEMM (with ⌈S·T_g / CN⌉ checksum tiles per row block, each over K in
+    splits) and of the verification (FUSED, no split of its own; it sums the splits' partials). y bit for bit
+    the same; C within fp32 rounding of the loop's; the thresholds (x's sum, max, min, with XVAR its sum of
+    squares) within fp32 rounding; clean calls count nothing; one and two flipped units are counted and
+    repaired alike. The shape has several checksum tiles (S·T_g = 70 or 105 checksum columns against CN = 64
+    on the interpreter), a partial last group, a partial row block, and a K that is not a multiple of
+    BLOCK_K."""
     rows = _take(form, setopt)
     setopt(gemm_xvar=xvar)
     m, k, n = rows + 17, 72, 2200  # (K · 2 bytes a multiple of 16: the persistent form's TMA layout)
@@ -590,8 +592,12 @@ def test_checksum_tiles_like_the_verification_loop(dtype, form, xvar, monkeypatc
     for name in ("_GEMM_LAUNCH", "_PERSISTENT_LAUNCH", "_VERIFY_LAUNCH"):
         real = getattr(calls, name)
 
-        def spy(grid, args, kwargs, name=name, real=real):
-            seen.append((name, grid[0], kwargs.get("FUSED"), kwargs.get("SPLIT"), kwargs.get("CN")))
+        kernel = {"_GEMM_LAUNCH": tile._gemm_kernel, "_PERSISTENT_LAUNCH": persistent._persistent_kernel,
+                  "_VERIFY_LAUNCH": groups._group_verify_kernel}[name]
+        at = kernel.arg_names.index("n_csplit" if name == "_VERIFY_LAUNCH" else "c_split")
+
+        def spy(grid, args, kwargs, name=name, real=real, at=at):
+            seen.append((name, grid[0], kwargs.get("FUSED"), kwargs.get("SPLIT"), kwargs.get("CN"), args[at]))
             return real(grid, args, kwargs)
 
         monkeypatch.setattr(calls, name, spy)
@@ -607,7 +613,8 @@ def test_checksum_tiles_like_the_verification_loop(dtype, form, xvar, monkeypatc
         assert gemm[2] is fused and ver[2] is fused
         if fused:
             nc = {torch.float16: 2, torch.bfloat16: 3}[dtype] * -(-n // GC)
-            assert ver[3] is False and -(-nc // gemm[4]) >= 2, launches
+            # several checksum tiles, each over K in two splits (3 K blocks of 32), summed by the verification
+            assert ver[3] is False and -(-nc // gemm[4]) >= 2 and gemm[5] == ver[5] == 2, launches
     a, f = res[False], res[True]
     assert torch.equal(a["y"], f["y"])
     scale = (x.double().abs().cpu() @ _group_sums64(w.double().abs().t().cpu(), n))  # (M, T_g): Σ|x|·|w1_g|

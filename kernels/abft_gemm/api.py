@@ -218,8 +218,8 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
     else:
         flag, call_id = call_flag(dev)
         y32 = form.kind == CUBLAS  # the verification makes y from the product (and injects)
-        fused = (C.fused_operand(operand), xvar) if fused_ok(form.kind, x2d.dtype) else None
-        P = C._call_buffer(m, n, k, cfg, True, dev, y, y32=y32, fused_cols=fused[0].shape[0] if fused else 0)
+        fused = C.fused_plan(operand, xvar, m, k, cfg) if fused_ok(form.kind, x2d.dtype) else None
+        P = C._call_buffer(m, n, k, cfg, True, dev, y, y32=y32, fused=fused)
         if form.kind == PERSISTENT:
             C._ensure_scratch_allocator()
             launches = [(3, *C._persistent_call(cfg, L, bias, P, verify_output, sms=form.sms, fused=fused))]
@@ -230,7 +230,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
                                           dot_f32=dot_f32, fused=fused))]
         launches.append((1, *C._verify_call(L, bias, P, flag, call_id, ver, operand, groups[1], emax, csigma,
                                             dot_f32, xvar=xvar, y32=y32, inj=inj if y32 else None,
-                                            verify_output=verify_output, fused=fused is not None)))
+                                            verify_output=verify_output, fused=fused)))
     for which, grid, args, kwargs in launches:
         C._launcher(which)(grid, args, kwargs)
     # (host TMA descriptors are made per call: such a call cannot be replayed; the persistent form makes its own)

@@ -20,7 +20,7 @@ from ..contract import derive_seed
 from ..gemm_checksums import GROUP_COLS, WeightChecksums, group_checksums, scale_variance_terms
 from ..launch import DirectLauncher
 from ..tl_common import cdiv as _cdiv
-from .checksum_tiles import checksum_cols
+from .checksum_tiles import checksum_cols, checksum_split
 from .common import SITE
 from .configs import GROUP_M, VERIFY_BLOCK
 from .decode import grouped_gemm_kernel
@@ -180,16 +180,16 @@ def _cells(device: torch.device) -> torch.Tensor:
 
 
 def _call_buffer(m: int, n: int, k: int, cfg, detect: bool, device: torch.device,
-                 unused: torch.Tensor, y32: bool = False, fused_cols: int = 0) -> torch.Tensor:
+                 unused: torch.Tensor, y32: bool = False, fused: Fused | None = None) -> torch.Tensor:
     """fp32 scratch of a tile-GEMM call: with ``detect`` its (T_g, M) group sums, then the split verification's
     partials (`groups._group_verify_kernel`), and with ``y32`` (the cuBLAS form) the product (M, N) before
-    them; with ``fused_cols`` = S·T_g (the checksum tiles in the GEMM's launch, `checksum_tiles`) the group
-    sums, then C (M, S·T_g) and x's statistics (M, 4); checks off: room for the split-K partial tiles
-    (n_split, M, N), or ``unused`` (any tensor, passed as the kernel's unread ``P``) without them."""
+    them; with ``fused`` (the checksum programs in the GEMM's launch, `checksum_tiles`) the group sums, then
+    their partials C (splits, M, S·T_g) and x's statistics (splits, M, 4); checks off: room for the split-K
+    partial tiles (n_split, M, N), or ``unused`` (any tensor, passed as the kernel's unread ``P``) without them."""
     if detect:
         tg = _cdiv(n, GROUP_COLS)
-        if fused_cols:
-            return torch.empty(tg * m + m * (fused_cols + 4), dtype=torch.float32, device=device)
+        if fused is not None:
+            return torch.empty(tg * m + fused.split * m * (fused.cols + 4), dtype=torch.float32, device=device)
         part = 0
         br, bg, bk = VERIFY_BLOCK[:3]
         vs, per = (y32_split if y32 else verify_split)(m, n, k, device)
@@ -300,56 +300,77 @@ def _launch_gemm(cfg, L: _Launch, **kw) -> None:
     _launcher(0)(*_gemm_call(cfg, L, **kw))
 
 
-def fused_operand(operand: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """`group_operand`'s slices (S, T_g, K) as the checksum tiles' weight (S·T_g, K) (a view, no copy)."""
+@dataclass(frozen=True)
+class Fused:
+    """The checksum programs of a call (`checksum_tiles`): their weight (S·T_g, K), whether x's sum of squares is
+    wanted (XVAR), and their K split (splits, K blocks per split)."""
+
+    wc: torch.Tensor
+    xvar: bool
+    split: int
+    kb_per: int
+
+    @property
+    def cols(self) -> int:
+        return self.wc.shape[0]
+
+
+def fused_plan(operand: tuple[torch.Tensor, torch.Tensor], xvar: bool, m: int, k: int, cfg) -> Fused:
+    """The checksum programs of a call of config ``cfg`` on `group_operand`'s slices (S, T_g, K), read as a
+    weight (S·T_g, K) (a view, no copy)."""
     wc = operand[0]
-    return wc.view(wc.shape[0] * wc.shape[1], wc.shape[2])
+    wcf = wc.view(wc.shape[0] * wc.shape[1], wc.shape[2])
+    return Fused(wcf, bool(xvar), *checksum_split(m, k, wcf.shape[0], cfg[2]))
 
 
-def _gemm_call(cfg, L: _Launch, *, bias, P, inj, detect, verify_output, dot_f32,
-               fused: tuple[torch.Tensor, bool] | None = None) -> tuple:
-    """The tile GEMM launch as ``(grid, args, kwargs)``. P: the `_call_buffer`. ``fused``: (the checksum tiles'
-    weight (S·T_g, K) of `fused_operand`, x's sum of squares wanted (XVAR)) to compute the group checksums in
-    this launch (`checksum_tiles`), or None."""
+def _checksum_programs(fused: Fused | None, m: int, bm: int, bn: int) -> tuple[int, int]:
+    """(programs, CN) of a call's checksum tiles (`checksum_tiles`; none without ``fused``)."""
+    if fused is None:
+        return 0, 16
+    cn = checksum_cols(fused.cols, bn)
+    return _cdiv(m, bm) * _cdiv(fused.cols, cn) * fused.split, cn
+
+
+def _gemm_call(cfg, L: _Launch, *, bias, P, inj, detect, verify_output, dot_f32, fused: Fused | None = None) -> tuple:
+    """The tile GEMM launch as ``(grid, args, kwargs)``. P: the `_call_buffer`. ``fused``: the checksum programs
+    that compute the group checksums in this launch (`fused_plan`), or None."""
     bm, bn, bk, warps, stages = cfg[:5]
     m, k = L.x.shape
     n = L.y.shape[1]
     t = _cdiv(n, bn)
     n_split, kb_per = split_plan(m, n, k, cfg, detect, L.x.device)
-    wcf, xvar = fused if fused is not None else (L.w, False)
-    nc = wcf.shape[0] if fused is not None else 0
-    cn = checksum_cols(nc, bn) if fused is not None else 16
-    grid = (_cdiv(m, bm) * (t + (_cdiv(nc, cn) if fused is not None else 0)) * n_split,)
+    c_progs, cn = _checksum_programs(fused, m, bm, bn)
+    grid = (_cdiv(m, bm) * t * n_split + c_progs,)
     xd, wd, yd = _descriptors(cfg, L)
     cells = _cells(L.x.device)
     return grid, (
         L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, P, inj if inj is not None else cells, cells,
-        wcf, m, n, k, nc, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1), n_split, kb_per,
+        fused.wc if fused is not None else L.w, m, n, k, fused.cols if fused is not None else 0, L.x.stride(0),
+        L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1), n_split, kb_per,
+        fused.split if fused is not None else 1, fused.kb_per if fused is not None else 1,
     ), dict(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, HAS_BIAS=bias is not None, DETECT=detect,
         VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0,
         TMA=L.tma, W_KN=L.kn, TMA_STORE=L.tma, SPLIT=n_split > 1, FUSED=fused is not None, CN=cn,
-        XVAR=bool(xvar), num_warps=warps, num_stages=stages,
+        XVAR=fused is not None and fused.xvar, num_warps=warps, num_stages=stages,
     )
 
 
 def _persistent_call(cfg, L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, verify_output: bool, *,
-                     sms: int, fused: tuple[torch.Tensor, bool] | None = None) -> tuple:
+                     sms: int, fused: Fused | None = None) -> tuple:
     """The persistent GEMM (`_persistent_kernel`) as ``(grid, args, kwargs)``: one program per SM of the
     ``sms`` (per tile if fewer). ``fused``: as `_gemm_call`'s."""
     bm, bn, bk, warps, stages = cfg[:5]
     m, k = L.x.shape
     n = L.y.shape[1]
-    wcf, xvar = fused if fused is not None else (L.w, False)
-    nc = wcf.shape[0] if fused is not None else 0
-    cn = checksum_cols(nc, bn) if fused is not None else 16
-    tiles = _cdiv(m, bm) * (_cdiv(n, bn) + (_cdiv(nc, cn) if fused is not None else 0))
-    sms = min(tiles, sms)
-    return (sms,), (L.x, L.w, L.y, bias if bias is not None else L.y, P, wcf, m, n, k, nc,
-                    L.x.stride(0), L.w.stride(0), L.y.stride(0)), dict(
+    c_progs, cn = _checksum_programs(fused, m, bm, bn)
+    sms = min(_cdiv(m, bm) * _cdiv(n, bn) + c_progs, sms)
+    return (sms,), (L.x, L.w, L.y, bias if bias is not None else L.y, P, fused.wc if fused is not None else L.w,
+                    m, n, k, fused.cols if fused is not None else 0, L.x.stride(0), L.w.stride(0), L.y.stride(0),
+                    fused.split if fused is not None else 1, fused.kb_per if fused is not None else 1), dict(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, NUM_SMS=sms, HAS_BIAS=bias is not None, W_KN=L.kn,
         VERIFY_OUTPUT=verify_output, DOT_F32=INTERP, FUSED=fused is not None, CN=cn, EVEN_K=k % bk == 0,
-        XVAR=bool(xvar), num_warps=warps, num_stages=stages)
+        XVAR=fused is not None and fused.xvar, num_warps=warps, num_stages=stages)
 
 
 def _product_call(L: _Launch, P: torch.Tensor) -> tuple:
@@ -361,13 +382,13 @@ def _product_call(L: _Launch, P: torch.Tensor) -> tuple:
 def _verify_call(L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, flag: torch.Tensor, call_id: int,
                  ver: _Verify, operand: tuple[torch.Tensor, torch.Tensor], consts: torch.Tensor, emax: float,
                  csigma: float, dot_f32: bool, *, xvar: bool, y32: bool = False, inj: torch.Tensor | None = None,
-                 verify_output: bool = False, fused: bool = False) -> tuple:
+                 verify_output: bool = False, fused: Fused | None = None) -> tuple:
     """The group verification after the GEMM (`_group_verify_kernel`): ``(grid, args, kwargs)``. ``operand``:
     `group_operand`'s (Wc, Winv); ``consts`` (T_g, 8) from `group_checksums`; ``xvar``: x's outlier variance
     estimate in the thresholds (`gemm_checksums.xvar_in_use`). ``y32``: the cuBLAS form's
     (P starts with the product; the launch makes y from it, with the flips of ``inj``, bucketed per
-    VERIFY_BLOCK rows, and sums the rounded outputs with ``verify_output``). ``fused``: the GEMM's launch
-    computed the checksums and x's statistics into P (`checksum_tiles`)."""
+    VERIFY_BLOCK rows, and sums the rounded outputs with ``verify_output``). ``fused``: the checksum programs
+    of the GEMM's launch, which left the checksums and x's statistics in P (`checksum_tiles`), or None."""
     x2d, y = L.x, L.y
     m, k = x2d.shape
     n = y.shape[1]
@@ -375,15 +396,16 @@ def _verify_call(L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, flag: t
     br, bg, bk = VERIFY_BLOCK[:3]
     wc, winv = operand
     c = ver.counters
-    n_split, kb_per = (1, 1) if fused else (y32_split if y32 else verify_split)(m, n, k, x2d.device)
+    n_split, kb_per = (1, 1) if fused is not None else (y32_split if y32 else verify_split)(m, n, k, x2d.device)
     return (_cdiv(m, br) * _cdiv(tg, bg) * n_split,), (
         x2d, L.w, y, bias if bias is not None else y, wc, winv, consts, P, inj if inj is not None else P,
         _cells(x2d.device), flag, c, ver.debug if ver.debug is not None else P,
         m, n, k, tg, x2d.stride(0), x2d.stride(1), L.swn, L.swk, y.stride(0), y.stride(1), c.stride(0), c.stride(1),
         1.0 / k, call_id, int(ver.w_finite), float(emax), float(csigma), n_split, kb_per,
+        fused.split if fused is not None else 1,
     ), dict(
         BLOCK_R=br, BLOCK_G=bg, BLOCK_K=bk, SLICES=wc.shape[0], HAS_BIAS=bias is not None, CORRECT=ver.correct,
         DEBUG=ver.debug is not None, DOT_F32=dot_f32, SPLIT=n_split > 1, Y32=y32, INJ=inj is not None,
-        VERIFY_OUTPUT=verify_output, XVAR=bool(xvar), FUSED=fused, num_warps=VERIFY_BLOCK[3],
+        VERIFY_OUTPUT=verify_output, XVAR=bool(xvar), FUSED=fused is not None, num_warps=VERIFY_BLOCK[3],
         num_stages=VERIFY_BLOCK[4],
     )

@@ -5,9 +5,10 @@ The verification compares each (row, 64-column group) sum of y with ``C[m, g] = 
 of its own, latency-bound and serial after the GEMM: 10-25 µs at M = 4096 and K = 896-4864 on an H100, up to a
 quarter of the call. Here it is part of the GEMM instead: the checksum operand ``Wc`` (S, T_g, K) in x's dtype
 (`calls.group_operand`: w1_g in S slices whose sum keeps its fp32 accuracy) is read as a weight of S·T_g rows,
-and a few more column tiles of the same grid compute ``x · Wcᵀ`` beside y's tiles. Each leaves its fp32 dots
-in ``C`` (M, S·T_g), and the first of a row block also x's row statistics that the threshold needs (sum, max,
-min and, with XVAR, the sum of squares) in ``Stats`` (M, 4). The verification then reads only those numbers:
+and a few more programs of the same grid compute ``x · Wcᵀ`` beside y's tiles, each a tile of checksum columns
+over a share of K (`checksum_split`). Each leaves its fp32 partial dots in ``C`` (splits, M, S·T_g), and the
+first tile of a row block also x's partial row statistics that the threshold needs (sum, max, min and, with
+XVAR, the sum of squares) in ``Stats`` (splits, M, 4). The verification then reads only those numbers:
 no K loop, no second pass over x.
 
 The dots are the verification's own (every product of x and a slice exact in fp32, fp32 sums), so the
@@ -22,15 +23,24 @@ import triton.language as tl
 
 from ..tl_common import dot as _mma
 
+# A checksum tile's K loop is as long as a tile of y's and carries x's statistics besides its dots: whole, such
+# tiles spilled into a wave of their own (2048³ fp16 on an H200: 91.9 µs against 50.5 with the verification's
+# loop). So each runs as up to CHECKSUM_SPLIT programs of at least CHECKSUM_MIN_BLOCKS K blocks, their partial
+# sums summed by the verification in split order; never more partials than CHECKSUM_PART_BYTES.
+CHECKSUM_SPLIT = 8
+CHECKSUM_MIN_BLOCKS = 2
+CHECKSUM_PART_BYTES = 32 << 20
+
 
 @triton.jit
-def checksum_tile(X, Wc, C, Stats, pid_m, pid_c, M, K, NC, sxm, sxk,
+def checksum_tile(X, Wc, C, Stats, pid_m, pid_c, split, kb_per, M, K, NC, sxm, sxk,
                   BLOCK_M: tl.constexpr, CN: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                   DOT_F32: tl.constexpr, XVAR: tl.constexpr):
-    """Columns ``[pid_c·CN, (pid_c+1)·CN)`` of ``C`` (M, NC) = x (M, K) · Wc (NC, K)ᵀ for row block ``pid_m``
-    (NC = S·T_g: slice s of group g is column s·T_g + g), fp32, stored unrounded; with ``pid_c == 0`` also
-    the block's rows' statistics of x into ``Stats`` (M, 4): sum, max, min, sum of squares (XVAR; else not
-    written). Operands through pointers (x's strides ``sxm``, ``sxk``; Wc contiguous)."""
+    """Split ``split``'s share (K blocks ``[split·kb_per, (split+1)·kb_per)``) of columns ``[pid_c·CN,
+    (pid_c+1)·CN)`` of x (M, K) · Wc (NC, K)ᵀ for row block ``pid_m`` (NC = S·T_g: slice s of group g is column
+    s·T_g + g), fp32, stored unrounded in ``C`` (splits, M, NC); with ``pid_c == 0`` also the block's rows'
+    statistics of x over those K blocks into ``Stats`` (splits, M, 4): sum, max, min, sum of squares (XVAR;
+    else not written). Operands through pointers (x's strides ``sxm``, ``sxk``; Wc contiguous)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_am = offs_m % M  # wrapped rows: in-bounds loads, never stored
@@ -38,14 +48,16 @@ def checksum_tile(X, Wc, C, Stats, pid_m, pid_c, M, K, NC, sxm, sxk,
     c_ok = offs_c < NC
     offs_bc = offs_c % NC
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = X + offs_am[:, None] * sxm + offs_k[None, :] * sxk
-    b_ptrs = Wc + offs_bc[None, :] * K + offs_k[:, None]
+    kb0 = split * kb_per
+    kb1 = tl.minimum(kb0 + kb_per, tl.cdiv(K, BLOCK_K))
+    a_ptrs = X + offs_am[:, None] * sxm + (kb0 * BLOCK_K + offs_k)[None, :] * sxk
+    b_ptrs = Wc + offs_bc[None, :] * K + (kb0 * BLOCK_K + offs_k)[:, None]
     acc = tl.zeros((BLOCK_M, CN), tl.float32)
     sm = tl.zeros((BLOCK_M,), tl.float32)
     sq = tl.zeros((BLOCK_M,), tl.float32)
     mx = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     mn = tl.full((BLOCK_M,), float("inf"), tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb0, kb1):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -64,9 +76,10 @@ def checksum_tile(X, Wc, C, Stats, pid_m, pid_c, M, K, NC, sxm, sxk,
         mn = tl.minimum(mn, tl.min(tl.where(k_ok[None, :], xf, float("inf")), axis=1))
         a_ptrs += BLOCK_K * sxk
         b_ptrs += BLOCK_K
-    tl.store(C + offs_m[:, None] * NC + offs_c[None, :], acc, mask=m_ok[:, None] & c_ok[None, :])
+    cp = C + split * M * NC + offs_m[:, None] * NC + offs_c[None, :]
+    tl.store(cp, acc, mask=m_ok[:, None] & c_ok[None, :])
     if pid_c == 0:
-        sp = Stats + offs_m * 4
+        sp = Stats + (split * M + offs_m) * 4
         tl.store(sp, sm, mask=m_ok)
         tl.store(sp + 1, mx, mask=m_ok)
         tl.store(sp + 2, mn, mask=m_ok)
@@ -74,7 +87,23 @@ def checksum_tile(X, Wc, C, Stats, pid_m, pid_c, M, K, NC, sxm, sxk,
             tl.store(sp + 3, sq, mask=m_ok)
 
 
+@triton.jit
+def checksum_program(ct, num_c, n_csplit):
+    """(row block, checksum tile, split) of checksum program ``ct``: the splits of one tile adjacent."""
+    return ct // (num_c * n_csplit), (ct // n_csplit) % num_c, ct % n_csplit
+
+
 def checksum_cols(nc: int, block_n: int) -> int:
     """CN, the width of a checksum tile for NC = S·T_g checksum columns and the GEMM's BLOCK_N: NC rounded up
     to a power of two, between 16 (the smallest tensor-core dot) and BLOCK_N."""
     return min(block_n, max(16, triton.next_power_of_2(nc)))
+
+
+def checksum_split(m: int, k: int, nc: int, block_k: int) -> tuple[int, int]:
+    """(splits, kb_per): the K blocks of a checksum tile over up to CHECKSUM_SPLIT programs of at least
+    CHECKSUM_MIN_BLOCKS blocks each (none empty), no more splits than keep the partials (splits, M, NC + 4)
+    within CHECKSUM_PART_BYTES."""
+    nkb = -(-k // block_k)
+    most = max(1, min(CHECKSUM_SPLIT, CHECKSUM_PART_BYTES // max(1, 4 * m * (nc + 4))))
+    per = max(CHECKSUM_MIN_BLOCKS, -(-nkb // most))
+    return -(-nkb // per), per

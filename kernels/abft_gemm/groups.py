@@ -110,27 +110,37 @@ def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm
 
 
 @triton.jit
-def _fused_stats_and_checksums(C, rows, r_ok, grps, g_ok, M, TG, SLICES: tl.constexpr, XVAR: tl.constexpr):
-    """`_row_stats_and_checksums`' results as the GEMM's checksum tiles left them (`checksum_tiles`): ``C``
-    (M, S·T_g) the slices' dots (slice s of group g in column s·T_g + g), then x's statistics (M, 4): sum, max,
-    min, sum of squares (read with XVAR only; else 0). The slices summed as there, smallest first."""
+def _fused_stats_and_checksums(C, rows, r_ok, grps, g_ok, M, TG, n_csplit, SLICES: tl.constexpr,
+                               XVAR: tl.constexpr):
+    """`_row_stats_and_checksums`' results from the partials the GEMM's checksum programs left
+    (`checksum_tiles`), summed in split order: ``C`` (n_csplit, M, S·T_g) the slices' dots (slice s of group g in
+    column s·T_g + g), then x's statistics (n_csplit, M, 4): sum, max, min, sum of squares (read with XVAR only;
+    else 0). The slices summed as there, smallest first."""
+    BLOCK_R: tl.constexpr = rows.shape[0]
+    BLOCK_G: tl.constexpr = grps.shape[0]
     nc = SLICES * TG
     m2 = r_ok[:, None] & g_ok[None, :]
-    cp = C + rows[:, None] * nc + grps[None, :]
-    c = tl.load(cp, mask=m2, other=0.0)
-    if SLICES == 3:
-        c += tl.load(cp + TG, mask=m2, other=0.0) + tl.load(cp + 2 * TG, mask=m2, other=0.0)
-    elif SLICES == 2:
-        c += tl.load(cp + TG, mask=m2, other=0.0)
-    sp = C + M * nc + rows * 4
-    sm = tl.load(sp, mask=r_ok, other=0.0)
-    mx = tl.load(sp + 1, mask=r_ok, other=0.0)
-    mn = tl.load(sp + 2, mask=r_ok, other=0.0)
-    if XVAR:
-        sq = tl.load(sp + 3, mask=r_ok, other=0.0)
-    else:
-        sq = tl.zeros_like(sm)
-    return sm, sq, mx, mn, c
+    c0 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
+    c1 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
+    c2 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
+    sm = tl.zeros((BLOCK_R,), tl.float32)
+    sq = tl.zeros((BLOCK_R,), tl.float32)
+    mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
+    mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
+    for s in range(0, n_csplit):
+        cp = C + s * M * nc + rows[:, None] * nc + grps[None, :]
+        c0 += tl.load(cp, mask=m2, other=0.0)
+        if SLICES > 1:
+            c1 += tl.load(cp + TG, mask=m2, other=0.0)
+        if SLICES > 2:
+            c2 += tl.load(cp + 2 * TG, mask=m2, other=0.0)
+        sp = C + n_csplit * M * nc + (s * M + rows) * 4
+        sm += tl.load(sp, mask=r_ok, other=0.0)
+        mx = tl.maximum(mx, tl.load(sp + 1, mask=r_ok, other=0.0))
+        mn = tl.minimum(mn, tl.load(sp + 2, mask=r_ok, other=0.0))
+        if XVAR:
+            sq += tl.load(sp + 3, mask=r_ok, other=0.0)
+    return sm, sq, mx, mn, c0 + (c1 + c2)
 
 
 @triton.jit
@@ -215,7 +225,7 @@ def _round_groups(Y32, Y, Bias, P, Inj, pid_r, pid_g, split, n_split, M, N, TG, 
 @triton.jit(do_not_specialize=["call_id", "w_finite"])
 def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Dbg,
                          M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, w_finite,
-                         emax, csigma, n_split, kb_per,
+                         emax, csigma, n_split, kb_per, n_csplit,
                          BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, SLICES: tl.constexpr,
                          HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr, DOT_F32: tl.constexpr,
                          SPLIT: tl.constexpr, Y32: tl.constexpr, INJ: tl.constexpr, VERIFY_OUTPUT: tl.constexpr,
@@ -237,8 +247,8 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
     VERIFY_OUTPUT, of the rounded outputs), then verify as after the tile GEMM.
 
     FUSED (the tile and persistent forms): the GEMM's launch computed the checksum dots and x's statistics
-    (`checksum_tiles`) into ``P`` after the group sums, C (M, S·T_g) then (M, 4); this launch reads them (no K
-    loop, no SPLIT).
+    (`checksum_tiles`) into ``P`` after the group sums as ``n_csplit`` partials, C (n_csplit, M, S·T_g) then
+    (n_csplit, M, 4); this launch sums them (no K loop, no SPLIT).
 
     SPLIT (calls of few blocks, `forms.verify_split`: a short prompt's 64 rows make one row block): each block
     runs as ``n_split`` programs over ``kb_per`` K blocks each, program ``pid`` being split ``pid % n_split``
@@ -269,7 +279,8 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
         grps = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
         g_ok = grps < TG
         if FUSED:
-            sm, sq, mx, mn, c = _fused_stats_and_checksums(Part, rows, r_ok, grps, g_ok, M, TG, SLICES, XVAR)
+            sm, sq, mx, mn, c = _fused_stats_and_checksums(Part, rows, r_ok, grps, g_ok, M, TG, n_csplit, SLICES,
+                                                           XVAR)
         else:
             kb0, kb1 = k_blocks(split, kb_per, K, BLOCK_K, SPLIT)
             sm, sq, mx, mn, c = _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm, sxk,

@@ -10,13 +10,13 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _mma
-from .checksum_tiles import checksum_tile
+from .checksum_tiles import checksum_program, checksum_tile
 from .common import _grouped_tile
 from .tile import G, group_sums
 
 
 @triton.jit
-def _persistent_kernel(X, W, Y, Bias, P, Wc, M, N, K, NC, sxm, sw, sym,
+def _persistent_kernel(X, W, Y, Bias, P, Wc, M, N, K, NC, sxm, sw, sym, c_split, c_kb_per,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                        NUM_SMS: tl.constexpr, HAS_BIAS: tl.constexpr, W_KN: tl.constexpr,
                        VERIFY_OUTPUT: tl.constexpr, DOT_F32: tl.constexpr, FUSED: tl.constexpr, CN: tl.constexpr,
@@ -30,9 +30,10 @@ def _persistent_kernel(X, W, Y, Bias, P, Wc, M, N, K, NC, sxm, sw, sym,
     Row strides sxm, sw (of W as stored), sym; unit inner strides, 16-byte aligned rows (`forms.persistent_ok`).
     DOT_F32: the interpreter's dots in fp32 (as `_gemm_tile`'s).
 
-    FUSED: after y's tiles, the ⌈M / BLOCK_M⌉ · ⌈NC / CN⌉ checksum tiles (`checksum_tiles.checksum_tile`, ``Wc``
-    (NC, K)) continue the same round-robin over the programs, so the programs that had a tile fewer take them
-    first; C (M, NC) and x's statistics (M, 4) land in ``P`` after the group sums."""
+    FUSED: after y's tiles, the ⌈M / BLOCK_M⌉ · ⌈NC / CN⌉ · ``c_split`` checksum programs
+    (`checksum_tiles.checksum_tile`, ``Wc`` (NC, K), ``c_kb_per`` K blocks each) continue the same round-robin
+    over the programs, so the programs that had a tile fewer take them first; C (c_split, M, NC) and x's
+    statistics (c_split, M, 4) land in ``P`` after the group sums."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -71,7 +72,7 @@ def _persistent_kernel(X, W, Y, Bias, P, Wc, M, N, K, NC, sxm, sw, sym,
         Cb = P + tl.cdiv(N, G) * M
         # this program's next tile in the round-robin past y's tiles: the first t ≥ n_tiles with t ≡ pid
         first = n_tiles + (pid - n_tiles % NUM_SMS + NUM_SMS) % NUM_SMS
-        for t in range(first, n_tiles + num_pid_m * num_c, NUM_SMS):
-            ct = t - n_tiles
-            checksum_tile(X, Wc, Cb, Cb + M * NC, ct // num_c, ct % num_c, M, K, NC, sxm, 1,
+        for t in range(first, n_tiles + num_pid_m * num_c * c_split, NUM_SMS):
+            cm, cc, cs = checksum_program(t - n_tiles, num_c, c_split)
+            checksum_tile(X, Wc, Cb, Cb + c_split * M * NC, cm, cc, cs, c_kb_per, M, K, NC, sxm, 1,
                           BLOCK_M, CN, BLOCK_K, EVEN_K, DOT_F32, XVAR)

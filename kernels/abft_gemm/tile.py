@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _mma
-from .checksum_tiles import checksum_tile
+from .checksum_tiles import checksum_program, checksum_tile
 from .common import _grouped_tile, k_blocks, round_and_inject
 
 G: tl.constexpr = tl.constexpr(64)  # = gemm_checksums.GROUP_COLS; BLOCK_N is a multiple of it with DETECT
@@ -119,7 +119,7 @@ def group_sums(v, P, pid_n, offs_m, m_ok, M, N):
 
 @triton.jit
 def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, Sem, Wc, M, N, K, NC, sxm, sxk, swn, swk, sym, syn, n_split,
-                 kb_per, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 kb_per, c_split, c_kb_per, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DETECT: tl.constexpr,
                  VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr, DOT_F32: tl.constexpr,
                  EVEN_K: tl.constexpr, TMA: tl.constexpr, W_KN: tl.constexpr, TMA_STORE: tl.constexpr,
@@ -127,9 +127,10 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, Sem, Wc, M, N, K, NC, sxm, s
     """y (M, N) = x (M, K) · Wᵀ + b over a grouped-order grid of output tiles; with DETECT the group sums
     into ``P`` (T_g, M) for `groups._group_verify_kernel`.
 
-    FUSED (with DETECT): ⌈NC / CN⌉ more column tiles per row block compute the group checksums and x's row
-    statistics (`checksum_tiles.checksum_tile`, ``Wc`` (NC, K) the checksum operand) into ``P`` after the
-    group sums: C (M, NC), then the statistics (M, 4).
+    FUSED (with DETECT): the grid's first ⌈M / BLOCK_M⌉ · ⌈NC / CN⌉ · ``c_split`` programs compute the group
+    checksums and x's row statistics (`checksum_tiles.checksum_tile`, ``Wc`` (NC, K) the checksum operand, each
+    over ``c_kb_per`` K blocks) into ``P`` after the group sums: C (c_split, M, NC), then the statistics
+    (c_split, M, 4). First, since they are short: they share the first wave with y's tiles instead of adding one.
 
     SPLIT (the plain GEMM of one row block and few tiles, `forms.split_plan`): each tile runs as ``n_split``
     programs over ``kb_per`` K blocks each (split-K; see `_gemm_tile`), program ``pid`` being split
@@ -138,29 +139,42 @@ def _gemm_kernel(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, Sem, Wc, M, N, K, NC, sxm, s
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    if SPLIT:  # one row block, tiles of n_split programs
-        pid_m = 0
-        pid_n = pid // n_split
-        split = pid % n_split
-    elif FUSED:  # the checksum tiles are the last columns of the grouped order: a row block's x is in L2
-        split = 0
-        pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n + tl.cdiv(NC, CN), GROUP)
+    if FUSED:
+        num_c = tl.cdiv(NC, CN)
+        n_cprog = num_pid_m * num_c * c_split
+        if pid < n_cprog:
+            cm, cc, cs = checksum_program(pid, num_c, c_split)
+            Cb = P + tl.cdiv(N, G) * M
+            checksum_tile(X, Wc, Cb, Cb + c_split * M * NC, cm, cc, cs, c_kb_per, M, K, NC, sxm, sxk,
+                          BLOCK_M, CN, BLOCK_K, EVEN_K, DOT_F32, XVAR)
+        else:
+            pid_m, pid_n = _grouped_tile(pid - n_cprog, num_pid_m, num_pid_n, GROUP)
+            _gemm_program(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, Sem, pid_m, pid_n, 0, kb_per, num_pid_m, M, N, K,
+                          sxm, sxk, swn, swk, sym, syn, n_split, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT,
+                          VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K, TMA, W_KN, TMA_STORE, SPLIT)
     else:
-        split = 0
-        pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP)
+        if SPLIT:  # one row block, tiles of n_split programs
+            pid_m = 0
+            pid_n = pid // n_split
+            split = pid % n_split
+        else:
+            split = 0
+            pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP)
+        _gemm_program(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, Sem, pid_m, pid_n, split, kb_per, num_pid_m, M, N, K,
+                      sxm, sxk, swn, swk, sym, syn, n_split, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS, DETECT,
+                      VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K, TMA, W_KN, TMA_STORE, SPLIT)
+
+
+@triton.jit
+def _gemm_program(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, Sem, pid_m, pid_n, split, kb_per, num_pid_m, M, N, K,
+                  sxm, sxk, swn, swk, sym, syn, n_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DETECT: tl.constexpr, VERIFY_OUTPUT: tl.constexpr,
+                  INJ: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+                  W_KN: tl.constexpr, TMA_STORE: tl.constexpr, SPLIT: tl.constexpr):
+    """Tile (``pid_m``, ``pid_n``) of y, split ``split`` (`_gemm_tile`), with its rows' offsets."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_am = offs_m % M  # wrapped rows: in-bounds loads without a mask, never stored
-    if FUSED:
-        if pid_n >= num_pid_n:
-            Cb = P + tl.cdiv(N, G) * M
-            checksum_tile(X, Wc, Cb, Cb + M * NC, pid_m, pid_n - num_pid_n, M, K, NC, sxm, sxk,
-                          BLOCK_M, CN, BLOCK_K, EVEN_K, DOT_F32, XVAR)
-        else:
-            _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, P, Sem, pid_m, pid_n, split, kb_per, num_pid_m, offs_m,
-                       offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, n_split, BLOCK_M, BLOCK_N, BLOCK_K,
-                       HAS_BIAS, DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K, TMA, W_KN, TMA_STORE, SPLIT)
-    else:
-        _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, P, Sem, pid_m, pid_n, split, kb_per, num_pid_m, offs_m,
-                   offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, n_split, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS,
-                   DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K, TMA, W_KN, TMA_STORE, SPLIT)
+    _gemm_tile(X, W, Y, Xd, Wd, Yd, Bias, P, Inj, P, Sem, pid_m, pid_n, split, kb_per, num_pid_m, offs_m,
+               offs_am, m_ok, M, N, K, sxm, sxk, swn, swk, sym, syn, n_split, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS,
+               DETECT, VERIFY_OUTPUT, INJ, DOT_F32, EVEN_K, TMA, W_KN, TMA_STORE, SPLIT)
