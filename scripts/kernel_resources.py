@@ -130,10 +130,11 @@ GEMM_KERNELS = {"tile": _gemm_kernel, "verify": _group_verify_kernel, "persisten
 # each kernel's constexprs before a variant's overrides; its config tuple's entries go to CFG_NAMES
 GEMM_BASE = {
     "tile": dict(GROUP=gc.GROUP_M, HAS_BIAS=False, DETECT=True, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False,
-                 EVEN_K=True, TMA=False, W_KN=False, TMA_STORE=False, SPLIT=False),
+                 EVEN_K=True, TMA=False, W_KN=False, TMA_STORE=False, SPLIT=False, FUSED=False, CN=16, XVAR=False),
     "verify": dict(HAS_BIAS=False, CORRECT=True, DEBUG=False, DOT_F32=False, SPLIT=False, Y32=False, INJ=False,
-                   VERIFY_OUTPUT=False, XVAR=False),
-    "persistent": dict(GROUP=gc.GROUP_M, NUM_SMS=132, HAS_BIAS=False, W_KN=False, VERIFY_OUTPUT=False, DOT_F32=False),
+                   VERIFY_OUTPUT=False, XVAR=False, FUSED=False),
+    "persistent": dict(GROUP=gc.GROUP_M, NUM_SMS=132, HAS_BIAS=False, W_KN=False, VERIFY_OUTPUT=False, DOT_F32=False,
+                       FUSED=False, CN=16, EVEN_K=True, XVAR=False),
     "decode": dict(ROWS=1, HAS_BIAS=False, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
                    CORRECT=True, SPLIT=False, SEGS=1, XVAR=False),
 }
@@ -153,6 +154,15 @@ GEMM_VARIANTS = [
     ("tile, fp32 IEEE dots, group sums", "tile", "fp32", gc.CONFIGS_FP32[0], dict(DOT_F32=True)),
     ("tile, output-side group sums, bias", "tile", "bf16", gc.CONFIGS_MID[0], dict(VERIFY_OUTPUT=True, HAS_BIAS=True)),
     ("tile, injection, ragged K", "tile", "fp16", gc.CONFIG_INJECT, dict(INJ=True, HAS_BIAS=True, EVEN_K=False)),
+    # the checksum programs in the GEMM's launch (`checksum_tiles`): 2 slices of 896 columns, 3 of 4864
+    ("tile, prefill TMA, checksum tiles", "tile", "fp16", gc.CONFIGS_LARGE[0],
+     dict(TMA=True, TMA_STORE=True, FUSED=True, CN=32)),
+    ("tile, checksum tiles, outlier estimate", "tile", "bf16", gc.CONFIGS_LARGE[1],
+     dict(FUSED=True, CN=128, XVAR=True)),
+    ("persistent, checksum tiles", "persistent", "fp16", gc.PERSISTENT_CONFIG, dict(FUSED=True, CN=128)),
+    ("verify, checksum tiles' partials", "verify", "fp16", gc.VERIFY_BLOCK, dict(FUSED=True)),
+    ("verify, checksum tiles' partials, outlier estimate", "verify", "bf16", gc.VERIFY_BLOCK,
+     dict(FUSED=True, XVAR=True)),
     # the group verification: the checksum operand in 2 (fp16), 3 (bf16) or 1 (fp32, IEEE) slices of x's
     # dtype; unsplit and split over K; detection only; the debug record
     ("verify, 2 slices", "verify", "fp16", gc.VERIFY_BLOCK, {}),
@@ -200,7 +210,8 @@ _GEMM_F32 = {"P", "Part", "Winv", "Gc", "Dbg", "W1g", "Gc_b", "Gc_c", "W1g_b", "
 _GEMM_FLOATS = {"inv_k", "emax", "csigma", "reverify_scale"}
 _GEMM_INTS_1 = ("sxk", "swk", "syn", "scn1")  # unit inner strides (contiguous x, W, y, counters)
 # integers that are not multiples of 16 (or are not specialised: call_id, and the verification's w_finite)
-_GEMM_NOT_DIV16 = ("call_id", "w_finite", "scn0", "n_split", "kb_per", "t_b", "t_c", "TG")
+_GEMM_NOT_DIV16 = ("call_id", "w_finite", "scn0", "n_split", "kb_per", "t_b", "t_c", "TG", "NC", "c_split", "c_kb_per",
+                   "n_csplit")
 
 
 def compile_gemm_variant(kernel: str, dtype: str, cfg: tuple, over: dict, arch: int):
