@@ -41,6 +41,7 @@ triton = pytest.importorskip("triton")
 from ft_transformers.kernels import abft_gemm as G  # noqa: E402
 from ft_transformers.kernels.abft_gemm import (  # noqa: E402
     calls,
+    checksum_tiles,
     configs,
     decode,
     forms,
@@ -583,6 +584,7 @@ def test_checksum_tiles_like_the_verification_loop(dtype, form, xvar, monkeypatc
     BLOCK_K."""
     rows = _take(form, setopt)
     setopt(gemm_xvar=xvar)
+    monkeypatch.setattr(checksum_tiles, "CHECKSUM_MIN_BLOCKS", 1)  # a split per K block: 3 here
     m, k, n = rows + 17, 72, 2200  # (K · 2 bytes a multiple of 16: the persistent form's TMA layout)
     x = _rand((m, k), dtype, 2101, 2.0)
     w = _rand((n, k), dtype, 2102, k**-0.5)
@@ -613,8 +615,8 @@ def test_checksum_tiles_like_the_verification_loop(dtype, form, xvar, monkeypatc
         assert gemm[2] is fused and ver[2] is fused
         if fused:
             nc = {torch.float16: 2, torch.bfloat16: 3}[dtype] * -(-n // GC)
-            # several checksum tiles, each over K in two splits (3 K blocks of 32), summed by the verification
-            assert ver[3] is False and -(-nc // gemm[4]) >= 2 and gemm[5] == ver[5] == 2, launches
+            # several checksum tiles, each over K in three splits (3 K blocks of 32), summed by the verification
+            assert ver[3] is False and -(-nc // gemm[4]) >= 2 and gemm[5] == ver[5] == 3, launches
     a, f = res[False], res[True]
     assert torch.equal(a["y"], f["y"])
     scale = (x.double().abs().cpu() @ _group_sums64(w.double().abs().t().cpu(), n))  # (M, T_g): Σ|x|·|w1_g|
@@ -1898,3 +1900,15 @@ def test_bench_gemm_parts_columns(monkeypatch):
             assert us["fused_nosplit"] == us["plain_nosplit"] == pytest.approx(2e3 / 2), us
         else:  # several row blocks never split
             assert all(us[mode] == pytest.approx(2e3 / 2) for mode in modes), us
+
+
+@pytest.mark.parametrize("m,k,nc,want", [(4096, 896, 84, (2, 8)), (4096, 4864, 56, (8, 10)), (64, 4096, 304, (8, 8)),
+                                         (8192, 8192, 256, (3, 43)), (16, 256, 16, (1, 8))])
+def test_checksum_split(m, k, nc, want):
+    """The checksum programs' K split (`checksum_tiles.checksum_split`, BLOCK_K = 64): up to 8 splits of at least
+    8 K blocks, fewer where their partials (splits, M, NC + 4) would pass 32 MiB; every split has K blocks."""
+    splits, per = checksum_tiles.checksum_split(m, k, nc, 64)
+    assert (splits, per) == want
+    nkb = -(-k // 64)
+    assert (splits - 1) * per < nkb <= splits * per
+    assert splits == 1 or splits * 4 * m * (nc + 4) <= checksum_tiles.CHECKSUM_PART_BYTES

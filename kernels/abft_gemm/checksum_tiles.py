@@ -26,9 +26,10 @@ from ..tl_common import dot as _mma
 # A checksum tile's K loop is as long as a tile of y's and carries x's statistics besides its dots: whole, such
 # tiles spilled into a wave of their own (2048³ fp16 on an H200: 91.9 µs against 50.5 with the verification's
 # loop). So each runs as up to CHECKSUM_SPLIT programs of at least CHECKSUM_MIN_BLOCKS K blocks, their partial
-# sums summed by the verification in split order; never more partials than CHECKSUM_PART_BYTES.
+# sums summed by the verification in split order; never more partials than CHECKSUM_PART_BYTES. (Splits of 2
+# blocks made the calls of K = 896 at M = 4096 3-9 µs slower than whole tiles: 224 programs of little work.)
 CHECKSUM_SPLIT = 8
-CHECKSUM_MIN_BLOCKS = 2
+CHECKSUM_MIN_BLOCKS = 8
 CHECKSUM_PART_BYTES = 32 << 20
 
 
@@ -57,17 +58,22 @@ def checksum_tile(X, Wc, C, Stats, pid_m, pid_c, split, kb_per, M, K, NC, sxm, s
     sq = tl.zeros((BLOCK_M,), tl.float32)
     mx = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     mn = tl.full((BLOCK_M,), float("inf"), tl.float32)
+    # the statistics' plain load runs one K block ahead (the software pipeline stages only the dots' operands:
+    # a plain load's latency would otherwise stall every step)
+    k_ok = offs_k < K - kb0 * BLOCK_K
+    # (tl.where: the interpreter mis-types a bool tensor & a scalar)
+    xn = tl.load(a_ptrs, mask=tl.where(kb0 < kb1, k_ok, False)[None, :], other=0.0, cache_modifier=".cg")
     for kb in range(kb0, kb1):
+        xf = xn.to(tl.float32)
+        k_ok = offs_k < K - kb * BLOCK_K
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
-            xf = tl.load(a_ptrs, cache_modifier=".cg").to(tl.float32)
-            k_ok = offs_k < BLOCK_K
         else:
-            k_ok = offs_k < K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            xf = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+        k_next = tl.where(kb + 1 < kb1, offs_k < K - (kb + 1) * BLOCK_K, False)
+        xn = tl.load(a_ptrs + BLOCK_K * sxk, mask=k_next[None, :], other=0.0, cache_modifier=".cg")
         acc = _mma(a, b, acc, DOT_F32)
         sm += tl.sum(xf, axis=1)
         if XVAR:
