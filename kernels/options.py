@@ -33,7 +33,8 @@ variable                           field                        meaning
                                                                 calls of 64 < M ≤ 512, N ≤ 4096)
 ``FTT_ABFT_GEMM_FUSED=0/1``        ``gemm_fused``               the tile and persistent forms' group checksums
                                                                 in the verification's launch / as checksum
-                                                                tiles of the GEMM's (auto: fp16/bf16 calls)
+                                                                programs of the GEMM's (auto: fp16/bf16 calls
+                                                                of K ≥ 4096 or M ≤ 512)
 ``FTT_GEMM_XVAR=0/1``              ``gemm_xvar``                x's row variance in the checked GEMM's group
                                                                 threshold: the bound / the outlier estimate
                                                                 (auto: where the device's e_max table has

@@ -1912,3 +1912,20 @@ def test_checksum_split(m, k, nc, want):
     nkb = -(-k // 64)
     assert (splits - 1) * per < nkb <= splits * per
     assert splits == 1 or splits * 4 * m * (nc + 4) <= checksum_tiles.CHECKSUM_PART_BYTES
+
+
+def test_fused_rule(setopt):
+    """Where the checksum programs run in the GEMM's launch (`forms.fused_ok`): fp16/bf16 tile and persistent
+    calls of K ≥ 4096 or M ≤ 512 by default; never for fp32, the decode kernel or the cuBLAS form; the switch
+    forces either way."""
+    f16, bf16 = torch.float16, torch.bfloat16
+    for kind in (forms.TILE, forms.PERSISTENT):
+        assert forms.fused_ok(kind, f16, 4096, 4096) and forms.fused_ok(kind, bf16, 4096, 11008)
+        assert forms.fused_ok(kind, f16, 512, 896) and forms.fused_ok(kind, bf16, 64, 896)
+        assert not forms.fused_ok(kind, f16, 4096, 896) and not forms.fused_ok(kind, bf16, 2048, 2048)
+        assert not forms.fused_ok(kind, torch.float32, 64, 4096)
+    assert not forms.fused_ok(forms.DECODE, f16, 16, 4096) and not forms.fused_ok(forms.CUBLAS, f16, 128, 4096)
+    setopt(gemm_fused=True)
+    assert forms.fused_ok(forms.TILE, f16, 4096, 896) and not forms.fused_ok(forms.TILE, torch.float32, 64, 896)
+    setopt(gemm_fused=False)
+    assert not forms.fused_ok(forms.PERSISTENT, f16, 4096, 4096)

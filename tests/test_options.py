@@ -23,6 +23,7 @@ def test_variables_parse_into_fields():
     assert o.efta_split == 4 and o.efta_fold is False and o.gemm_tma is True and o.gemm_persistent is None
     assert not o.siblings and not o.direct_launch
     assert o.gemm_xvar is True and Options.from_env({"FTT_GEMM_XVAR": "0"}).gemm_xvar is False
+    assert Options.from_env({"FTT_ABFT_GEMM_FUSED": "0"}).gemm_fused is False and o.gemm_fused is None
 
 
 @pytest.mark.parametrize("env", [{"FTT_EFTA_CONFIG": "64,64,4"}, {"FTT_ABFT_GEMM_CONFIG": "a,b,c,d,e"},

@@ -218,7 +218,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
     else:
         flag, call_id = call_flag(dev)
         y32 = form.kind == CUBLAS  # the verification makes y from the product (and injects)
-        fused = C.fused_plan(operand, xvar, m, k, cfg) if fused_ok(form.kind, x2d.dtype) else None
+        fused = C.fused_plan(operand, xvar, m, k, cfg) if fused_ok(form.kind, x2d.dtype, m, k) else None
         P = C._call_buffer(m, n, k, cfg, True, dev, y, y32=y32, fused=fused)
         if form.kind == PERSISTENT:
             C._ensure_scratch_allocator()

@@ -80,6 +80,13 @@ Y32_MAX_ELEMS = 1 << 30  # the cuBLAS form's y32 and group sums stay within the 
 # GEMM's time at every shape. Left to the fused GEMM: M ≤ 16 (the decode kernel, 1.09-2.56x faster), M = 64 (the
 # form 0.67-1.05 of the fused GEMM's time), M = 4096 (0.73-1.72) and the gate/up widths, N = 4,864 and 18,944
 # (0.75-1.05 at M = 64-512). docs/vabft.md has the table.
+# The checksum programs in the GEMM's launch by default (``Options.gemm_fused`` None, `fused_ok`): K ≥ FUSED_MIN_K
+# or M ≤ FUSED_MAX_ROWS. Measured on an H200 (fp16, CUDA graphs, `bench_linear.py --unfused`, time against the
+# verification's own K loop): 0.77-0.87 at M = 64 and 128 (K 896 and 4864), 0.85-0.93 at K = 4096-11008 with
+# M = 4096 (4096 × 12288 × 4096: 0.98), but 1.00 at M = 4096, K = 896, where the loop is short, and 1.15 at 2048³,
+# whose 128 tiles fill one wave that the checksum programs then delay (docs/vabft.md).
+FUSED_MIN_K = 4096
+FUSED_MAX_ROWS = 512
 CUBLAS_AUTO_MIN_ROWS = 64
 CUBLAS_AUTO_MAX_ROWS = 512
 CUBLAS_AUTO_MAX_COLS = 4096
@@ -176,13 +183,16 @@ def persistent_ok(m: int, n: int, k: int, x2d: torch.Tensor, weight: torch.Tenso
     return tma_layout(x2d, weight, y)
 
 
-def fused_ok(kind: str, dtype: torch.dtype) -> bool:
-    """Whether a checked call of form ``kind`` computes its group checksums as checksum tiles of the GEMM's
+def fused_ok(kind: str, dtype: torch.dtype, m: int, k: int) -> bool:
+    """Whether a checked call of form ``kind`` computes its group checksums as checksum programs of the GEMM's
     own launch (`checksum_tiles`) rather than in the verification's K loop: the tile and persistent forms in
     fp16/bf16 (their tensor-core dots of the checksum slices; fp32 calls keep the verification's IEEE loop).
-    ``Options.gemm_fused``: False never, True or None (the default) wherever the form and dtype allow."""
-    return (options().gemm_fused is not False and kind in (TILE, PERSISTENT)
-            and dtype in (torch.float16, torch.bfloat16))
+    ``Options.gemm_fused``: False never, True wherever the form and dtype allow, None (the default) where it
+    was measured to pay: K ≥ FUSED_MIN_K or M ≤ FUSED_MAX_ROWS."""
+    switch = options().gemm_fused
+    if switch is False or kind not in (TILE, PERSISTENT) or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return switch is True or k >= FUSED_MIN_K or m <= FUSED_MAX_ROWS
 
 
 def groupable(n: int, dtype: torch.dtype) -> bool:
