@@ -23,6 +23,9 @@ Variants, measured side by side on the same model object in one run:
   the cost of the wrappers alone
 * ``full_per_layer`` — (optional) ``full`` with one checked launch per Linear layer
   (``override(siblings=False)``: Q/K/V and gate/up not in one launch, `ft_transformers.siblings`)
+* ``full_loop`` — (optional) ``full`` with the checked GEMM's group checksums in the verification's own K loop
+  (``override(gemm_fused=False)`` around each call), where ``full`` takes the checksum programs in the
+  GEMM's launch by default (`kernels/abft_gemm/checksum_tiles.py`)
 * ``attn_only_kv`` — (optional) ``attn_only`` decoding on a KV cache whose checksum tables are made as
   tokens enter it (`ft_transformers.kv_checksums.track_kv_cache` on a fresh ``DynamicCache`` per
   generation) instead of per call; prefill as ``attn_only``. Under ``--compile`` the cache is static and
@@ -73,6 +76,7 @@ runs in the warmup, per variant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import csv
 import gc
@@ -98,7 +102,7 @@ from _common import environment, fixed_length  # noqa: E402
 DEFAULT_MODELS = ("gpt2", "qwen2-0.5b", "qwen2-1.5b", "smollm2")
 MODELS = (*DEFAULT_MODELS, "qwen2-7b")
 VARIANTS = ("sdpa", "efta_off", "attn_only", "full")
-ALL_VARIANTS = (*VARIANTS, "full_off", "full_per_layer", "attn_only_kv")
+ALL_VARIANTS = (*VARIANTS, "full_off", "full_per_layer", "full_loop", "attn_only_kv")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BASELINE = "sdpa"
 
@@ -112,6 +116,7 @@ def variant_config(variant: str) -> ftt.FTConfig | None:
         "full": ftt.FTConfig(),
         "full_off": ftt.FTConfig(detect=False, correct=False),
         "full_per_layer": ftt.FTConfig(),
+        "full_loop": ftt.FTConfig(),
         "attn_only_kv": ftt.FTConfig(linear=False),
     }[variant]
 
@@ -188,6 +193,8 @@ def set_variant(model, variant: str, compiled: bool = False) -> None:
         drop_compiled(model)
     ftt.disable_fault_tolerance(model)
     model._bench_kv_tables = variant == "attn_only_kv"  # read by `_workload_calls`
+    # switches read at every call (not when protection is enabled): `_workload_calls` sets them around each
+    model._bench_options = {"gemm_fused": False} if variant == "full_loop" else {}
     if model.config._attn_implementation != "sdpa":
         model.set_attn_implementation("sdpa")
     cfg = variant_config(variant)
@@ -333,9 +340,14 @@ def _workload_calls(model, wl: Workload, device: torch.device, timer: Timer, voc
     ids = torch.randint(3, vocab, (wl.batch, wl.prompt), generator=g).to(device)
     mask = torch.ones_like(ids)
 
+    opts = getattr(model, "_bench_options", {})
+
+    def switched():
+        return override(**opts) if opts else contextlib.nullcontext()
+
     if wl.kind == "prefill":
         def run() -> None:
-            with torch.inference_mode():
+            with torch.inference_mode(), switched():
                 model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
 
         def sample() -> float:  # ms of one prefill
@@ -348,7 +360,7 @@ def _workload_calls(model, wl: Workload, device: torch.device, timer: Timer, voc
             kw = dict(gen_kwargs or {})
             if getattr(model, "_bench_kv_tables", False) and "cache_implementation" not in kw:
                 kw["past_key_values"] = track_kv_cache(DynamicCache(config=model.config))
-            with torch.inference_mode():
+            with torch.inference_mode(), switched():
                 model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=wl.new_tokens,
                                min_new_tokens=wl.new_tokens, do_sample=False,
                                stopping_criteria=StoppingCriteriaList([clock]), **kw)

@@ -224,3 +224,26 @@ def test_step_clock_times_the_steps_after_a_skip():
     assert clock.per_token_ms(skip=2) == pytest.approx(300 / 3)
     with pytest.raises(RuntimeError, match="at least 7"):
         clock.per_token_ms(skip=5)
+
+
+def test_full_loop_variant_switches_the_checksum_programs_off_around_each_call():
+    """``full_loop`` is ``full`` with ``Options.gemm_fused`` False while its calls run (the checked GEMM reads
+    that switch per call, so setting it only while protection is enabled would not reach them); ``full``
+    leaves the default."""
+    from ft_transformers.kernels.options import options
+
+    seen = []
+
+    class Model:
+        def __call__(self, **kwargs):
+            seen.append(options().gemm_fused)
+
+    model = Model()
+    wl = bg.Workload("prefill", 1, 4)
+    timer = bg.Timer(torch.device("cpu"))
+    for opts in ({"gemm_fused": False}, {}):
+        model._bench_options = opts
+        run, _ = bg._workload_calls(model, wl, torch.device("cpu"), timer, 50, None)
+        run()
+    assert seen == [False, None] and options().gemm_fused is None
+    assert bg.variant_config("full_loop") == bg.variant_config("full") and "full_loop" in bg.ALL_VARIANTS
