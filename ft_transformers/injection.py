@@ -42,7 +42,8 @@ class FaultSpec:
             ``attn.scores`` (S), ``attn.rowmax`` (the running max), ``attn.exponent`` (x = S − m, fed to
             exp), ``attn.probs`` (P = exp(x)), ``attn.probs_lp`` (P in the input dtype, as the P·V GEMM
             reads it), ``attn.alpha`` (the rescale exp(m_old − m_new)), ``attn.rowsum`` (the running
-            row sum), ``attn.acc`` (the output accumulator between key blocks), ``attn.output`` (the
+            row sum), ``attn.acc`` (the output accumulator between key blocks), ``attn.rowmax_carry``
+            (the running max as it is carried out of a key block into the next), ``attn.output`` (the
             normalised output), ``attn.checksum`` (the checksum operands Sc1 and Oc1); the stored
             KV cache, ``attn.kv_cache`` (an entry of the K or V the call reads, flipped in place before
             the call: the flip stays in the cache for later steps); and ``linear.output``.

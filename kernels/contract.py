@@ -31,6 +31,7 @@ SITES: tuple[str, ...] = (
     "attn.alpha",  # α = exp(m_old − m_new), the rescale of the running state
     "attn.rowsum",  # running row sum l of the online softmax (after the block)
     "attn.acc",  # the output accumulator O between key blocks (after the block)
+    "attn.rowmax_carry",  # the running max m carried out of a block into the next (after the block)
     "attn.output",  # normalised output O / l, before it is stored
     "attn.checksum",  # checksum operands: GEMM I's Sc1 = Q·Kc1ᵀ and GEMM II's running Oc1
     "attn.kv_cache",  # a stored K/V cache entry, between the step that wrote it and the call that reads it
@@ -38,7 +39,7 @@ SITES: tuple[str, ...] = (
 )
 ATTENTION_SITES: tuple[str, ...] = (
     "attn.scores", "attn.rowmax", "attn.exponent", "attn.probs", "attn.probs_lp", "attn.alpha", "attn.rowsum",
-    "attn.acc", "attn.output", "attn.checksum",
+    "attn.acc", "attn.rowmax_carry", "attn.output", "attn.checksum",
 )
 # Sites of an attention call's inputs in memory, flipped by the caller before the kernel reads them (the
 # kernels' injection tables hold ATTENTION_SITES only)
@@ -51,7 +52,7 @@ assert sorted(ATTENTION_SITES + CACHE_SITES + LINEAR_SITES) == sorted(SITES), "e
 # of a block (s = the checksum stride; Sc1 in columns [0, s), Oc1 in [s, 2s)), or the head dim (D).
 _SITE_LAST_DIM = {
     "attn.scores": "keys", "attn.exponent": "keys", "attn.probs": "keys", "attn.probs_lp": "keys",
-    "attn.rowmax": "blocks", "attn.alpha": "blocks", "attn.rowsum": "blocks",
+    "attn.rowmax": "blocks", "attn.alpha": "blocks", "attn.rowsum": "blocks", "attn.rowmax_carry": "blocks",
     "attn.acc": "blocks_d", "attn.checksum": "blocks_cs", "attn.output": "d",
 }
 # the sites whose fault positions count key blocks (of the reference's 64 keys), not keys or head dims

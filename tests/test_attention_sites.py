@@ -36,13 +36,15 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SUBPROCESS = DEV == "cpu" and not K.interpreting()
 _interpreter_available, test_interpreted_in_subprocess = interpreted_tests(__file__, SUBPROCESS, timeout=900)
 
-NEW_SITES = ("attn.exponent", "attn.probs_lp", "attn.alpha", "attn.acc", "attn.checksum")
+NEW_SITES = ("attn.exponent", "attn.probs_lp", "attn.alpha", "attn.acc", "attn.checksum", "attn.rowmax_carry")
 SHAPE = (1, 2, 1, 8, 130, 32)  # B, Hq, Hkv, M, N, D: GQA 2:1, three key blocks of 64, the last padded
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # the rows (checks) that count a site's faults: x and the rounded P at step 4, α at its own check, O's
-# accumulator at step 7, Sc1 at step 1 and Oc1 at step 7
+# accumulator at step 7, Sc1 at step 1 and Oc1 at step 7, the carried max at step 6 (its shadow lost, the row's l
+# is made NaN)
 COUNTED_AT = {"attn.exponent": {"attn.probs"}, "attn.probs_lp": {"attn.probs"}, "attn.alpha": {"attn.alpha"},
-              "attn.acc": {"attn.output"}, "attn.checksum": {"attn.scores", "attn.output"}}
+              "attn.acc": {"attn.output"}, "attn.checksum": {"attn.scores", "attn.output"},
+              "attn.rowmax_carry": {"attn.rowsum"}}
 
 
 def rand_qkv(B, Hq, Hkv, M, N, D, dtype=torch.float32, seed=0):
@@ -179,10 +181,11 @@ def test_bf16_rounded_probabilities_are_checked_bit_for_bit():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("site", ["attn.exponent", "attn.probs_lp", "attn.alpha", "attn.acc"])
+@pytest.mark.parametrize("site", ["attn.exponent", "attn.probs_lp", "attn.alpha", "attn.acc", "attn.rowmax_carry"])
 def test_unprotected_flips_change_the_output(site, data):
     """Without checks, top-exponent-bit flips at these sites move the output (α: flips after the first key
-    block, where it scales a real state); ``attn.checksum`` exists only with the checks on."""
+    block, where it scales a real state; the carried max: flips before the last block, which a later block
+    reads); ``attn.checksum`` exists only with the checks on."""
     q, k, v, clean = data
     moved = total = 0
     for seed in range(12):
@@ -191,6 +194,8 @@ def test_unprotected_flips_change_the_output(site, data):
         bare, stats, _ = _call("reference", q, k, v, inject=plan, detect=False)
         assert plan.injected == 1 and all(val == 0 for val in stats.values())
         if site == "attn.alpha" and int(plan.sites[site].positions[0, 3]) == 0:
+            continue
+        if site == "attn.rowmax_carry" and int(plan.sites[site].positions[0, 3]) == -(-k.shape[2] // 64) - 1:
             continue
         total += 1
         moved += _maxdiff(bare, clean) > 1e-3
@@ -240,17 +245,22 @@ def test_site_detected_and_repaired(site, data):
     """Top exponent bit (and the sign for x and α) at three positions: found, repaired, same counts on both
     paths. Where each check counts: x and the rounded P at step 4 (``attn.probs``), α at its own check
     (``attn.alpha``), O's accumulator at step 7 (``attn.output``), Sc1 at step 1 and Oc1 at step 7 (not
-    located: the row recomputed)."""
+    located: the row recomputed), the carried max at step 6 (``attn.rowsum``: the row recomputed), after its
+    last key block too (where the split merge and step 6 read it)."""
     q, k, v, clean = data
     counted_at = COUNTED_AT[site]
     specs = [FaultSpec(site=site, bit=_high_bit(site, q.dtype), seed=seed) for seed in range(3)]
     if site in ("attn.exponent", "attn.alpha"):  # the sign too (α: after the first block, where α ≠ 0)
         specs.append(FaultSpec(site=site, bit=31, seed=_first_seed(site, q, k, lambda pos: pos[3] > 0)))
+    if site == "attn.rowmax_carry":  # the sign, and a low mantissa bit; m after the last block
+        specs.append(FaultSpec(site=site, bit=31, seed=_first_seed(site, q, k, lambda pos: pos[3] == 0)))
+        specs.append(FaultSpec(site=site, bit=3, seed=_first_seed(site, q, k, lambda pos: pos[3] == 1)))
+        specs.append(FaultSpec(site=site, bit=30, seed=_first_seed(site, q, k, lambda pos: pos[3] == 2)))
     for spec in specs:
         stats = _check_repaired(site, q, k, v, clean, spec, 2e-4)
         assert set(stats.by_site()) <= counted_at, (site, stats.by_site())
-        if site == "attn.checksum":
-            assert stats["recomputed"] == stats["detected"]  # a false alarm, never a wrong correction
+        if site in ("attn.checksum", "attn.rowmax_carry"):
+            assert stats["recomputed"] == stats["detected"]  # a row recomputed, never a located correction
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

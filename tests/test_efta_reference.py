@@ -266,9 +266,12 @@ def _maxdiff(a, b):
 
 def _acts_unprotected(site: str, plan: FaultPlan) -> bool:
     """Whether the flip of ``plan`` at ``site`` acts on an unprotected call at all: a checksum exists only
-    with the checks on, and α of the first key block scales an empty state."""
+    with the checks on, α of the first key block scales an empty state, and the max carried out of the last
+    key block is read by no later block (one program per row block: no split merge)."""
     if site == "attn.checksum":
         return False
+    if site == "attn.rowmax_carry":
+        return int(plan.sites[site].positions[0, 3]) < -(-INJ_SHAPE[4] // 64) - 1
     return site != "attn.alpha" or int(plan.sites[site].positions[0, 3]) > 0
 
 
@@ -358,7 +361,7 @@ def test_ber_mode(site, inj_data):
     q, k, v, clean = inj_data
     ber = {"attn.scores": 2e-3, "attn.exponent": 2e-3, "attn.probs": 2e-3, "attn.probs_lp": 2e-3,
            "attn.rowmax": 0.02, "attn.alpha": 0.02, "attn.rowsum": 0.02, "attn.acc": 1e-3, "attn.output": 2e-3,
-           "attn.checksum": 2e-3}[site]
+           "attn.checksum": 2e-3, "attn.rowmax_carry": 0.02}[site]
     plan = FaultPlan(FaultSpec(site=site, ber=ber, seed=5))
     out, stats = run(q, k, v, inject=plan)
     assert plan.injected >= 3

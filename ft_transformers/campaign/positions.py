@@ -28,8 +28,9 @@ feeds no padding, so padded keys and padded query rows do not occur):
   positions); an unknown mask form; a key outside a sliding window. Counted neither as used nor as
   never used.
 - ``used``: anything else, among it every ``attn.rowmax`` / ``attn.alpha`` / ``attn.rowsum`` /
-  ``attn.acc`` / ``attn.checksum`` / ``attn.output`` value of a row that is read (the checksum
-  operands only feed the checks, and through a correction they could still move the output).
+  ``attn.acc`` / ``attn.rowmax_carry`` / ``attn.checksum`` / ``attn.output`` value of a row that is read
+  (the checksum operands only feed the checks, and through a correction they could still move the output;
+  the max carried out of the last key block feeds the checks and a split-key merge).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from ..injection import FaultPlan
 from ..kernels.contract import ATTENTION_SITES, site_dtype, site_shape
 from . import output, scores, softmax
 from .checksums import augment_values, key_checksums, value_checksums
-from .common import count
+from .common import count, inject
 from .masks import NEG_INF, Masks
 from .stored import StoredReference
 
@@ -46,9 +46,11 @@ class _PasaFrame:
         self.rnd = rnd
         self.f_avg: torch.Tensor | None = None
 
-    def enter(self, S: torch.Tensor, m: torch.Tensor, j: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block j's scores S (B, Hkv, G·M, block_n) with ``width`` real keys, and the running max m
-        (B, Hkv, G·M, 1), moved into the frame of F̄_j (an m of −inf, no state yet, stays −inf)."""
+    def enter(self, S: torch.Tensor, m: torch.Tensor, j: int, width: int, nm: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block j's scores S (B, Hkv, G·M, block_n) with ``width`` real keys, the running max m
+        (B, Hkv, G·M, 1) and its shadow nm (−m), moved into the frame of F̄_j (an m of −inf, no state yet,
+        stays −inf)."""
         rnd = self.rnd
         short = width < S.shape[-1]
         sbar = rnd(S[..., :width].mean(-1, keepdim=True) if self.sbar_all is None else self.sbar_all[..., j:j + 1])
@@ -57,7 +59,7 @@ class _PasaFrame:
                                               self.gamma_last if short else None)
         dprev, dcur = rnd(dprev), rnd(dcur)
         self.f_avg = f_new
-        return rnd(S + dcur), rnd(m + dprev)
+        return rnd(S + dcur), rnd(m + dprev), rnd(nm - dprev)
 
 
 def _check_pasa(dtype: torch.dtype, precision: str, mean: str, detect: bool) -> None:
@@ -219,6 +221,8 @@ def efta_reference(
         vaug = vp
 
     m = torch.full((B, Hkv, GM, 1), NEG_INF, dtype=f32, device=dev)
+    nm = torch.full_like(m, -NEG_INF)  # m's shadow (`softmax.carried_max_lost`)
+    lost = torch.zeros_like(m, dtype=torch.bool)
     l = torch.zeros(B, Hkv, GM, 1, dtype=f32, device=dev)
     acc = torch.zeros(B, Hkv, GM, vaug.shape[-1], dtype=f32, device=dev)
     nvalid = torch.zeros(B, Hkv, GM, 1, dtype=torch.int32, device=dev)
@@ -237,7 +241,7 @@ def efta_reference(
                                     correct=correct, counters=counters, q16=q16, kb16=kb16,
                                     sf_cs=sfs["attn.checksum"], cs_site=(B, Hq, M, s), j=j)
         if pasa:
-            S, m = frame.enter(S, m, j, w)
+            S, m, nm = frame.enter(S, m, j, w, nm)
         # 2. bias and masks (−inf where masked, the key padding included).
         S5 = S.view(B, Hkv, G, M, block_n)
         masks.apply_block(S5, j0, w)
@@ -246,18 +250,21 @@ def efta_reference(
             nvalid += (S > NEG_INF).sum(-1, keepdim=True, dtype=torch.int32)
         # 3. running max (SNVR check); 4. x, P = exp(x) (product check); 5. rescale (checked), accumulate.
         chk = dict(detect=detect, correct=correct, counters=counters)
-        m_new, base = softmax.running_max(S, m, sfs["attn.rowmax"], row_site, j, **chk)
+        if detect:
+            lost |= softmax.carried_max_lost(m, nm)
+        m_new, base, nm = softmax.running_max(S, m, nm, sfs["attn.rowmax"], row_site, j, **chk)
         P, pd = softmax.probabilities(S, base, sfs, block_site, j0, stride=s, pv_dtype=pv_dtype,
                                       half_state=half_state, **chk)
         alpha = softmax.rescale(m, m_new, sfs["attn.alpha"], row_site, j, **chk)
         vb = vp16[:, :, j0:j0 + block_n] if half_state else vaug[:, :, j0:j0 + block_n]
         l, acc = softmax.accumulate(P, pd, alpha, l, acc, vb, sfs, block_site, j, head_dim=D, stride=s,
                                     half_state=half_state)
-        m = m_new
+        m = inject(sfs["attn.rowmax_carry"], m_new, row_site, j)
 
     # 6. row sum check; 7. normalise, inject, unified verification, recompute the flagged rows.
     redo_rows = None
     if detect:
+        l = torch.where(lost | softmax.carried_max_lost(m, nm), torch.nan, l)
         redo_rows = output.check_row_sums(l, acc, nvalid, block_n=block_n, nblocks=nb, correct=correct,
                                           counters=counters)
     acc = output.normalise(l, acc, half_state)

@@ -105,9 +105,9 @@ def _base(m: torch.Tensor, mb: torch.Tensor, m_new: torch.Tensor) -> torch.Tenso
     return torch.where(all_masked, torch.zeros_like(m_new), m_new)
 
 
-def running_max(S: torch.Tensor, m: torch.Tensor, sf: SiteFaults | None, site_shape4: tuple[int, ...], j: int,
-                *, detect: bool, correct: bool, counters: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def running_max(S: torch.Tensor, m: torch.Tensor, nm: torch.Tensor, sf: SiteFaults | None,
+                site_shape4: tuple[int, ...], j: int, *, detect: bool, correct: bool, counters: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 3: the new running max, the ``attn.rowmax`` faults, the SNVR check; counts at ``attn.rowmax``.
 
     With ``τ_m = min(2^-20·(1 + |m_new|), 1)`` a row is faulty if ``max_n x > τ_m`` (exp would exceed
@@ -126,14 +126,17 @@ def running_max(S: torch.Tensor, m: torch.Tensor, sf: SiteFaults | None, site_sh
     Args:
         S: (B, Hkv, G·M, block_n) fp32 masked scores of the block.
         m: (B, Hkv, G·M, 1) the running max before the block (−inf at first).
+        nm: m's shadow, −m kept by a computation of its own (`carried_max_lost`).
         sf, site_shape4 = (B, Hq, M, 1), j: the site's faults at block j.
         detect, correct, counters: as `efta_reference`.
     Returns:
-        ``m_new`` (B, Hkv, G·M, 1) and the base of the exponent (B, Hkv, G·M, 1): ``m_new``, or 0 where
-        m_new, m and the block max are all −inf (`_base`).
+        ``m_new`` (B, Hkv, G·M, 1), the base of the exponent (B, Hkv, G·M, 1): ``m_new``, or 0 where
+        m_new, m and the block max are all −inf (`_base`), and the shadow's ``min(nm, −block max)``
+        (``−m_new`` where the check flagged the row: what step 3 counted is not found again).
     """
     mb = S.amax(-1, keepdim=True)
     m_new = torch.maximum(m, mb)
+    nm_new = torch.minimum(nm, -mb)
     m_new = inject(sf, m_new, site_shape4, j)
     base = _base(m, mb, m_new)
     if detect:
@@ -146,7 +149,15 @@ def running_max(S: torch.Tensor, m: torch.Tensor, sf: SiteFaults | None, site_sh
             if correct:
                 m_new = torch.where(bad, torch.maximum(m, mb), m_new)
                 base = _base(m, mb, m_new)
-    return m_new, base
+            nm_new = torch.where(bad, -m_new, nm_new)
+    return m_new, base, nm_new
+
+
+def carried_max_lost(m: torch.Tensor, nm: torch.Tensor) -> torch.Tensor:
+    """Rows (B, Hkv, G·M, 1) bool whose running max m no longer equals −nm, its shadow: a fault in m (or the
+    shadow) between two key blocks. Such a fault changes α and every later exponent consistently, so no
+    other check sees it; the caller makes the row's l NaN, and step 6 recomputes the row."""
+    return m != -nm
 
 
 def probabilities(S: torch.Tensor, base: torch.Tensor, sfs: dict[str, SiteFaults | None], site_shape4: tuple[int, ...],

@@ -629,6 +629,7 @@ def efta_triton_forward(
         MASK_KIND=mask_kind, DETECT=bool(detect), CORRECT=correct,
         INJ_S=mode["attn.scores"], INJ_M=mode["attn.rowmax"], INJ_X=mode["attn.exponent"], INJ_P=mode["attn.probs"],
         INJ_PL=mode["attn.probs_lp"], INJ_A=mode["attn.alpha"], INJ_L=mode["attn.rowsum"], INJ_ACC=mode["attn.acc"],
+        INJ_MC=mode["attn.rowmax_carry"],
         INJ_O=mode["attn.output"], INJ_CS=mode["attn.checksum"],
         NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
         EVEN_D=D == block_d, SPLIT=nsplit > 1, PASA=use_pasa, HALF_STATE=half_state, PHASE=int(phased),

@@ -56,6 +56,7 @@ from .common import (
     _DET,
     _I_ACC,
     _I_CHECKSUM,
+    _I_MCARRY,
     _I_ROWSUM,
     _NSLOT,
     _REC,
@@ -107,8 +108,8 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
               HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, DETECT: tl.constexpr,
               CORRECT: tl.constexpr, INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_X: tl.constexpr,
               INJ_P: tl.constexpr, INJ_PL: tl.constexpr, INJ_A: tl.constexpr, INJ_L: tl.constexpr,
-              INJ_ACC: tl.constexpr, INJ_CS: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
-              DOT_F32: tl.constexpr,
+              INJ_ACC: tl.constexpr, INJ_MC: tl.constexpr, INJ_CS: tl.constexpr, PARTS: tl.constexpr,
+              SCALE_CS: tl.constexpr, DOT_F32: tl.constexpr,
               INTERP: tl.constexpr, EVEN_D: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr,
               OC2: tl.constexpr, REPAIR: tl.constexpr, FOLD: tl.constexpr, KC2_TABLE: tl.constexpr,
               TMA: tl.constexpr):
@@ -146,7 +147,8 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
     LC: tl.constexpr = L // NB  # keys per (row, residue) group of a checksum block
     # a wide key block only in the clean pass of a phased prefill, uninjected at block-indexed sites
     tl.static_assert(NB == 1 or not DETECT or not (REPAIR or PASA or OC2 or HALF_STATE or KC2_TABLE or INJ_M != 0
-                                                   or INJ_A != 0 or INJ_L != 0 or INJ_ACC != 0 or INJ_CS != 0))
+                                                   or INJ_A != 0 or INJ_L != 0 or INJ_ACC != 0 or INJ_CS != 0
+                                                   or INJ_MC != 0))
     STACK: tl.constexpr = not SCALE_CS  # wide V-checksum operand stacked (no slice scales) or one per block
     VROWS: tl.constexpr = 32 * PARTS + _VC_ONES  # rows of a key block's V-checksum table (`checksums.vc_rows`)
     tl.static_assert(not (HALF_STATE and DETECT))  # PASA's fp16 state runs unchecked (`host._validate`)
@@ -159,6 +161,11 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
     flag_rows = row_ok & False
     n1_rows = tl.zeros((BLOCK_M,), tl.int32)
     NEG_INF: tl.constexpr = -float("inf")
+    # m's shadow: −m, kept by min over the negated block maxima. A fault in the register of m between two
+    # blocks changes α and every later exponent consistently, so no other check sees it; m ≠ −shadow where a
+    # block reads m (and after the loop, where the split merge and step 6 read it) does
+    nm_i = tl.full((BLOCK_M,), float("inf"), tl.float32)
+    carry_bad = row_ok & False
     worst1 = tl.full((BLOCK_M, 16), NEG_INF, tl.float32)  # clean pass: worst step-1 / step-4 margins
     worst4 = tl.full((BLOCK_M, 16), NEG_INF, tl.float32)  # per (row, group) over the key blocks
     lt = tl.zeros((BLOCK_M, 16), tl.float32)  # checked: the ones group of GEMM II's checksum dot (l, twin, 0…)
@@ -219,14 +226,18 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
             f_new = tl.where(nvis == 0, sbar, (f_avg * nvis + sbar) / (nvis + 1))
             dcur = (sbar - f_new) * gamma
             dcur = tl.where(w < BLOCK_N, dcur + sbar * (gamma_last - gamma), dcur)
-            m_i = m_i + tl.where(nvis == 0, 0.0, (f_avg - f_new) * gamma)  # −inf stays −inf
+            dprev = tl.where(nvis == 0, 0.0, (f_avg - f_new) * gamma)
+            m_i = m_i + dprev  # −inf stays −inf
+            nm_i = nm_i - dprev
             f_avg = f_new
             nvis += 1
             s_in = s + dcur[:, None]
 
+        if DETECT:
+            carry_bad = carry_bad | ((m_i != -nm_i) & row_ok)
         # ---- 2.–4. bias and masks, running max, exp (clean path: the checks only raise flags) ----
-        sm, m_new, p, pd, bad_row, e4, cnt, nf = _softmax_steps(
-            s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge, scale,
+        sm, m_new, nm_new, p, pd, bad_row, e4, cnt, nf = _softmax_steps(
+            s_in, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge, scale,
             Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, mtile, Inj, exp_tol, exp_base, exp_xmin, snvr_rel,
             snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_X, INJ_P, INJ_PL, v.dtype,
             INTERP, False, HALF_STATE, FOLD)
@@ -264,8 +275,8 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
                     s_in = s
                     if PASA:
                         s_in = s + dcur[:, None]
-                    sm, m_new, p, pd, bad_row, _, cnt, nf = _softmax_steps(
-                        s_in, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge,
+                    sm, m_new, nm_new, p, pd, bad_row, _, cnt, nf = _softmax_steps(
+                        s_in, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge,
                         scale, Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, mtile, Inj, exp_tol, exp_base,
                         exp_xmin, snvr_rel, snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M,
                         INJ_X, INJ_P, INJ_PL, v.dtype, INTERP, True, HALF_STATE, FOLD)
@@ -328,9 +339,19 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
                     _fold_parts(_dot(pd, c, tl.zeros((BLOCK_M, c.shape[1]), tl.float32), DOT_F32 or PARTS == 1)),
                     cic, SCALE_CS)
         m_i = m_new
+        nm_i = nm_new
+        if INJ_MC != 0:  # the `attn.rowmax_carry` faults: m as the next block (or the merge) reads it
+            m_i = _inject(m_i, Inj, _I_MCARRY, INJ_MC, bh, offs_m, jblk, M, nblocks)
     if DETECT:  # l and its twin: columns 0 and 1 of the ones group (one cross-thread sum each, once)
         l_i = tl.sum(tl.where(r16[None, :] == 0, lt, 0.0), axis=1)
         lc = tl.sum(tl.where(r16[None, :] == 1, lt, 0.0), axis=1)
+    if DETECT:
+        # a carried max that lost its shadow: the row's state is the sum of blocks in different frames. Its l
+        # made NaN, step 6 recomputes the row (the clean pass: a raised flag, the repairing pass then counts)
+        carry_bad = (carry_bad | ((m_i != -nm_i) & row_ok)) & (nf == 0)
+        l_i = tl.where(carry_bad, float("nan"), l_i)
+        if not REPAIR:
+            flag_rows = flag_rows | carry_bad
     if DETECT and not REPAIR:
         # the clean pass's tests of steps 1 and 4, once: a group fails if it failed in some key block
         n1_rows = tl.sum((~(worst1 <= s_floor) & row_ok[:, None]).to(tl.int32), axis=1)
@@ -362,8 +383,8 @@ def _efta_fwd(
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
     MASK_KIND: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
     INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_X: tl.constexpr, INJ_P: tl.constexpr, INJ_PL: tl.constexpr,
-    INJ_A: tl.constexpr, INJ_L: tl.constexpr, INJ_ACC: tl.constexpr, INJ_O: tl.constexpr, INJ_CS: tl.constexpr,
-    NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
+    INJ_A: tl.constexpr, INJ_L: tl.constexpr, INJ_ACC: tl.constexpr, INJ_MC: tl.constexpr, INJ_O: tl.constexpr,
+    INJ_CS: tl.constexpr, NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
     DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr,
     SPLIT: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr, PHASE: tl.constexpr, FOLD: tl.constexpr,
     PACK: tl.constexpr, KC2_TABLE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -461,7 +482,7 @@ def _efta_fwd(
                     Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
                     exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
-                    INJ_S, INJ_M, INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_CS, PARTS, SCALE_CS, DOT_F32,
+                    INJ_S, INJ_M, INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_MC, INJ_CS, PARTS, SCALE_CS, DOT_F32,
                     INTERP, EVEN_D, PASA, HALF_STATE,
                     OC2_CLEAN or (CORRECT and rep == 1), rep == 1, FOLD, KC2_TABLE, TMA)
         if rep == 0:

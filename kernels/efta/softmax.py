@@ -241,7 +241,7 @@ def _rescale(m_i, m_new, cnt, row_ok, chk, Inj, bh, offs_m, jblk, M, nblocks, IN
 
 
 @triton.jit
-def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge, scale,
+def _softmax_steps(s, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge, scale,
                    Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, mtile, Inj,
                    exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap,
                    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
@@ -252,7 +252,8 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
     """Steps 2–4 for one key block: bias and masks, running max (SNVR check), the exponent x (then the
     `attn.exponent` faults), P = exp(x) (then the `attn.probs` faults), P in PVDT as GEMM II reads it
     (then the `attn.probs_lp` faults; product check on it). s: (BLOCK_M, BLOCK_N) scores after step 1;
-    m_i: (BLOCK_M,) running max (scaled units).
+    m_i: (BLOCK_M,) running max (scaled units); nm_i: its shadow, −m_i kept by a computation of its own
+    (DETECT; `_key_loop` compares the two where a block reads m_i).
 
     FOLD: s is the unscaled Q·Kᵀ. Its row max is scaled afterwards (scale > 0 and rounding is
     monotonic, so this equals the max of the scaled scores), and the exponent in base 2,
@@ -264,8 +265,10 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
     margin of each group (`_exp_test`), which the caller folds into a running maximum (a test after
     the loop instead of a reduction per block); with REPAIR (taken when some flag of the block is
     raised) they count and repair exactly as the contract orders them, step 3 before step 4 (a failing
-    group gets x, P and its rounding again). Returns (S masked, m_new, P fp32, P in PVDT, rows with a
-    raised flag (BLOCK_M,) bool, step-4 margins (BLOCK_M, 16) (the clean path; else 0), cnt, nf).
+    group gets x, P and its rounding again). Returns (S masked, m_new, the shadow's −m_new: min(nm_i, −block
+    max), or −m_new where step 3 flagged the row (so that what step 3 counted is not found again), P fp32,
+    P in PVDT, rows with a raised flag (BLOCK_M,) bool, step-4 margins (BLOCK_M, 16) (the clean path; else
+    0), cnt, nf).
     """
     s, nfb = _bias_mask(s, offs_m, offs_n, b, h, M, N, window, edge, Bias, sbb, sbh, sbm, sbn,
                         Mask, smb, smh, smm, smn, mtile, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, INTERP)
@@ -276,6 +279,7 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
     if FOLD:
         mb = mb * scale
     m_new = _max_nan(m_i, mb)
+    nm_new = tl.minimum(nm_i, -mb)  # (never the negated m_new: the compiler would fold the comparison)
     if INJ_M != 0:
         m_new = _inject(m_new, Inj, _I_ROWMAX, INJ_M, bh, offs_m, jblk, M, nblocks)
     all_inf = (m_new == -float("inf")) & (mb == -float("inf")) & (m_i == -float("inf"))
@@ -297,6 +301,7 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
                     base = tl.where(all_inf, 0.0, m_new)
                 else:
                     cnt = _bump(cnt, _ROWMAX + _UNC, nbm)
+            nm_new = tl.where(badm, -m_new, nm_new)  # (the clean pass: a flagged row is redone anyway)
     # ---- 4. x, P = exp(x), product check per group (anchored on s, not on x) ----
     if FOLD:  # x in base-2 units (x·log2 e), one FFMA
         x = tl.fma(s, scale * _LOG2E, -(base * _LOG2E)[:, None])
@@ -339,4 +344,4 @@ def _softmax_steps(s, m_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N
                 pd = tl.where(redo, _round_to(p, PVDT, INTERP), pd)
             else:
                 cnt = _bump(cnt, _PROBS + _UNC, nbp)
-    return s, m_new, p, pd, bad_row, e4, cnt, nf
+    return s, m_new, nm_new, p, pd, bad_row, e4, cnt, nf
