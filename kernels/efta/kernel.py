@@ -234,7 +234,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
             s_in = s + dcur[:, None]
 
         if DETECT:
-            carry_bad = carry_bad | ((m_i != -nm_i) & row_ok)
+            carry_bad = carry_bad | (m_i != -nm_i)
         # ---- 2.–4. bias and masks, running max, exp (clean path: the checks only raise flags) ----
         sm, m_new, nm_new, p, pd, bad_row, e4, cnt, nf = _softmax_steps(
             s_in, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge, scale,
@@ -348,7 +348,7 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
     if DETECT:
         # a carried max that lost its shadow: the row's state is the sum of blocks in different frames. Its l
         # made NaN, step 6 recomputes the row (the clean pass: a raised flag, the repairing pass then counts)
-        carry_bad = (carry_bad | ((m_i != -nm_i) & row_ok)) & (nf == 0)
+        carry_bad = (carry_bad | (m_i != -nm_i)) & row_ok & (nf == 0)
         l_i = tl.where(carry_bad, float("nan"), l_i)
         if not REPAIR:
             flag_rows = flag_rows | carry_bad
