@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _mma
+from .common import row_stats_add, row_stats_init
 
 # A checksum tile's K loop is as long as a tile of y's and carries x's statistics besides its dots: whole, such
 # tiles spilled into a wave of their own (2048³ fp16 on an H200: 91.9 µs against 50.5 with the verification's
@@ -54,10 +55,7 @@ def checksum_tile(X, Wc, C, Stats, pid_m, pid_c, split, kb_per, M, K, NC, sxm, s
     a_ptrs = X + offs_am[:, None] * sxm + (kb0 * BLOCK_K + offs_k)[None, :] * sxk
     b_ptrs = Wc + offs_bc[None, :] * K + (kb0 * BLOCK_K + offs_k)[:, None]
     acc = tl.zeros((BLOCK_M, CN), tl.float32)
-    sm = tl.zeros((BLOCK_M,), tl.float32)
-    sq = tl.zeros((BLOCK_M,), tl.float32)
-    mx = tl.full((BLOCK_M,), -float("inf"), tl.float32)
-    mn = tl.full((BLOCK_M,), float("inf"), tl.float32)
+    sm, sq, mx, mn = row_stats_init(BLOCK_M)
     # the statistics' plain load runs one K block ahead (the software pipeline stages only the dots' operands:
     # a plain load's latency would otherwise stall every step)
     k_ok = offs_k < K - kb0 * BLOCK_K
@@ -75,11 +73,7 @@ def checksum_tile(X, Wc, C, Stats, pid_m, pid_c, split, kb_per, M, K, NC, sxm, s
         k_next = tl.where(kb + 1 < kb1, offs_k < K - (kb + 1) * BLOCK_K, False)
         xn = tl.load(a_ptrs + BLOCK_K * sxk, mask=k_next[None, :], other=0.0, cache_modifier=".cg")
         acc = _mma(a, b, acc, DOT_F32)
-        sm += tl.sum(xf, axis=1)
-        if XVAR:
-            sq += tl.sum(xf * xf, axis=1)
-        mx = tl.maximum(mx, tl.max(tl.where(k_ok[None, :], xf, -float("inf")), axis=1))
-        mn = tl.minimum(mn, tl.min(tl.where(k_ok[None, :], xf, float("inf")), axis=1))
+        sm, sq, mx, mn = row_stats_add(sm, sq, mx, mn, xf, k_ok, XVAR)
         a_ptrs += BLOCK_K * sxk
         b_ptrs += BLOCK_K
     cp = C + split * M * NC + offs_m[:, None] * NC + offs_c[None, :]

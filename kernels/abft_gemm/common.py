@@ -92,3 +92,22 @@ def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP: tl.constexpr):
     first_m = (tile // in_group) * GROUP
     gsize = tl.minimum(num_pid_m - first_m, GROUP)
     return first_m + ((tile % in_group) % gsize), (tile % in_group) // gsize
+
+
+@triton.jit
+def row_stats_init(R: tl.constexpr):
+    """x's row statistics before any K block, (R,) fp32 each: sum 0, sum of squares 0, max −inf, min +inf."""
+    return (tl.zeros((R,), tl.float32), tl.zeros((R,), tl.float32), tl.full((R,), -float("inf"), tl.float32),
+            tl.full((R,), float("inf"), tl.float32))
+
+
+@triton.jit
+def row_stats_add(sm, sq, mx, mn, xf, k_ok, XVAR: tl.constexpr):
+    """x's row statistics (`row_stats_init`) with one K block ``xf`` (R, BLOCK_K) fp32 (0 past K) reduced in:
+    sum, sum of squares (XVAR; else left as is), and max / min over the columns ``k_ok`` (BLOCK_K,) marks."""
+    sm += tl.sum(xf, axis=1)
+    if XVAR:
+        sq += tl.sum(xf * xf, axis=1)
+    mx = tl.maximum(mx, tl.max(tl.where(k_ok[None, :], xf, -float("inf")), axis=1))
+    mn = tl.minimum(mn, tl.min(tl.where(k_ok[None, :], xf, float("inf")), axis=1))
+    return sm, sq, mx, mn

@@ -39,7 +39,19 @@ import triton
 import triton.language as tl
 
 from ..tl_common import dot as _mma
-from .common import _COR, _DET, _NONF, _REC, _SITE_ROW, _UNC, k_blocks, round_and_inject, x_variance
+from .common import (
+    _COR,
+    _DET,
+    _NONF,
+    _REC,
+    _SITE_ROW,
+    _UNC,
+    k_blocks,
+    round_and_inject,
+    row_stats_add,
+    row_stats_init,
+    x_variance,
+)
 
 G: tl.constexpr = tl.constexpr(64)  # = gemm_checksums.GROUP_COLS
 
@@ -65,10 +77,7 @@ def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm
     # sum, max, min: reduced per K block for tensor-core dtypes (element-wise accumulators would hold
     # register tiles as large as x's); element-wise for fp32, whose per-block reductions Triton 3.6 fails to
     # lower here (TritonGPUOptimizeThreadLocality)
-    sm = tl.zeros((BLOCK_R,), tl.float32)
-    sq = tl.zeros((BLOCK_R,), tl.float32)
-    mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
-    mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
+    sm, sq, mx, mn = row_stats_init(BLOCK_R)
     sme = tl.zeros((BLOCK_R, BLOCK_K if DOT_F32 else 1), tl.float32)
     sqe = tl.zeros((BLOCK_R, BLOCK_K if DOT_F32 and XVAR else 1), tl.float32)
     mxe = tl.full((BLOCK_R, BLOCK_K if DOT_F32 else 1), -float("inf"), tl.float32)
@@ -94,11 +103,7 @@ def _row_stats_and_checksums(X, Wc, rows, r_ok, grps, g_ok, kb0, kb1, K, TG, sxm
             mxe = tl.maximum(mxe, tl.where(k_ok[None, :], xf, -float("inf")))
             mne = tl.minimum(mne, tl.where(k_ok[None, :], xf, float("inf")))
         else:
-            sm += tl.sum(xf, axis=1)
-            if XVAR:
-                sq += tl.sum(xf * xf, axis=1)
-            mx = tl.maximum(mx, tl.max(tl.where(k_ok[None, :], xf, -float("inf")), axis=1))
-            mn = tl.minimum(mn, tl.min(tl.where(k_ok[None, :], xf, float("inf")), axis=1))
+            sm, sq, mx, mn = row_stats_add(sm, sq, mx, mn, xf, k_ok, XVAR)
     if DOT_F32:
         sm = tl.sum(sme, axis=1)
         if XVAR:
@@ -123,10 +128,7 @@ def _fused_stats_and_checksums(C, rows, r_ok, grps, g_ok, M, TG, n_csplit, SLICE
     c0 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
     c1 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
     c2 = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
-    sm = tl.zeros((BLOCK_R,), tl.float32)
-    sq = tl.zeros((BLOCK_R,), tl.float32)
-    mx = tl.full((BLOCK_R,), -float("inf"), tl.float32)
-    mn = tl.full((BLOCK_R,), float("inf"), tl.float32)
+    sm, sq, mx, mn = row_stats_init(BLOCK_R)
     for s in range(0, n_csplit):
         cp = C + s * M * nc + rows[:, None] * nc + grps[None, :]
         c0 += tl.load(cp, mask=m2, other=0.0)
