@@ -39,7 +39,8 @@ class FaultSpec:
 
     Attributes:
         site: one of the contract's ``SITES`` (``docs/algorithms.md``): in attention's key loop
-            ``attn.scores`` (S), ``attn.rowmax`` (the running max), ``attn.exponent`` (x = S − m, fed to
+            ``attn.scores`` (S), ``attn.masked_scores`` (S after the bias and masks, as the row max and
+            the exponent read it), ``attn.rowmax`` (the running max), ``attn.exponent`` (x = S − m, fed to
             exp), ``attn.probs`` (P = exp(x)), ``attn.probs_lp`` (P in the input dtype, as the P·V GEMM
             reads it), ``attn.alpha`` (the rescale exp(m_old − m_new)), ``attn.rowsum`` (the running
             row sum), ``attn.acc`` (the output accumulator between key blocks), ``attn.rowmax_carry``

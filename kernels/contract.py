@@ -24,6 +24,7 @@ import torch
 SITES: tuple[str, ...] = (
     # the values of EFTA's key loop, in the order one key block produces them (docs/algorithms.md)
     "attn.scores",  # S = Q·Kᵀ, fp32 accumulator of GEMM I
+    "attn.masked_scores",  # S after step 2 (bias added, −inf where masked), as the row max and x read it
     "attn.rowmax",  # running row max m of the online softmax (after the block)
     "attn.exponent",  # x = S − m, the exponent fed to exp
     "attn.probs",  # P = exp(x), fp32
@@ -38,8 +39,8 @@ SITES: tuple[str, ...] = (
     "linear.output",  # y = x·Wᵀ + b, as the GEMM produces it
 )
 ATTENTION_SITES: tuple[str, ...] = (
-    "attn.scores", "attn.rowmax", "attn.exponent", "attn.probs", "attn.probs_lp", "attn.alpha", "attn.rowsum",
-    "attn.acc", "attn.rowmax_carry", "attn.output", "attn.checksum",
+    "attn.scores", "attn.masked_scores", "attn.rowmax", "attn.exponent", "attn.probs", "attn.probs_lp",
+    "attn.alpha", "attn.rowsum", "attn.acc", "attn.rowmax_carry", "attn.output", "attn.checksum",
 )
 # Sites of an attention call's inputs in memory, flipped by the caller before the kernel reads them (the
 # kernels' injection tables hold ATTENTION_SITES only)
@@ -51,7 +52,8 @@ assert sorted(ATTENTION_SITES + CACHE_SITES + LINEAR_SITES) == sorted(SITES), "e
 # (nblocks), key blocks × head dim (one slice of D per block) or key blocks × the 2s checksum columns
 # of a block (s = the checksum stride; Sc1 in columns [0, s), Oc1 in [s, 2s)), or the head dim (D).
 _SITE_LAST_DIM = {
-    "attn.scores": "keys", "attn.exponent": "keys", "attn.probs": "keys", "attn.probs_lp": "keys",
+    "attn.scores": "keys", "attn.masked_scores": "keys", "attn.exponent": "keys", "attn.probs": "keys",
+    "attn.probs_lp": "keys",
     "attn.rowmax": "blocks", "attn.alpha": "blocks", "attn.rowsum": "blocks", "attn.rowmax_carry": "blocks",
     "attn.acc": "blocks_d", "attn.checksum": "blocks_cs", "attn.output": "d",
 }

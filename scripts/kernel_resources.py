@@ -49,7 +49,8 @@ POINTERS = {"Q": "in", "K": "in", "V": "in", "Out": "in", "KC": "in", "VC": "in"
 FLOATS = {"scale", "gu", "exp_tol", "exp_base", "exp_xmin", "snvr_rel", "snvr_cap", "pasa_t1", "s_floor",
           "gamma", "gamma_last"}
 BASE = dict(BLOCK_D=64, CAUSAL=True, HAS_WINDOW=False, HAS_BIAS=False, MASK_KIND=0, DETECT=True, CORRECT=True,
-            INJ_S=0, INJ_M=0, INJ_X=0, INJ_P=0, INJ_PL=0, INJ_A=0, INJ_L=0, INJ_ACC=0, INJ_MC=0, INJ_O=0, INJ_CS=0,
+            INJ_S=0, INJ_MS=0, INJ_M=0, INJ_X=0, INJ_P=0, INJ_PL=0, INJ_A=0, INJ_L=0, INJ_ACC=0, INJ_MC=0, INJ_O=0,
+            INJ_CS=0,
             NO_SKIP=False, PARTS=2, SCALE_CS=True, DOT_F32=False,
             INTERP=False, EVEN_D=True, SPLIT=False, PASA=False, HALF_STATE=False, PHASE=0, FOLD=True, PACK=False,
             KC2_TABLE=False, TMA=False, BLOCK_M=128, BLOCK_N=64)
@@ -79,8 +80,8 @@ VARIANTS = [
     ("prefill detect+correct BM=64, bool mask", "fp16", dict(BLOCK_M=64, MASK_KIND=1, PHASE=1), 4, 3),
     ("prefill detect+correct, K and V through TMA descriptors, bool mask", "fp16",
      dict(TMA=True, MASK_KIND=1, PHASE=1), 8, 3),
-    ("injection, all sites", "fp16", dict(INJ_S=1, INJ_M=1, INJ_X=1, INJ_P=2, INJ_PL=2, INJ_A=1, INJ_L=1, INJ_ACC=1,
-                                          INJ_MC=1, INJ_O=1, INJ_CS=1, NO_SKIP=True, BLOCK_M=64, PHASE=1,
+    ("injection, all sites", "fp16", dict(INJ_S=1, INJ_MS=1, INJ_M=1, INJ_X=1, INJ_P=2, INJ_PL=2, INJ_A=1, INJ_L=1,
+                                          INJ_ACC=1, INJ_MC=1, INJ_O=1, INJ_CS=1, NO_SKIP=True, BLOCK_M=64, PHASE=1,
                                           FOLD=False), 4, 2),
     ("prefill detect+correct", "fp32", dict(BLOCK_M=64, PHASE=1), 4, 3),
     ("prefill detect+correct D=128, wide clean launch", "fp16", dict(BLOCK_D=128, BLOCK_N=128, PHASE=1), 8, 2),

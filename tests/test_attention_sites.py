@@ -1,5 +1,6 @@
 """The attention-loop sites that complete EFTA's fault model (``docs/algorithms.md``, "Fault model of the
-key loop"): ``attn.exponent`` (x, the exponent fed to exp), ``attn.probs_lp`` (P as GEMM II reads it,
+key loop"): ``attn.masked_scores`` (S after step 2: bias added, −inf where masked), ``attn.exponent`` (x,
+the exponent fed to exp), ``attn.probs_lp`` (P as GEMM II reads it,
 in the input dtype), ``attn.alpha`` (the rescale α), ``attn.acc`` (the output accumulator between key
 blocks) and ``attn.checksum`` (GEMM I's Sc1 and GEMM II's running Oc1).
 
@@ -36,13 +37,16 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SUBPROCESS = DEV == "cpu" and not K.interpreting()
 _interpreter_available, test_interpreted_in_subprocess = interpreted_tests(__file__, SUBPROCESS, timeout=900)
 
-NEW_SITES = ("attn.exponent", "attn.probs_lp", "attn.alpha", "attn.acc", "attn.checksum", "attn.rowmax_carry")
+NEW_SITES = ("attn.masked_scores", "attn.exponent", "attn.probs_lp", "attn.alpha", "attn.acc", "attn.checksum",
+             "attn.rowmax_carry")
 SHAPE = (1, 2, 1, 8, 130, 32)  # B, Hq, Hkv, M, N, D: GQA 2:1, three key blocks of 64, the last padded
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # the rows (checks) that count a site's faults: x and the rounded P at step 4, α at its own check, O's
 # accumulator at step 7, Sc1 at step 1 and Oc1 at step 7, the carried max at step 6 (its shadow lost, the row's l
-# is made NaN)
-COUNTED_AT = {"attn.exponent": {"attn.probs"}, "attn.probs_lp": {"attn.probs"}, "attn.alpha": {"attn.alpha"},
+# is made NaN); S after step 2 at step 4 (against step 2 again), at step 3 where it lifted the block max, and at
+# step 6 where the lifted max left the row's state empty
+COUNTED_AT = {"attn.masked_scores": {"attn.probs", "attn.rowmax", "attn.rowsum"},
+              "attn.exponent": {"attn.probs"}, "attn.probs_lp": {"attn.probs"}, "attn.alpha": {"attn.alpha"},
               "attn.acc": {"attn.output"}, "attn.checksum": {"attn.scores", "attn.output"},
               "attn.rowmax_carry": {"attn.rowsum"}}
 
@@ -53,19 +57,20 @@ def rand_qkv(B, Hq, Hkv, M, N, D, dtype=torch.float32, seed=0):
     return tuple(torch.randn(*s, generator=g).to(dtype).to(DEV) for s in shapes)
 
 
-def _call(path, q, k, v, *, inject=None, detect=True, correct=True, causal=False, attn_mask=None, window=None):
+def _call(path, q, k, v, *, inject=None, detect=True, correct=True, causal=False, attn_mask=None, window=None,
+          bias=None):
     """One call on ``path`` ("kernel" or "reference", the latter on CPU copies): (out, FaultStats, plan)."""
     plan = inject if isinstance(inject, FaultPlan) else FaultPlan(inject)
-    kw = dict(scale=1.0 / math.sqrt(q.shape[-1]), causal=causal, bias=None, window=window, detect=detect,
-              correct=correct, plan=plan)
+    kw = dict(scale=1.0 / math.sqrt(q.shape[-1]), causal=causal, window=window, detect=detect, correct=correct,
+              plan=plan)
     with torch.no_grad():
         if path == "kernel":
             cnt = new_counters(q.device)
-            out = K.efta_triton_forward(q, k, v, attn_mask=attn_mask, counters=cnt, **kw)
+            out = K.efta_triton_forward(q, k, v, attn_mask=attn_mask, bias=bias, counters=cnt, **kw)
         else:
             cnt = new_counters("cpu")
             out = efta_reference(q.cpu(), k.cpu(), v.cpu(), attn_mask=None if attn_mask is None else attn_mask.cpu(),
-                                 counters=cnt, **kw)
+                                 bias=None if bias is None else bias.cpu(), counters=cnt, **kw)
     return out, FaultStats(cnt), plan
 
 
@@ -181,7 +186,8 @@ def test_bf16_rounded_probabilities_are_checked_bit_for_bit():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("site", ["attn.exponent", "attn.probs_lp", "attn.alpha", "attn.acc", "attn.rowmax_carry"])
+@pytest.mark.parametrize("site", ["attn.masked_scores", "attn.exponent", "attn.probs_lp", "attn.alpha", "attn.acc",
+                                  "attn.rowmax_carry"])
 def test_unprotected_flips_change_the_output(site, data):
     """Without checks, top-exponent-bit flips at these sites move the output (α: flips after the first key
     block, where it scales a real state; the carried max: flips before the last block, which a later block
@@ -315,6 +321,41 @@ def test_masks_gqa_window_decode():
     for site in NEW_SITES:
         _check_repaired(site, q, k, v, clean, FaultSpec(site=site, bit=_high_bit(site, q.dtype), count=2, seed=2),
                         2e-4, **kw)
+
+
+@pytest.mark.parametrize("form", ["causal", "bool", "additive", "bias"])
+def test_step2_output_is_checked(form):
+    """S after step 2 (``attn.masked_scores``), in each form step 2 takes (a causal edge block, a bool and an
+    additive mask, a bias): a masked key's −inf made finite (bit 30: −1.0, the row's max or near it), a kept
+    key's score lifted (bit 30) or moved (bit 27, sign), each found on both paths with the same counts and
+    repaired; unprotected, the masked key's flip moves the output."""
+    B, Hq, Hkv, M, N, D = 1, 2, 1, 16, 130, 32
+    q, k, v = rand_qkv(B, Hq, Hkv, M, N, D, seed=13)
+    gen = torch.Generator().manual_seed(2)
+    keep = torch.rand(B, 1, M, N, generator=gen) > 0.3
+    keep[..., -1] = True
+    kw = {"causal": dict(causal=True), "bool": dict(attn_mask=keep.to(DEV)),
+          "additive": dict(attn_mask=torch.where(keep, 0.0, -math.inf).to(DEV)),
+          "bias": dict(bias=(torch.randn(B, Hq, M, N, generator=gen) * 2.0).to(DEV), causal=True)}[form]
+    clean, stats, _ = _call("kernel", q, k, v, **kw)
+    assert all(val == 0 for val in stats.values())
+    assert _maxdiff(clean, ref_attention(q, k, v, **kw)) <= TOL[torch.float32]
+    hidden = keep[0, 0].tolist() if form in ("bool", "additive") else None
+
+    def masked(pos):  # a key step 2 hides from this row
+        i, j = pos[2], pos[3]
+        return j > i + N - M if hidden is None else not hidden[i][j]
+
+    site = "attn.masked_scores"
+    specs = [FaultSpec(site=site, bit=30, seed=_first_seed(site, q, k, masked)),
+             FaultSpec(site=site, bit=30, seed=_first_seed(site, q, k, lambda pos: not masked(pos))),
+             FaultSpec(site=site, bit=27, seed=_first_seed(site, q, k, lambda pos: not masked(pos) and pos[3] > 64)),
+             FaultSpec(site=site, bit=31, seed=_first_seed(site, q, k, lambda pos: not masked(pos) and pos[3] < 64))]
+    bare, _, _ = _call("reference", q, k, v, inject=specs[0], detect=False, **kw)
+    assert _maxdiff(bare, clean) > 1e-3
+    for spec in specs:
+        stats = _check_repaired(site, q, k, v, clean, spec, 2e-4, **kw)
+        assert set(stats.by_site()) <= COUNTED_AT[site], (form, spec, stats.by_site())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])

@@ -359,9 +359,9 @@ def test_injection_half_inputs(dtype):
 @pytest.mark.parametrize("site", ATTENTION_SITES)
 def test_ber_mode(site, inj_data):
     q, k, v, clean = inj_data
-    ber = {"attn.scores": 2e-3, "attn.exponent": 2e-3, "attn.probs": 2e-3, "attn.probs_lp": 2e-3,
-           "attn.rowmax": 0.02, "attn.alpha": 0.02, "attn.rowsum": 0.02, "attn.acc": 1e-3, "attn.output": 2e-3,
-           "attn.checksum": 2e-3, "attn.rowmax_carry": 0.02}[site]
+    ber = {"attn.scores": 2e-3, "attn.masked_scores": 2e-3, "attn.exponent": 2e-3, "attn.probs": 2e-3,
+           "attn.probs_lp": 2e-3, "attn.rowmax": 0.02, "attn.alpha": 0.02, "attn.rowsum": 0.02, "attn.acc": 1e-3,
+           "attn.output": 2e-3, "attn.checksum": 2e-3, "attn.rowmax_carry": 0.02}[site]
     plan = FaultPlan(FaultSpec(site=site, ber=ber, seed=5))
     out, stats = run(q, k, v, inject=plan)
     assert plan.injected >= 3

@@ -14,8 +14,9 @@ feeds no padding, so padded keys and padded query rows do not occur):
   reads it: never used (the score check still sees it and may flag it). With a mask tensor the mask
   is *added*, so a flip to +inf or NaN would survive: then only sign and mantissa flips (which keep a
   finite value finite) are ``masked_key``, an exponent flip is ``undecided``.
-- ``masked_key_used``: the exponent x, the probability P or its rounded copy that GEMM II reads
-  (``attn.exponent``, ``attn.probs``, ``attn.probs_lp``) of such a key. x is −inf and P is 0 there,
+- ``masked_key_used``: the masked score, the exponent x, the probability P or its rounded copy that GEMM
+  II reads (``attn.masked_scores``, ``attn.exponent``, ``attn.probs``, ``attn.probs_lp``) of such a key. S
+  and x are −inf and P is 0 there,
   and the flipped value still feeds exp, the row sum and P·V (the path does not mask again), so it is
   *used*: it is reported apart, not counted as never used.
 - ``unused_row``: a prefill row other than the last in a module whose other rows `probe_unused_rows`
@@ -47,8 +48,8 @@ NEVER_USED: frozenset[str] = frozenset({"masked_key", "unused_row", "not_injecte
 # "overwritten" (replaced by the mask before anything reads it) or "used" (read as it is: x = −inf
 # flipped feeds exp, P = 0 flipped feeds the row sum and P·V). A key-indexed site of the contract
 # missing here is undecided at masked keys.
-_KEY_SITES: dict[str, str] = {"attn.scores": "overwritten", "attn.exponent": "used", "attn.probs": "used",
-                              "attn.probs_lp": "used"}
+_KEY_SITES: dict[str, str] = {"attn.scores": "overwritten", "attn.masked_scores": "used", "attn.exponent": "used",
+                              "attn.probs": "used", "attn.probs_lp": "used"}
 _ROW_SITES = ("linear.output",)  # (tokens, features): row = token
 
 

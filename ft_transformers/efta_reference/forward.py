@@ -246,14 +246,16 @@ def efta_reference(
         S5 = S.view(B, Hkv, G, M, block_n)
         masks.apply_block(S5, j0, w)
         S = S5.view(B, Hkv, GM, block_n)
+        S2 = S  # step 2's result as step 4 anchors on it (the kernel evaluates it a second time)
+        S = inject(sfs["attn.masked_scores"], S, block_site, j0)
         if detect:
             nvalid += (S > NEG_INF).sum(-1, keepdim=True, dtype=torch.int32)
         # 3. running max (SNVR check); 4. x, P = exp(x) (product check); 5. rescale (checked), accumulate.
         chk = dict(detect=detect, correct=correct, counters=counters)
         if detect:
             lost |= softmax.carried_max_lost(m, nm)
-        m_new, base, nm = softmax.running_max(S, m, nm, sfs["attn.rowmax"], row_site, j, **chk)
-        P, pd = softmax.probabilities(S, base, sfs, block_site, j0, stride=s, pv_dtype=pv_dtype,
+        m_new, base, nm = softmax.running_max(S, S2, m, nm, sfs["attn.rowmax"], row_site, j, **chk)
+        P, pd = softmax.probabilities(S, S2, base, sfs, block_site, j0, stride=s, pv_dtype=pv_dtype,
                                       half_state=half_state, **chk)
         alpha = softmax.rescale(m, m_new, sfs["attn.alpha"], row_site, j, **chk)
         vb = vp16[:, :, j0:j0 + block_n] if half_state else vaug[:, :, j0:j0 + block_n]

@@ -105,10 +105,15 @@ def _base(m: torch.Tensor, mb: torch.Tensor, m_new: torch.Tensor) -> torch.Tenso
     return torch.where(all_masked, torch.zeros_like(m_new), m_new)
 
 
-def running_max(S: torch.Tensor, m: torch.Tensor, nm: torch.Tensor, sf: SiteFaults | None,
+def running_max(S: torch.Tensor, S2: torch.Tensor, m: torch.Tensor, nm: torch.Tensor, sf: SiteFaults | None,
                 site_shape4: tuple[int, ...], j: int, *, detect: bool, correct: bool, counters: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 3: the new running max, the ``attn.rowmax`` faults, the SNVR check; counts at ``attn.rowmax``.
+
+    First the block max itself: above that of S2 (step 2 evaluated again, `probabilities`) by more than
+    ``min(2^-20·(1 + |max S2|), 1)``, a fault in step 2's output (``attn.masked_scores``) lifted it; the row
+    is ``recomputed`` with S2's max. Step 4 would see such a fault too, but a max lifted by orders of
+    magnitude makes the base, and step 4's room for the rounding of values of its size, as large.
 
     With ``τ_m = min(2^-20·(1 + |m_new|), 1)`` a row is faulty if ``max_n x > τ_m`` (exp would exceed
     1; NaN too), or if ``m_new ≠ m`` and ``max_n x < −τ_m`` (this block raised the max to a wrong
@@ -124,7 +129,8 @@ def running_max(S: torch.Tensor, m: torch.Tensor, nm: torch.Tensor, sf: SiteFaul
     overflowing exp when |m| is huge.
 
     Args:
-        S: (B, Hkv, G·M, block_n) fp32 masked scores of the block.
+        S: (B, Hkv, G·M, block_n) fp32 masked scores of the block; S2: the same without the
+            ``attn.masked_scores`` faults.
         m: (B, Hkv, G·M, 1) the running max before the block (−inf at first).
         nm: m's shadow, −m kept by a computation of its own (`carried_max_lost`).
         sf, site_shape4 = (B, Hq, M, 1), j: the site's faults at block j.
@@ -135,6 +141,13 @@ def running_max(S: torch.Tensor, m: torch.Tensor, nm: torch.Tensor, sf: SiteFaul
         (``−m_new`` where the check flagged the row: what step 3 counted is not found again).
     """
     mb = S.amax(-1, keepdim=True)
+    if detect and S2 is not S:
+        m2 = S2.amax(-1, keepdim=True)
+        bad = ~(mb <= m2 + m2.abs().add(1.0).mul_(2.0**-20).clamp_(max=1.0))
+        if bool(bad.any()):
+            count_detected(counters, "attn.rowmax", bad.sum(), correct, "recomputed")
+            if correct:
+                mb = torch.where(bad, m2, mb)
     m_new = torch.maximum(m, mb)
     nm_new = torch.minimum(nm, -mb)
     m_new = inject(sf, m_new, site_shape4, j)
@@ -160,19 +173,23 @@ def carried_max_lost(m: torch.Tensor, nm: torch.Tensor) -> torch.Tensor:
     return m != -nm
 
 
-def probabilities(S: torch.Tensor, base: torch.Tensor, sfs: dict[str, SiteFaults | None], site_shape4: tuple[int, ...],
-                  j0: int, *, stride: int, pv_dtype: torch.dtype, half_state: bool, detect: bool, correct: bool,
-                  counters: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def probabilities(S: torch.Tensor, S2: torch.Tensor, base: torch.Tensor, sfs: dict[str, SiteFaults | None],
+                  site_shape4: tuple[int, ...], j0: int, *, stride: int, pv_dtype: torch.dtype, half_state: bool,
+                  detect: bool, correct: bool, counters: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 4: the exponent ``x = S − base`` (then the ``attn.exponent`` faults), ``P = exp(x)`` (then the
     ``attn.probs`` faults), P rounded to ``pv_dtype`` as GEMM II reads it (then the ``attn.probs_lp``
-    faults), and the product check per group on that rounded P (`exp_group_test`, anchored on S; for bf16 on
-    the fp32 P, with the rounded P tested for being its rounding bit for bit, `probs_for_test`); counts at
-    ``attn.probs``. A faulty group is ``corrected``: x, P and its rounding again for its members.
+    faults), and the product check per group on that rounded P (`exp_group_test`, anchored on S2, step 2
+    evaluated again on the scores step 1 verified, so that a fault in S itself, ``attn.masked_scores``, is
+    seen too; for bf16 on the fp32 P, with the rounded P tested for being its rounding bit for bit,
+    `probs_for_test`); counts at ``attn.probs``. A faulty group is ``corrected``: x from S2, P and its
+    rounding again for its members.
 
     ``P`` is flushed to 0 where ``x < −87`` (`exp_ftz`): the check treats those as exp(−87) anyway.
 
     Args:
-        S: (B, Hkv, G·M, block_n) fp32 masked scores; base: (B, Hkv, G·M, 1) from `running_max`.
+        S: (B, Hkv, G·M, block_n) fp32 masked scores, as the row max read them (``attn.masked_scores``
+            faults included); S2: the same without them (the kernel's second evaluation of step 2).
+        base: (B, Hkv, G·M, 1) from `running_max`.
         sfs: the call's `SiteFaults` by site; site_shape4 = (B, Hq, M, block_n), j0: the block's first key.
         stride: s. pv_dtype: the dtype GEMM II reads P in. half_state: PASA's fp16 softmax state (x and P
             rounded to fp16).
@@ -190,14 +207,14 @@ def probabilities(S: torch.Tensor, base: torch.Tensor, sfs: dict[str, SiteFaults
     P = inject(sfs["attn.probs"], P, site_shape4, j0)
     pd = inject(sfs["attn.probs_lp"], P.to(pv_dtype), site_shape4, j0).to(torch.float32)
     if detect:
-        bad = exp_group_test(S, base, probs_for_test(P, pd, pv_dtype), stride,  # (B, Hkv, G·M, s): failing groups
+        bad = exp_group_test(S2, base, probs_for_test(P, pd, pv_dtype), stride,  # (B, Hkv, G·M, s): failing groups
                              torch.float32 if pv_dtype == torch.bfloat16 else pv_dtype)
         if bool(bad.any()):
             nbad = bad.sum()
             count_detected(counters, "attn.probs", nbad, correct, "corrected")
             if correct:
                 redo = bad.unsqueeze(-2).expand(*bad.shape[:-1], P.shape[-1] // stride, stride).reshape(P.shape)
-                P = torch.where(redo, exp_ftz(S - base), P)
+                P = torch.where(redo, exp_ftz(S2 - base), P)
                 pd = torch.where(redo, P.to(pv_dtype).to(torch.float32), pd)
     return P, pd
 

@@ -31,10 +31,10 @@ _DET, _COR, _REC, _UNC, _NONF = (tl.constexpr(KIND_INDEX[k]) for k in
 _NSLOT = tl.constexpr(1 << (len(SITES) * len(KINDS) - 1).bit_length())  # slots per program, a power of two
 _NKIND = tl.constexpr(len(KINDS))
 # a site's place in the injection table
-(_I_SCORES, _I_ROWMAX, _I_EXPONENT, _I_PROBS, _I_PROBS_LP, _I_ALPHA, _I_ROWSUM, _I_ACC, _I_MCARRY, _I_OUTPUT,
- _I_CHECKSUM) = (tl.constexpr(ATTENTION_SITES.index(s)) for s in (
-    "attn.scores", "attn.rowmax", "attn.exponent", "attn.probs", "attn.probs_lp", "attn.alpha", "attn.rowsum",
-    "attn.acc", "attn.rowmax_carry", "attn.output", "attn.checksum"))
+(_I_SCORES, _I_MSCORES, _I_ROWMAX, _I_EXPONENT, _I_PROBS, _I_PROBS_LP, _I_ALPHA, _I_ROWSUM, _I_ACC, _I_MCARRY,
+ _I_OUTPUT, _I_CHECKSUM) = (tl.constexpr(ATTENTION_SITES.index(s)) for s in (
+    "attn.scores", "attn.masked_scores", "attn.rowmax", "attn.exponent", "attn.probs", "attn.probs_lp",
+    "attn.alpha", "attn.rowsum", "attn.acc", "attn.rowmax_carry", "attn.output", "attn.checksum"))
 _HDR = 6  # ints per site in the injection table header
 _HDR_K = tl.constexpr(_HDR)
 

@@ -43,10 +43,12 @@ class Bounds:
     def gemm_slack(self, interpreted: bool) -> float:
         return self.gemm_slack_interp if interpreted else self.gemm_slack_cuda
 
-    def exp_base(self, L: int) -> float:
+    def exp_base(self, L: int, rz_adds: int = 0) -> float:
         """Step 4's room for exponents taken from the scores, per unit of |base|: ``g(L+3)·L`` (the
-        rounding of ``base + x_min``, of a sum of L scores of size |base| and of subtracting L·base)."""
-        return self.gamma * (L + 3) * self.u * L
+        rounding of ``base + x_min``, of a sum of L scores of size |base| and of subtracting L·base), and
+        ``g(2)·L`` more per add that step 2's second evaluation rounds toward zero (`masks._add_again`:
+        < 1 ulp, 2u, from step 2's own add, on each of the L scores)."""
+        return self.gamma * (L + 3 + 2 * rz_adds) * self.u * L
 
 
 BOUNDS = Bounds()

@@ -617,25 +617,27 @@ def efta_triton_forward(
                *(bias4.stride() if has_bias else (0, 0, 0, 0)), *(mask4.stride() if mask_kind else (0, 0, 0, 0)),
                *counters.stride())
     gu = BOUNDS.gamma * BOUNDS.u * slack
+    rz_adds = 0 if interp else int(has_bias) + int(mask_kind == 2)  # step 2's second evaluation (`masks._add_again`)
     args = (
         q, k, v, out, counters, flag, bias4, mask4, inj, *tables, kc2, work, kshift, rep_buf, arrive, *strides,
         Hq, Hkv, M, N, D, Hq // Hkv, float(scale), int(window or 0), call_id, nsplit,
-        gu, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_base(CS_BLOCK_N // STRIDE), exp_clamp(v.dtype)[0],
+        gu, BOUNDS.exp_ulps * BOUNDS.u, BOUNDS.exp_base(CS_BLOCK_N // STRIDE, rz_adds), exp_clamp(v.dtype)[0],
         BOUNDS.snvr_rel, BOUNDS.snvr_cap, *pasa_args[:4],
         min(_pow2_bucket(M), 256), _pow2_bucket(N),
     )
     meta = dict(
         BLOCK_D=block_d, CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_BIAS=has_bias,
         MASK_KIND=mask_kind, DETECT=bool(detect), CORRECT=correct,
-        INJ_S=mode["attn.scores"], INJ_M=mode["attn.rowmax"], INJ_X=mode["attn.exponent"], INJ_P=mode["attn.probs"],
-        INJ_PL=mode["attn.probs_lp"], INJ_A=mode["attn.alpha"], INJ_L=mode["attn.rowsum"], INJ_ACC=mode["attn.acc"],
-        INJ_MC=mode["attn.rowmax_carry"],
+        INJ_S=mode["attn.scores"], INJ_MS=mode["attn.masked_scores"], INJ_M=mode["attn.rowmax"],
+        INJ_X=mode["attn.exponent"], INJ_P=mode["attn.probs"], INJ_PL=mode["attn.probs_lp"], INJ_A=mode["attn.alpha"],
+        INJ_L=mode["attn.rowsum"], INJ_ACC=mode["attn.acc"], INJ_MC=mode["attn.rowmax_carry"],
         INJ_O=mode["attn.output"], INJ_CS=mode["attn.checksum"],
         NO_SKIP=no_skip, PARTS=parts, SCALE_CS=q.dtype == torch.float16, DOT_F32=dot_f32, INTERP=interp,
         EVEN_D=D == block_d, SPLIT=nsplit > 1, PASA=use_pasa, HALF_STATE=half_state, PHASE=int(phased),
         # (faults at S, x or Sc1 strike the scaled values, as in the reference: FOLD off)
         FOLD=_fold(interp, use_pasa or has_bias or mask_kind == 2
-                   or any(mode[s] for s in ("attn.scores", "attn.exponent", "attn.checksum")), opts.efta_fold),
+                   or any(mode[s] for s in ("attn.scores", "attn.masked_scores", "attn.exponent", "attn.checksum")),
+                   opts.efta_fold),
         PACK=pack, KC2_TABLE=stored is not None, TMA=_tma(k, v, M, nsplit, use_pasa, opts.efta_tma),
     )
     if meta["TMA"]:

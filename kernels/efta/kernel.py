@@ -37,8 +37,8 @@ specialisation and the launch path, so the signature stays as it is):
   s_floor, gamma, gamma_last``;
 * autotune keys only: ``M_KEY, N_KEY``;
 * constexprs: shape (``BLOCK_D, EVEN_D, BLOCK_M, BLOCK_N``), masks (``CAUSAL, HAS_WINDOW, HAS_BIAS,
-  MASK_KIND``), checks (``DETECT, CORRECT``), injection (one mode per attention site: ``INJ_S, INJ_M,
-  INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_O, INJ_CS``; and ``NO_SKIP``), checksum operands
+  MASK_KIND``), checks (``DETECT, CORRECT``), injection (one mode per attention site: ``INJ_S, INJ_MS, INJ_M,
+  INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_MC, INJ_O, INJ_CS``; and ``NO_SKIP``), checksum operands
   (``PARTS, SCALE_CS, DOT_F32``), form (``INTERP, SPLIT, PASA, HALF_STATE, PHASE, FOLD, PACK``; ``TMA``: K
   and V through tensor descriptors, `_key_loop`), stored
   tables (``KC2_TABLE``: the tables were made when the keys entered a KV cache, and step 1 locates with
@@ -106,7 +106,8 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
               exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, DETECT: tl.constexpr,
-              CORRECT: tl.constexpr, INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_X: tl.constexpr,
+              CORRECT: tl.constexpr, INJ_S: tl.constexpr, INJ_MS: tl.constexpr, INJ_M: tl.constexpr,
+              INJ_X: tl.constexpr,
               INJ_P: tl.constexpr, INJ_PL: tl.constexpr, INJ_A: tl.constexpr, INJ_L: tl.constexpr,
               INJ_ACC: tl.constexpr, INJ_MC: tl.constexpr, INJ_CS: tl.constexpr, PARTS: tl.constexpr,
               SCALE_CS: tl.constexpr, DOT_F32: tl.constexpr,
@@ -239,7 +240,8 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
         sm, m_new, nm_new, p, pd, bad_row, e4, cnt, nf = _softmax_steps(
             s_in, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge, scale,
             Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, mtile, Inj, exp_tol, exp_base, exp_xmin, snvr_rel,
-            snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M, INJ_X, INJ_P, INJ_PL, v.dtype,
+            snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_MS, INJ_M, INJ_X, INJ_P, INJ_PL,
+            v.dtype,
             INTERP, False, HALF_STATE, FOLD)
         if DETECT:
             if REPAIR:
@@ -278,8 +280,8 @@ def _key_loop(q, qn1, nf, Kb, Vb, Kd, Vd, tb, th, KSb, skn, skd, svn, svd, KC, V
                     sm, m_new, nm_new, p, pd, bad_row, _, cnt, nf = _softmax_steps(
                         s_in, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk, M, N, nblocks, window, edge,
                         scale, Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, mtile, Inj, exp_tol, exp_base,
-                        exp_xmin, snvr_rel, snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_M,
-                        INJ_X, INJ_P, INJ_PL, v.dtype, INTERP, True, HALF_STATE, FOLD)
+                        exp_xmin, snvr_rel, snvr_cap, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, CORRECT, INJ_MS,
+                        INJ_M, INJ_X, INJ_P, INJ_PL, v.dtype, INTERP, True, HALF_STATE, FOLD)
             else:  # the clean pass only raises flags: rows (step 3), and the step-4 margins
                 flag_rows = flag_rows | bad_row
                 worst4 = _max_nan(worst4, tl.where(nf == 0, e4, NEG_INF))
@@ -382,9 +384,9 @@ def _efta_fwd(
     M_KEY, N_KEY,  # autotune keys only (bucketed M, N)
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
     MASK_KIND: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
-    INJ_S: tl.constexpr, INJ_M: tl.constexpr, INJ_X: tl.constexpr, INJ_P: tl.constexpr, INJ_PL: tl.constexpr,
-    INJ_A: tl.constexpr, INJ_L: tl.constexpr, INJ_ACC: tl.constexpr, INJ_MC: tl.constexpr, INJ_O: tl.constexpr,
-    INJ_CS: tl.constexpr, NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
+    INJ_S: tl.constexpr, INJ_MS: tl.constexpr, INJ_M: tl.constexpr, INJ_X: tl.constexpr, INJ_P: tl.constexpr,
+    INJ_PL: tl.constexpr, INJ_A: tl.constexpr, INJ_L: tl.constexpr, INJ_ACC: tl.constexpr, INJ_MC: tl.constexpr,
+    INJ_O: tl.constexpr, INJ_CS: tl.constexpr, NO_SKIP: tl.constexpr, PARTS: tl.constexpr, SCALE_CS: tl.constexpr,
     DOT_F32: tl.constexpr, INTERP: tl.constexpr, EVEN_D: tl.constexpr,
     SPLIT: tl.constexpr, PASA: tl.constexpr, HALF_STATE: tl.constexpr, PHASE: tl.constexpr, FOLD: tl.constexpr,
     PACK: tl.constexpr, KC2_TABLE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -482,7 +484,8 @@ def _efta_fwd(
                     Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn,
                     exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap, s_floor, gamma, gamma_last,
                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, HAS_BIAS, MASK_KIND, DETECT, CORRECT,
-                    INJ_S, INJ_M, INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_MC, INJ_CS, PARTS, SCALE_CS, DOT_F32,
+                    INJ_S, INJ_MS, INJ_M, INJ_X, INJ_P, INJ_PL, INJ_A, INJ_L, INJ_ACC, INJ_MC, INJ_CS, PARTS, SCALE_CS,
+                    DOT_F32,
                     INTERP, EVEN_D, PASA, HALF_STATE,
                     OC2_CLEAN or (CORRECT and rep == 1), rep == 1, FOLD, KC2_TABLE, TMA)
         if rep == 0:

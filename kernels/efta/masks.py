@@ -64,6 +64,57 @@ def _bias_mask(s, offs_m, offs_n, b, h, M, N, window, edge,
 
 
 @triton.jit
+def _add_again(a, b, INTERP: tl.constexpr):
+    """``a + b`` for step 2's second evaluation (`_step2_again`). On the GPU one ``add.rz.f32``: ptxas cannot
+    merge it with step 2's own round-to-nearest add, so the anchor does not read the register whose fault it
+    is there to see (≤ 1 ulp from that add; the host widens step 4's room by it, `Bounds.exp_base`). The
+    interpreter merges nothing: a plain add."""
+    if INTERP:
+        return a + b
+    return tl.inline_asm_elementwise("add.rz.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _step2_again(s, fill, offs_m, offs_n, b, h, M, N, window, edge,
+                 Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, mtile,
+                 HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, CLAMP: tl.constexpr, INTERP: tl.constexpr):
+    """Step 2 evaluated a second time from the scores step 1 verified, ``s`` (BLOCK_M, BLOCK_N): the values
+    step 4 anchors the exponents on, so that a fault in step 2's output (`attn.masked_scores`: the add's or
+    the select's result, which the row max and x read) moves log2 ΠP away from them.
+
+    CLAMP: ``max(s + bias + mask, fill)`` with ``fill`` (BLOCK_M,) step 4's floor, and ``fill`` at masked
+    keys (`softmax._exp_test`'s exponents); else the scores with −inf at masked keys (a repair's new x).
+    The selects are written with the floor as their other value and the adds as `_add_again`, so the
+    compiler cannot take this tile from step 2's registers (a select of −inf then a max would fold back
+    into them). The bias and mask tiles are the loads step 2 made (the compiler keeps one copy)."""
+    inb = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if HAS_BIAS:
+        bt = tl.load(Bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
+                     mask=inb, other=0.0).to(tl.float32)
+        s = _add_again(s, bt, INTERP)
+    if MASK_KIND == 2:
+        mt = tl.load(Mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn,
+                     mask=inb, other=0.0).to(tl.float32)
+        s = _add_again(s, mt, INTERP)
+    if MASK_KIND == 1:  # 0 or −inf: exact in either rounding
+        s = _add_again(s, mtile, INTERP)
+    if CLAMP:
+        s = tl.maximum(s, fill[:, None], propagate_nan=tl.PropagateNan.ALL)
+        other = fill[:, None]
+    else:
+        other = -float("inf")
+    if edge:
+        if CAUSAL:
+            s = tl.where(offs_n[None, :] <= offs_m[:, None] + (N - M), s, other)
+        if HAS_WINDOW:
+            s = tl.where(offs_n[None, :] > offs_m[:, None] + (N - M - window), s, other)
+        s = tl.where(offs_n[None, :] < N, s, other)
+    return s
+
+
+@triton.jit
 def _bool_mask_tile(offs_m, offs_n, b, h, M, N, Mask, smb, smh, smm, smn):
     """The bool mask's (BLOCK_M, BLOCK_N) block as the additive fp32 0 / −inf it stands for. The
     callers load it before GEMM I: loaded after the dot, its uint8 tile (in registers where it cannot

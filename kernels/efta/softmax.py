@@ -38,6 +38,7 @@ from .common import (
     _DET,
     _I_ALPHA,
     _I_EXPONENT,
+    _I_MSCORES,
     _I_PROBS,
     _I_PROBS_LP,
     _I_ROWMAX,
@@ -54,7 +55,7 @@ from .common import (
     _per_group,
     _round_to,
 )
-from .masks import _bias_mask
+from .masks import _bias_mask, _bool_mask_tile, _step2_again
 
 _LOG2E = tl.constexpr(LOG2E)
 # step 4's floor of P (the contract's `exp_clamp`) and the room for P's rounding (1.01·L·u_lp·log2 e per
@@ -148,18 +149,20 @@ def _probs_for_test(p, pd, PVDT: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _exp_test(s, base, p, scale, exp_tol, exp_base, exp_xmin, PVDT: tl.constexpr, INTERP: tl.constexpr,
+def _exp_test(sa, base, p, scale, exp_tol, exp_base, exp_xmin, PVDT: tl.constexpr, INTERP: tl.constexpr,
               LOG2: tl.constexpr):
     """Step-4 check of one key block, per group (row i, residue r): the product identity
     Π_l P[i, l·16+r] = exp(Σ_l x[i, l·16+r]) (the EFTA paper §4.2, case 2), in log2 on the fp32 product,
-    with Σ_l max(x, x_min) taken from the masked scores s the row max read:
-    ``Σ_l max(s, base + x_min) − L·base`` (LOG2: ``scale·log2(e)·Σ_l max(s, (base + x_min)/scale) −
-    L·log2(e)·base``, s unscaled), so that x itself is checked too. P is `_probs_for_test`'s (held in fp32);
+    with Σ_l max(x, x_min) taken from the scores step 1 verified, step 2 evaluated again on them
+    (`masks._step2_again`): ``Σ_l max(s, base + x_min) − L·base`` (LOG2: ``scale·log2(e)·Σ_l max(s,
+    (base + x_min)/scale) − L·log2(e)·base``, s unscaled), so that x, and step 2's output that the row max
+    and x read, are checked too. P is `_probs_for_test`'s (held in fp32);
     below P_min = exp(x_min) it counts as P_min (NaN-propagating max: a NaN stays,
     a negative P becomes P_min); with L ≤ 4 the product of clamped values stays a normal fp32 number (the
     contract's exp check constants; x_min and P_min by PVDT, `contract.exp_clamp`).
 
-    s: (BLOCK_M, BLOCK_N) fp32 masked scores (−inf where masked); base: (BLOCK_M,) the base of x
+    sa: (BLOCK_M, BLOCK_N) fp32 ``max(s, floor)`` of those scores, the floor where masked; base: (BLOCK_M,)
+    the base of x
     (m_new, or 0 for a row masked so far); p: (BLOCK_M, BLOCK_N) fp32. With BLOCK_N = 128 (the wide
     clean pass) the groups are those of each 64-key checksum block (L = 4), and each (row, residue)
     gets the worse of its two margins. Returns the margin (BLOCK_M, 16) fp32 of each group: the group
@@ -170,16 +173,14 @@ def _exp_test(s, base, p, scale, exp_tol, exp_base, exp_xmin, PVDT: tl.constexpr
     log2(e)·(exp_tol·(3L + |Σ x|) + exp_base·(|base| − x_min)) − L·(P's rounding room), limit 0. LOG2:
     the same test in base-2 units.
     """
-    NB: tl.constexpr = (s.shape[1] + 63) // 64  # checksum blocks of 64 keys: two in a wide clean pass
-    L: tl.constexpr = s.shape[1] // 16 // NB
+    NB: tl.constexpr = (sa.shape[1] + 63) // 64  # checksum blocks of 64 keys: two in a wide clean pass
+    L: tl.constexpr = sa.shape[1] // 16 // NB
     tl.static_assert(L <= _EXP_MAX_GROUP)
     pmin, lp_room = _lowp_clamp(PVDT)
+    ys = _group_sums(sa, NB)
     if LOG2:
-        floor = (base + exp_xmin) / scale
-        ys = _group_sums(tl.maximum(s, floor[:, None], propagate_nan=tl.PropagateNan.ALL), NB)
         xs = tl.fma(ys, scale * _LOG2E, -_per_group(base * (L * _LOG2E), NB))
     else:
-        ys = _group_sums(tl.maximum(s, (base + exp_xmin)[:, None], propagate_nan=tl.PropagateNan.ALL), NB)
         xs = ys - _per_group(base * L, NB)
     pc = tl.maximum(p, pmin, propagate_nan=tl.PropagateNan.ALL)
     if INTERP:  # the interpreter runs custom reductions element by element
@@ -230,14 +231,22 @@ def _rescale(m_i, m_new, cnt, row_ok, chk, Inj, bh, offs_m, jblk, M, nblocks, IN
         again = tl.where(both_inf, 1.0, _exp(-(m_new - m_i), INTERP, False))
         bad = (alpha != again) & (again == again) & row_ok & chk
         if REPAIR:
-            nba = tl.sum(bad.to(tl.int32), axis=0)
-            cnt = _bump(cnt, _ALPHA + _DET, nba)
+            cnt = _count_found(cnt, _ALPHA, tl.sum(bad.to(tl.int32), axis=0), _COR, CORRECT)
             if CORRECT:
-                cnt = _bump(cnt, _ALPHA + _COR, nba)
                 alpha = tl.where(bad, again, alpha)
-            else:
-                cnt = _bump(cnt, _ALPHA + _UNC, nba)
     return alpha, bad, cnt
+
+
+@triton.jit
+def _count_found(cnt, SITE: tl.constexpr, n, REPAIRED: tl.constexpr, CORRECT: tl.constexpr):
+    """``n`` faults found at SITE's check: ``detected``, and each also REPAIRED (``corrected`` or
+    ``recomputed``) with CORRECT, ``uncorrectable`` without."""
+    cnt = _bump(cnt, SITE + _DET, n)
+    if CORRECT:
+        cnt = _bump(cnt, SITE + REPAIRED, n)
+    else:
+        cnt = _bump(cnt, SITE + _UNC, n)
+    return cnt
 
 
 @triton.jit
@@ -246,14 +255,14 @@ def _softmax_steps(s, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk
                    exp_tol, exp_base, exp_xmin, snvr_rel, snvr_cap,
                    HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, DETECT: tl.constexpr, CORRECT: tl.constexpr,
-                   INJ_M: tl.constexpr, INJ_X: tl.constexpr, INJ_P: tl.constexpr, INJ_PL: tl.constexpr,
-                   PVDT: tl.constexpr, INTERP: tl.constexpr, REPAIR: tl.constexpr, HALF: tl.constexpr,
-                   FOLD: tl.constexpr):
-    """Steps 2–4 for one key block: bias and masks, running max (SNVR check), the exponent x (then the
-    `attn.exponent` faults), P = exp(x) (then the `attn.probs` faults), P in PVDT as GEMM II reads it
-    (then the `attn.probs_lp` faults; product check on it). s: (BLOCK_M, BLOCK_N) scores after step 1;
-    m_i: (BLOCK_M,) running max (scaled units); nm_i: its shadow, −m_i kept by a computation of its own
-    (DETECT; `_key_loop` compares the two where a block reads m_i).
+                   INJ_MS: tl.constexpr, INJ_M: tl.constexpr, INJ_X: tl.constexpr, INJ_P: tl.constexpr,
+                   INJ_PL: tl.constexpr, PVDT: tl.constexpr, INTERP: tl.constexpr, REPAIR: tl.constexpr,
+                   HALF: tl.constexpr, FOLD: tl.constexpr):
+    """Steps 2–4 for one key block: bias and masks (then the `attn.masked_scores` faults), running max (SNVR
+    check), the exponent x (then the `attn.exponent` faults), P = exp(x) (then the `attn.probs` faults), P in
+    PVDT as GEMM II reads it (then the `attn.probs_lp` faults; product check on it). s: (BLOCK_M, BLOCK_N)
+    scores after step 1; m_i: (BLOCK_M,) running max (scaled units); nm_i: its shadow, −m_i kept by a
+    computation of its own (DETECT; `_key_loop` compares the two where a block reads m_i).
 
     FOLD: s is the unscaled Q·Kᵀ. Its row max is scaled afterwards (scale > 0 and rounding is
     monotonic, so this equals the max of the scaled scores), and the exponent in base 2,
@@ -265,17 +274,34 @@ def _softmax_steps(s, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk
     margin of each group (`_exp_test`), which the caller folds into a running maximum (a test after
     the loop instead of a reduction per block); with REPAIR (taken when some flag of the block is
     raised) they count and repair exactly as the contract orders them, step 3 before step 4 (a failing
-    group gets x, P and its rounding again). Returns (S masked, m_new, the shadow's −m_new: min(nm_i, −block
+    group gets x, P and its rounding again, x from step 2 evaluated a second time, `masks._step2_again`,
+    as step 4's exponents are). Returns (S masked, m_new, the shadow's −m_new: min(nm_i, −block
     max), or −m_new where step 3 flagged the row (so that what step 3 counted is not found again), P fp32,
     P in PVDT, rows with a raised flag (BLOCK_M,) bool, step-4 margins (BLOCK_M, 16) (the clean path; else
     0), cnt, nf).
     """
+    s1 = s  # the scores step 1 verified
+    if MASK_KIND == 1 and mtile is None:  # (decode programs: `_early_mask`); step 4 reads it again
+        mtile = _bool_mask_tile(offs_m, offs_n, b, h, M, N, Mask, smb, smh, smm, smn)
     s, nfb = _bias_mask(s, offs_m, offs_n, b, h, M, N, window, edge, Bias, sbb, sbh, sbm, sbn,
                         Mask, smb, smh, smm, smn, mtile, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, DETECT, INTERP)
+    if INJ_MS != 0:
+        s = _inject(s, Inj, _I_MSCORES, INJ_MS, bh, offs_m[:, None], offs_n[None, :], M, N)
     nf = nf | nfb
     chk = nf == 0
     # ---- 3. running max (SNVR) ----
     mb = _nanmax(s, 1, INTERP)
+    mb_s = mb  # in s's units
+    if DETECT and REPAIR:  # a block max that a fault in step 2's output lifted: taken from step 2 again
+        m2 = _nanmax(_step2_again(s1, mb, offs_m, offs_n, b, h, M, N, window, edge, Bias, sbb, sbh, sbm, sbn,
+                                  Mask, smb, smh, smm, smn, mtile, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, False,
+                                  INTERP), 1, INTERP)
+        badx = ~(mb <= m2 + tl.minimum(snvr_rel * (1.0 + tl.abs(m2)), snvr_cap)) & row_ok & chk
+        nbx = tl.sum(badx.to(tl.int32), axis=0)
+        if nbx > 0:
+            cnt = _count_found(cnt, _ROWMAX, nbx, _REC, CORRECT)
+            if CORRECT:
+                mb = tl.where(badx, m2, mb)
     if FOLD:
         mb = mb * scale
     m_new = _max_nan(m_i, mb)
@@ -309,7 +335,6 @@ def _softmax_steps(s, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk
         x = s - base[:, None]
         if HALF:  # PASA's full FP16 allocation: x and P held in fp16
             x = x.to(tl.float16).to(tl.float32)
-    x_raw = x
     if INJ_X != 0:  # (the host keeps FOLD off while injecting here: x in natural units, as in the reference)
         x = _inject(x, Inj, _I_EXPONENT, INJ_X, bh, offs_m[:, None], offs_n[None, :], M, N)
     p = _exp(x, INTERP, FOLD)
@@ -321,26 +346,48 @@ def _softmax_steps(s, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk
     if INJ_PL != 0:
         pd = _inject(pd, Inj, _I_PROBS_LP, INJ_PL, bh, offs_m[:, None], offs_n[None, :], M, N)
     e4 = tl.zeros((x.shape[0], 16), tl.float32)
+    sa = s
+    if DETECT:  # step 4's exponents: step 2 again on s1, clamped at the floor (x_min, in s's units)
+        floor = base + exp_xmin
+        if FOLD:
+            floor = floor / scale
+        sa = _step2_again(s1, floor, offs_m, offs_n, b, h, M, N, window, edge, Bias, sbb, sbh, sbm, sbn,
+                          Mask, smb, smh, smm, smn, mtile, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, True, INTERP)
     if DETECT and not REPAIR:
+        # the block max step 3 read against that of step 2 again, max(its max, floor): a fault that lifted one
+        # of step 2's outputs to the row's max makes the base, and with it step 4's room, as large as it is.
+        # Lifted far enough, base + x_min rounds to base: no value of step 2 again above the floor while the
+        # block max reaches it (in a clean run the max's own key is such a value, short of scores whose ulp
+        # exceeds |x_min|, above about 10^8)
+        ma = _nanmax(sa, 1, INTERP)
+        lifted = ~(mb_s <= ma + tl.minimum(snvr_rel * (1.0 + tl.abs(ma)), snvr_cap)) | ((ma <= floor) & (mb_s >= floor))
+        bad_row = bad_row | (lifted & row_ok & chk)
         if PVDT == tl.bfloat16:  # the fp32 P, and P_lp's rounding as a row flag (the repairing pass counts)
-            e4 = _exp_test(s, base, p, scale, exp_tol, exp_base, exp_xmin, PVDT, INTERP, FOLD)
+            e4 = _exp_test(sa, base, p, scale, exp_tol, exp_base, exp_xmin, PVDT, INTERP, FOLD)
             bad_row = bad_row | (_rounding_changed(p, pd, INTERP) & row_ok & chk)
         else:
-            e4 = _exp_test(s, base, pd.to(tl.float32), scale, exp_tol, exp_base, exp_xmin, PVDT, INTERP, FOLD)
+            e4 = _exp_test(sa, base, pd.to(tl.float32), scale, exp_tol, exp_base, exp_xmin, PVDT, INTERP, FOLD)
     if DETECT and REPAIR:
         lim = _exp_limit(exp_tol, exp_base, exp_xmin, x.shape[1] // 16, PVDT, INTERP, FOLD)
-        e4r = _exp_test(s, base, _probs_for_test(p, pd, PVDT, INTERP), scale, exp_tol, exp_base, exp_xmin, PVDT, INTERP,
-                        FOLD)
+        e4r = _exp_test(sa, base, _probs_for_test(p, pd, PVDT, INTERP), scale, exp_tol, exp_base, exp_xmin, PVDT,
+                        INTERP, FOLD)
         badg = ~(e4r <= lim) & row_ok[:, None] & chk
         bad_row = bad_row | (tl.max(badg.to(tl.int32), axis=1) > 0)
         nbp = tl.sum(tl.sum(badg.to(tl.int32), axis=1), axis=0)
         if nbp > 0:
             cnt = _bump(cnt, _PROBS + _DET, nbp)
-            if CORRECT:  # x, exp and the rounding again over every member of a failing group
+            if CORRECT:  # step 2, x, exp and the rounding again over every member of a failing group
                 cnt = _bump(cnt, _PROBS + _COR, nbp)
                 redo = tl.reshape(tl.broadcast_to(badg[:, None, :], (x.shape[0], x.shape[1] // 16, 16)),
                                   (x.shape[0], x.shape[1]))
-                p = tl.where(redo, _exp(x_raw, INTERP, FOLD), p)
+                s2 = _step2_again(s1, base, offs_m, offs_n, b, h, M, N, window, edge, Bias, sbb, sbh, sbm, sbn,
+                                  Mask, smb, smh, smm, smn, mtile, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, False,
+                                  INTERP)
+                if FOLD:
+                    x2 = tl.fma(s2, scale * _LOG2E, -(base * _LOG2E)[:, None])
+                else:
+                    x2 = s2 - base[:, None]
+                p = tl.where(redo, _exp(x2, INTERP, FOLD), p)
                 pd = tl.where(redo, _round_to(p, PVDT, INTERP), pd)
             else:
                 cnt = _bump(cnt, _PROBS + _UNC, nbp)
