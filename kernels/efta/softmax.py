@@ -63,6 +63,10 @@ _LOG2E = tl.constexpr(LOG2E)
 _P_MIN32, _P_MIN16 = (tl.constexpr(exp_clamp(t)[1]) for t in (torch.float32, torch.float16))
 _LP16 = tl.constexpr(1.01 * LOWP_U[torch.float16] * LOG2E)
 _EXP_MAX_GROUP = tl.constexpr(EXP_MAX_GROUP)
+# the largest |base| (scaled units) the clean pass leaves to step 4 alone (`_softmax_steps`): there step 4's room,
+# g(L+3)·L·log2 e·|base| at L = 4 (g(L+7) with a bias and an additive mask, `Bounds.exp_base`), is 2.5 (4.0),
+# under the |x_min|·log2 e (13.7 for fp16, 28.9 else) by which a lifted key's P misses its exponent from S2
+_BASE_CAP = tl.constexpr(2.0**20)
 
 
 @triton.jit
@@ -291,7 +295,6 @@ def _softmax_steps(s, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk
     chk = nf == 0
     # ---- 3. running max (SNVR) ----
     mb = _nanmax(s, 1, INTERP)
-    mb_s = mb  # in s's units
     if DETECT and REPAIR:  # a block max that a fault in step 2's output lifted: taken from step 2 again
         m2 = _nanmax(_step2_again(s1, mb, offs_m, offs_n, b, h, M, N, window, edge, Bias, sbb, sbh, sbm, sbn,
                                   Mask, smb, smh, smm, smn, mtile, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, False,
@@ -354,14 +357,12 @@ def _softmax_steps(s, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk
         sa = _step2_again(s1, floor, offs_m, offs_n, b, h, M, N, window, edge, Bias, sbb, sbh, sbm, sbn,
                           Mask, smb, smh, smm, smn, mtile, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, True, INTERP)
     if DETECT and not REPAIR:
-        # the block max step 3 read against that of step 2 again, max(its max, floor): a fault that lifted one
-        # of step 2's outputs to the row's max makes the base, and with it step 4's room, as large as it is.
-        # Lifted far enough, base + x_min rounds to base: no value of step 2 again above the floor while the
-        # block max reaches it (in a clean run the max's own key is such a value, short of scores whose ulp
-        # exceeds |x_min|, above about 10^8)
-        ma = _nanmax(sa, 1, INTERP)
-        lifted = ~(mb_s <= ma + tl.minimum(snvr_rel * (1.0 + tl.abs(ma)), snvr_cap)) | ((ma <= floor) & (mb_s >= floor))
-        bad_row = bad_row | (lifted & row_ok & chk)
+        # a fault that lifted one of step 2's outputs to the row's max makes the base, and with it step 4's room
+        # (∝ |base|), as large. Up to |base| = _BASE_CAP that room stays below the |x_min|·log2 e by which the
+        # lifted key's P misses its exponent from S2, so step 4 fails the block; beyond it the row is flagged
+        # here, and the repairing pass compares the block max with S2's (a clean row that large costs that
+        # pass, never an event)
+        bad_row = bad_row | (~(tl.abs(base) <= _BASE_CAP) & row_ok & chk)
         if PVDT == tl.bfloat16:  # the fp32 P, and P_lp's rounding as a row flag (the repairing pass counts)
             e4 = _exp_test(sa, base, p, scale, exp_tol, exp_base, exp_xmin, PVDT, INTERP, FOLD)
             bad_row = bad_row | (_rounding_changed(p, pd, INTERP) & row_ok & chk)
