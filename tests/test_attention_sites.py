@@ -435,6 +435,21 @@ def test_clean_calls_count_nothing():
     assert calls == 39
 
 
+def test_huge_scores_count_nothing():
+    """Scores past the clean pass's bound on |base| (2^20, `softmax._BASE_CAP`; here |m| ≈ 10^6–10^7): those rows
+    take the repairing pass, which finds nothing: no event on either path, and the output is float64
+    attention's."""
+    q, k, v = rand_qkv(1, 2, 1, 8, 130, 32, seed=21)
+    q = q * 4.0e5
+    for kw in (dict(causal=True), dict(causal=False)):
+        for path in ("kernel", "reference"):
+            out, stats, _ = _call(path, q, k, v, **kw)
+            assert all(val == 0 for val in stats.values()), (path, kw, stats.by_site())
+            assert _maxdiff(out, ref_attention(q, k, v, **kw)) <= TOL[torch.float32], (path, kw)
+    s = (q @ k.transpose(-1, -2)).abs().amax() / math.sqrt(q.shape[-1])
+    assert float(s) > 2.0**20
+
+
 def test_exponent_room_bounds_the_rounding():
     """The room step 4 gives the exponents taken from the scores, ``g(L+3)·L·(|base| + |x_min|)`` (natural
     units), bounds the rounding of ``Σ max(S, base + x_min) − L·base`` against a float64 evaluation, and at
