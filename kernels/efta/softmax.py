@@ -331,7 +331,7 @@ def _softmax_steps(s, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk
                 else:
                     cnt = _bump(cnt, _ROWMAX + _UNC, nbm)
             nm_new = tl.where(badm, -m_new, nm_new)  # (the clean pass: a flagged row is redone anyway)
-    # ---- 4. x, P = exp(x), product check per group (anchored on s, not on x) ----
+    # ---- 4. x, P = exp(x), product check per group (anchored on step 2 again, not on x nor on s) ----
     if FOLD:  # x in base-2 units (x·log2 e), one FFMA
         x = tl.fma(s, scale * _LOG2E, -(base * _LOG2E)[:, None])
     else:
