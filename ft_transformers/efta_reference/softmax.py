@@ -105,6 +105,11 @@ def _base(m: torch.Tensor, mb: torch.Tensor, m_new: torch.Tensor) -> torch.Tenso
     return torch.where(all_masked, torch.zeros_like(m_new), m_new)
 
 
+def _snvr_tau(v: torch.Tensor) -> torch.Tensor:
+    """Step 3's tolerance around a max ``v``: ``min(2^-20·(1 + |v|), 1)`` (a new tensor)."""
+    return v.abs().add_(1.0).mul_(2.0**-20).clamp_(max=1.0)
+
+
 def running_max(S: torch.Tensor, S2: torch.Tensor, m: torch.Tensor, nm: torch.Tensor, sf: SiteFaults | None,
                 site_shape4: tuple[int, ...], j: int, *, detect: bool, correct: bool, counters: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,7 +148,7 @@ def running_max(S: torch.Tensor, S2: torch.Tensor, m: torch.Tensor, nm: torch.Te
     mb = S.amax(-1, keepdim=True)
     if detect and S2 is not S:
         m2 = S2.amax(-1, keepdim=True)
-        bad = ~(mb <= m2 + m2.abs().add(1.0).mul_(2.0**-20).clamp_(max=1.0))
+        bad = ~(mb <= m2 + _snvr_tau(m2))
         if bool(bad.any()):
             count_detected(counters, "attn.rowmax", bad.sum(), correct, "recomputed")
             if correct:
@@ -154,7 +159,7 @@ def running_max(S: torch.Tensor, S2: torch.Tensor, m: torch.Tensor, nm: torch.Te
     base = _base(m, mb, m_new)
     if detect:
         xmax = mb - base  # = max_n (S - base): subtraction rounding is monotone
-        tau = m_new.abs().add_(1.0).mul_(2.0**-20).clamp_(max=1.0)
+        tau = _snvr_tau(m_new)
         bad = ~(xmax <= tau) | ((m_new != m) & (xmax < -tau))
         if bool(bad.any()):
             nbad = bad.sum()

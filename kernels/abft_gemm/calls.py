@@ -323,12 +323,14 @@ def fused_plan(operand: tuple[torch.Tensor, torch.Tensor], xvar: bool, m: int, k
     return Fused(wcf, bool(xvar), *checksum_split(m, k, wcf.shape[0], cfg[2]))
 
 
-def _checksum_programs(fused: Fused | None, m: int, bm: int, bn: int) -> tuple[int, int]:
-    """(programs, CN) of a call's checksum tiles (`checksum_tiles`; none without ``fused``)."""
+def _checksum_programs(fused: Fused | None, m: int, bm: int, bn: int, w: torch.Tensor) -> tuple[int, int, tuple]:
+    """(programs, CN, (Wc, NC, splits, K blocks per split)) of a call's checksum tiles (`checksum_tiles`): the
+    GEMM kernels' arguments for them; none without ``fused`` (then ``w``, any tensor, stands for the unread
+    Wc)."""
     if fused is None:
-        return 0, 16
+        return 0, 16, (w, 0, 1, 1)
     cn = checksum_cols(fused.cols, bn)
-    return _cdiv(m, bm) * _cdiv(fused.cols, cn) * fused.split, cn
+    return _cdiv(m, bm) * _cdiv(fused.cols, cn) * fused.split, cn, (fused.wc, fused.cols, fused.split, fused.kb_per)
 
 
 def _gemm_call(cfg, L: _Launch, *, bias, P, inj, detect, verify_output, dot_f32, fused: Fused | None = None) -> tuple:
@@ -339,15 +341,14 @@ def _gemm_call(cfg, L: _Launch, *, bias, P, inj, detect, verify_output, dot_f32,
     n = L.y.shape[1]
     t = _cdiv(n, bn)
     n_split, kb_per = split_plan(m, n, k, cfg, detect, L.x.device)
-    c_progs, cn = _checksum_programs(fused, m, bm, bn)
+    c_progs, cn, (wc, nc, c_split, c_kb_per) = _checksum_programs(fused, m, bm, bn, L.w)
     grid = (_cdiv(m, bm) * t * n_split + c_progs,)
     xd, wd, yd = _descriptors(cfg, L)
     cells = _cells(L.x.device)
     return grid, (
         L.x, L.w, L.y, xd, wd, yd, bias if bias is not None else L.y, P, inj if inj is not None else cells, cells,
-        fused.wc if fused is not None else L.w, m, n, k, fused.cols if fused is not None else 0, L.x.stride(0),
-        L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1), n_split, kb_per,
-        fused.split if fused is not None else 1, fused.kb_per if fused is not None else 1,
+        wc, m, n, k, nc, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1), n_split, kb_per,
+        c_split, c_kb_per,
     ), dict(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, HAS_BIAS=bias is not None, DETECT=detect,
         VERIFY_OUTPUT=verify_output, INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0,
@@ -363,11 +364,10 @@ def _persistent_call(cfg, L: _Launch, bias: torch.Tensor | None, P: torch.Tensor
     bm, bn, bk, warps, stages = cfg[:5]
     m, k = L.x.shape
     n = L.y.shape[1]
-    c_progs, cn = _checksum_programs(fused, m, bm, bn)
+    c_progs, cn, (wc, nc, c_split, c_kb_per) = _checksum_programs(fused, m, bm, bn, L.w)
     sms = min(_cdiv(m, bm) * _cdiv(n, bn) + c_progs, sms)
-    return (sms,), (L.x, L.w, L.y, bias if bias is not None else L.y, P, fused.wc if fused is not None else L.w,
-                    m, n, k, fused.cols if fused is not None else 0, L.x.stride(0), L.w.stride(0), L.y.stride(0),
-                    fused.split if fused is not None else 1, fused.kb_per if fused is not None else 1), dict(
+    return (sms,), (L.x, L.w, L.y, bias if bias is not None else L.y, P, wc, m, n, k, nc, L.x.stride(0),
+                    L.w.stride(0), L.y.stride(0), c_split, c_kb_per), dict(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M, NUM_SMS=sms, HAS_BIAS=bias is not None, W_KN=L.kn,
         VERIFY_OUTPUT=verify_output, DOT_F32=INTERP, FUSED=fused is not None, CN=cn, EVEN_K=k % bk == 0,
         XVAR=fused is not None and fused.xvar, num_warps=warps, num_stages=stages)

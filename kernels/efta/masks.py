@@ -17,6 +17,14 @@ from .common import _nanmax
 
 
 @triton.jit
+def _additive_tile(Base, b, h, offs_m, offs_n, s0, s1, s2, s3, inb):
+    """The (BLOCK_M, BLOCK_N) block of an additive bias or mask read through strides ``s0..s3`` (b, h, row,
+    key), fp32, 0 outside ``inb``."""
+    return tl.load(Base + b * s0 + h * s1 + offs_m[:, None] * s2 + offs_n[None, :] * s3, mask=inb,
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _bias_mask(s, offs_m, offs_n, b, h, M, N, window, edge,
                Bias, sbb, sbh, sbm, sbn, Mask, smb, smh, smm, smn, mtile,
                HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
@@ -33,13 +41,11 @@ def _bias_mask(s, offs_m, offs_n, b, h, M, N, window, edge,
     inb = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     add = None  # bias + additive mask (where CHECK_NF tests them): NaN or +inf in either makes this so
     if HAS_BIAS:
-        bt = tl.load(Bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
-                     mask=inb, other=0.0).to(tl.float32)
+        bt = _additive_tile(Bias, b, h, offs_m, offs_n, sbb, sbh, sbm, sbn, inb)
         s = s + bt
         add = bt
     if MASK_KIND == 2:  # additive
-        mt = tl.load(Mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn,
-                     mask=inb, other=0.0).to(tl.float32)
+        mt = _additive_tile(Mask, b, h, offs_m, offs_n, smb, smh, smm, smn, inb)
         s = s + mt
         if HAS_BIAS:
             add = add + mt
@@ -91,12 +97,10 @@ def _step2_again(s, fill, offs_m, offs_n, b, h, M, N, window, edge,
     into them). The bias and mask tiles are the loads step 2 made (the compiler keeps one copy)."""
     inb = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if HAS_BIAS:
-        bt = tl.load(Bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
-                     mask=inb, other=0.0).to(tl.float32)
+        bt = _additive_tile(Bias, b, h, offs_m, offs_n, sbb, sbh, sbm, sbn, inb)
         s = _add_again(s, bt, INTERP)
     if MASK_KIND == 2:
-        mt = tl.load(Mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn,
-                     mask=inb, other=0.0).to(tl.float32)
+        mt = _additive_tile(Mask, b, h, offs_m, offs_n, smb, smh, smm, smn, inb)
         s = _add_again(s, mt, INTERP)
     if MASK_KIND == 1:  # 0 or −inf: exact in either rounding
         s = _add_again(s, mtile, INTERP)

@@ -242,6 +242,22 @@ def _rescale(m_i, m_new, cnt, row_ok, chk, Inj, bh, offs_m, jblk, M, nblocks, IN
 
 
 @triton.jit
+def _snvr_tau(v, snvr_rel, snvr_cap):
+    """Step 3's tolerance around a max ``v`` (BLOCK_M,): ``min(snvr_rel·(1 + |v|), snvr_cap)``."""
+    return tl.minimum(snvr_rel * (1.0 + tl.abs(v)), snvr_cap)
+
+
+@triton.jit
+def _exponent(s, base, scale, FOLD: tl.constexpr):
+    """x = s − base (BLOCK_M, BLOCK_N) fp32; FOLD: s unscaled, x in base-2 units, one FFMA per score."""
+    if FOLD:
+        x = tl.fma(s, scale * _LOG2E, -(base * _LOG2E)[:, None])
+    else:
+        x = s - base[:, None]
+    return x
+
+
+@triton.jit
 def _count_found(cnt, SITE: tl.constexpr, n, REPAIRED: tl.constexpr, CORRECT: tl.constexpr):
     """``n`` faults found at SITE's check: ``detected``, and each also REPAIRED (``corrected`` or
     ``recomputed``) with CORRECT, ``uncorrectable`` without."""
@@ -299,7 +315,7 @@ def _softmax_steps(s, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk
         m2 = _nanmax(_step2_again(s1, mb, offs_m, offs_n, b, h, M, N, window, edge, Bias, sbb, sbh, sbm, sbn,
                                   Mask, smb, smh, smm, smn, mtile, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, False,
                                   INTERP), 1, INTERP)
-        badx = ~(mb <= m2 + tl.minimum(snvr_rel * (1.0 + tl.abs(m2)), snvr_cap)) & row_ok & chk
+        badx = ~(mb <= m2 + _snvr_tau(m2, snvr_rel, snvr_cap)) & row_ok & chk
         nbx = tl.sum(badx.to(tl.int32), axis=0)
         if nbx > 0:
             cnt = _count_found(cnt, _ROWMAX, nbx, _REC, CORRECT)
@@ -316,28 +332,22 @@ def _softmax_steps(s, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk
     bad_row = row_ok & False
     if DETECT:
         xmax = mb - base
-        tau = tl.minimum(snvr_rel * (1.0 + tl.abs(m_new)), snvr_cap)
+        tau = _snvr_tau(m_new, snvr_rel, snvr_cap)
         badm = (~(xmax <= tau) | ((m_new != m_i) & (xmax < -tau))) & row_ok & chk
         bad_row = badm
         if REPAIR:
             nbm = tl.sum(badm.to(tl.int32), axis=0)
             if nbm > 0:
-                cnt = _bump(cnt, _ROWMAX + _DET, nbm)
+                cnt = _count_found(cnt, _ROWMAX, nbm, _REC, CORRECT)
                 if CORRECT:
-                    cnt = _bump(cnt, _ROWMAX + _REC, nbm)
                     m_new = tl.where(badm, _max_nan(m_i, mb), m_new)
                     all_inf = (m_new == -float("inf")) & (mb == -float("inf")) & (m_i == -float("inf"))
                     base = tl.where(all_inf, 0.0, m_new)
-                else:
-                    cnt = _bump(cnt, _ROWMAX + _UNC, nbm)
             nm_new = tl.where(badm, -m_new, nm_new)  # (the clean pass: a flagged row is redone anyway)
     # ---- 4. x, P = exp(x), product check per group (anchored on step 2 again, not on x nor on s) ----
-    if FOLD:  # x in base-2 units (x·log2 e), one FFMA
-        x = tl.fma(s, scale * _LOG2E, -(base * _LOG2E)[:, None])
-    else:
-        x = s - base[:, None]
-        if HALF:  # PASA's full FP16 allocation: x and P held in fp16
-            x = x.to(tl.float16).to(tl.float32)
+    x = _exponent(s, base, scale, FOLD)  # FOLD: in base-2 units (x·log2 e)
+    if HALF:  # PASA's full FP16 allocation: x and P held in fp16 (never with FOLD)
+        x = x.to(tl.float16).to(tl.float32)
     if INJ_X != 0:  # (the host keeps FOLD off while injecting here: x in natural units, as in the reference)
         x = _inject(x, Inj, _I_EXPONENT, INJ_X, bh, offs_m[:, None], offs_n[None, :], M, N)
     p = _exp(x, INTERP, FOLD)
@@ -376,20 +386,13 @@ def _softmax_steps(s, m_i, nm_i, cnt, nf, offs_m, offs_n, row_ok, b, h, bh, jblk
         bad_row = bad_row | (tl.max(badg.to(tl.int32), axis=1) > 0)
         nbp = tl.sum(tl.sum(badg.to(tl.int32), axis=1), axis=0)
         if nbp > 0:
-            cnt = _bump(cnt, _PROBS + _DET, nbp)
+            cnt = _count_found(cnt, _PROBS, nbp, _COR, CORRECT)
             if CORRECT:  # step 2, x, exp and the rounding again over every member of a failing group
-                cnt = _bump(cnt, _PROBS + _COR, nbp)
                 redo = tl.reshape(tl.broadcast_to(badg[:, None, :], (x.shape[0], x.shape[1] // 16, 16)),
                                   (x.shape[0], x.shape[1]))
                 s2 = _step2_again(s1, base, offs_m, offs_n, b, h, M, N, window, edge, Bias, sbb, sbh, sbm, sbn,
                                   Mask, smb, smh, smm, smn, mtile, HAS_BIAS, MASK_KIND, CAUSAL, HAS_WINDOW, False,
                                   INTERP)
-                if FOLD:
-                    x2 = tl.fma(s2, scale * _LOG2E, -(base * _LOG2E)[:, None])
-                else:
-                    x2 = s2 - base[:, None]
-                p = tl.where(redo, _exp(x2, INTERP, FOLD), p)
+                p = tl.where(redo, _exp(_exponent(s2, base, scale, FOLD), INTERP, FOLD), p)
                 pd = tl.where(redo, _round_to(p, PVDT, INTERP), pd)
-            else:
-                cnt = _bump(cnt, _PROBS + _UNC, nbp)
     return s, m_new, nm_new, p, pd, bad_row, e4, cnt, nf
