@@ -5,7 +5,7 @@ Counters: a program keeps its events in a (`_NSLOT`,) int32 vector, slot = site 
 the contract's (sites, kinds) counter block (`ft_transformers.kernels.contract`): ``_SCORES + _DET`` is
 ``attn.scores``/``detected``. `_finish` adds the vector into the caller's block with one atomic each.
 
-Injection table (built on the host, ``host._injection_table``): a header of ``_HDR`` int32 per
+Injection table (built on the host, ``injection._injection_table``): a header of ``_HDR`` int32 per
 attention site (in the contract's ``ATTENTION_SITES`` order: mode, bit, seed, ber bits, csr offset,
 positions offset), then per bit-mode site a CSR over ``b·Hq + h`` and the (row, column) pairs of its
 flips. ``_I_<SITE>`` is a site's place in that order.

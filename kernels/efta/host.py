@@ -1,6 +1,6 @@
 """Host side of EFTA: `efta_triton_forward` and its steps, one function each: validate the call
 (`_validate`), replay a known signature's launches (`_Replay`), build the injection table
-(`_injection_table`), pick the block config (`_fixed_config`, `_tuned_config`), lay out the grid
+(`injection._injection_table`), pick the block config (`_fixed_config`, `_tuned_config`), lay out the grid
 (`_layout`), allocate the call's scratch (`_scratch`), and launch the checksum pre-pass, the forward and
 the split-key merge.
 
@@ -8,21 +8,14 @@ Replay: a call whose signature (tensor metadata, settings, the `Options` in forc
 seen before replays that call's launches with its own tensors (`_Replay`), skipping validation, the
 config lookup and the argument building; calls with injection and PASA calls take the full path.
 
-Injection: the attention sites of the contract (``ATTENTION_SITES``), at the points it names, in the
-logical shapes and storage dtypes it gives (`contract.site_shape`, `contract.site_dtype`: fp32, or
-the input dtype for ``attn.probs_lp``). Bit mode: positions from ``plan.for_site`` are handed to the
-kernel as a small int32 table sorted by (batch, head); each program xors the ones in its tile. BER
-mode: Philox (``tl.randint4x``) per logical element. While anything is injected the kernel uses a
-fixed config with BLOCK_N = 64 (the reference's block, so per-block positions mean the same block)
-and visits every key block (no skipping), so faults land exactly where they land in the reference.
-``attn.checksum`` only exists with the checks on (like the reference, a call without them injects
-nothing there). A plan is duck-typed (the contract's docstring): anything with ``for_site``.
+Injection (`injection._injection_table`): while anything is injected the kernel uses a fixed config with
+BLOCK_N = 64 (the reference's block, so per-block positions mean the same block) and visits every key
+block (no skipping), so faults land exactly where they land in the reference.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -35,15 +28,12 @@ from ..contract import (
     COUNTER_SHAPE,
     exp_clamp,
     kernel_head_dim,
-    site_dtype,
-    site_shape,
 )
 from ..launch import DirectLauncher, record_launches, replay_launches
 from ..options import Options, options
 from ..tl_common import call_flag, on_tensor_device, runs_interpreted
 from ..tl_common import cdiv as _cdiv
 from .checksums import vc_rows
-from .common import _HDR
 from .configs import (
     BOUNDS,
     CONFIG_INJECT,
@@ -61,6 +51,7 @@ from .configs import (
     _wide,
 )
 from .decode import _efta_combine
+from .injection import _injection_table
 from .kernel import _efta_fwd
 from .stored import _PARTS, _PREPASS, StoredTables
 
@@ -155,61 +146,6 @@ def _arrival_cells(device: torch.device) -> torch.Tensor:
     if c is None:
         c = _ARRIVE[device] = torch.zeros(SPLIT_BLOCKS, dtype=torch.int32, device=device)
     return c
-
-
-# ------------------------------------------------------------------------------------------------
-# Injection table
-# ------------------------------------------------------------------------------------------------
-
-_SITE_MODE_NONE, _SITE_MODE_BIT, _SITE_MODE_BER = 0, 1, 2
-
-
-def _seed32(seed: int) -> int:
-    return (seed ^ (seed >> 31) ^ (seed >> 62)) & 0x7FFFFFFF
-
-
-def _injection_table(plan: Any, B: int, Hq: int, M: int, N: int, D: int, nblocks: int, pv_dtype: torch.dtype,
-                     detect: bool, device: torch.device) -> tuple[torch.Tensor | None, list[int]]:
-    """int32 table: header (6 ints per site: mode, bit, seed, ber bits, csr offset, positions
-    offset), then per bit-mode site a CSR over b·Hq + h (B·Hq + 1 offsets) and (row, col) pairs.
-    ``plan``: a fault plan (contract's docstring) or None; ``pv_dtype``: the dtype GEMM II reads P in
-    (``attn.probs_lp``'s storage); ``detect``: the checks run (else ``attn.checksum`` has no value)."""
-    modes = [_SITE_MODE_NONE] * len(ATTENTION_SITES)
-    if not plan:
-        return None, modes
-    header = [0] * (_HDR * len(ATTENTION_SITES))
-    body: list[int] = []
-    base = len(header)
-    for si, site in enumerate(ATTENTION_SITES):
-        if site == "attn.checksum" and not detect:
-            continue
-        sf = plan.for_site(site, site_shape(site, B, Hq, M, N, D, nblocks, STRIDE), site_dtype(site, pv_dtype),
-                           device)
-        if sf is None:
-            continue
-        if sf.spec.bit is not None:
-            pos = sf.positions
-            if pos is None or pos.numel() == 0:
-                continue
-            modes[si] = _SITE_MODE_BIT
-            pos = pos.to(torch.int64).cpu()
-            bh = pos[:, 0] * Hq + pos[:, 1]
-            order = torch.argsort(bh, stable=True)
-            counts = torch.bincount(bh, minlength=B * Hq)
-            csr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
-            pairs = pos[order][:, 2:4].reshape(-1)
-            hdr = [_SITE_MODE_BIT, int(sf.spec.bit), 0, 0, base + len(body), base + len(body) + csr.numel()]
-            body += csr.tolist() + pairs.tolist()
-            sf.injected += int(pos.shape[0])
-        else:
-            modes[si] = _SITE_MODE_BER
-            ber_bits = struct.unpack("<i", struct.pack("<f", float(sf.spec.ber)))[0]
-            hdr = [_SITE_MODE_BER, 0, _seed32(sf.seed), ber_bits, 0, 0]
-        header[si * _HDR:(si + 1) * _HDR] = hdr
-    if not any(modes):
-        return None, modes
-    table = torch.tensor(header + body, dtype=torch.int32)
-    return table.to(device), modes
 
 
 # ------------------------------------------------------------------------------------------------
