@@ -61,12 +61,19 @@ def _bias_mask(s, offs_m, offs_n, b, h, M, N, window, edge,
             mtile = _bool_mask_tile(offs_m, offs_n, b, h, M, N, Mask, smb, smh, smm, smn)
         s = s + mtile
     if edge:
-        if CAUSAL:
-            s = tl.where(offs_n[None, :] <= offs_m[:, None] + (N - M), s, -float("inf"))
-        if HAS_WINDOW:
-            s = tl.where(offs_n[None, :] > offs_m[:, None] + (N - M - window), s, -float("inf"))
-        s = tl.where(offs_n[None, :] < N, s, -float("inf"))
+        s = _positional(s, -float("inf"), offs_m, offs_n, M, N, window, CAUSAL, HAS_WINDOW)
     return s, nf
+
+
+@triton.jit
+def _positional(s, other, offs_m, offs_n, M, N, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """``s`` (BLOCK_M, BLOCK_N) with ``other`` (a scalar or (BLOCK_M, 1)) at the keys the positional masks
+    hide: past the causal limit, at or before the sliding-window limit, past N (bottom-right aligned)."""
+    if CAUSAL:
+        s = tl.where(offs_n[None, :] <= offs_m[:, None] + (N - M), s, other)
+    if HAS_WINDOW:
+        s = tl.where(offs_n[None, :] > offs_m[:, None] + (N - M - window), s, other)
+    return tl.where(offs_n[None, :] < N, s, other)
 
 
 @triton.jit
@@ -110,11 +117,7 @@ def _step2_again(s, fill, offs_m, offs_n, b, h, M, N, window, edge,
     else:
         other = -float("inf")
     if edge:
-        if CAUSAL:
-            s = tl.where(offs_n[None, :] <= offs_m[:, None] + (N - M), s, other)
-        if HAS_WINDOW:
-            s = tl.where(offs_n[None, :] > offs_m[:, None] + (N - M - window), s, other)
-        s = tl.where(offs_n[None, :] < N, s, other)
+        s = _positional(s, other, offs_m, offs_n, M, N, window, CAUSAL, HAS_WINDOW)
     return s
 
 
