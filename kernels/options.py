@@ -30,7 +30,7 @@ variable                           field                        meaning
 ``FTT_ABFT_GEMM_SPLIT=n``          ``gemm_split``               decode calls split K over n programs
 ``FTT_ABFT_GEMM_PERSISTENT=0/1``   ``gemm_persistent``          never / always the persistent form
 ``FTT_ABFT_GEMM_CUBLAS=0/1``       ``gemm_cublas``              never / always the cuBLAS form (auto: CUDA
-                                                                calls of 64 < M ≤ 512, N ≤ 4096)
+                                                                calls of M > 16 by `forms.cublas_auto`)
 ``FTT_ABFT_GEMM_FUSED=0/1``        ``gemm_fused``               the tile and persistent forms' group checksums
                                                                 in the verification's launch / as checksum
                                                                 programs of the GEMM's (auto: fp16/bf16 calls

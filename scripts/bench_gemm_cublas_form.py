@@ -17,9 +17,9 @@ Columns, times per call (medians over interleaved rounds), CUDA-graph replays un
   wrote: an upper bound of its cost; ``--no-ops-form`` leaves it out);
 * ``fused``: the library's checked GEMM with the cuBLAS form switched off (``gemm_cublas=False``: the fused
   Triton GEMM, the decode kernel at M ≤ 16), whatever `forms.cublas_ok`'s default rule picks;
-* ``cublas_fused``: the library's cuBLAS form (``Options.gemm_cublas``): the product, then one launch of the
-  group verification that reads y32 once (bias, rounding, group sums), takes the checksum dots and x's row
-  statistics from one read of x, and writes y;
+* ``cublas_fused``: the library's cuBLAS form (``Options.gemm_cublas``): cuBLAS's product (fp32 output) with the
+  checksum programs (dots and x's statistics) beside it on a side stream, then one launch of its check
+  (`product_check`) that reads y32 once (bias, rounding, group sums) and writes y;
 * with ``--eager``: ``cublas_eager``, ``fused_eager``, ``cublas_fused_eager`` (launched as they come, the
   host's work included).
 
@@ -30,6 +30,7 @@ flip injected at ``linear.output`` (``detected/corrected``, 1/1 expected).
 
     python scripts/bench_gemm_cublas_form.py --out gemm_cublas_form.csv [--dtype bfloat16] [--quick]
     python scripts/bench_gemm_cublas_form.py --models qwen2-0.5b,qwen2-1.5b --rows 1,16,64,128,512,4096 --eager
+    python scripts/bench_gemm_cublas_form.py --plot new.csv more.csv --before old.csv --out forms.png
 """
 
 from __future__ import annotations
@@ -167,9 +168,50 @@ def bench_shape(m: int, n: int, k: int, dtype: torch.dtype, rep: int, rounds: in
     return row
 
 
+def plot(csvs: list[Path], before: Path | None, out: Path) -> None:
+    """One panel per (model, layer) of the CSVs ``csvs``: throughput against cuBLAS over M of the cuBLAS form, of
+    the fused GEMM and, from ``before`` (the same script's CSV from an older tree), of the older cuBLAS form."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for path in csvs for r in csv.DictReader(path.open())]
+    old = list(csv.DictReader(before.open())) if before else []
+    layers = list(dict.fromkeys((r["model"], r["layer"]) for r in rows))
+    cols = 4
+    fig, axes = plt.subplots(-(-len(layers) // cols), cols, figsize=(16, 3.3 * -(-len(layers) // cols)),
+                             sharey=True, squeeze=False)
+    for ax, key in zip(axes.flat, layers):
+        mine = [r for r in rows if (r["model"], r["layer"]) == key]
+        prev = [r for r in old if (r["model"], r["layer"]) == key]
+        ms = [int(r["m"]) for r in mine]
+        ax.plot(ms, [float(r["cublas_fused_vs_cublas"]) for r in mine], "o-", color="C0", label="cuBLAS form")
+        if prev:
+            ax.plot([int(r["m"]) for r in prev], [float(r["cublas_fused_vs_cublas"]) for r in prev], "s--",
+                    color="C1", label=f"cuBLAS form, {before.stem}")
+        ax.plot(ms, [float(r["fused_vs_cublas"]) for r in mine], "^:", color="C2", label="fused Triton GEMM")
+        ax.axhline(0.9, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.0)
+        ax.grid(alpha=0.3)
+        ax.set_title(f"{key[0]} {key[1]} (N={mine[0]['n']}, K={mine[0]['k']})", fontsize=9)
+    for ax in axes[-1]:
+        ax.set_xlabel("M (rows)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("throughput / cuBLAS")
+    axes.flat[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"Checked GEMM against cuBLAS, {rows[0]['dtype']}, CUDA graphs (grey: 0.90)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("gemm_cublas_form.csv"))
+    ap.add_argument("--plot", type=Path, nargs="+", help="no timing: plot these CSVs of this script into --out (PNG)")
+    ap.add_argument("--before", type=Path, help="with --plot: a CSV of an older tree, its cuBLAS form beside")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--quick", action="store_true", help="Qwen2-0.5B's layers at 64 and 4096 rows only")
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated, of {MODELS}")
@@ -180,6 +222,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rep", type=int, default=40, help="do_bench repetition time (ms)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(args.plot, args.before, args.out)
+        return []
     models = args.models.split(",")
     if not set(models) <= set(MODELS):
         ap.error(f"--models takes names from {MODELS}, got {args.models!r}")

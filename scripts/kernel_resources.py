@@ -38,6 +38,7 @@ from ft_transformers.kernels.abft_gemm import configs as gc
 from ft_transformers.kernels.abft_gemm.decode import grouped_gemm_kernel
 from ft_transformers.kernels.abft_gemm.groups import _group_verify_kernel
 from ft_transformers.kernels.abft_gemm.persistent import _persistent_kernel
+from ft_transformers.kernels.abft_gemm.product_check import _checksum_kernel, _product_check_kernel
 from ft_transformers.kernels.abft_gemm.tile import _gemm_kernel
 from ft_transformers.kernels.efta.kernel import _efta_fwd
 from triton.backends.compiler import GPUTarget
@@ -126,22 +127,26 @@ def compile_variant(dtype: str, over: dict, num_warps: int, num_stages: int, arc
 
 # The checked GEMM's kernels, compiled as `kernels.abft_gemm.calls` launches them: the tile GEMM
 # (`tile._gemm_kernel`), the group verification after it (`groups._group_verify_kernel`), the persistent
-# GEMM (`persistent._persistent_kernel`) and the decode kernel (`decode.grouped_gemm_kernel`).
+# GEMM (`persistent._persistent_kernel`), the decode kernel (`decode.grouped_gemm_kernel`) and the cuBLAS
+# form's checksum programs and check (`product_check`).
 GEMM_KERNELS = {"tile": _gemm_kernel, "verify": _group_verify_kernel, "persistent": _persistent_kernel,
-                "decode": grouped_gemm_kernel}
+                "decode": grouped_gemm_kernel, "checksums": _checksum_kernel, "check": _product_check_kernel}
 # each kernel's constexprs before a variant's overrides; its config tuple's entries go to CFG_NAMES
 GEMM_BASE = {
     "tile": dict(GROUP=gc.GROUP_M, HAS_BIAS=False, DETECT=True, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False,
                  EVEN_K=True, TMA=False, W_KN=False, TMA_STORE=False, SPLIT=False, FUSED=False, CN=16, XVAR=False),
-    "verify": dict(HAS_BIAS=False, CORRECT=True, DEBUG=False, DOT_F32=False, SPLIT=False, Y32=False, INJ=False,
-                   VERIFY_OUTPUT=False, XVAR=False, FUSED=False),
+    "verify": dict(HAS_BIAS=False, CORRECT=True, DEBUG=False, DOT_F32=False, SPLIT=False, XVAR=False, FUSED=False),
     "persistent": dict(GROUP=gc.GROUP_M, NUM_SMS=132, HAS_BIAS=False, W_KN=False, VERIFY_OUTPUT=False, DOT_F32=False,
                        FUSED=False, CN=16, EVEN_K=True, XVAR=False),
     "decode": dict(ROWS=1, HAS_BIAS=False, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
                    CORRECT=True, SPLIT=False, SEGS=1, XVAR=False),
+    "checksums": dict(EVEN_K=True, DOT_F32=False, XVAR=False),
+    "check": dict(REPAIR_K=gc.VERIFY_BLOCK[2], HAS_BIAS=False, CORRECT=True, DEBUG=False, DOT_F32=False, INJ=False,
+                  VERIFY_OUTPUT=False, XVAR=False),
 }
 CFG_NAMES = {"tile": ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "verify": ("BLOCK_R", "BLOCK_G", "BLOCK_K"),
-             "persistent": ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "decode": ("BLOCK_M", "G", "BLOCK_K")}
+             "persistent": ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "decode": ("BLOCK_M", "G", "BLOCK_K"),
+             "checksums": ("BLOCK_M", "CN", "BLOCK_K"), "check": ("BLOCK_R", "BLOCK_G")}
 SLICES = {"fp16": 2, "bf16": 3, "fp32": 1}  # the verification's checksum slices (`calls.group_operand`)
 # (name, kernel, dtype, (block sizes..., num_warps, num_stages), overrides of GEMM_BASE[kernel])
 GEMM_VARIANTS = [
@@ -175,11 +180,15 @@ GEMM_VARIANTS = [
     ("verify, 1 slice, IEEE dots, split-K", "verify", "fp32", gc.VERIFY_BLOCK, dict(DOT_F32=True, SPLIT=True)),
     ("verify, 2 slices, detection only", "verify", "fp16", gc.VERIFY_BLOCK, dict(CORRECT=False)),
     ("verify, 3 slices, debug record", "verify", "bf16", gc.VERIFY_BLOCK, dict(DEBUG=True)),
-    # the cuBLAS form's: y made from the fp32 product in the same launch (bias, rounding, injection)
-    ("verify cuBLAS form, 2 slices, split-K, bias", "verify", "fp16", gc.VERIFY_BLOCK,
-     dict(Y32=True, SPLIT=True, HAS_BIAS=True)),
-    ("verify cuBLAS form, 3 slices, injection", "verify", "bf16", gc.VERIFY_BLOCK, dict(Y32=True, INJ=True)),
-    ("verify cuBLAS form, output-side sums", "verify", "fp16", gc.VERIFY_BLOCK, dict(Y32=True, VERIFY_OUTPUT=True)),
+    # the cuBLAS form's: its checksum programs (2 slices of 896 columns, 3 of 4864, on the side stream) and its
+    # check (y made from cuBLAS's fp32 product: bias, rounding, injection); short-prompt and long blocks
+    ("cuBLAS form checksums, 2 slices", "checksums", "fp16", (64, 32, 64, 4, 3), {}),
+    ("cuBLAS form checksums, 3 slices, outlier estimate", "checksums", "bf16", (64, 128, 64, 4, 3),
+     dict(XVAR=True)),
+    ("cuBLAS form check, 2 slices, bias", "check", "fp16", (16, 1, 4, 1), dict(HAS_BIAS=True)),
+    ("cuBLAS form check, 3 slices, injection", "check", "bf16", (16, 8, 8, 1), dict(INJ=True)),
+    ("cuBLAS form check, long, output-side sums", "check", "fp16", (64, 2, 8, 1), dict(VERIFY_OUTPUT=True)),
+    ("cuBLAS form check, long, outlier estimate", "check", "bf16", (64, 1, 4, 1), dict(XVAR=True)),
     # x's outlier variance estimate (XVAR: the sum of squares beside sum, max and min)
     ("verify, outlier estimate", "verify", "fp16", gc.VERIFY_BLOCK, dict(XVAR=True)),
     ("verify, outlier estimate, split-K", "verify", "bf16", gc.VERIFY_BLOCK, dict(XVAR=True, SPLIT=True)),
@@ -213,7 +222,7 @@ _GEMM_FLOATS = {"inv_k", "emax", "csigma", "reverify_scale"}
 _GEMM_INTS_1 = ("sxk", "swk", "syn", "scn1")  # unit inner strides (contiguous x, W, y, counters)
 # integers that are not multiples of 16 (or are not specialised: call_id, and the verification's w_finite)
 _GEMM_NOT_DIV16 = ("call_id", "w_finite", "scn0", "n_split", "kb_per", "t_b", "t_c", "TG", "NC", "c_split", "c_kb_per",
-                   "n_csplit")
+                   "n_csplit", "ldc")
 
 
 def compile_gemm_variant(kernel: str, dtype: str, cfg: tuple, over: dict, arch: int):
@@ -225,7 +234,7 @@ def compile_gemm_variant(kernel: str, dtype: str, cfg: tuple, over: dict, arch: 
     fn = GEMM_KERNELS[kernel]
     *blocks, warps, stages = cfg[:5]
     consts = {**GEMM_BASE[kernel], **over, **dict(zip(CFG_NAMES[kernel], blocks))}
-    if kernel == "verify":
+    if kernel in ("verify", "check"):
         consts["SLICES"] = SLICES[dtype]
     kn = bool(consts.get("W_KN"))  # a (K, N) weight: its unit stride is swn
     ones = [n for n in _GEMM_INTS_1 if not (kn and n == "swk")] + ["swn"] * kn
@@ -234,7 +243,7 @@ def compile_gemm_variant(kernel: str, dtype: str, cfg: tuple, over: dict, arch: 
     if kernel == "decode":
         ones += ["w_finite"] + (["M"] if consts["ROWS"] == 1 else [])
     consts.update({n: 1 for n in ones if n in fn.arg_names})
-    bm, bn, bk = blocks
+    bm, bn, bk = (*blocks, 1, 1)[:3]
     tma_blocks = {"Xd": (bm, bk), "Wd": (bk, bn) if kn else (bn, bk), "Yd": (bm, bn)}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -351,7 +360,8 @@ def main() -> int:
     rows = []
     only = [w for w in args.only.split(",") if w]
     if args.kernel == "gemm":
-        todo = [(name, dtype, (kernel, cfg, over), cfg[3], cfg[4]) for name, kernel, dtype, cfg, over in GEMM_VARIANTS]
+        todo = [(name, dtype, (kernel, cfg, over), cfg[-2], cfg[-1])  # (cfg ends with warps, stages)
+                for name, kernel, dtype, cfg, over in GEMM_VARIANTS]
     else:
         todo = VARIANTS
     for name, dtype, over, nw, ns in todo:

@@ -3,8 +3,8 @@
 Every form checks each (row, 64-column group) of y against its own threshold and counts events per
 such unit: the decode kernel (M ≤ 16, fp16/bf16) inside its tiles, the tile and persistent GEMMs
 through the group verification launched after them (`groups._group_verify_kernel`), and the cuBLAS form
-(fp16/bf16, ``Options.gemm_cublas``) through the same verification reading cuBLAS's fp32 product (under
-the interpreter the upcast fp32 product, `calls.fp32_product`).
+(fp16/bf16, ``Options.gemm_cublas``) through its check (`product_check`) of cuBLAS's fp32 product and
+checksum dots (under the interpreter the upcast fp32 products, `calls.fp32_product`).
 
 Oracles: float64 ``torch.matmul`` for the values and for the verification quantities (group sums,
 checksums, thresholds), and the PyTorch checked path (``backend="reference"``, which verifies the
@@ -195,14 +195,15 @@ def _seed_where(bit, count, m, n, dtype, ref, pattern):
 
 
 FORMS = ("tile", "decode", "persistent", "cublas")
-LAUNCHERS = ("_GEMM_LAUNCH", "_VERIFY_LAUNCH", "_GROUPED_LAUNCH", "_PERSISTENT_LAUNCH", "_product_launch")
-LAUNCHED = {"tile": [0, 1], "decode": [2], "persistent": [3, 1], "cublas": [4, 1]}  # each form's launchers, in order
+LAUNCHERS = ("_GEMM_LAUNCH", "_VERIFY_LAUNCH", "_GROUPED_LAUNCH", "_PERSISTENT_LAUNCH", "_product_launch",
+             "_CHECK_LAUNCH")  # (the cuBLAS form's checksum programs launch inside _product_launch)
+LAUNCHED = {"tile": [0, 1], "decode": [2], "persistent": [3, 1], "cublas": [4, 5]}  # each form's launchers, in order
 
 
 def _launched(monkeypatch) -> list:
-    """Wrap the five launchers of `calls`; returns the list their indices are appended to as they launch
+    """Wrap the six launchers of `calls`; returns the list their indices are appended to as they launch
     (0 the tile GEMM, 1 the group verification, 2 the decode kernel, 3 the persistent GEMM, 4 the cuBLAS
-    form's product)."""
+    form's product with its checksum programs, 5 its check)."""
     seen = []
     for which, name in enumerate(LAUNCHERS):
         real = getattr(calls, name)
@@ -1169,18 +1170,20 @@ def test_cublas_form_is_the_rounded_product_and_verifies_clean(dtype, m, n, k, k
     torch.testing.assert_close(y.double().cpu(), y_r.double().cpu(), rtol=ULP[dtype], atol=0)
 
 
-def test_cublas_form_programs_share_groups_and_k(setopt):
-    """`forms.y32_split` on the interpreter's 4 SMs: a call of one block runs as up to 2 programs per SM,
-    one group each at least, some without K blocks where K has fewer than the programs; more K blocks than
-    groups keep `verify_split`'s K split; many blocks, one program each. Each plan verifies like float64
-    (`_check_residuals`, both modes, a flip in the last program's group); on a GPU the same shapes, with its
-    SMs' plans."""
+def test_cublas_form_blocks_and_checksum_plans(setopt):
+    """`forms.check_blocks` and `forms.checksum_plan` on the interpreter's 4 SMs: 16-row check blocks up to 256
+    rows, 64 beyond, as many groups per block as keep 8 programs within an 8192-element tile (a ragged last group
+    block at 20 × 1100); the checksum programs' K split over up to 2 programs of at least 2 K blocks. Each plan
+    checks like float64 (`_check_residuals`, both modes, a flip in the last group); on a GPU the same shapes,
+    with its SMs' plans."""
     _take("cublas", setopt)
     dev = torch.device(DEV)
-    cases = [((20, 150, 96), (3, 2)), ((20, 150, 192), (3, 2)), ((20, 64, 640), (4, 3)), ((300, 150, 64), (1, 1))]
-    for (m, n, k), plan in cases:
+    cases = [((20, 150, 96), (16, 1), 1), ((20, 1100, 64), (16, 4), 1), ((300, 150, 64), (64, 2), 1),
+             ((20, 150, 640), (16, 1), 2), ((300, 64, 40), (64, 1), 1)]
+    for (m, n, k), blocks, splits in cases:
         if G.interpreting():
-            assert forms.y32_split(m, n, k, dev) == plan, (m, n, k)
+            assert forms.check_blocks(m, n, dev) == blocks, (m, n, k)
+            assert forms.checksum_plan(m, k, 2 * -(-n // GC), dev)[5] == splits, (m, n, k)
         x = _rand((m, k), torch.float16, 1301, 1.0, "N(1,1)")
         w = _rand((n, k), torch.float16, 1302, k**-0.5)
         b = _rand((n,), torch.float16, 1303)
@@ -1263,7 +1266,7 @@ def test_cublas_form_only_where_switched_on(monkeypatch, setopt):
     x16, w16 = _rand((6, 32), torch.float16, 1601), _rand((64, 32), torch.float16, 1602)
     x32, w32 = x16.float(), w16.float()
     for switch, x, w, detect, want in ((None, x16, w16, True, [2]), (None, x16.repeat(4, 1), w16, True, [0, 1]),
-                                       (True, x16, w16, True, [4, 1]), (True, x16.repeat(4, 1), w16, True, [4, 1]),
+                                       (True, x16, w16, True, [4, 5]), (True, x16.repeat(4, 1), w16, True, [4, 5]),
                                        (True, x32, w32, True, [0, 1]), (True, x16, w16, False, [0])):
         setopt(gemm_cublas=switch)
         seen.clear()
@@ -1272,21 +1275,32 @@ def test_cublas_form_only_where_switched_on(monkeypatch, setopt):
 
 
 def test_cublas_form_default_rule(monkeypatch, setopt):
-    """``Options.gemm_cublas`` unset: fp16/bf16 calls on a CUDA device (not interpreted) take the cuBLAS form at
-    64 < M ≤ 512 and N ≤ 4096, K any (`forms.CUBLAS_AUTO_*`); CPU, interpreted and fp32 calls never; the
-    switch off, none."""
+    """``Options.gemm_cublas`` unset: fp16/bf16 calls on a CUDA device (not interpreted) take the cuBLAS form
+    where it was measured ahead (`forms.CUBLAS_AUTO`): 16 < M ≤ 256 up to N = 18,944; to 512, N ≤ 4096; to 1024,
+    N ≤ 1536; beyond, N ≤ 512; K any; in a graph being captured, or eager where the call is not host-bound.
+    CPU, interpreted and fp32 calls never; the switch off, none."""
     import types
 
-    cuda16 = types.SimpleNamespace(dtype=torch.float16, device=torch.device("cuda"))
+    cuda16 = types.SimpleNamespace(dtype=torch.float16, device=torch.device("cuda"), shape=(1, 896))
     monkeypatch.setattr(forms, "INTERP", False)
+    monkeypatch.setattr(forms, "capturing", lambda: True)
     setopt(gemm_cublas=None)
-    for m, n, want in ((1, 896, False), (16, 896, False), (64, 896, False), (65, 896, True), (128, 128, True),
-                       (512, 3584, True), (512, 4096, True), (513, 896, False), (4096, 896, False),
-                       (128, 4097, False), (128, 4864, False), (256, 151936, False)):
+    for m, n, want in ((1, 896, False), (16, 896, False), (17, 896, True), (64, 896, True), (128, 128, True),
+                       (128, 4864, True), (256, 18944, True), (256, 18945, False), (256, 151936, False),
+                       (257, 4096, True), (512, 4096, True), (512, 4097, False), (513, 1536, True),
+                       (1024, 1537, False), (1025, 512, True), (4096, 513, False), (4096, 896, False)):
         assert forms.cublas_ok(m, n, cuda16) is want, (m, n)
-    assert forms.cublas_ok(128, 896, types.SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda")))
-    assert not forms.cublas_ok(128, 896, types.SimpleNamespace(dtype=torch.float32, device=torch.device("cuda")))
+    assert forms.cublas_ok(128, 896, types.SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda"),
+                                                           shape=(1, 896)))
+    assert not forms.cublas_ok(128, 896, types.SimpleNamespace(dtype=torch.float32, device=torch.device("cuda"),
+                                                               shape=(1, 896)))
     assert not forms.cublas_ok(128, 896, torch.zeros(128, 8, dtype=torch.float16))  # a CPU tensor
+    monkeypatch.setattr(forms, "capturing", lambda: False)  # eager: host-bound calls keep the fused form
+    assert not forms.cublas_ok(128, 896, cuda16)
+    wide_k = types.SimpleNamespace(dtype=torch.float16, device=torch.device("cuda"), shape=(1, 16384))
+    assert forms.host_bound(128, 18944, 16384) and not forms.host_bound(256, 18944, 16384)
+    assert not forms.cublas_ok(128, 18944, wide_k) and forms.cublas_ok(256, 18944, wide_k)
+    monkeypatch.setattr(forms, "capturing", lambda: True)
     setopt(gemm_cublas=False)
     assert not forms.cublas_ok(128, 896, cuda16)
     monkeypatch.setattr(forms, "INTERP", True)
@@ -1784,26 +1798,56 @@ def test_gpu_checksums_repeat_bit_for_bit_without_split(dtype, setopt):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cublas_form_by_default_in_graphs(monkeypatch, setopt):
+    """``Options.gemm_cublas`` unset, a short prompt's call (128 × 896 × 896, fp16): eager, host-bound, it takes
+    the tile form; captured into a CUDA graph it takes the cuBLAS form (its kernels first compiled during that
+    capture, its checksum programs a branch of the graph), and the replay's y agrees with float64 within the GEMM
+    bound and with the eager y within an ulp, with no event."""
+    setopt(gemm_cublas=None)
+    seen = _launched(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(128, 896, device="cuda", generator=g).half()
+    w = (torch.randn(896, 896, device="cuda", generator=g) / 896**0.5).half()
+    b = torch.randn(896, device="cuda", generator=g).half()
+    wc, cnt = WeightChecksums.compute(w, b), new_counters(DEV)
+    y = checked_gemm(x, w, b, wc=wc, counters=cnt)
+    assert seen == LAUNCHED["tile"], seen
+    seen.clear()
+    graph, y_graph = captured(lambda: checked_gemm(x, w, b, wc=wc, counters=cnt), warmups=2)
+    assert seen[-2:] == LAUNCHED["cublas"] and seen[:-2] == LAUNCHED["tile"] * 2, seen
+    cnt.zero_()
+    y_graph.zero_()
+    graph.replay()
+    ref = _ref64(x, w, b)
+    tol = _gemm_rel_tol(torch.float16, 896) * float(ref.abs().max())
+    assert float((y_graph.double().cpu() - ref).abs().max()) <= tol
+    torch.testing.assert_close(y_graph, y, rtol=ULP[torch.float16], atol=0)
+    assert dict(FaultStats(cnt)) == ZERO
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", DTYPES16, ids=str)
 @pytest.mark.parametrize("m,n,k", [(1, 4864, 896), (64, 896, 4864), (128, 4864, 896), (512, 2688, 896)],
                          ids=["decode", "short-down", "short-gate", "prefill-qkv"])
 def test_gpu_cublas_form_at_real_shapes(dtype, m, n, k, monkeypatch, setopt):
     """The cuBLAS form at Qwen2-0.5B's layer shapes: y is cuBLAS's fp32 product plus the bias rounded once, bit
-    for bit; the verification's quantities against float64 (`_check_residuals`: cuBLAS's summation order
-    within the fp32 bound); clean calls, eager and replayed from a CUDA graph, with no event and the same y;
-    flips injected at ``linear.output`` in three units found, located and corrected, counted like the
-    reference path."""
+    for bit; the verification's quantities against float64 (`_check_residuals`: cuBLAS's summation order within
+    the fp32 bound, the checksum programs' dots and statistics from the side stream); clean calls, eager and
+    replayed from a CUDA graph (the side stream's branch captured), with no event and the same y; flips injected
+    at ``linear.output`` in three units found, located and corrected, counted like the reference path."""
     _take("cublas", setopt)
     seen = _launched(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
     w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(dtype)
     b = torch.randn(n, device="cuda", generator=g).to(dtype)
-    y, st = _run(x, w, b)
+    wc = WeightChecksums.compute(w, b)
+    y, st = _run(x, w, b, wc=wc)
     assert seen == LAUNCHED["cublas"], seen
     assert st == ZERO and torch.equal(y, _rounded_product(x, w, b, False))
     _check_residuals(x, w, b, False, "accumulator")
-    wc, cnt = WeightChecksums.compute(w, b), new_counters(DEV)
+    cnt = new_counters(DEV)
     graph, y_graph = captured(lambda: checked_gemm(x, w, b, wc=wc, counters=cnt), warmups=3)
     cnt.zero_()
     y_graph.zero_()

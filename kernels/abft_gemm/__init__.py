@@ -11,9 +11,10 @@ Modules, by role:
 
 * kernels (``@triton.jit``): `tile` (the tiled GEMM, leaving the group sums), `persistent` (wide calls:
   a persistent TMA GEMM, the same epilogue), `groups` (their verification, a second launch), `decode`
-  (M ≤ 16: each 64-column tile checks itself, one launch), `common` (device helpers they share);
-* host: `forms` (`choose_form`: which kernel, split-K, TMA; the cuBLAS form: cuBLAS's fp32 product, then the
-  group verification making y from it), `configs` (block sizes) and `tuning` (the
+  (M ≤ 16: each 64-column tile checks itself, one launch), `checksum_tiles` (the group checksums as
+  programs of a GEMM's launch), `product_check` (the cuBLAS form's checksums beside cuBLAS's product and its
+  check after it), `common` (device helpers they share);
+* host: `forms` (`choose_form`: which kernel, split-K, TMA, the cuBLAS form), `configs` (block sizes) and `tuning` (the
   tuner), `calls` (launch arguments, buffers, per-device cells, the verification's operand), `prepared`
   (replayed calls and the fast path a caller keeps), `api` (the entry points exported here).
 

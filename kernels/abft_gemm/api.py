@@ -25,7 +25,7 @@ from ..tl_common import call_flag, on_tensor_device
 from ..tl_common import cdiv as _cdiv
 from . import calls as C
 from .common import SITE
-from .forms import CUBLAS, DECODE, INTERP, PERSISTENT, TILE, choose_form, forced_config, fused_ok
+from .forms import CUBLAS, DECODE, INTERP, PERSISTENT, TILE, checksum_plan, choose_form, forced_config, fused_ok
 from .prepared import FastPath, PreparedCall, keep, module_key
 from .tuning import pick_config
 
@@ -215,22 +215,27 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
         P, call_id = C._grouped_buffer(m, n, k, cfg, dev), None
         launches = [(2, *C._grouped_call(cfg, L, bias=bias, groups=groups, P=P, inj=inj, ver=ver, emax=emax,
                                          csigma=csigma, verify_output=verify_output, dot_f32=dot_f32, xvar=xvar))]
+    elif form.kind == CUBLAS:
+        flag, call_id = call_flag(dev)
+        nc = operand[0].shape[0] * operand[0].shape[1]
+        plan = checksum_plan(m, k, nc, dev)
+        P = C._product_buffer(m, n, plan, nc, dev)
+        launches = [(4, *C._product_call(L, P, operand, plan, xvar)),
+                    (5, *C._check_call(L, bias, P, flag, call_id, ver, operand, groups[1], emax, csigma, dot_f32,
+                                       xvar=xvar, inj=inj, verify_output=verify_output, blocks=cfg,
+                                       splits=plan[5]))]
     else:
         flag, call_id = call_flag(dev)
-        y32 = form.kind == CUBLAS  # the verification makes y from the product (and injects)
         fused = C.fused_plan(operand, xvar, m, k, cfg) if fused_ok(form.kind, x2d.dtype, m, k) else None
-        P = C._call_buffer(m, n, k, cfg, True, dev, y, y32=y32, fused=fused)
+        P = C._call_buffer(m, n, k, cfg, True, dev, y, fused=fused)
         if form.kind == PERSISTENT:
             C._ensure_scratch_allocator()
             launches = [(3, *C._persistent_call(cfg, L, bias, P, verify_output, sms=form.sms, fused=fused))]
-        elif y32:
-            launches = [(4, *C._product_call(L, P))]
         else:
             launches = [(0, *C._gemm_call(cfg, L, bias=bias, P=P, inj=inj, detect=True, verify_output=verify_output,
                                           dot_f32=dot_f32, fused=fused))]
         launches.append((1, *C._verify_call(L, bias, P, flag, call_id, ver, operand, groups[1], emax, csigma,
-                                            dot_f32, xvar=xvar, y32=y32, inj=inj if y32 else None,
-                                            verify_output=verify_output, fused=fused)))
+                                            dot_f32, xvar=xvar, fused=fused)))
     for which, grid, args, kwargs in launches:
         C._launcher(which)(grid, args, kwargs)
     # (host TMA descriptors are made per call: such a call cannot be replayed; the persistent form makes its own)

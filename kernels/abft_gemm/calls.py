@@ -1,11 +1,12 @@
 """The checked GEMM's launches, resolved on the host: each as ``(which, grid, args, kwargs)`` for its
 launcher (``which``: 0 the tile GEMM, 1 the group verification, 2 the decode kernel, 3 the persistent GEMM,
-each a `DirectLauncher`; 4 the cuBLAS form's product, `fp32_product`), plus the buffers and per-device cells
-they use and the operands derived from the weight (the column-group checksums and constants, and the
-checksum slices the verification multiplies).
+5 the cuBLAS form's check, each a `DirectLauncher`; 4 the cuBLAS form's product with its checksum programs on a
+side stream, `_product_launch`), plus the buffers, per-device cells and side streams they use and the operands
+derived from the weight (the column-group checksums and constants, and the checksum slices the verification
+multiplies).
 
-Module-level state (each documented where it is defined): the five launchers, the per-device cells
-(`_cells`) and the persistent form's scratch buffers (`_scratch`).
+Module-level state (each documented where it is defined): the seven launchers, the side streams
+(`_side_stream`), the per-device cells (`_cells`) and the persistent form's scratch buffers (`_scratch`).
 """
 
 from __future__ import annotations
@@ -24,17 +25,21 @@ from .checksum_tiles import checksum_cols, checksum_split
 from .common import SITE
 from .configs import GROUP_M, VERIFY_BLOCK
 from .decode import grouped_gemm_kernel
-from .forms import INTERP, SPLIT_MAX_TILES, grouped_split, split_plan, triton_allocation, verify_split, y32_split
+from .forms import INTERP, SPLIT_MAX_TILES, grouped_split, split_plan, triton_allocation, verify_split
 from .groups import _group_verify_kernel
 from .persistent import _persistent_kernel
+from .product_check import _checksum_kernel, _product_check_kernel
 from .tile import _gemm_kernel
 
 _GEMM_LAUNCH = DirectLauncher(_gemm_kernel, INTERP)
 _VERIFY_LAUNCH = DirectLauncher(_group_verify_kernel, INTERP)
 _GROUPED_LAUNCH = DirectLauncher(grouped_gemm_kernel, INTERP)
 _PERSISTENT_LAUNCH = DirectLauncher(_persistent_kernel, INTERP)
-# where each launch takes its call id (only the verification has a non-finite flag)
-_CALL_ID_AT = (None, _group_verify_kernel.arg_names.index("call_id"), None, None, None)
+_CHECK_LAUNCH = DirectLauncher(_product_check_kernel, INTERP)
+_CHECKSUM_LAUNCH = DirectLauncher(_checksum_kernel, INTERP)
+# where each launch takes its call id (only the verifications have a non-finite flag)
+_CALL_ID_AT = (None, _group_verify_kernel.arg_names.index("call_id"), None, None, None,
+               _product_check_kernel.arg_names.index("call_id"))
 
 
 def fp32_product(x2d: torch.Tensor, weight: torch.Tensor, weight_is_kn: bool,
@@ -50,19 +55,56 @@ def fp32_product(x2d: torch.Tensor, weight: torch.Tensor, weight_is_kn: bool,
     return torch.mm(x2d.float(), wt.float(), out=out)
 
 
+_SIDE: dict[torch.device, tuple] = {}  # device → (side stream, fork event, join event) of the cuBLAS form
+
+
+def _side_stream(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event]:
+    """The cuBLAS form's side stream on ``device`` and the two events that fork onto it and join back (kept: each
+    wait is enqueued right after its record, and a CUDA graph captures the pair as a branch)."""
+    side = _SIDE.get(device)
+    if side is None:
+        side = _SIDE[device] = (torch.cuda.Stream(device), torch.cuda.Event(), torch.cuda.Event())
+    return side
+
+
 def _product_launch(grid, args: tuple, kwargs: dict) -> None:
-    """The cuBLAS form's first step as a launcher of `record_launches`: ``args`` = (x2d, weight, P), the product
-    into P's first M·N elements (`_call_buffer`); ``kwargs``: ``kn`` (the weight is stored (K, N))."""
-    x2d, w, P = args
+    """The cuBLAS form's first step as a launcher of `record_launches`: ``args`` = (x2d, w, P, then the checksum
+    programs' arguments, `_checksum_kernel`'s with x2d and P among them); ``kwargs``: ``kn`` (w is stored
+    (K, N)), ``grid`` and ``meta`` (the checksum launch's grid and constexprs), and once launched ``bound`` (its
+    compiled kernel, `DirectLauncher.bind`: a prepared call keeps these kwargs). On CUDA the checksum programs run
+    on the side stream while cuBLAS's product x2d·w goes into P's first M·N elements on the current one, which
+    then waits for them; elsewhere (the interpreter) one after the other. (x2d and P are the current stream's
+    allocations: it waits for the side stream before any later work, so reusing their memory stays ordered.)"""
+    x2d, w, P = args[:3]
     kn = kwargs["kn"]
     m, n = x2d.shape[0], w.shape[1] if kn else w.shape[0]
+    if not x2d.is_cuda:
+        _CHECKSUM_LAUNCH(kwargs["grid"], args[3:], kwargs["meta"])
+        fp32_product(x2d, w, kn, P[:m * n].view(m, n))
+        return
+    side, fork, join = _side_stream(x2d.device)
+    main = torch.cuda.current_stream()
+    fork.record(main)
+    side.wait_event(fork)
+    torch.cuda.set_stream(side)
+    try:
+        bound = kwargs.get("bound")
+        if bound is not None:  # (a recorded step's later calls: its arguments specialise alike)
+            bound(args[3:])
+        else:
+            _CHECKSUM_LAUNCH(kwargs["grid"], args[3:], kwargs["meta"])
+            kwargs["bound"] = _CHECKSUM_LAUNCH.bind(kwargs["grid"], args[3:], kwargs["meta"])
+    finally:
+        torch.cuda.set_stream(main)
     fp32_product(x2d, w, kn, P[:m * n].view(m, n))
+    join.record(side)
+    main.wait_event(join)
 
 
 def _launcher(which: int) -> Callable[[tuple | None, tuple, dict], None]:
     """0: the GEMM's launcher, 1: the group verification's, 2: the decode kernel's, 3: the persistent GEMM's,
-    4: the cuBLAS form's product (looked up at each call, so tests can replace them)."""
-    return (_GEMM_LAUNCH, _VERIFY_LAUNCH, _GROUPED_LAUNCH, _PERSISTENT_LAUNCH, _product_launch)[which]
+    4: the cuBLAS form's product and checksums, 5: its check (looked up at each call, so tests can replace them)."""
+    return (_GEMM_LAUNCH, _VERIFY_LAUNCH, _GROUPED_LAUNCH, _PERSISTENT_LAUNCH, _product_launch, _CHECK_LAUNCH)[which]
 
 
 @dataclass
@@ -180,25 +222,32 @@ def _cells(device: torch.device) -> torch.Tensor:
 
 
 def _call_buffer(m: int, n: int, k: int, cfg, detect: bool, device: torch.device,
-                 unused: torch.Tensor, y32: bool = False, fused: Fused | None = None) -> torch.Tensor:
+                 unused: torch.Tensor, fused: Fused | None = None) -> torch.Tensor:
     """fp32 scratch of a tile-GEMM call: with ``detect`` its (T_g, M) group sums, then the split verification's
-    partials (`groups._group_verify_kernel`), and with ``y32`` (the cuBLAS form) the product (M, N) before
-    them; with ``fused`` (the checksum programs in the GEMM's launch, `checksum_tiles`) the group sums, then
-    their partials C (splits, M, S·T_g) and x's statistics (splits, M, 4); checks off: room for the split-K
-    partial tiles (n_split, M, N), or ``unused`` (any tensor, passed as the kernel's unread ``P``) without them."""
+    partials (`groups._group_verify_kernel`); with ``fused`` (the checksum programs in the GEMM's launch,
+    `checksum_tiles`) the group sums, then their partials C (splits, M, S·T_g) and x's statistics (splits, M, 4);
+    checks off: room for the split-K partial tiles (n_split, M, N), or ``unused`` (any tensor, passed as the
+    kernel's unread ``P``) without them."""
     if detect:
         tg = _cdiv(n, GROUP_COLS)
         if fused is not None:
             return torch.empty(tg * m + fused.split * m * (fused.cols + 4), dtype=torch.float32, device=device)
         part = 0
         br, bg, bk = VERIFY_BLOCK[:3]
-        vs, per = (y32_split if y32 else verify_split)(m, n, k, device)
+        vs, per = verify_split(m, n, k, device)
         if vs > 1:
             # (room for 4 statistics per row: x's sum, max, min and, with XVAR, its sum of squares)
             part = _cdiv(_cdiv(k, bk), per) * _cdiv(m, br) * _cdiv(tg, bg) * br * (bg + 4)
-        return torch.empty(m * n * y32 + tg * m + part, dtype=torch.float32, device=device)
+        return torch.empty(tg * m + part, dtype=torch.float32, device=device)
     n_split = split_plan(m, n, k, cfg, detect, device)[0]
     return torch.empty(n_split * m * n, dtype=torch.float32, device=device) if n_split > 1 else unused
+
+
+
+def _product_buffer(m: int, n: int, plan: tuple, nc: int, device: torch.device) -> torch.Tensor:
+    """fp32 scratch of a cuBLAS-form call: the product (M, N), then its checksum programs' partials (`plan` of
+    `forms.checksum_plan`, ``nc`` = S·T_g columns): C (splits, M, nc) and x's statistics (splits, M, 4)."""
+    return torch.empty(m * n + plan[5] * m * (nc + 4), dtype=torch.float32, device=device)
 
 
 def _group_sums(wc: WeightChecksums, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -373,21 +422,59 @@ def _persistent_call(cfg, L: _Launch, bias: torch.Tensor | None, P: torch.Tensor
         XVAR=fused is not None and fused.xvar, num_warps=warps, num_stages=stages)
 
 
-def _product_call(L: _Launch, P: torch.Tensor) -> tuple:
-    """The cuBLAS form's product into the head of its `_call_buffer` ``P``: ``(grid, args, kwargs)`` of
-    `_product_launch` (no grid)."""
-    return None, (L.x, L.w, P), dict(kn=L.kn)
+def _product_call(L: _Launch, P: torch.Tensor, operand: tuple[torch.Tensor, torch.Tensor], plan: tuple,
+                  xvar: bool) -> tuple:
+    """The cuBLAS form's product and checksum programs into its `_product_buffer` ``P``: ``(grid, args, kwargs)``
+    of `_product_launch` (no grid of its own). ``operand``: `group_operand`'s slices (S, T_g, K), read as a
+    weight (S·T_g, K); ``plan``: `forms.checksum_plan`'s; ``xvar``: x's sum of squares too."""
+    x2d = L.x
+    m, k = x2d.shape
+    n = L.y.shape[1]
+    wc = operand[0]
+    wcf = wc.view(wc.shape[0] * wc.shape[1], wc.shape[2])
+    nc = wcf.shape[0]
+    bm, cn, bk, warps, stages, splits, per = plan
+    grid = (_cdiv(m, bm) * _cdiv(nc, cn) * splits,)
+    meta = dict(BLOCK_M=bm, CN=cn, BLOCK_K=bk, EVEN_K=k % bk == 0, DOT_F32=INTERP or x2d.dtype == torch.float32,
+                XVAR=bool(xvar), num_warps=warps, num_stages=stages)
+    return None, (x2d, L.w, P, x2d, wcf, P, m, k, nc, m * n, x2d.stride(0), x2d.stride(1), splits, per), dict(
+        kn=L.kn, grid=grid, meta=meta)
+
+
+def _check_call(L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, flag: torch.Tensor, call_id: int,
+                ver: _Verify, operand: tuple[torch.Tensor, torch.Tensor], consts: torch.Tensor, emax: float,
+                csigma: float, dot_f32: bool, *, xvar: bool, inj: torch.Tensor | None, verify_output: bool,
+                blocks: tuple[int, int], splits: int) -> tuple:
+    """The cuBLAS form's check (`product_check._product_check_kernel`) after `_product_call`: ``(grid, args,
+    kwargs)``. ``operand``: `group_operand`'s (Wc, Winv); ``consts`` (T_g, 8) from `group_checksums`; ``inj``
+    the flips at ``linear.output``, bucketed per ``blocks[0]`` rows; ``verify_output``: the group sums of the
+    rounded outputs; ``blocks`` (BLOCK_R, BLOCK_G) of `forms.check_blocks`; ``splits``: the checksum partials'."""
+    x2d, y = L.x, L.y
+    m, k = x2d.shape
+    n = y.shape[1]
+    tg = _cdiv(n, GROUP_COLS)
+    wc, winv = operand
+    br, bg = blocks
+    c = ver.counters
+    return (_cdiv(m, br) * _cdiv(tg, bg),), (
+        x2d, L.w, y, bias if bias is not None else y, winv, consts, P, inj if inj is not None else P, flag, c,
+        ver.debug if ver.debug is not None else P,
+        m, n, k, tg, m * n, splits, x2d.stride(0), x2d.stride(1), L.swn, L.swk, y.stride(0), y.stride(1),
+        c.stride(0), c.stride(1), 1.0 / k, call_id, int(ver.w_finite), float(emax), float(csigma),
+    ), dict(
+        BLOCK_R=br, BLOCK_G=bg, REPAIR_K=VERIFY_BLOCK[2], SLICES=wc.shape[0], HAS_BIAS=bias is not None,
+        CORRECT=ver.correct, DEBUG=ver.debug is not None, DOT_F32=dot_f32, INJ=inj is not None,
+        VERIFY_OUTPUT=verify_output, XVAR=bool(xvar), num_warps=4 if br * bg * GROUP_COLS <= 4096 else 8,
+        num_stages=1,
+    )
 
 
 def _verify_call(L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, flag: torch.Tensor, call_id: int,
                  ver: _Verify, operand: tuple[torch.Tensor, torch.Tensor], consts: torch.Tensor, emax: float,
-                 csigma: float, dot_f32: bool, *, xvar: bool, y32: bool = False, inj: torch.Tensor | None = None,
-                 verify_output: bool = False, fused: Fused | None = None) -> tuple:
+                 csigma: float, dot_f32: bool, *, xvar: bool, fused: Fused | None = None) -> tuple:
     """The group verification after the GEMM (`_group_verify_kernel`): ``(grid, args, kwargs)``. ``operand``:
     `group_operand`'s (Wc, Winv); ``consts`` (T_g, 8) from `group_checksums`; ``xvar``: x's outlier variance
-    estimate in the thresholds (`gemm_checksums.xvar_in_use`). ``y32``: the cuBLAS form's
-    (P starts with the product; the launch makes y from it, with the flips of ``inj``, bucketed per
-    VERIFY_BLOCK rows, and sums the rounded outputs with ``verify_output``). ``fused``: the checksum programs
+    estimate in the thresholds (`gemm_checksums.xvar_in_use`). ``fused``: the checksum programs
     of the GEMM's launch, which left the checksums and x's statistics in P (`checksum_tiles`), or None."""
     x2d, y = L.x, L.y
     m, k = x2d.shape
@@ -396,16 +483,15 @@ def _verify_call(L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, flag: t
     br, bg, bk = VERIFY_BLOCK[:3]
     wc, winv = operand
     c = ver.counters
-    n_split, kb_per = (1, 1) if fused is not None else (y32_split if y32 else verify_split)(m, n, k, x2d.device)
+    n_split, kb_per = (1, 1) if fused is not None else verify_split(m, n, k, x2d.device)
     return (_cdiv(m, br) * _cdiv(tg, bg) * n_split,), (
-        x2d, L.w, y, bias if bias is not None else y, wc, winv, consts, P, inj if inj is not None else P,
-        _cells(x2d.device), flag, c, ver.debug if ver.debug is not None else P,
+        x2d, L.w, y, bias if bias is not None else y, wc, winv, consts, P, _cells(x2d.device), flag, c,
+        ver.debug if ver.debug is not None else P,
         m, n, k, tg, x2d.stride(0), x2d.stride(1), L.swn, L.swk, y.stride(0), y.stride(1), c.stride(0), c.stride(1),
         1.0 / k, call_id, int(ver.w_finite), float(emax), float(csigma), n_split, kb_per,
         fused.split if fused is not None else 1,
     ), dict(
         BLOCK_R=br, BLOCK_G=bg, BLOCK_K=bk, SLICES=wc.shape[0], HAS_BIAS=bias is not None, CORRECT=ver.correct,
-        DEBUG=ver.debug is not None, DOT_F32=dot_f32, SPLIT=n_split > 1, Y32=y32, INJ=inj is not None,
-        VERIFY_OUTPUT=verify_output, XVAR=bool(xvar), FUSED=fused is not None, num_warps=VERIFY_BLOCK[3],
-        num_stages=VERIFY_BLOCK[4],
+        DEBUG=ver.debug is not None, DOT_F32=dot_f32, SPLIT=n_split > 1, XVAR=bool(xvar), FUSED=fused is not None,
+        num_warps=VERIFY_BLOCK[3], num_stages=VERIFY_BLOCK[4],
     )

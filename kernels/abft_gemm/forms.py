@@ -9,9 +9,10 @@ Forms (``Form.kind``):
   64-column tile checked against its own column-group checksum in its epilogue, one launch.
 * ``"persistent"`` — `persistent._persistent_kernel`, then the group verification: wide calls on Hopper
   (`persistent_ok`).
-* ``"cublas"`` — cuBLAS's product with fp32 output (`calls.fp32_product`), then the group verification in its
-  Y32 mode, which also makes y from that product (bias, rounding, injection) in the same pass: fp16/bf16
-  calls, ``Options.gemm_cublas`` (`cublas_ok`); by default on CUDA short prompts (64 < M ≤ 512) of N ≤ 4096.
+* ``"cublas"`` — cuBLAS's product with fp32 output (`calls.fp32_product`) with the checksum programs beside it on
+  a side stream, then one launch that makes y from the product (bias, rounding, injection) and checks it
+  (`product_check`): fp16/bf16 calls, ``Options.gemm_cublas`` (`cublas_ok`); by default on CUDA from 17 rows
+  where it was measured ahead of the fused GEMM (`cublas_auto`), in graph captures and calls not host-bound.
 
 Every form checks each (row, 64-column group) against its own threshold.
 
@@ -28,6 +29,7 @@ import torch
 from ..gemm_checksums import GROUP_COLS
 from ..options import options
 from ..tl_common import cdiv, runs_interpreted, sm_count
+from .checksum_tiles import checksum_cols
 from .configs import (
     CONFIG_INJECT,
     CONFIG_INTERPRET,
@@ -68,18 +70,27 @@ INTERPRET_SMS = 4  # the SM count split-K and the persistent form assume under t
 # have a tile fewer, 4096³ ran at 0.91 / 0.90× cuBLAS (fp16 / bf16) on an H200 under CUDA graphs.
 PERSISTENT_MIN_N = 2048
 PERSISTENT_MIN_MNK = 1 << 34
-# The cuBLAS form's verification (`y32_split`): the programs of a call of few blocks also share each block's
-# groups of the fp32 product (one 64-column group read per program and loop step), up to this many programs
-# per SM, so that reading y32 and writing y spread over the GPU. Not timed yet (docs/vabft.md).
-Y32_PROGRAMS_PER_SM = 2
-Y32_MAX_ELEMS = 1 << 30  # the cuBLAS form's y32 and group sums stay within the kernel's int32 offsets
-# The cuBLAS form by default (``Options.gemm_cublas`` None, `cublas_ok`): fp16/bf16 calls on a CUDA GPU with
-# CUBLAS_AUTO_MIN_ROWS < M ≤ CUBLAS_AUTO_MAX_ROWS and N ≤ CUBLAS_AUTO_MAX_COLS. Measured on an H100 (CUDA graphs,
-# fp16, Qwen2-0.5B's and Qwen2-7B's layers, `scripts/bench_gemm_cublas_form.py`, the fused GEMM at its first
-# candidate config): at M = 128 and 512 with N ≤ 3,584 (K 896 to 18,944) the form took 0.32-0.66 of the fused
-# GEMM's time at every shape. Left to the fused GEMM: M ≤ 16 (the decode kernel, 1.09-2.56x faster), M = 64 (the
-# form 0.67-1.05 of the fused GEMM's time), M = 4096 (0.73-1.72) and the gate/up widths, N = 4,864 and 18,944
-# (0.75-1.05 at M = 64-512). docs/vabft.md has the table.
+# The cuBLAS form's check (`check_blocks`): blocks of CHECK_ROWS_SHORT rows for calls of at most CHECK_SHORT_MAX
+# rows, CHECK_ROWS_LONG beyond, and as many groups per block (a power of two, a tile of y32 of at most
+# CHECK_TILE_ELEMS) as keep CHECK_PROGRAMS_PER_SM programs per SM.
+CHECK_ROWS_SHORT = 16
+CHECK_ROWS_LONG = 64
+CHECK_SHORT_MAX = 256
+CHECK_TILE_ELEMS = 8192
+CHECK_PROGRAMS_PER_SM = 2
+# Its checksum programs (`checksum_plan`), beside cuBLAS's product on a side stream: (BLOCK_M, BLOCK_K, warps,
+# stages) and K splits of at least CHECKSUM_SIDE_MIN_BLOCKS blocks, up to CHECKSUM_SIDE_PER_SM programs per SM.
+CHECKSUM_SIDE_CONFIG = (64, 64, 4, 3)
+CHECKSUM_SIDE_MIN_BLOCKS = 2
+CHECKSUM_SIDE_PER_SM = 0.5
+Y32_MAX_ELEMS = 1 << 30  # the cuBLAS form's product and partials stay within its kernels' int32 offsets
+# The cuBLAS form by default (``Options.gemm_cublas`` None, `cublas_ok`): fp16/bf16 calls on a CUDA GPU of more
+# than CUBLAS_AUTO_MIN_ROWS rows (fewer: the decode kernel) and, for the first entry (rows, cols) of CUBLAS_AUTO
+# with M ≤ rows, N ≤ cols. Measured on an H200 (CUDA graphs, fp16 and bf16, the layers of Qwen2-0.5B, -1.5B, -7B
+# and Llama-3-8B, `scripts/bench_gemm_cublas_form.py`, the fused GEMM at its first candidate config): the form was
+# ahead of the fused GEMM at every shape of M = 32-256 (N 128 to 18,944, K 896 to 18,944); at M = 512 wherever
+# N ≤ 4,096 and behind at N ≥ 4,864; at M = 1024 up to N = 1,536 and behind at N = 4,096 (but for k/v, N = 1,024,
+# and Qwen2-1.5B's gate/up); at M = 4096 only at N ≤ 512. docs/vabft.md has the tables.
 # The checksum programs in the GEMM's launch by default (``Options.gemm_fused`` None, `fused_ok`): K ≥ FUSED_MIN_K
 # or M ≤ FUSED_MAX_ROWS. Measured on an H200 (fp16, CUDA graphs, `bench_linear.py --unfused`, time against the
 # verification's own K loop): 0.77-0.87 at M = 64 and 128 (K 896 and 4864), 0.85-0.93 at K = 4096-11008 with
@@ -87,9 +98,8 @@ Y32_MAX_ELEMS = 1 << 30  # the cuBLAS form's y32 and group sums stay within the 
 # whose 128 tiles fill one wave that the checksum programs then delay (docs/vabft.md).
 FUSED_MIN_K = 4096
 FUSED_MAX_ROWS = 512
-CUBLAS_AUTO_MIN_ROWS = 64
-CUBLAS_AUTO_MAX_ROWS = 512
-CUBLAS_AUTO_MAX_COLS = 4096
+CUBLAS_AUTO_MIN_ROWS = 16
+CUBLAS_AUTO = ((256, 18944), (512, 4096), (1024, 1536), (None, 512))  # (M at most, N at most)
 
 
 def interpreting() -> bool:
@@ -108,6 +118,11 @@ def hopper(dev: torch.device) -> bool:
     if cap is None:
         cap = _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)[0]
     return cap >= 9
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_current_stream_capturing()
 
 
 def host_bound(m: int, n: int, k: int) -> bool:
@@ -257,38 +272,72 @@ def verify_split(m: int, n: int, k: int, device: torch.device) -> tuple[int, int
     return cdiv(nkb, per), per
 
 
-def y32_split(m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
-    """(n_split, kb_per) of the cuBLAS form's verification: `verify_split`'s K split (kb_per), its blocks'
-    programs raised to up to Y32_PROGRAMS_PER_SM · SMs / blocks (at most one per group of the block), since
-    they also read the block's y32 and write its y; the programs past ⌈K blocks / kb_per⌉ carry no K blocks.
-    ``(1, ·)`` past SPLIT_MAX_TILES blocks."""
-    br, bg = VERIFY_BLOCK[:2]
-    tg = cdiv(n, GROUP_COLS)
-    blocks = cdiv(m, br) * cdiv(tg, bg)
-    parts, per = verify_split(m, n, k, device)
-    if blocks > SPLIT_MAX_TILES:
-        return parts, per
+def check_blocks(m: int, n: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_G) of the cuBLAS form's check (`product_check._product_check_kernel`): rows per block by
+    M, then the most groups per block (a power of two, BLOCK_R · BLOCK_G · 64 ≤ CHECK_TILE_ELEMS) that still
+    give CHECK_PROGRAMS_PER_SM · SMs programs."""
+    br = CHECK_ROWS_SHORT if m <= CHECK_SHORT_MAX else CHECK_ROWS_LONG
     sms = sm_count(device) if device.type == "cuda" else INTERPRET_SMS
-    return max(parts, min(Y32_PROGRAMS_PER_SM * sms // blocks, bg, tg)), per
+    want, rb, tg = CHECK_PROGRAMS_PER_SM * sms, cdiv(m, br), cdiv(n, GROUP_COLS)
+    bg = 1
+    while 2 * bg * br * GROUP_COLS <= CHECK_TILE_ELEMS and bg < tg and rb * cdiv(tg, 2 * bg) >= want:
+        bg *= 2
+    return br, bg
+
+
+def checksum_plan(m: int, k: int, nc: int, device: torch.device) -> tuple[int, int, int, int, int, int, int]:
+    """(BLOCK_M, CN, BLOCK_K, warps, stages, splits, kb_per) of the cuBLAS form's checksum programs
+    (`product_check._checksum_kernel`) for ``nc`` = S·T_g checksum columns: CHECKSUM_SIDE_CONFIG, tiles of CN
+    columns (`checksum_tiles.checksum_cols`), and K split so that the call has up to CHECKSUM_SIDE_PER_SM · SMs
+    programs (the rest of the GPU runs cuBLAS's product meanwhile), each of at least CHECKSUM_SIDE_MIN_BLOCKS
+    K blocks (none empty)."""
+    bm, bk, warps, stages = CHECKSUM_SIDE_CONFIG
+    cn = checksum_cols(nc, 128)
+    sms = sm_count(device) if device.type == "cuda" else INTERPRET_SMS
+    tiles, nkb = cdiv(m, bm) * cdiv(nc, cn), cdiv(k, bk)
+    want = max(1, int(CHECKSUM_SIDE_PER_SM * sms) // tiles)
+    per = max(CHECKSUM_SIDE_MIN_BLOCKS, cdiv(nkb, want))
+    return bm, cn, bk, warps, stages, cdiv(nkb, per), per
 
 
 def cublas_ok(m: int, n: int, x2d: torch.Tensor) -> bool:
     """Whether a checked call takes the cuBLAS form: fp16/bf16 operands (an fp32 product through cuBLAS may
-    run in TF32, which the fp32 e_max does not cover), M·N + ⌈N/64⌉·M < Y32_MAX_ELEMS, and
+    run in TF32, which the fp32 e_max does not cover), its fp32 scratch (`product_elems`) under Y32_MAX_ELEMS, and
     ``Options.gemm_cublas`` True (on a CUDA device or under the interpreter, whose product is the upcast fp32
     one), False never, or None (the default): on a CUDA device, not under the interpreter, where the timings
-    put it ahead of the fused GEMM, CUBLAS_AUTO_MIN_ROWS < M ≤ CUBLAS_AUTO_MAX_ROWS and N ≤
-    CUBLAS_AUTO_MAX_COLS (K any: 896 to 18,944 measured). CPU calls never take it."""
+    put it ahead of the fused GEMM (`cublas_auto`), in a CUDA graph being captured or in an eager call that is not
+    `host_bound` (its stream fork and two launches cost more host time than the fused form's launches). CPU calls
+    never take it."""
     switch = options().gemm_cublas
     if switch is False or x2d.dtype not in (torch.float16, torch.bfloat16):
         return False
     if switch is None:
-        if INTERP or x2d.device.type != "cuda" or not (CUBLAS_AUTO_MIN_ROWS < m <= CUBLAS_AUTO_MAX_ROWS
-                                                       and n <= CUBLAS_AUTO_MAX_COLS):
+        if INTERP or x2d.device.type != "cuda" or not cublas_auto(m, n):
             return False
+        if host_bound(m, n, x2d.shape[1]) and not capturing():
+            return False  # eager and host-bound: the fused form's launches take less host time (docs/vabft.md)
     elif not INTERP and x2d.device.type != "cuda":
         return False
-    return m * (n + cdiv(n, GROUP_COLS)) < Y32_MAX_ELEMS
+    return product_elems(m, n, x2d.shape[1], x2d.dtype) < Y32_MAX_ELEMS
+
+
+def cublas_auto(m: int, n: int) -> bool:
+    """The default rule of the cuBLAS form: M > CUBLAS_AUTO_MIN_ROWS and N within the first CUBLAS_AUTO entry
+    whose rows bound holds M (K any: 896 to 18,944 measured)."""
+    if m <= CUBLAS_AUTO_MIN_ROWS:
+        return False
+    for rows, cols in CUBLAS_AUTO:
+        if rows is None or m <= rows:
+            return n <= cols
+    return False
+
+
+def product_elems(m: int, n: int, k: int, dtype: torch.dtype) -> int:
+    """A bound on the fp32 elements of a cuBLAS-form call's scratch: the product (M, N), then the checksum
+    programs' partials (splits, M, S·T_g + 4) at their most splits (`checksum_plan`; S = 2 slices for fp16, 3 for
+    bf16, `calls.group_operand`)."""
+    nc = (2 if dtype == torch.float16 else 3) * cdiv(n, GROUP_COLS)
+    return m * n + cdiv(cdiv(k, CHECKSUM_SIDE_CONFIG[1]), CHECKSUM_SIDE_MIN_BLOCKS) * m * (nc + 4)
 
 
 def grouped_split(n: int, k: int, cfg, device: torch.device) -> tuple[int, int]:
@@ -311,7 +360,7 @@ class Form:
 
     kind: str  # TILE, DECODE, PERSISTENT or CUBLAS
     tma: bool  # the tile kernel's operands through host TMA descriptors (`tma_ok`)
-    cfg: tuple  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split-K allowed]); CUBLAS: VERIFY_BLOCK
+    cfg: tuple  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split-K allowed]); CUBLAS: `check_blocks`
     inj: torch.Tensor | None  # the injection table (`calls.inj_table`), or None
     sms: int = 0  # persistent: programs of the GEMM (SMs)
 
@@ -327,8 +376,9 @@ def choose_form(x2d: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, *, det
     """
     m, k = x2d.shape
     n = y.shape[1]
-    if detect and cublas_ok(m, n, x2d):  # (its verification injects, per row block of BLOCK_R)
-        return Form(CUBLAS, False, VERIFY_BLOCK, inject(VERIFY_BLOCK[0]) if inject is not None else None)
+    if detect and cublas_ok(m, n, x2d):  # (its check injects, per row block of BLOCK_R)
+        blocks = check_blocks(m, n, x2d.device)
+        return Form(CUBLAS, False, blocks, inject(blocks[0]) if inject is not None else None)
     tma = tma_ok(m, n, k, x2d, weight, y)
     decode = detect and grouped(m, n, x2d.dtype, debug)
     inj = None

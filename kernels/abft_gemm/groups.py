@@ -1,5 +1,5 @@
-"""The verification of the tile, persistent and cuBLAS forms: every (row, 64-column group) of y checked on its
-own, in a launch after the GEMM (`_group_verify_kernel`).
+"""The verification of the tile and persistent forms: every (row, 64-column group) of y checked on its own, in a
+launch after the GEMM (`_group_verify_kernel`); its block check (`_check_block`) serves the cuBLAS form too.
 
 The GEMM's epilogue leaves, per row m and group g of ``GROUP_COLS`` output columns, the fp32 sum
 ``Σ_{n∈g} v[m, n]`` (v the fp32 accumulators with the bias, or the rounded outputs in ``output`` mode,
@@ -15,10 +15,7 @@ for the threshold come from a plain load of the same x tile in that loop (with X
 estimate, its sum of squares too: `gemm_checksums.xvar_estimate`; `_row_stats_and_checksums` says why not the
 dots' operand), so the GEMM's K loop carries no checksum work.
 
-The cuBLAS form (Y32) has no GEMM epilogue: cuBLAS leaves the product x·Wᵀ in fp32 (y32, M × N), and this
-launch makes y from it before verifying: each (BLOCK_R, 64) tile of y32 is read once, the bias added in
-fp32, rounded, flipped at ``linear.output`` like the tile GEMM's epilogue flips, stored as y, and its
-group sums stored in ``P`` (`_round_groups`), spread over the block's programs.
+The cuBLAS form checks in a launch of its own (`product_check`), with `_check_block` from here.
 
 A failing unit (rare) is recomputed in fp32 (its 64 columns for the program's rows, one dot over K);
 the differences from the stored y locate a single error as the weighted checksum would
@@ -47,7 +44,6 @@ from .common import (
     _SITE_ROW,
     _UNC,
     k_blocks,
-    round_and_inject,
     row_stats_add,
     row_stats_init,
     x_variance,
@@ -146,6 +142,14 @@ def _fused_stats_and_checksums(C, rows, r_ok, grps, g_ok, M, TG, n_csplit, SLICE
 
 
 @triton.jit
+def _group_sums(P, rows, r_ok, grps, g_ok, M):
+    """The GEMM's group sums of block (rows, grps) from ``P`` (T_g, M): (BLOCK_R, BLOCK_G) fp32."""
+    # (.cg: past L1, which is not coherent where another program of the launch stored them: split-K)
+    return tl.load(P + grps[None, :] * M + rows[:, None], mask=r_ok[:, None] & g_ok[None, :], other=0.0,
+                   cache_modifier=".cg")
+
+
+@triton.jit
 def _repair_group(X, W, Y, Bias, rows, r_ok, bad, gidx, N, K, sxm, sxk, swn, swk, sym, syn,
                   BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr):
     """Group ``gidx``'s failing rows ``bad`` (BLOCK_R,): recompute its columns, locate, replace. Returns
@@ -198,40 +202,13 @@ def _repair_group(X, W, Y, Bias, rows, r_ok, bad, gidx, N, K, sxm, sxk, swn, swk
     return tl.sum(fixed.to(tl.int32), axis=0), tl.sum(need.to(tl.int32), axis=0)
 
 
-@triton.jit
-def _round_groups(Y32, Y, Bias, P, Inj, pid_r, pid_g, split, n_split, M, N, TG, sym, syn,
-                  BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, HAS_BIAS: tl.constexpr, INJ: tl.constexpr,
-                  VERIFY_OUTPUT: tl.constexpr):
-    """The cuBLAS form's pass over its product ``Y32`` (M, N) fp32, for block (``pid_r``, ``pid_g``): this
-    program's share of the block's groups (every ``n_split``-th from ``split``), each a (BLOCK_R, 64) tile read
-    once: bias added in fp32, rounded to y's dtype with the flips at ``linear.output`` (`round_and_inject`, the
-    tile GEMM's epilogue; ``Inj`` bucketed per BLOCK_R rows), stored in y, and the group sums of the values
-    the check compares into ``P`` (T_g, M), as the tile GEMM leaves them."""
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = rows < M
-    offs_j = tl.arange(0, G)
-    for gi in range(split, tl.minimum(BLOCK_G, TG - pid_g * BLOCK_G), n_split):
-        gidx = pid_g * BLOCK_G + gi
-        cols = gidx * G + offs_j
-        c_ok = cols < N
-        ym = r_ok[:, None] & c_ok[None, :]
-        acc = tl.load(Y32 + rows[:, None] * N + cols[None, :], mask=ym, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(Bias + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        yv, v = round_and_inject(acc, Y.dtype.element_ty, Inj, pid_r, tl.cdiv(M, BLOCK_R), rows, cols, c_ok, INJ,
-                                 VERIFY_OUTPUT)
-        tl.store(Y + rows[:, None] * sym + cols[None, :] * syn, yv, mask=ym)
-        tl.store(P + gidx * M + rows, tl.sum(v, axis=1), mask=r_ok)
-
-
 @triton.jit(do_not_specialize=["call_id", "w_finite"])
-def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Dbg,
+def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Sem, Flag, Cnt, Dbg,
                          M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, w_finite,
                          emax, csigma, n_split, kb_per, n_csplit,
                          BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, SLICES: tl.constexpr,
                          HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr, DOT_F32: tl.constexpr,
-                         SPLIT: tl.constexpr, Y32: tl.constexpr, INJ: tl.constexpr, VERIFY_OUTPUT: tl.constexpr,
-                         XVAR: tl.constexpr, FUSED: tl.constexpr):
+                         SPLIT: tl.constexpr, XVAR: tl.constexpr, FUSED: tl.constexpr):
     """Verify the blocks of (BLOCK_R rows) × (BLOCK_G groups) of y (M, N), one per program (``n_split`` with
     SPLIT).
 
@@ -243,11 +220,6 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
     in the thresholds (`gemm_checksums.xvar_estimate`; x's sum of squares beside its sum), else SPEC §5's
     bound.
 
-    Y32 (the cuBLAS form): ``P`` starts with the product x·Wᵀ in fp32 (M, N), contiguous, the group sums
-    after it. The block's programs first make y from it (`_round_groups`: bias, rounding, the flips of
-    ``Inj`` as the tile GEMM's epilogue applies them (INJ), the group sums of the accumulators or, with
-    VERIFY_OUTPUT, of the rounded outputs), then verify as after the tile GEMM.
-
     FUSED (the tile and persistent forms): the GEMM's launch computed the checksum dots and x's statistics
     (`checksum_tiles`) into ``P`` after the group sums as ``n_csplit`` partials, C (n_csplit, M, S·T_g) then
     (n_csplit, M, 4); this launch sums them (no K loop, no SPLIT).
@@ -256,8 +228,7 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
     runs as ``n_split`` programs over ``kb_per`` K blocks each, program ``pid`` being split ``pid % n_split``
     of block ``pid // n_split``. Each of the n_part splits that have K blocks stores its partial checksums
     (n_part, blocks, BLOCK_R, BLOCK_G) and statistics (n_part, blocks, BLOCK_R, NST) after the group sums in
-    ``P`` (n_part = n_split but in the cuBLAS form, whose pass over y32 may want more programs than K has
-    blocks, `forms.y32_split`; NST = 3: sum, max, min, and 4 with XVAR: the sum of squares after them); every
+    ``P`` (n_part = n_split; NST = 3: sum, max, min, and 4 with XVAR: the sum of squares after them); every
     split counts on the block's cell ``Sem[block]`` (0 between calls); the last to count resets it, sums the
     partials in split order and checks the block."""
     pid = tl.program_id(0)
@@ -266,11 +237,6 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
     n_gb = tl.cdiv(TG, BLOCK_G)
     pid_r = blk // n_gb
     pid_g = blk % n_gb
-    if Y32:
-        _round_groups(P, Y, Bias, P + M * N, Inj, pid_r, pid_g, split, n_split, M, N, TG, sym, syn,
-                      BLOCK_R, BLOCK_G, HAS_BIAS, INJ, VERIFY_OUTPUT)
-        P += M * N
-        tl.debug_barrier()  # every thread's group sums and y before the block's check reads them
     Part = P + TG * M
     if w_finite == 0:  # a non-finite weight or bias: the call's checks are off, counted once
         if pid == 0:
@@ -316,28 +282,27 @@ def _group_verify_kernel(X, W, Y, Bias, Wc, Winv, Gc, P, Inj, Sem, Flag, Cnt, Db
                     mn = tl.minimum(mn, tl.load(so + 2, cache_modifier=".cg"))
                     if XVAR:
                         sq += tl.load(so + 3, cache_modifier=".cg")
-                _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, sq, mx,
-                             mn, c, M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax,
-                             csigma, BLOCK_K, HAS_BIAS, CORRECT, DEBUG, DOT_F32, XVAR)
+                _check_block(X, W, Y, Bias, Winv, Gc, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g,
+                             _group_sums(P, rows, r_ok, grps, g_ok, M), sm, sq, mx, mn, c, M, N, K, TG, sxm, sxk,
+                             swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax, csigma, BLOCK_K, HAS_BIAS,
+                             CORRECT, DEBUG, DOT_F32, XVAR)
         else:
-            _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, sq, mx, mn, c,
-                         M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax, csigma,
-                         BLOCK_K, HAS_BIAS, CORRECT, DEBUG, DOT_F32, XVAR)
+            _check_block(X, W, Y, Bias, Winv, Gc, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g,
+                         _group_sums(P, rows, r_ok, grps, g_ok, M), sm, sq, mx, mn, c, M, N, K, TG, sxm, sxk, swn,
+                         swk, sym, syn, scn0, scn1, inv_k, call_id, emax, csigma, BLOCK_K, HAS_BIAS, CORRECT, DEBUG,
+                         DOT_F32, XVAR)
 
 
 @triton.jit
-def _check_block(X, W, Y, Bias, Winv, Gc, P, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, sm, sq, mx, mn, c,
+def _check_block(X, W, Y, Bias, Winv, Gc, Flag, Cnt, Dbg, rows, r_ok, grps, g_ok, pid_g, s, sm, sq, mx, mn, c,
                  M, N, K, TG, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, call_id, emax, csigma,
                  BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CORRECT: tl.constexpr, DEBUG: tl.constexpr,
                  DOT_F32: tl.constexpr, XVAR: tl.constexpr):
-    """One block's check from its rows' sum ``sm``, sum of squares ``sq`` (read with XVAR only), max ``mx`` and
-    min ``mn`` (BLOCK_R,) and checksum dots ``c`` (BLOCK_R, BLOCK_G): thresholds, comparison with the group sums,
-    counts, repairs."""
+    """One block's check from its group sums ``s`` (BLOCK_R, BLOCK_G), its rows' sum ``sm``, sum of squares ``sq``
+    (read with XVAR only), max ``mx`` and min ``mn`` (BLOCK_R,) and checksum dots ``c`` (BLOCK_R, BLOCK_G):
+    thresholds, comparison, counts, repairs."""
     BLOCK_G: tl.constexpr = grps.shape[0]
     cbase = Cnt + _SITE_ROW * scn0
-    # (.cg: past L1, which is not coherent: in the cuBLAS form other programs of this launch stored them)
-    s = tl.load(P + grps[None, :] * M + rows[:, None], mask=r_ok[:, None] & g_ok[None, :], other=0.0,
-                cache_modifier=".cg")
     gp = Gc + grps * 8
     b1 = tl.load(gp, mask=g_ok, other=0.0)
     det = tl.load(gp + 1, mask=g_ok, other=0.0)
