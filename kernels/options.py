@@ -28,6 +28,8 @@ variable                           field                        meaning
 ``FTT_ABFT_GEMM_TUNE=0``           ``gemm_tune``                the first candidate config, no timing
 ``FTT_ABFT_GEMM_TMA=0/1``          ``gemm_tma``                 tiles through pointers / TMA descriptors
 ``FTT_ABFT_GEMM_SPLIT=n``          ``gemm_split``               decode calls split K over n programs
+``FTT_ABFT_GEMM_DECODE_ROWS=n``    ``gemm_decode_rows``         the decode kernel for calls of up to n rows
+                                                                (several row blocks; default 16, one)
 ``FTT_ABFT_GEMM_PERSISTENT=0/1``   ``gemm_persistent``          never / always the persistent form
 ``FTT_ABFT_GEMM_CUBLAS=0/1``       ``gemm_cublas``              never / always the cuBLAS form (auto: CUDA
                                                                 calls of M > 16 by `forms.cublas_auto`)
@@ -103,6 +105,7 @@ class Options:
     gemm_tune: bool = True
     gemm_tma: bool | None = None
     gemm_split: int | None = None
+    gemm_decode_rows: int | None = None  # `abft_gemm.forms.grouped`
     gemm_persistent: bool | None = None
     gemm_cublas: bool | None = None  # the cuBLAS form of the checked GEMM (`abft_gemm.forms.cublas_ok`)
     gemm_xvar: bool | None = None  # `gemm_checksums.xvar_in_use`
@@ -119,7 +122,7 @@ class Options:
                 if len(v) != n or min(v) <= 0:
                     raise ValueError(f"{f} must be {n} positive integers, got {getattr(self, f)!r}")
                 object.__setattr__(self, f, v)
-        for f in ("efta_split", "gemm_split"):
+        for f in ("efta_split", "gemm_split", "gemm_decode_rows"):
             v = getattr(self, f)
             if v is not None and (int(v) != v or v < 1):
                 raise ValueError(f"{f} must be a positive integer or None, got {v!r}")
@@ -136,7 +139,8 @@ class Options:
             kw["efta_config"] = _ints("FTT_EFTA_CONFIG", raw, 4, "BLOCK_M,BLOCK_N,num_warps,num_stages")
         if (raw := get("FTT_ABFT_GEMM_CONFIG")):
             kw["gemm_config"] = _ints("FTT_ABFT_GEMM_CONFIG", raw, 5, "BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages")
-        for name, field in (("FTT_EFTA_SPLIT", "efta_split"), ("FTT_ABFT_GEMM_SPLIT", "gemm_split")):
+        for name, field in (("FTT_EFTA_SPLIT", "efta_split"), ("FTT_ABFT_GEMM_SPLIT", "gemm_split"),
+                            ("FTT_ABFT_GEMM_DECODE_ROWS", "gemm_decode_rows")):
             kw[field] = _count(name, get(name))
         for name, field in (("FTT_EFTA_FOLD", "efta_fold"), ("FTT_EFTA_TMA", "efta_tma"),
                             ("FTT_ABFT_GEMM_TMA", "gemm_tma"), ("FTT_ABFT_GEMM_PERSISTENT", "gemm_persistent"),

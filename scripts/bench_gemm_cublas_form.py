@@ -20,6 +20,8 @@ Columns, times per call (medians over interleaved rounds), CUDA-graph replays un
 * ``cublas_fused``: the library's cuBLAS form (``Options.gemm_cublas``): cuBLAS's product (fp32 output) with the
   checksum programs (dots and x's statistics) beside it on a side stream, then one launch of its check
   (`product_check`) that reads y32 once (bias, rounding, group sums) and writes y;
+* with ``--decode-rows R``: ``decode``, the decode kernel over row blocks of 16 (``Options.gemm_decode_rows``) at
+  M ≤ R;
 * with ``--eager``: ``cublas_eager``, ``fused_eager``, ``cublas_fused_eager`` (launched as they come, the
   host's work included).
 
@@ -95,7 +97,7 @@ class CublasForm:
 
 
 def bench_shape(m: int, n: int, k: int, dtype: torch.dtype, rep: int, rounds: int, *, bias: bool = False,
-                eager: bool = False, ops_form: bool = True) -> dict:
+                eager: bool = False, ops_form: bool = True, decode_rows: int = 0) -> dict:
     """One shape: times (ms per call, medians over rounds) of the columns (module docstring); the ops form's
     clean ratio and its detection of one flip; the cuBLAS form's clean ratio, events, exactness and the
     events of one injected flip."""
@@ -117,7 +119,7 @@ def bench_shape(m: int, n: int, k: int, dtype: torch.dtype, rep: int, rounds: in
     b = torch.randn(n, device=dev, generator=g).to(dtype) if bias else None
     emax = gemm_emax(dtype, dev, "accumulator", k)[0]  # (the form's speed: one unit error for every term)
     form = CublasForm(w, b, emax)
-    counts = {name: new_counters(dev) for name in ("fused", "cublas_fused")}
+    counts = {name: new_counters(dev) for name in ("fused", "cublas_fused", "decode")}
     owners = {name: torch.nn.Module() for name in counts}  # each keeps its own checksums and fast path
 
     def library(name: str):
@@ -133,6 +135,9 @@ def bench_shape(m: int, n: int, k: int, dtype: torch.dtype, rep: int, rounds: in
         fns["cublas_form"] = _graphed(lambda: form(x))
     fns["fused"] = _graphed(calls["fused"])
     fns["cublas_fused"] = _graphed(calls["cublas_fused"])
+    if decode_rows >= m:
+        calls["decode"] = _with_options(library("decode"), gemm_cublas=False, gemm_decode_rows=decode_rows)
+        fns["decode"] = _graphed(calls["decode"])
     if eager:
         fns.update({f"{name}_eager": fn for name, fn in calls.items()})
     times = interleaved(fns, rounds, lambda fn: triton.testing.do_bench(fn, warmup=10, rep=rep))
@@ -152,6 +157,9 @@ def bench_shape(m: int, n: int, k: int, dtype: torch.dtype, rep: int, rounds: in
         form(x)
         row["flip_caught"] = int(form.failed) - before
     row["fused_events"] = int(counts["fused"].sum())
+    if "decode" in calls:
+        row["decode_events"] = int(counts["decode"].sum())
+        row["decode_err"] = float((calls["decode"]().double() - ref).abs().max())
     with override(gemm_cublas=True):
         y = calls["cublas_fused"]()
         res = abft_gemm.gemm_residuals(x, w, b, emax=emax)
@@ -221,6 +229,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--no-ops-form", action="store_true", help="leave out the form built from PyTorch ops")
     ap.add_argument("--rep", type=int, default=40, help="do_bench repetition time (ms)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-rows", type=int, default=0,
+                    help="also time the decode kernel over row blocks (Options.gemm_decode_rows) at M up to this")
     args = ap.parse_args(argv)
     if args.plot:
         plot(args.plot, args.before, args.out)
@@ -240,7 +250,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for model, layer, n, k in layers:
             for m in rows:
                 r = bench_shape(m, n, k, dtype, args.rep, args.rounds, bias=args.bias, eager=args.eager,
-                                ops_form=not args.no_ops_form)
+                                ops_form=not args.no_ops_form, decode_rows=args.decode_rows)
                 r = {"model": model, "layer": layer, **r}
                 out.append(r)
                 with args.out.open("w", newline="") as f:  # rewritten per shape: a cut-off run keeps its rows
@@ -255,7 +265,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"cuBLAS form x{r['cublas_fused_vs_cublas']:.3f} (E/T {r['cublas_fused_ratio']:.3f}, events "
                       f"{r['cublas_fused_events']}, exact {r['cublas_fused_exact']}, flip {r['cublas_fused_flip']}) | "
                       f"fused x{r['fused_vs_cublas']:.3f} | fp32-out product x{r['cublas_fp32_out_vs_cublas']:.3f}"
-                      f"{ops}{eager}", flush=True)
+                      f"{ops}{eager}" + (f" | decode kernel x{r['decode_vs_cublas']:.3f} (events "
+                                         f"{r['decode_events']})" if "decode_vs_cublas" in r else ""), flush=True)
     print(f"wrote {args.out} ({len(out)} rows)")
     return out
 

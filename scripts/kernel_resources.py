@@ -139,7 +139,7 @@ GEMM_BASE = {
     "persistent": dict(GROUP=gc.GROUP_M, NUM_SMS=132, HAS_BIAS=False, W_KN=False, VERIFY_OUTPUT=False, DOT_F32=False,
                        FUSED=False, CN=16, EVEN_K=True, XVAR=False),
     "decode": dict(ROWS=1, HAS_BIAS=False, VERIFY_OUTPUT=False, INJ=False, DOT_F32=False, EVEN_K=True,
-                   CORRECT=True, SPLIT=False, SEGS=1, XVAR=False),
+                   CORRECT=True, SPLIT=False, SEGS=1, XVAR=False, MULTI=False),
     "checksums": dict(EVEN_K=True, DOT_F32=False, XVAR=False),
     "check": dict(REPAIR_K=gc.VERIFY_BLOCK[2], HAS_BIAS=False, CORRECT=True, DEBUG=False, DOT_F32=False, INJ=False,
                   VERIFY_OUTPUT=False, XVAR=False),
@@ -212,6 +212,9 @@ GEMM_VARIANTS = [
     ("decode kernel, outlier estimate, M = 1", "decode", "fp16", gc.CONFIGS_GROUPED[0], dict(XVAR=True)),
     ("decode kernel, outlier estimate, M = 16, split-K, bias", "decode", "bf16", gc.CONFIGS_GROUPED[1],
      dict(XVAR=True, ROWS=16, SPLIT=True, HAS_BIAS=True)),
+    ("decode kernel, row blocks", "decode", "fp16", gc.CONFIGS_GROUPED[0], dict(ROWS=16, MULTI=True)),
+    ("decode kernel, row blocks, split-K, injection", "decode", "bf16", gc.CONFIGS_GROUPED[0],
+     dict(ROWS=16, MULTI=True, SPLIT=True, INJ=True)),
 ]
 # pointer arguments: in x's dtype (the descriptors Xd, Wd, Yd too, without TMA), int32 (counters, cells,
 # injection tables), fp32 (group sums, partials, checksum constants)

@@ -299,7 +299,7 @@ def test_matches_float64_matmul(dtype, kn, with_bias, mkn, setopt):
     # detect=False is the plain GEMM: same values (loaded through pointers where the checked call took the
     # decode kernel: descriptor loads can sum differently, under the interpreter's matmul of a transposed view;
     # without split-K where it took the tile form, which never splits K: its epilogue leaves whole group sums)
-    if forms.grouped(m, n, dtype, None):
+    if forms.grouped(m, n, k, dtype, torch.device(DEV), None):
         setopt(gemm_tma=False)
     else:
         setopt(gemm_split=1)
@@ -1253,6 +1253,62 @@ def test_cublas_form_nonfinite_inputs(where, setopt):
     torch.testing.assert_close(y, _rounded_product(x, w, b, False), rtol=0, atol=0, equal_nan=True)
 
 
+def test_decode_rows_default_rule(monkeypatch, setopt):
+    """``Options.gemm_decode_rows`` unset: on a CUDA device (not interpreted) calls of 17-128 rows with N ≤ 1536
+    and M·N·K ≤ 3.1e8 take the decode kernel over row blocks (`forms.DECODE_AUTO_*`), ahead of the cuBLAS form
+    unless that is forced; set, up to that many rows whatever the shape; never under the interpreter's default."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(forms, "INTERP", False)
+    setopt(gemm_decode_rows=None)
+    for m, n, k, want in ((32, 896, 896, True), (64, 896, 4864, True), (128, 1536, 1536, True),
+                          (128, 896, 4864, False), (32, 1537, 64, False), (129, 128, 64, False)):
+        assert forms.decode_rows_auto(m, n, k, cuda) is want, (m, n, k)
+        assert forms.grouped(m, n, k, torch.float16, cuda, None) is want, (m, n, k)
+    assert not forms.grouped(32, 896, 896, torch.float32, cuda, None)  # (fp32: the tile form)
+    assert not forms.decode_rows_auto(32, 896, 896, torch.device("cpu"))
+    setopt(gemm_decode_rows=48)
+    assert forms.grouped(48, 151936, 4096, torch.float16, cuda, None)
+    assert not forms.grouped(49, 896, 896, torch.float16, cuda, None)
+    monkeypatch.setattr(forms, "INTERP", True)
+    setopt(gemm_decode_rows=None)
+    assert not forms.grouped(32, 896, 896, torch.float16, cuda, None)
+
+
+@pytest.mark.parametrize("split", [None, 2], ids=["unsplit", "split-K"])
+def test_decode_kernel_over_row_blocks(split, monkeypatch, setopt):
+    """``Options.gemm_decode_rows`` (``FTT_ABFT_GEMM_DECODE_ROWS``): calls of up to that many rows take the decode
+    kernel as several row blocks of its BLOCK_M (launcher 6, the decode kernel with a call id; the spy sees 2), with
+    and without split-K. A
+    clean call is within the GEMM bound of float64 and counts nothing; flips in three row blocks (the last, 8 rows
+    of 16) are found and corrected, counted like the reference path; non-finite x rows in two row blocks count one
+    ``nonfinite_input`` for the call, as on the reference path; the repeated signature replays the same."""
+    assert Options.from_env({"FTT_ABFT_GEMM_DECODE_ROWS": "64"}).gemm_decode_rows == 64
+    setopt(gemm_decode_rows=48, gemm_cublas=False, gemm_split=split)
+    seen = _launched(monkeypatch)
+    m, n, k = 40, 150, 70
+    for dtype in DTYPES16:
+        x = _rand((m, k), dtype, 1701, 2.0)
+        w = _rand((n, k), dtype, 1702, k**-0.5)
+        b = _rand((n,), dtype, 1703)
+        ref = _ref64(x, w, b)
+        for _ in range(2):  # (the second call replays the prepared launch)
+            seen.clear()
+            y, st = _run(x, w, b)
+            assert seen == [2] and st == ZERO, (seen, st)
+            tol = _gemm_rel_tol(dtype, k) * float(ref.abs().max())
+            assert float((y.double().cpu() - ref).abs().max()) <= tol
+        bit = MID_BIT[dtype]
+        spec = FaultSpec(site=SITE, bit=bit, count=3, seed=_seed_where(
+            bit, 3, m, n, dtype, ref, lambda p: len({r // 16 for r, _ in p}) == 3))
+        y_t, st_t = _run(x, w, b, plan=FaultPlan(spec))
+        assert st_t == _reference(x, w, b, spec)[1] == dict(ZERO, detected=3, corrected=3), st_t
+        assert float((y_t.double().cpu() - ref).abs().max()) <= _gemm_rel_tol(dtype, k) * float(ref.abs().max())
+        xn = x.clone()
+        xn[3, 5] = float("nan")
+        xn[37, 0] = float("inf")
+        assert _run(xn, w, b)[1] == _reference(xn, w, b)[1] == dict(ZERO, nonfinite_input=1)
+
+
 def test_cublas_form_only_where_switched_on(monkeypatch, setopt):
     """``Options.gemm_cublas`` (``FTT_ABFT_GEMM_CUBLAS``): unset, no call on the CPU or under the interpreter
     takes the cuBLAS form; on, every checked fp16/bf16 call does, decode-sized ones too; fp32 calls and the
@@ -1799,16 +1855,16 @@ def test_gpu_checksums_repeat_bit_for_bit_without_split(dtype, setopt):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cublas_form_by_default_in_graphs(monkeypatch, setopt):
-    """``Options.gemm_cublas`` unset, a short prompt's call (128 × 896 × 896, fp16): eager, host-bound, it takes
-    the tile form; captured into a CUDA graph it takes the cuBLAS form (its kernels first compiled during that
-    capture, its checksum programs a branch of the graph), and the replay's y agrees with float64 within the GEMM
-    bound and with the eager y within an ulp, with no event."""
+    """``Options.gemm_cublas`` unset, a short prompt's call (128 × 4864 × 896, fp16, a gate projection): eager,
+    host-bound, it takes the tile form; captured into a CUDA graph it takes the cuBLAS form (its kernels first
+    compiled during that capture, its checksum programs a branch of the graph), and the replay's y agrees with
+    float64 within the GEMM bound and with the eager y within an ulp, with no event."""
     setopt(gemm_cublas=None)
     seen = _launched(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(128, 896, device="cuda", generator=g).half()
-    w = (torch.randn(896, 896, device="cuda", generator=g) / 896**0.5).half()
-    b = torch.randn(896, device="cuda", generator=g).half()
+    w = (torch.randn(4864, 896, device="cuda", generator=g) / 896**0.5).half()
+    b = torch.randn(4864, device="cuda", generator=g).half()
     wc, cnt = WeightChecksums.compute(w, b), new_counters(DEV)
     y = checked_gemm(x, w, b, wc=wc, counters=cnt)
     assert seen == LAUNCHED["tile"], seen

@@ -212,9 +212,13 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
     # lands in their pool and makes the capture fail ("tensor(s) in the cudagraph pool not tracked as outputs")
     operand = C.group_operand(wc, weight, bias, weight_is_kn, x2d.dtype)
     if form.kind == DECODE:
-        P, call_id = C._grouped_buffer(m, n, k, cfg, dev), None
-        launches = [(2, *C._grouped_call(cfg, L, bias=bias, groups=groups, P=P, inj=inj, ver=ver, emax=emax,
-                                         csigma=csigma, verify_output=verify_output, dot_f32=dot_f32, xvar=xvar))]
+        P = C._grouped_buffer(m, n, k, cfg, dev)
+        which = C.decode_launcher(m, cfg)
+        flag = call_flag(dev) if which == 6 else None
+        call_id = flag[1] if flag is not None else None
+        launches = [(which, *C._grouped_call(cfg, L, bias=bias, groups=groups, P=P, inj=inj, ver=ver, emax=emax,
+                                             csigma=csigma, verify_output=verify_output, dot_f32=dot_f32, xvar=xvar,
+                                             flag=flag))]
     elif form.kind == CUBLAS:
         flag, call_id = call_flag(dev)
         nc = operand[0].shape[0] * operand[0].shape[1]

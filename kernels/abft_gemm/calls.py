@@ -39,7 +39,7 @@ _CHECK_LAUNCH = DirectLauncher(_product_check_kernel, INTERP)
 _CHECKSUM_LAUNCH = DirectLauncher(_checksum_kernel, INTERP)
 # where each launch takes its call id (only the verifications have a non-finite flag)
 _CALL_ID_AT = (None, _group_verify_kernel.arg_names.index("call_id"), None, None, None,
-               _product_check_kernel.arg_names.index("call_id"))
+               _product_check_kernel.arg_names.index("call_id"), grouped_gemm_kernel.arg_names.index("call_id"))
 
 
 def fp32_product(x2d: torch.Tensor, weight: torch.Tensor, weight_is_kn: bool,
@@ -103,8 +103,10 @@ def _product_launch(grid, args: tuple, kwargs: dict) -> None:
 
 def _launcher(which: int) -> Callable[[tuple | None, tuple, dict], None]:
     """0: the GEMM's launcher, 1: the group verification's, 2: the decode kernel's, 3: the persistent GEMM's,
-    4: the cuBLAS form's product and checksums, 5: its check (looked up at each call, so tests can replace them)."""
-    return (_GEMM_LAUNCH, _VERIFY_LAUNCH, _GROUPED_LAUNCH, _PERSISTENT_LAUNCH, _product_launch, _CHECK_LAUNCH)[which]
+    4: the cuBLAS form's product and checksums, 5: its check, 6: the decode kernel's over several row blocks (a
+    call id of its own; looked up at each call, so tests can replace them)."""
+    return (_GEMM_LAUNCH, _VERIFY_LAUNCH, _GROUPED_LAUNCH, _PERSISTENT_LAUNCH, _product_launch, _CHECK_LAUNCH,
+            _GROUPED_LAUNCH)[which]
 
 
 @dataclass
@@ -298,30 +300,39 @@ def group_operand(wc: WeightChecksums, weight: torch.Tensor, bias: torch.Tensor 
     return op
 
 
+def decode_launcher(m: int, cfg) -> int:
+    """The `_launcher` index of a decode-kernel call: 2 for one row block, 6 for several (which take a call id)."""
+    return 6 if m > cfg[0] else 2
+
+
 def _grouped_buffer(m: int, n: int, k: int, cfg, device: torch.device) -> torch.Tensor | None:
     """The decode kernel's split-K partials: (n_split, M, N) tiles, then (n_split, T, M, 4 or 5) checksums and
     statistics (room for 5: x·w1_g, x's sum, max, min and, with XVAR, its sum of squares); None without
     split-K."""
-    s = grouped_split(n, k, cfg, device)[0]
+    s = grouped_split(m, n, k, cfg, device)[0]
     if s == 1:
         return None
     return torch.empty(s * m * (n + _cdiv(n, cfg[1]) * 5), dtype=torch.float32, device=device)
 
 
 def _grouped_call(cfg, L: _Launch, *, bias, groups, P, inj, ver: _Verify, emax: float, csigma: float,
-                  verify_output: bool, dot_f32: bool, xvar: bool, siblings: tuple = ()) -> tuple:
+                  verify_output: bool, dot_f32: bool, xvar: bool, siblings: tuple = (),
+                  flag: tuple[torch.Tensor, int] | None = None) -> tuple:
     """The decode kernel's launch as ``(grid, args, kwargs)``; ``groups`` = (w1g, consts) of
     `_group_sums`, ``P`` = `_grouped_buffer`; ``xvar``: x's outlier variance estimate in the thresholds
-    (`gemm_checksums.xvar_in_use`). ``siblings``: up to two more weights after ``L.w`` in the
-    same launch (`checked_gemm_siblings`), each ``(weight, bias, groups, counters)``; ``L.y`` then holds
-    all their columns, ``L.w``'s first."""
+    (`gemm_checksums.xvar_in_use`); ``flag``: the call's (flag cell, call id) of `tl_common.call_flag`, for a
+    call of several row blocks (`decode_launcher`; one row block reads neither). ``siblings``: up to two more
+    weights after ``L.w`` in the same launch (`checked_gemm_siblings`), each ``(weight, bias, groups, counters)``;
+    ``L.y`` then holds all their columns, ``L.w``'s first."""
     bm, bn, bk, warps, stages = cfg[:5]
     assert bn == GROUP_COLS, cfg
     m, k = L.x.shape
     n = L.y.shape[1]
     w1g, gc = groups
-    n_split, kb_per = grouped_split(n, k, cfg, L.x.device)
+    n_split, kb_per = grouped_split(m, n, k, cfg, L.x.device)
     c = ver.counters
+    cells = _cells(L.x.device)
+    fcell, call_id = flag if flag is not None else (cells, 0)
     seg = [(L.w, bias if bias is not None else gc, w1g, gc, c)]
     starts, t0 = [], _cdiv(L.w.shape[1] if L.kn else L.w.shape[0], bn)
     for w_s, b_s, (w1g_s, gc_s), c_s in siblings:
@@ -331,16 +342,16 @@ def _grouped_call(cfg, L: _Launch, *, bias, groups, P, inj, ver: _Verify, emax: 
     segs = len(seg)
     seg += [seg[0]] * (3 - segs)
     starts += [0] * (2 - len(starts))
-    return (_cdiv(n, bn) * n_split,), (
+    return (_cdiv(m, bm) * _cdiv(n, bn) * n_split,), (
         L.x, L.w, L.y, seg[0][1], w1g, gc, inj if inj is not None else gc,
-        P if P is not None else gc, _cells(L.x.device), c, *seg[1], *seg[2], *starts,
+        P if P is not None else gc, cells, c, fcell, call_id, *seg[1], *seg[2], *starts,
         m, n, k, L.x.stride(0), L.x.stride(1), L.swn, L.swk, L.y.stride(0), L.y.stride(1), c.stride(0), c.stride(1),
         1.0 / k, float(emax), float(csigma), float(ver.reverify), int(ver.w_finite), n_split, kb_per,
     ), dict(
-        BLOCK_M=bm, G=bn, BLOCK_K=bk, ROWS=triton.next_power_of_2(m), HAS_BIAS=bias is not None,
+        BLOCK_M=bm, G=bn, BLOCK_K=bk, ROWS=triton.next_power_of_2(min(m, bm)), HAS_BIAS=bias is not None,
         VERIFY_OUTPUT=verify_output,
         INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0, CORRECT=ver.correct, SPLIT=n_split > 1,
-        SEGS=segs, XVAR=bool(xvar), num_warps=warps, num_stages=stages,
+        SEGS=segs, XVAR=bool(xvar), MULTI=m > bm, num_warps=warps, num_stages=stages,
     )
 
 

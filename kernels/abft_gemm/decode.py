@@ -1,4 +1,5 @@
-"""The checked GEMM of a decode call (M ≤ 16): V-ABFT per 64-column tile, inside the tile.
+"""The checked GEMM of a decode call (M ≤ 16; several row blocks of 16 under a study switch): V-ABFT per
+64-column tile, inside the tile.
 
 Each program computes one group of ``G = 64`` output columns (``GROUP_COLS``; the tile), and the group
 is its own checked GEMM (SPEC §5 with ``N`` replaced by the group's width ``n_g``, 64 or less for the
@@ -29,7 +30,8 @@ Counting is per (row, group), as on every path. Rows of x holding NaN/inf are no
 non-finite W or b switches the call's checks off; either counts one ``nonfinite_input`` (tile 0).
 
 `forms.choose_form` sends a checked fp16/bf16 call here when M ≤ ``GROUPED_MAX_ROWS`` (ROWS =
-next_pow2(M) rows of statistics).
+next_pow2(M) rows of statistics), or M ≤ ``Options.gemm_decode_rows`` (one program per row block of BLOCK_M
+rows and tile; ROWS = BLOCK_M).
 """
 
 from __future__ import annotations
@@ -110,18 +112,21 @@ def _repair(v, yv, ref, rabs, c1, thr, bad, n_ok, n_g, K, n_split, reverify_scal
 
 
 @triton.jit
-def _epilogue(acc, c1, sm, sq, mx, mn, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m, offs_am, m_ok, offs_n, offs_bn,
-              n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale,
-              w_finite, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr,
-              DOT_F32: tl.constexpr, CORRECT: tl.constexpr, XVAR: tl.constexpr):
+def _epilogue(acc, c1, sm, sq, mx, mn, gc, bias, X, W, Y, Inj, Cnt, Flag, call_id, tile, pid_m, num_pid_m, offs_m,
+              offs_am, m_ok, offs_n, offs_bn, n_ok, Mb, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k,
+              emax, csigma, reverify_scale, w_finite, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+              VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr, DOT_F32: tl.constexpr, CORRECT: tl.constexpr,
+              XVAR: tl.constexpr):
     """A tile's fp32 sum ``acc`` (BLOCK_M, G), ``x·w1_g`` ``c1`` and x's row sum / sum of squares (read with
-    XVAR only) / max / min of the ROWS = next_pow2(M) rows (ROWS,), the group's constants ``gc`` (the tuple
+    XVAR only) / max / min of the block's ROWS rows (ROWS,; its ``Mb`` rows, repeated), the group's constants
+    ``gc`` (the tuple
     ``(b1, det, v2, v3, v4, bias_det, bias_sd, n_g)`` of `group_checksums`) and bias (G,) fp32: bias, rounding,
     injection, the check, repairs, the counts, y's store."""
     b1, det, v2, v3, v4, bdet, bsd, n_g = gc
     if HAS_BIAS:
         acc += bias[None, :]
-    yv, v = round_and_inject(acc, Y.dtype.element_ty, Inj, 0, 1, offs_m, offs_n, n_ok, INJ, VERIFY_OUTPUT)
+    yv, v = round_and_inject(acc, Y.dtype.element_ty, Inj, pid_m, num_pid_m, offs_m, offs_n, n_ok, INJ,
+                             VERIFY_OUTPUT)
     # T[m] (SPEC §5 over the group's n_g columns; `group_checksums`), in the rows' own layout
     mu = sm * inv_k
     var = x_variance(mu, sq, mx, mn, K, inv_k, XVAR)
@@ -129,7 +134,7 @@ def _epilogue(acc, c1, sm, sq, mx, mn, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m
                   + bdet + csigma * bsd)
     # a row whose x is not finite (NaN makes the sum NaN, ±inf shows in max / min) is not verified: its T
     # becomes NaN, which marks it after the mapping below; the call counts one `nonfinite_input` for it
-    r_ok = tl.arange(0, sm.shape[0]) < M
+    r_ok = tl.arange(0, sm.shape[0]) < Mb
     row_fin = (tl.abs(sm) < float("inf")) & (mx < float("inf")) & (mn > -float("inf"))
     nf = tl.max((r_ok & ~row_fin).to(tl.int32), axis=0)
     thr = tl.where(row_fin, thr, float("nan"))
@@ -139,8 +144,11 @@ def _epilogue(acc, c1, sm, sq, mx, mn, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m
     bad = ~(tl.abs(d1) <= thr) & m_ok & (thr == thr)
     cbase = Cnt + _SITE_ROW * scn0
     if (nf != 0) | (w_finite == 0):
-        if tile == 0:  # the weight's first tile counts it
-            tl.atomic_add(cbase + _NONF * scn1, 1)
+        if tile == 0:  # the weight's first tile counts it; with several row blocks, the call's first to see it
+            if num_pid_m == 1:
+                tl.atomic_add(cbase + _NONF * scn1, 1)
+            elif tl.atomic_xchg(Flag, call_id) != call_id:
+                tl.atomic_add(cbase + _NONF * scn1, 1)
     if w_finite == 0:  # a non-finite weight or bias: the call's checks are off
         bad = bad & (offs_m < 0)
     if tl.max(bad.to(tl.int32), axis=0) > 0:
@@ -162,17 +170,20 @@ def _epilogue(acc, c1, sm, sq, mx, mn, gc, bias, X, W, Y, Inj, Cnt, tile, offs_m
     tl.store(Y + offs_m[:, None] * sym + offs_n[None, :] * syn, yv, mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
+@triton.jit(do_not_specialize=["call_id"])
+def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt, Flag, call_id,
                         W_b, Bias_b, W1g_b, Gc_b, Cnt_b, W_c, Bias_c, W1g_c, Gc_c, Cnt_c, t_b, t_c,
                         M, N, K, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale,
                         w_finite, n_split, kb_per,
                         BLOCK_M: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                         HAS_BIAS: tl.constexpr, VERIFY_OUTPUT: tl.constexpr, INJ: tl.constexpr,
                         DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, CORRECT: tl.constexpr, SPLIT: tl.constexpr,
-                        SEGS: tl.constexpr, XVAR: tl.constexpr):
-    """y (M, N) = x (M ≤ BLOCK_M, K) · Wᵀ + b, one program per G-column group (= tile), each verifying
-    its own columns (ROWS = next_pow2(M)).
+                        SEGS: tl.constexpr, XVAR: tl.constexpr, MULTI: tl.constexpr):
+    """y (M, N) = x (M, K) · Wᵀ + b, one program per (row block of BLOCK_M rows, G-column group = tile), each
+    verifying its own columns (ROWS = next_pow2(min(M, BLOCK_M)) rows of statistics per block). MULTI: more
+    than one row block (`forms.grouped`); such a call counts a non-finite input once through the call's flag
+    cell ``Flag`` (`tl_common.call_flag`, ``call_id``), which a one-block call does not read; siblings take one
+    row block.
 
     W (N, K) through strides ``swn``, ``swk`` (a (K, N) weight has them swapped); ``W1g`` (⌈N/G⌉, K)
     and ``Gc`` (⌈N/G⌉, 8) from `group_checksums`; ``Cnt`` the (sites, kinds) int32 counters.
@@ -189,7 +200,19 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
     count resets it and runs the epilogue on the partials summed in split order. XVAR: x's outlier
     variance estimate in the thresholds (`gemm_checksums.xvar_estimate`), else SPEC §5's bound."""
     pid = tl.program_id(0)
-    pid_n = pid // n_split
+    T = tl.cdiv(N, G)
+    if MULTI:  # several row blocks: program pid is split pid % n_split of tile (pid // n_split) % T of a block
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        pid_m = pid // (T * n_split)
+        pid_n = (pid // n_split) % T
+        m0 = pid_m * BLOCK_M
+        Mb = tl.minimum(M - m0, BLOCK_M)  # the block's rows
+    else:  # (one row block: the decode calls' code, nothing per block)
+        num_pid_m = 1
+        pid_m = 0
+        pid_n = pid // n_split
+        m0 = 0
+        Mb = M
     split = pid % n_split
     # the tile's weight: its first tile t0 and rows n_w (SEGS = 1: W, from tile 0, all N rows)
     t0 = 0
@@ -204,9 +227,9 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
                 W, Bias, W1g, Gc, Cnt, t0 = W_c, Bias_c, W1g_c, Gc_c, Cnt_c, t_c
                 n_w = N - t_c * G
     lt = pid_n - t0  # the tile within its weight
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    offs_am = offs_m % M  # wrapped rows: in-bounds loads without a mask, never stored
+    offs_am = m0 + tl.arange(0, BLOCK_M) % Mb  # wrapped rows: in-bounds loads without a mask, never stored
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * G + tl.arange(0, G)  # y's columns
     offs_wn = lt * G + tl.arange(0, G)  # the weight's rows
@@ -231,7 +254,7 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
     # threads in every K block made the whole call 1.1-1.35× slower on an H200). x and w1_g are loaded one K
     # block ahead, so that their latency overlaps the previous block's work (two blocks ahead was
     # 0.5-2.6 µs slower per call on an H200).
-    rows = tl.arange(0, ROWS) % M
+    rows = m0 + tl.arange(0, ROWS) % Mb
     x_ptrs = X + rows[:, None] * sxm + (kb0 * BLOCK_K + offs_k)[None, :] * sxk
     w_ptrs = W1g + lt * K + kb0 * BLOCK_K + offs_k
     kk = kb0 * BLOCK_K + offs_k
@@ -278,11 +301,10 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
         sq = sm  # (not read)
     if SPLIT:
         NST: tl.constexpr = 5 if XVAR else 4  # per row: x·w1_g, sum, max, min (, sum of squares)
-        T = tl.cdiv(N, G)
         pmask = m_ok[:, None] & n_ok[None, :]
         part = Part + offs_m[:, None] * N + offs_n[None, :]
-        r_ok = tl.arange(0, ROWS) < M
-        srow = Part + n_split * M * N + (pid_n * M + tl.arange(0, ROWS)) * NST  # + split · T · M · NST
+        r_ok = tl.arange(0, ROWS) < Mb
+        srow = Part + n_split * M * N + (pid_n * M + m0 + tl.arange(0, ROWS)) * NST  # + split · T · M · NST
         tl.store(part + split * M * N, acc, mask=pmask)
         tl.store(srow + split * T * M * NST, c1, mask=r_ok)
         tl.store(srow + split * T * M * NST + 1, sm, mask=r_ok)
@@ -291,8 +313,8 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
         if XVAR:
             tl.store(srow + split * T * M * NST + 4, sq, mask=r_ok)
         tl.debug_barrier()  # every thread's partials before the count
-        if tl.atomic_add(Sem + pid_n, 1, sem="acq_rel") == n_split - 1:
-            tl.store(Sem + pid_n, 0)  # ready for the next call (every split has counted)
+        if tl.atomic_add(Sem + pid_m * T + pid_n, 1, sem="acq_rel") == n_split - 1:
+            tl.store(Sem + pid_m * T + pid_n, 0)  # ready for the next call (every split has counted)
             acc = tl.zeros((BLOCK_M, G), tl.float32)
             c1 = tl.zeros((ROWS,), tl.float32)
             sm = tl.zeros((ROWS,), tl.float32)
@@ -307,10 +329,12 @@ def grouped_gemm_kernel(X, W, Y, Bias, W1g, Gc, Inj, Part, Sem, Cnt,
                 mn = tl.minimum(mn, tl.load(so + 3, mask=r_ok, other=float("inf"), cache_modifier=".cg"))
                 if XVAR:
                     sq += tl.load(so + 4, mask=r_ok, other=0.0, cache_modifier=".cg")
-            _epilogue(acc, c1, sm, sq, mx, mn, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n,
-                      offs_bn, n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma,
-                      reverify_scale, w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT, XVAR)
+            _epilogue(acc, c1, sm, sq, mx, mn, gc, bias, X, W, Y, Inj, Cnt, Flag, call_id, lt, pid_m, num_pid_m,
+                      offs_m, offs_am, m_ok, offs_n, offs_bn, n_ok, Mb, K, n_split, sxm, sxk, swn, swk, sym, syn,
+                      scn0, scn1, inv_k, emax, csigma, reverify_scale, w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT,
+                      INJ, DOT_F32, CORRECT, XVAR)
     else:
-        _epilogue(acc, c1, sm, sq, mx, mn, gc, bias, X, W, Y, Inj, Cnt, lt, offs_m, offs_am, m_ok, offs_n, offs_bn,
-                  n_ok, M, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1, inv_k, emax, csigma, reverify_scale,
-                  w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32, CORRECT, XVAR)
+        _epilogue(acc, c1, sm, sq, mx, mn, gc, bias, X, W, Y, Inj, Cnt, Flag, call_id, lt, pid_m, num_pid_m, offs_m,
+                  offs_am, m_ok, offs_n, offs_bn, n_ok, Mb, K, n_split, sxm, sxk, swn, swk, sym, syn, scn0, scn1,
+                  inv_k, emax, csigma, reverify_scale, w_finite, BLOCK_K, HAS_BIAS, VERIFY_OUTPUT, INJ, DOT_F32,
+                  CORRECT, XVAR)

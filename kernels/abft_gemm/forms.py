@@ -5,8 +5,9 @@ Forms (``Form.kind``):
 * ``"tile"`` — `tile._gemm_kernel`, which leaves each row's 64-column group sums, then the group verification
   (`groups._group_verify_kernel`), a second launch. The plain GEMM of one row block of few tiles splits K
   (`split_plan`).
-* ``"decode"`` — `decode.grouped_gemm_kernel`: calls of at most GROUPED_MAX_ROWS rows (`grouped`), each
-  64-column tile checked against its own column-group checksum in its epilogue, one launch.
+* ``"decode"`` — `decode.grouped_gemm_kernel`: calls of at most GROUPED_MAX_ROWS rows, and on CUDA the short
+  prompts of narrow layers as several row blocks (`grouped`, `decode_rows_auto`), each 64-column tile checked
+  against its own column-group checksum in its epilogue, one launch.
 * ``"persistent"`` — `persistent._persistent_kernel`, then the group verification: wide calls on Hopper
   (`persistent_ok`).
 * ``"cublas"`` — cuBLAS's product with fp32 output (`calls.fp32_product`) with the checksum programs beside it on
@@ -99,6 +100,13 @@ Y32_MAX_ELEMS = 1 << 30  # the cuBLAS form's product and partials stay within it
 FUSED_MIN_K = 4096
 FUSED_MAX_ROWS = 512
 CUBLAS_AUTO_MIN_ROWS = 16
+# The decode kernel over row blocks by default (`decode_rows_auto`): measured on an H200 against the cuBLAS form
+# (CUDA graphs, fp16, M = 32-128, the layers of Qwen2-0.5B, -1.5B, -7B and Llama-3-8B, its first config), it was
+# ahead at every shape with N ≤ 1,536 and M·N·K ≤ 3.1e8 (0.62-0.84 of cuBLAS against 0.54-0.65) and behind at all
+# others of N ≤ 1,536 (Qwen2-1.5B's down, K = 8,960; M = 128 at K ≥ 4,096); wider layers took it at M = 32 only.
+DECODE_AUTO_MAX_ROWS = 128
+DECODE_AUTO_MAX_COLS = 1536
+DECODE_AUTO_MAX_MNK = 310_000_000
 CUBLAS_AUTO = ((256, 18944), (512, 4096), (1024, 1536), (None, 512))  # (M at most, N at most)
 
 
@@ -216,23 +224,36 @@ def groupable(n: int, dtype: torch.dtype) -> bool:
     return dtype != torch.float32
 
 
-def grouped(m: int, n: int, dtype: torch.dtype, debug: torch.Tensor | None) -> bool:
+def decode_rows_auto(m: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether a call of more than GROUPED_MAX_ROWS rows takes the decode kernel over row blocks by default: on
+    a CUDA GPU (not the interpreter), M ≤ DECODE_AUTO_MAX_ROWS, N ≤ DECODE_AUTO_MAX_COLS and M·N·K ≤
+    DECODE_AUTO_MAX_MNK (few tiles of short K loops: one launch, where it was measured ahead of the cuBLAS form)."""
+    return (not INTERP and device.type == "cuda" and m <= DECODE_AUTO_MAX_ROWS and n <= DECODE_AUTO_MAX_COLS
+            and m * n * k <= DECODE_AUTO_MAX_MNK)
+
+
+def grouped(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, debug: torch.Tensor | None) -> bool:
     """Whether a checked call runs the decode kernel (each tile verifies its own 64 columns, one launch): a
-    `groupable` weight, M ≤ GROUPED_MAX_ROWS, no ``debug`` output (`gemm_residuals` takes the tile form),
-    and a forced config (``Options.gemm_config``), if any, that fits it."""
-    if m > GROUPED_MAX_ROWS or debug is not None or not groupable(n, dtype):
+    `groupable` weight, M ≤ GROUPED_MAX_ROWS, or more rows as several row blocks of the kernel's BLOCK_M where
+    ``Options.gemm_decode_rows`` allows them (unset: `decode_rows_auto`), no ``debug`` output (`gemm_residuals`
+    takes the tile form), and a forced config (``Options.gemm_config``), if any, that fits it."""
+    if debug is not None or not groupable(n, dtype):
+        return False
+    rows = options().gemm_decode_rows
+    if m > GROUPED_MAX_ROWS and (m > rows if rows is not None else not decode_rows_auto(m, n, k, device)):
         return False
     forced = forced_config()
-    return forced is None or (forced[0] >= max(m, 16) and forced[1] == GROUP_COLS)
+    return forced is None or (forced[0] >= 16 and forced[1] == GROUP_COLS)
 
 
-def split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> tuple[int, int]:
-    """(n_split, kb_per) of a decode call with checksum programs: each of its T tiles runs as n_split
-    programs of kb_per ≥ SPLIT_MIN_BLOCKS K blocks (the last may have fewer; none is empty), n_split ≤
-    SPLIT_PROGRAMS_PER_SM · SMs / T, so that a call of few tiles still fills the GPU. ``(1, ·)``:
-    no split. ``Options.gemm_split = S`` asks for S splits (1: never split). Never past SPLIT_MAX_TILES
-    tiles: their split counts live in `calls._cells`."""
-    t, nkb = cdiv(n, block_n), cdiv(k, block_k)
+def split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device,
+            row_blocks: int = 1) -> tuple[int, int]:
+    """(n_split, kb_per) of a decode call with checksum programs: each of its T tiles (``row_blocks`` times the
+    column tiles) runs as n_split programs of kb_per ≥ SPLIT_MIN_BLOCKS K blocks (the last may have fewer; none
+    is empty), n_split ≤ SPLIT_PROGRAMS_PER_SM · SMs / T, so that a call of few tiles still fills the GPU.
+    ``(1, ·)``: no split. ``Options.gemm_split = S`` asks for S splits (1: never split). Never past
+    SPLIT_MAX_TILES tiles: their split counts live in `calls._cells`."""
+    t, nkb = row_blocks * cdiv(n, block_n), cdiv(k, block_k)
     if t > SPLIT_MAX_TILES:
         return 1, nkb
     want = options().gemm_split
@@ -340,11 +361,12 @@ def product_elems(m: int, n: int, k: int, dtype: torch.dtype) -> int:
     return m * n + cdiv(cdiv(k, CHECKSUM_SIDE_CONFIG[1]), CHECKSUM_SIDE_MIN_BLOCKS) * m * (nc + 4)
 
 
-def grouped_split(n: int, k: int, cfg, device: torch.device) -> tuple[int, int]:
-    """(n_split, kb_per) of a decode-kernel call: `split_k`, or none when the config says so."""
+def grouped_split(m: int, n: int, k: int, cfg, device: torch.device) -> tuple[int, int]:
+    """(n_split, kb_per) of a decode-kernel call of M rows: `split_k` over its row blocks' tiles, or none when
+    the config says so."""
     if len(cfg) > 5 and not cfg[5]:
         return 1, 1
-    return split_k(n, k, cfg[1], cfg[2], device)
+    return split_k(n, k, cfg[1], cfg[2], device, cdiv(m, cfg[0]))
 
 
 def inject_config(decode: bool) -> tuple:
@@ -376,11 +398,12 @@ def choose_form(x2d: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, *, det
     """
     m, k = x2d.shape
     n = y.shape[1]
-    if detect and cublas_ok(m, n, x2d):  # (its check injects, per row block of BLOCK_R)
+    decode = detect and grouped(m, n, k, x2d.dtype, x2d.device, debug)
+    # (the decode kernel first, unless the cuBLAS form is forced; its check injects per row block of BLOCK_R)
+    if detect and (not decode or options().gemm_cublas) and cublas_ok(m, n, x2d):
         blocks = check_blocks(m, n, x2d.device)
         return Form(CUBLAS, False, blocks, inject(blocks[0]) if inject is not None else None)
     tma = tma_ok(m, n, k, x2d, weight, y)
-    decode = detect and grouped(m, n, x2d.dtype, debug)
     inj = None
     if inject is not None:
         cfg = inject_config(decode)

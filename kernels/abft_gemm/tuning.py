@@ -17,8 +17,8 @@ import torch
 from ..contract import new_counters
 from ..gemm_checksums import GROUP_COLS, GROUP_CONSTS, xvar_in_use
 from ..options import options
+from ..tl_common import call_flag, gpu_time
 from ..tl_common import cdiv as _cdiv
-from ..tl_common import gpu_time
 from . import forms
 from .calls import (
     _call_buffer,
@@ -90,7 +90,7 @@ def pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, decode: boo
     m, k = L.x.shape
     n = L.y.shape[1]
     if forms.INTERP:  # the plain GEMM of a decode shape takes the decode kernel's blocks: the same sums as its
-        plain_decode = not detect and grouped(m, n, L.x.dtype, None)
+        plain_decode = not detect and grouped(m, n, k, L.x.dtype, L.x.device, None)
         return CONFIG_INTERPRET_GROUPED if decode or plain_decode else CONFIG_INTERPRET
     # (the forms a decode call is timed in depend on the split-K setting)
     opts = options()
@@ -134,7 +134,7 @@ def pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, decode: boo
 
     def splits(c) -> int:
         if decode:
-            return grouped_split(n, k, c, dev)[0]
+            return grouped_split(m, n, k, c, dev)[0]
         return split_plan(m, n, k, c, detect, dev)[0]
 
     if opts.gemm_split is None:
@@ -156,7 +156,7 @@ def pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, decode: boo
                     _launcher(2)(*_grouped_call(c, Lc, bias=bias, groups=groups, P=P, inj=None, ver=ver, emax=1.0,
                                                 csigma=1.0, verify_output=verify_output, dot_f32=dot_f32,
                                                 xvar=xvar_in_use(dev.type, L.x.dtype, "accumulator"),
-                                                siblings=tuple(sib_scratch)))
+                                                siblings=tuple(sib_scratch), flag=call_flag(dev)))
         else:
             P = _call_buffer(m, n, k, c, detect, dev, y_scratch)
 
