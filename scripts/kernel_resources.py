@@ -33,8 +33,10 @@ import sys
 import tempfile
 import time
 
+import torch
 import triton
 from ft_transformers.kernels.abft_gemm import configs as gc
+from ft_transformers.kernels.abft_gemm.checksum_tiles import CHECKSUM_SLICES
 from ft_transformers.kernels.abft_gemm.decode import grouped_gemm_kernel
 from ft_transformers.kernels.abft_gemm.groups import _group_verify_kernel
 from ft_transformers.kernels.abft_gemm.persistent import _persistent_kernel
@@ -147,7 +149,9 @@ GEMM_BASE = {
 CFG_NAMES = {"tile": ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "verify": ("BLOCK_R", "BLOCK_G", "BLOCK_K"),
              "persistent": ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "decode": ("BLOCK_M", "G", "BLOCK_K"),
              "checksums": ("BLOCK_M", "CN", "BLOCK_K"), "check": ("BLOCK_R", "BLOCK_G")}
-SLICES = {"fp16": 2, "bf16": 3, "fp32": 1}  # the verification's checksum slices (`calls.group_operand`)
+# the checksum operand's slices per dtype (`checksum_tiles.CHECKSUM_SLICES`), by this script's dtype names
+SLICES = {name: CHECKSUM_SLICES[dt] for name, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16),
+                                                      ("fp32", torch.float32))}
 # (name, kernel, dtype, (block sizes..., num_warps, num_stages), overrides of GEMM_BASE[kernel])
 GEMM_VARIANTS = [
     # the tile GEMM: checks off at M <= 16 (checked fp16/bf16 decode calls take the decode kernel), with

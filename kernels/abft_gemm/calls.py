@@ -21,7 +21,7 @@ from ..contract import derive_seed
 from ..gemm_checksums import GROUP_COLS, WeightChecksums, group_checksums, scale_variance_terms
 from ..launch import DirectLauncher
 from ..tl_common import cdiv as _cdiv
-from .checksum_tiles import checksum_cols, checksum_split
+from .checksum_tiles import CHECKSUM_SLICES, checksum_cols, checksum_split
 from .common import SITE
 from .configs import GROUP_M, VERIFY_BLOCK
 from .decode import grouped_gemm_kernel
@@ -245,7 +245,6 @@ def _call_buffer(m: int, n: int, k: int, cfg, detect: bool, device: torch.device
     return torch.empty(n_split * m * n, dtype=torch.float32, device=device) if n_split > 1 else unused
 
 
-
 def _product_buffer(m: int, n: int, plan: tuple, nc: int, device: torch.device) -> torch.Tensor:
     """fp32 scratch of a cuBLAS-form call: the product (M, N), then its checksum programs' partials (`plan` of
     `forms.checksum_plan`, ``nc`` = S·T_g columns): C (splits, M, nc) and x's statistics (splits, M, 4)."""
@@ -286,7 +285,7 @@ def group_operand(wc: WeightChecksums, weight: torch.Tensor, bias: torch.Tensor 
     op = wc.groups.get(key)
     if op is None:
         w1g = _group_sums(wc, weight, bias, weight_is_kn)[0]
-        parts = {torch.float16: 2, torch.bfloat16: 3, torch.float32: 1}[dtype]
+        parts = CHECKSUM_SLICES[dtype]
         scale = torch.ones(1, dtype=torch.float32, device=w1g.device)
         if dtype == torch.float16:  # amax = f·2^e with f in [0.5, 1): ·2^(15 − e) puts it in [2^14, 2^15)
             scale = torch.ldexp(scale, 15 - torch.frexp(w1g.abs().amax().reshape(1)).exponent)
@@ -300,9 +299,15 @@ def group_operand(wc: WeightChecksums, weight: torch.Tensor, bias: torch.Tensor 
     return op
 
 
+def _row_blocks(m: int, cfg) -> bool:
+    """Whether a decode-kernel call of M rows spans several row blocks of the config's BLOCK_M (the kernel's
+    MULTI)."""
+    return m > cfg[0]
+
+
 def decode_launcher(m: int, cfg) -> int:
     """The `_launcher` index of a decode-kernel call: 2 for one row block, 6 for several (which take a call id)."""
-    return 6 if m > cfg[0] else 2
+    return 6 if _row_blocks(m, cfg) else 2
 
 
 def _grouped_buffer(m: int, n: int, k: int, cfg, device: torch.device) -> torch.Tensor | None:
@@ -351,7 +356,7 @@ def _grouped_call(cfg, L: _Launch, *, bias, groups, P, inj, ver: _Verify, emax: 
         BLOCK_M=bm, G=bn, BLOCK_K=bk, ROWS=triton.next_power_of_2(min(m, bm)), HAS_BIAS=bias is not None,
         VERIFY_OUTPUT=verify_output,
         INJ=inj is not None, DOT_F32=dot_f32, EVEN_K=k % bk == 0, CORRECT=ver.correct, SPLIT=n_split > 1,
-        SEGS=segs, XVAR=bool(xvar), MULTI=m > bm, num_warps=warps, num_stages=stages,
+        SEGS=segs, XVAR=bool(xvar), MULTI=_row_blocks(m, cfg), num_warps=warps, num_stages=stages,
     )
 
 

@@ -18,12 +18,16 @@ pipelined operand (`groups._row_stats_and_checksums` says why).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from ..tl_common import dot as _mma
 from .common import row_stats_add, row_stats_init
 
+# The slices of x's dtype that hold w1_g in fp32 accuracy (`calls.group_operand`): the checksum operand's rows are
+# S·T_g, S by dtype (fp32 calls: one slice, multiplied in IEEE FMAs)
+CHECKSUM_SLICES = {torch.float16: 2, torch.bfloat16: 3, torch.float32: 1}
 # A checksum tile's K loop is as long as a tile of y's and carries x's statistics besides its dots: whole, such
 # tiles spilled into a wave of their own (2048³ fp16 on an H200: 91.9 µs against 50.5 with the verification's
 # loop). So each runs as up to CHECKSUM_SPLIT programs of at least CHECKSUM_MIN_BLOCKS K blocks, their partial

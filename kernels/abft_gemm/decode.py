@@ -1,5 +1,5 @@
-"""The checked GEMM of a decode call (M ≤ 16; several row blocks of 16 under a study switch): V-ABFT per
-64-column tile, inside the tile.
+"""The checked GEMM of a decode call (M ≤ 16; on CUDA also the short prompts of narrow layers, as several row
+blocks of 16): V-ABFT per 64-column tile, inside the tile.
 
 Each program computes one group of ``G = 64`` output columns (``GROUP_COLS``; the tile), and the group
 is its own checked GEMM (SPEC §5 with ``N`` replaced by the group's width ``n_g``, 64 or less for the
@@ -30,8 +30,8 @@ Counting is per (row, group), as on every path. Rows of x holding NaN/inf are no
 non-finite W or b switches the call's checks off; either counts one ``nonfinite_input`` (tile 0).
 
 `forms.choose_form` sends a checked fp16/bf16 call here when M ≤ ``GROUPED_MAX_ROWS`` (ROWS =
-next_pow2(M) rows of statistics), or M ≤ ``Options.gemm_decode_rows`` (one program per row block of BLOCK_M
-rows and tile; ROWS = BLOCK_M).
+next_pow2(M) rows of statistics), or as several row blocks where `forms.decode_rows_auto` or
+``Options.gemm_decode_rows`` allow them (one program per row block of BLOCK_M rows and tile; ROWS = BLOCK_M).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import torch
 from ..gemm_checksums import GROUP_COLS
 from ..options import options
 from ..tl_common import cdiv, runs_interpreted, sm_count
-from .checksum_tiles import checksum_cols
+from .checksum_tiles import CHECKSUM_SLICES, checksum_cols
 from .configs import (
     CONFIG_INJECT,
     CONFIG_INTERPRET,
@@ -201,7 +201,7 @@ def persistent_ok(m: int, n: int, k: int, x2d: torch.Tensor, weight: torch.Tenso
         if mode is not True:
             if n < PERSISTENT_MIN_N or m * n * k < PERSISTENT_MIN_MNK:
                 return False
-            if host_bound(m, n, k) and not torch.cuda.is_current_stream_capturing():
+            if host_bound(m, n, k) and not capturing():
                 return False  # an eager call this small is host-bound: the tile form, whose launches cost less
     return tma_layout(x2d, weight, y)
 
@@ -355,9 +355,8 @@ def cublas_auto(m: int, n: int) -> bool:
 
 def product_elems(m: int, n: int, k: int, dtype: torch.dtype) -> int:
     """A bound on the fp32 elements of a cuBLAS-form call's scratch: the product (M, N), then the checksum
-    programs' partials (splits, M, S·T_g + 4) at their most splits (`checksum_plan`; S = 2 slices for fp16, 3 for
-    bf16, `calls.group_operand`)."""
-    nc = (2 if dtype == torch.float16 else 3) * cdiv(n, GROUP_COLS)
+    programs' partials (splits, M, S·T_g + 4) at their most splits (`checksum_plan`; S = `CHECKSUM_SLICES`)."""
+    nc = CHECKSUM_SLICES[dtype] * cdiv(n, GROUP_COLS)
     return m * n + cdiv(cdiv(k, CHECKSUM_SIDE_CONFIG[1]), CHECKSUM_SIDE_MIN_BLOCKS) * m * (nc + 4)
 
 
