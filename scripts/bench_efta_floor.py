@@ -87,6 +87,8 @@ class Floor(NamedTuple):
     overlap: bool = False
     tma: bool = False  # `_floor_ws_kernel`: every tile through a TMA descriptor
     ws: bool = False  # ... and its loop warp-specialized
+    gluon: bool = False  # `efta_gluon_floor`: explicit asynchronous MMAs and TMA rings (levels 0 and 3 lean)
+    pipe: bool = False  # ... with GEMM II of block j-1 in flight across block j's softmax
 
 
 LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u": Floor(2, unified=True),
@@ -94,7 +96,9 @@ LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u":
           "floor0o": Floor(0, overlap=True), "floor3o": Floor(3, overlap=True),
           "lean3o": Floor(3, lean=True, overlap=True), "floor0w": Floor(0, tma=True, ws=True),
           "floor3w": Floor(3, tma=True, ws=True), "lean3w": Floor(3, lean=True, tma=True, ws=True),
-          "floor0t": Floor(0, tma=True), "floor3t": Floor(3, tma=True), "lean3t": Floor(3, lean=True, tma=True)}
+          "floor0t": Floor(0, tma=True), "floor3t": Floor(3, tma=True), "lean3t": Floor(3, lean=True, tma=True),
+          "gfloor0": Floor(0, gluon=True), "glean3": Floor(3, lean=True, gluon=True),
+          "gfloor0p": Floor(0, gluon=True, pipe=True), "glean3p": Floor(3, lean=True, gluon=True, pipe=True)}
 # the library's kernel: (checks on, K and V through tensor descriptors `Options.efta_tma`, forced configs
 # tuned over here (None: the library's autotuner)); ``efta_wide``: key blocks of 128 in the clean launch
 LIBRARY = {"ours_off": (False, False, None), "efta_correct": (True, False, None), "ours_off_tma": (False, True, None),
@@ -112,6 +116,8 @@ DEFAULT_VARIANTS = ("sdpa_flash", "ours_off", "efta_correct", "floor0", "floor3"
 CONFIGS = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]
 # the warp-specialized loop: 128-row blocks, which its consumer warp groups share (64 rows each)
 CONFIGS_WS = [(128, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
+# the Gluon floor: 64 query rows per warp group; two-slot TMA rings (the last entry is unused)
+CONFIGS_GL = [(128, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 2), (64, 64, 4, 2)]
 
 
 @triton.jit
@@ -342,6 +348,11 @@ def floor_attention(q, k, v, scale, causal, variant: Floor, cfg, tabs, flags):
     vc = vc32 if variant.lean else vc16
     o = torch.empty_like(q)
     interp = runs_interpreted(_floor_kernel)
+    if variant.gluon:
+        if interp:
+            raise RuntimeError("the Gluon floor needs a Hopper GPU (no interpreter)")
+        from efta_gluon_floor import gluon_attention
+        return gluon_attention(q, k, v, scale, causal, variant.level, variant.pipe, cfg, kc, ka, vc32, vcmax, flags)
     # thresholds of single-slice checksum operands: Kc1 / Vc1 rounded to the input dtype
     u = 2.0 ** -8 if q.dtype == torch.bfloat16 else 2.0 ** -11
     if variant.tma:
@@ -395,7 +406,7 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
     q, k, v = (torch.randn(B, H, S, D, device=device, dtype=dtype, generator=g) for _ in range(3))
     scale = 1.0 / math.sqrt(D)
     q3, k3, v3 = (t.reshape(B * H, S, D) for t in (q, k, v))
-    tabs = {bn: tables(k3, v3, bn) for bn in sorted({c[1] for c in CONFIGS})}
+    tabs = {bn: tables(k3, v3, bn) for bn in sorted({c[1] for c in CONFIGS + CONFIGS_GL + CONFIGS_WS})}
     with sdpa_kernel(SDPBackend.MATH):
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, scale=scale)
     plan = FaultPlan(None)
@@ -427,7 +438,8 @@ def run_shape(B, H, S, D, causal, dtype, args, timer, device):
             else:
                 variant = LEVELS[name]
                 flags = torch.zeros(B * H * S, dtype=torch.int32, device=device)
-                cfgs = [c for c in (CONFIGS_WS if variant.tma else CONFIGS) if not (S % c[0] or S % c[1])]
+                cfgs = [c for c in (CONFIGS_GL if variant.gluon else CONFIGS_WS if variant.tma else CONFIGS)
+                        if not (S % c[0] or S % c[1])]
                 cfg = _fastest(lambda c, variant=variant, flags=flags: partial(
                     floor_attention, q3, k3, v3, scale, causal, variant, c, tabs, flags), cfgs, timer, args.tune, row)
                 if cfg is None:
