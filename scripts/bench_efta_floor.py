@@ -513,7 +513,7 @@ def plot(csv_paths: list[str], png_path: str) -> None:
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(range(len(shapes)))
         ax.set_xticklabels([f"{b}x{h}x{s}, D={d}{', causal' if c == 'True' else ''}" for b, h, s, d, c in shapes],
-                           fontsize=8)
+                           fontsize=8, rotation=20, ha="right")
         ax.set_ylabel(f"time / {basis}")
         ax.set_title(os.path.basename(path), fontsize=9)
         ax.legend(fontsize=7, ncol=min(len(names), 6))
