@@ -88,7 +88,7 @@ class Floor(NamedTuple):
     tma: bool = False  # `_floor_ws_kernel`: every tile through a TMA descriptor
     ws: bool = False  # ... and its loop warp-specialized
     gluon: bool = False  # `efta_gluon_floor`: explicit asynchronous MMAs and TMA rings (levels 0 and 3 lean)
-    pipe: bool = False  # ... with GEMM II of block j-1 in flight across block j's softmax
+    pipe: int = 0  # ... 1: GEMM II of block j-1 in flight across block j's softmax; 2: and GEMM I of block j+1
 
 
 LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u": Floor(2, unified=True),
@@ -98,7 +98,8 @@ LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u":
           "floor3w": Floor(3, tma=True, ws=True), "lean3w": Floor(3, lean=True, tma=True, ws=True),
           "floor0t": Floor(0, tma=True), "floor3t": Floor(3, tma=True), "lean3t": Floor(3, lean=True, tma=True),
           "gfloor0": Floor(0, gluon=True), "glean3": Floor(3, lean=True, gluon=True),
-          "gfloor0p": Floor(0, gluon=True, pipe=True), "glean3p": Floor(3, lean=True, gluon=True, pipe=True)}
+          "gfloor0p": Floor(0, gluon=True, pipe=1), "glean3p": Floor(3, lean=True, gluon=True, pipe=1),
+          "gfloor0d": Floor(0, gluon=True, pipe=2), "glean3d": Floor(3, lean=True, gluon=True, pipe=2)}
 # the library's kernel: (checks on, K and V through tensor descriptors `Options.efta_tma`, forced configs
 # tuned over here (None: the library's autotuner)); ``efta_wide``: key blocks of 128 in the clean launch
 LIBRARY = {"ours_off": (False, False, None), "efta_correct": (True, False, None), "ours_off_tma": (False, True, None),

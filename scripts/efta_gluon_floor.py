@@ -10,10 +10,13 @@ GEMM II's checksum ``Oc = P·[Vc1 | 1 | 0…]`` whose ones column is l; detect o
 
 * sequential (``gfloor0`` / ``glean3``): each key block's GEMM I, softmax and GEMM II in turn, every MMA
   waited for at once (the library's order, with TMA loads two blocks ahead);
-* pipelined (``gfloor0p`` / ``glean3p``): FlashAttention-3's intra-warpgroup overlap. Iteration j issues
-  GEMM I of block j (scores and their checksum dot) and then GEMM II of block j−1 (O and its checksum
-  dot), waits only for the first pair, runs block j's softmax and checks while GEMM II is on the tensor
-  cores, then waits for it and rescales O by block j's α.
+* pipelined (``gfloor0p`` / ``glean3p``, PIPE = 1): FlashAttention-3's intra-warpgroup overlap. Iteration j
+  issues GEMM I of block j (scores and their checksum dot) and then GEMM II of block j−1 (O and its
+  checksum dot), waits only for the first pair, runs block j's softmax and checks while GEMM II is on the
+  tensor cores, then waits for it and rescales O by block j's α;
+* deep (``gfloor0d`` / ``glean3d``, PIPE = 2): GEMM I of block j+1 is issued as soon as block j's scores
+  are in, so that during block j's softmax the tensor cores hold GEMM II of block j−1 and GEMM I of block
+  j+1 (two key blocks of MMA work against one block's CUDA-core work; one more score accumulator live).
 
 Memory: K with its Kc1 rows and V with its V-checksum rows in two rings of two slots each, filled by TMA
 (one mbarrier per slot): K of block j+2 is requested once block j's scores are done, V of block j+1 once
@@ -126,6 +129,20 @@ def _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, start_n, qk2, DIAG: 
 
 
 @gluon.jit
+def _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, j, diag_from, offs_m, qk2, BLOCK_N: gl.constexpr,
+                CAUSAL: gl.constexpr, LEVEL: gl.constexpr, s_layout: gl.constexpr, c16_layout: gl.constexpr):
+    """`_softmax` of key block j, with the causal mask from block `diag_from` on."""
+    kabs = gl.load(KA + blk0 + j)
+    if CAUSAL and j >= diag_from:
+        p, m_new, alpha, worst1, worst4 = _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, j * BLOCK_N, qk2,
+                                                   True, LEVEL, s_layout, c16_layout)
+    else:
+        p, m_new, alpha, worst1, worst4 = _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, j * BLOCK_N, qk2,
+                                                   False, LEVEL, s_layout, c16_layout)
+    return p, m_new, alpha, worst1, worst4
+
+
+@gluon.jit
 def _gemm2(p, v_s, vc_s, bars, j, acc, oc, dtype: gl.constexpr, LEVEL: gl.constexpr, o_layout: gl.constexpr,
            c32_layout: gl.constexpr):
     """Issue GEMM II of block j, asynchronously: O += P·V and with checks Oc += P·[Vc1 | 1 | 0…]ᵀ. Returns
@@ -198,30 +215,57 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
     worst1 = gl.full([BLOCK_M, 16], -float("inf"), gl.float32, c16_layout)
     worst4 = gl.full([BLOCK_M, 16], -float("inf"), gl.float32, c16_layout)
 
-    if PIPE:
+    NG: gl.constexpr = 2 if LEVEL >= 3 else 1  # wgmma groups per GEMM (the product and its checksum dot)
+    if PIPE == 2:
         s_tok, sc = _gemm1(q_s, k_s, kc_s, k_bars, 0, BLOCK_M, BLOCK_N, LEVEL, s_layout, c16_layout)
         s, sc = warpgroup_mma_wait(0, deps=(s_tok, sc))
         if n > 2:
             _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, 2, row0, blk0, BLOCK_N, LEVEL)
-        p, m_i, alpha, worst1, worst4 = _softmax(s, sc, m_i, worst1, worst4, qn1, gl.load(KA + blk0), offs_m, 0,
-                                                 qk2, CAUSAL, LEVEL, s_layout, c16_layout)
+        s_tok, sc_tok = _gemm1(q_s, k_s, kc_s, k_bars, gl.minimum(1, n - 1), BLOCK_M, BLOCK_N, LEVEL, s_layout,
+                               c16_layout)
+        p, m_i, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, 0, diag_from, offs_m,
+                                                    qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout)
+        if LEVEL < 3:
+            l_i = gl.sum(p, axis=1)
+        for j in range(1, n):
+            # in flight: GEMM I of block j; issued now: GEMM II of block j-1
+            o_tok, oc, p_op = _gemm2(p, v_s, vc_s, v_bars, j - 1, acc, oc, dtype, LEVEL, o_layout, c32_layout)
+            s, sc, p_op = warpgroup_mma_wait(NG, deps=(s_tok, sc_tok, p_op))
+            if j + 2 < n:
+                _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, j + 2, row0, blk0, BLOCK_N, LEVEL)
+            # GEMM I of block j+1 (block n-1 again on the last pass: one MMA more per program, no branch)
+            s_tok, sc_tok = _gemm1(q_s, k_s, kc_s, k_bars, gl.minimum(j + 1, n - 1), BLOCK_M, BLOCK_N, LEVEL,
+                                   s_layout, c16_layout)
+            p, m_new, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, j, diag_from,
+                                                          offs_m, qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout)
+            acc, oc, p_op = warpgroup_mma_wait(NG, deps=(o_tok, oc, p_op))
+            if j + 1 < n:
+                _load_v(v_desc, vc_desc, v_s, vc_s, v_bars, j + 1, row0, blk0, BLOCK_N, LEVEL)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            oc = oc * gl.convert_layout(alpha, gl.SliceLayout(1, c32_layout))[:, None]
+            if LEVEL < 3:
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+        o_tok, oc, p_op = _gemm2(p, v_s, vc_s, v_bars, n - 1, acc, oc, dtype, LEVEL, o_layout, c32_layout)
+        acc, oc, p_op, s_tok, sc_tok = warpgroup_mma_wait(0, deps=(o_tok, oc, p_op, s_tok, sc_tok))
+    elif PIPE == 1:
+        s_tok, sc = _gemm1(q_s, k_s, kc_s, k_bars, 0, BLOCK_M, BLOCK_N, LEVEL, s_layout, c16_layout)
+        s, sc = warpgroup_mma_wait(0, deps=(s_tok, sc))
+        if n > 2:
+            _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, 2, row0, blk0, BLOCK_N, LEVEL)
+        p, m_i, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, 0, diag_from, offs_m,
+                                                    qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout)
         if LEVEL < 3:
             l_i = gl.sum(p, axis=1)
         for j in range(1, n):
             s_tok, sc = _gemm1(q_s, k_s, kc_s, k_bars, j, BLOCK_M, BLOCK_N, LEVEL, s_layout, c16_layout)
             o_tok, oc, p_op = _gemm2(p, v_s, vc_s, v_bars, j - 1, acc, oc, dtype, LEVEL, o_layout, c32_layout)
             # block j's scores: wait while GEMM II of block j-1 stays in flight
-            s, sc, p_op = warpgroup_mma_wait(2 if LEVEL >= 3 else 1, deps=(s_tok, sc, p_op))
+            s, sc, p_op = warpgroup_mma_wait(NG, deps=(s_tok, sc, p_op))
             if j + 2 < n:
                 _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, j + 2, row0, blk0, BLOCK_N, LEVEL)
-            if CAUSAL and j >= diag_from:
-                p, m_new, alpha, worst1, worst4 = _softmax(s, sc, m_i, worst1, worst4, qn1, gl.load(KA + blk0 + j),
-                                                           offs_m, j * BLOCK_N, qk2, True, LEVEL, s_layout,
-                                                           c16_layout)
-            else:
-                p, m_new, alpha, worst1, worst4 = _softmax(s, sc, m_i, worst1, worst4, qn1, gl.load(KA + blk0 + j),
-                                                           offs_m, j * BLOCK_N, qk2, False, LEVEL, s_layout,
-                                                           c16_layout)
+            p, m_new, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, j, diag_from,
+                                                          offs_m, qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout)
             acc, oc, p_op = warpgroup_mma_wait(0, deps=(o_tok, oc, p_op))
             if j + 1 < n:
                 _load_v(v_desc, vc_desc, v_s, vc_s, v_bars, j + 1, row0, blk0, BLOCK_N, LEVEL)
@@ -238,14 +282,8 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
             s, sc = warpgroup_mma_wait(0, deps=(s_tok, sc))
             if j + 2 < n:
                 _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, j + 2, row0, blk0, BLOCK_N, LEVEL)
-            if CAUSAL and j >= diag_from:
-                p, m_new, alpha, worst1, worst4 = _softmax(s, sc, m_i, worst1, worst4, qn1, gl.load(KA + blk0 + j),
-                                                           offs_m, j * BLOCK_N, qk2, True, LEVEL, s_layout,
-                                                           c16_layout)
-            else:
-                p, m_new, alpha, worst1, worst4 = _softmax(s, sc, m_i, worst1, worst4, qn1, gl.load(KA + blk0 + j),
-                                                           offs_m, j * BLOCK_N, qk2, False, LEVEL, s_layout,
-                                                           c16_layout)
+            p, m_new, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, j, diag_from,
+                                                          offs_m, qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             oc = oc * gl.convert_layout(alpha, gl.SliceLayout(1, c32_layout))[:, None]
             if LEVEL < 3:
@@ -290,7 +328,7 @@ def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPE[t.dtype]))
 
 
-def gluon_attention(q, k, v, scale: float, causal: bool, level: int, pipe: bool, cfg, kc, ka, vc32, vcmax, flags):
+def gluon_attention(q, k, v, scale: float, causal: bool, level: int, pipe: int, cfg, kc, ka, vc32, vcmax, flags):
     """q, k, v (B·H, S, D) contiguous fp16/bf16, S a multiple of the config's blocks; cfg (BLOCK_M, BLOCK_N,
     num_warps, ·); kc, ka, vc32 from `bench_efta_floor.tables` at BLOCK_N; flags (B·H·S,) int32. Returns O
     (B·H, S, D)."""
