@@ -89,6 +89,7 @@ class Floor(NamedTuple):
     ws: bool = False  # ... and its loop warp-specialized
     gluon: bool = False  # `efta_gluon_floor`: explicit asynchronous MMAs and TMA rings (levels 0 and 3 lean)
     pipe: int = 0  # ... 1: GEMM II of block j-1 in flight across block j's softmax; 2: and GEMM I of block j+1
+    lazy: bool = False  # ... O rescaled only when the running max grew by more than 2^8
 
 
 LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u": Floor(2, unified=True),
@@ -99,7 +100,8 @@ LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u":
           "floor0t": Floor(0, tma=True), "floor3t": Floor(3, tma=True), "lean3t": Floor(3, lean=True, tma=True),
           "gfloor0": Floor(0, gluon=True), "glean3": Floor(3, lean=True, gluon=True),
           "gfloor0p": Floor(0, gluon=True, pipe=1), "glean3p": Floor(3, lean=True, gluon=True, pipe=1),
-          "gfloor0d": Floor(0, gluon=True, pipe=2), "glean3d": Floor(3, lean=True, gluon=True, pipe=2)}
+          "gfloor0d": Floor(0, gluon=True, pipe=2), "glean3d": Floor(3, lean=True, gluon=True, pipe=2),
+          "gfloor0z": Floor(0, gluon=True, lazy=True), "glean3z": Floor(3, lean=True, gluon=True, lazy=True)}
 # the library's kernel: (checks on, K and V through tensor descriptors `Options.efta_tma`, forced configs
 # tuned over here (None: the library's autotuner)); ``efta_wide``: key blocks of 128 in the clean launch
 LIBRARY = {"ours_off": (False, False, None), "efta_correct": (True, False, None), "ours_off_tma": (False, True, None),
@@ -353,7 +355,8 @@ def floor_attention(q, k, v, scale, causal, variant: Floor, cfg, tabs, flags):
         if interp:
             raise RuntimeError("the Gluon floor needs a Hopper GPU (no interpreter)")
         from efta_gluon_floor import gluon_attention
-        return gluon_attention(q, k, v, scale, causal, variant.level, variant.pipe, cfg, kc, ka, vc32, vcmax, flags)
+        return gluon_attention(q, k, v, scale, causal, variant.level, variant.pipe, cfg, kc, ka, vc32, vcmax, flags,
+                               variant.lazy)
     # thresholds of single-slice checksum operands: Kc1 / Vc1 rounded to the input dtype
     u = 2.0 ** -8 if q.dtype == torch.bfloat16 else 2.0 ** -11
     if variant.tma:

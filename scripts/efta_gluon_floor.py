@@ -14,6 +14,9 @@ GEMM II's checksum ``Oc = P·[Vc1 | 1 | 0…]`` whose ones column is l; detect o
   issues GEMM I of block j (scores and their checksum dot) and then GEMM II of block j−1 (O and its
   checksum dot), waits only for the first pair, runs block j's softmax and checks while GEMM II is on the
   tensor cores, then waits for it and rescales O by block j's α;
+* lazy (``gfloor0z`` / ``glean3z``, sequential): the running max moves only when a block's max exceeds it by
+  more than 2^8 (so P ≤ 256), and O with its checksum columns is rescaled only when some row of the program
+  moved (FlashAttention-4's conditional rescaling, with one vote per program);
 * deep (``gfloor0d`` / ``glean3d``, PIPE = 2): GEMM I of block j+1 is issued as soon as block j's scores
   are in, so that during block j's softmax the tensor cores hold GEMM II of block j−1 and GEMM I of block
   j+1 (two key blocks of MMA work against one block's CUDA-core work; one more score accumulator live).
@@ -39,6 +42,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 LOG2E = 1.4426950408889634
 _Y_MIN = gl.constexpr(-14.0)
 _P_MIN = gl.constexpr(2.0 ** -14)
+# lazy rescaling: the running max moves only when a block's max exceeds it by more than this (base-2 units),
+# so P ≤ 2^8 and most key blocks skip O's rescale
+_LAZY_GROWTH = gl.constexpr(8.0)
 
 
 @gluon.jit
@@ -102,7 +108,7 @@ def _gemm1(q_s, k_s, kc_s, bars, j, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
 
 @gluon.jit
 def _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, start_n, qk2, DIAG: gl.constexpr, LEVEL: gl.constexpr,
-             s_layout: gl.constexpr, c16_layout: gl.constexpr):
+             LAZY: gl.constexpr, s_layout: gl.constexpr, c16_layout: gl.constexpr):
     """One key block's softmax and checks: P (BLOCK_M, BLOCK_N) fp32 against the new running max m_new
     (base-2 units), α = 2^(m_i − m_new), and the worst margins of step 1 (|Sc1 − Σ_l S[:, l·16 + r]| over
     its bound) and step 4 (|log2 Π_l P − Σ_l y| over its bound), (BLOCK_M, 16) each."""
@@ -117,6 +123,8 @@ def _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, start_n, qk2, DIAG: 
         offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(offs_m[:, None] >= offs_n[None, :], s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk2)
+    if LAZY:
+        m_new = gl.where(m_new > m_i + _LAZY_GROWTH, m_new, m_i)
     y = gl.fma(s, qk2, -m_new[:, None])
     p = _ex2(y)
     if LEVEL >= 2:  # step 4: the product identity per group of 16-strided keys
@@ -130,15 +138,16 @@ def _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, start_n, qk2, DIAG: 
 
 @gluon.jit
 def _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, j, diag_from, offs_m, qk2, BLOCK_N: gl.constexpr,
-                CAUSAL: gl.constexpr, LEVEL: gl.constexpr, s_layout: gl.constexpr, c16_layout: gl.constexpr):
+                CAUSAL: gl.constexpr, LEVEL: gl.constexpr, s_layout: gl.constexpr, c16_layout: gl.constexpr,
+                LAZY: gl.constexpr = False):
     """`_softmax` of key block j, with the causal mask from block `diag_from` on."""
     kabs = gl.load(KA + blk0 + j)
     if CAUSAL and j >= diag_from:
         p, m_new, alpha, worst1, worst4 = _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, j * BLOCK_N, qk2,
-                                                   True, LEVEL, s_layout, c16_layout)
+                                                   True, LEVEL, LAZY, s_layout, c16_layout)
     else:
         p, m_new, alpha, worst1, worst4 = _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, j * BLOCK_N, qk2,
-                                                   False, LEVEL, s_layout, c16_layout)
+                                                   False, LEVEL, LAZY, s_layout, c16_layout)
     return p, m_new, alpha, worst1, worst4
 
 
@@ -161,7 +170,7 @@ def _gemm2(p, v_s, vc_s, bars, j, acc, oc, dtype: gl.constexpr, LEVEL: gl.conste
 @gluon.jit
 def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_CTX, qk2, tol1, tol3, vcmax,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr,
-                     LEVEL: gl.constexpr, PIPE: gl.constexpr, num_warps: gl.constexpr):
+                     LEVEL: gl.constexpr, PIPE: gl.constexpr, LAZY: gl.constexpr, num_warps: gl.constexpr):
     """One program: BLOCK_M query rows of one (batch, head); grid (S / BLOCK_M, B·H). LEVEL 0 or 3 (lean)."""
     # wgmma accumulators of (BLOCK_M, n) tiles, 64 rows per warp group
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -283,9 +292,15 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
             if j + 2 < n:
                 _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, j + 2, row0, blk0, BLOCK_N, LEVEL)
             p, m_new, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, j, diag_from,
-                                                          offs_m, qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            oc = oc * gl.convert_layout(alpha, gl.SliceLayout(1, c32_layout))[:, None]
+                                                          offs_m, qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout,
+                                                          LAZY)
+            if LAZY:  # O and its checksums are rescaled only when some row's max moved (one vote per program)
+                if gl.max((alpha < 1.0).to(gl.int32), axis=0) > 0:
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                    oc = oc * gl.convert_layout(alpha, gl.SliceLayout(1, c32_layout))[:, None]
+            else:
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                oc = oc * gl.convert_layout(alpha, gl.SliceLayout(1, c32_layout))[:, None]
             if LEVEL < 3:
                 l_i = l_i * alpha + gl.sum(p, axis=1)
             o_tok, oc, p_op = _gemm2(p, v_s, vc_s, v_bars, j, acc, oc, dtype, LEVEL, o_layout, c32_layout)
@@ -310,7 +325,8 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
         d_o = gl.abs(gl.sum(gl.where(rc[None, :] < 16, oc, 0.0), axis=1)
                      - gl.convert_layout(gl.sum(acc, axis=1), row_c))
         flag = flag | (d_o > tol3 * vcmax * l_c).to(gl.int32)
-        flag = flag | ((l_c < 1.0 - 1e-3) | (l_c > hi * 1.001)).to(gl.int32)
+        top = hi * 256.0 if LAZY else hi * 1.0  # with lazy rescaling P ≤ 2^8
+        flag = flag | ((l_c < 1.0 - 1e-3) | (l_c > top * 1.001)).to(gl.int32)
         l_o = gl.convert_layout(l_c, gl.SliceLayout(1, o_layout))
     else:
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -328,7 +344,8 @@ def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPE[t.dtype]))
 
 
-def gluon_attention(q, k, v, scale: float, causal: bool, level: int, pipe: int, cfg, kc, ka, vc32, vcmax, flags):
+def gluon_attention(q, k, v, scale: float, causal: bool, level: int, pipe: int, cfg, kc, ka, vc32, vcmax, flags,
+                    lazy: bool = False):
     """q, k, v (B·H, S, D) contiguous fp16/bf16, S a multiple of the config's blocks; cfg (BLOCK_M, BLOCK_N,
     num_warps, ·); kc, ka, vc32 from `bench_efta_floor.tables` at BLOCK_N; flags (B·H·S,) int32. Returns O
     (B·H, S, D)."""
@@ -340,5 +357,6 @@ def gluon_attention(q, k, v, scale: float, causal: bool, level: int, pipe: int, 
     _gl_floor_kernel[(S // BM, BH)](
         _desc(q2, [BM, D]), _desc(k2, [BN, D]), _desc(v2, [BN, D]), _desc(kc.reshape(-1, D), [16, D]),
         _desc(vc32.reshape(-1, BN), [32, BN]), ka, o, flags, S, scale * LOG2E, 4 * u, 64 * u, vcmax,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=level, PIPE=pipe, num_warps=warps)
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=level, PIPE=pipe, LAZY=lazy,
+        num_warps=warps)
     return o
