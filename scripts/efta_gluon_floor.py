@@ -40,6 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E = 1.4426950408889634
+# the TMA load's name: `async_copy_global_to_shared` in Triton 3.6 (the GPU image's), `async_load` from 3.7 on
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _Y_MIN = gl.constexpr(-14.0)
 _P_MIN = gl.constexpr(2.0 ** -14)
 # lazy rescaling: the running max moves only when a block's max exceeds it by more than this (base-2 units),
@@ -72,10 +74,10 @@ def _load_k(k_desc, kc_desc, k_s, kc_s, bars, j, row0, blk0, BLOCK_N: gl.constex
     bar = bars.index(slot)
     if LEVEL >= 1:
         mbarrier.expect(bar, k_desc.block_type.nbytes + kc_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kc_desc, [(blk0 + j) * 16, 0], bar, kc_s.index(slot))
+        _tma_load(kc_desc, [(blk0 + j) * 16, 0], bar, kc_s.index(slot))
     else:
         mbarrier.expect(bar, k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, 0], bar, k_s.index(slot))
+    _tma_load(k_desc, [row0 + j * BLOCK_N, 0], bar, k_s.index(slot))
 
 
 @gluon.jit
@@ -85,10 +87,10 @@ def _load_v(v_desc, vc_desc, v_s, vc_s, bars, j, row0, blk0, BLOCK_N: gl.constex
     bar = bars.index(slot)
     if LEVEL >= 3:
         mbarrier.expect(bar, v_desc.block_type.nbytes + vc_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(vc_desc, [(blk0 + j) * 32, 0], bar, vc_s.index(slot))
+        _tma_load(vc_desc, [(blk0 + j) * 32, 0], bar, vc_s.index(slot))
     else:
         mbarrier.expect(bar, v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, 0], bar, v_s.index(slot))
+    _tma_load(v_desc, [row0 + j * BLOCK_N, 0], bar, v_s.index(slot))
 
 
 @gluon.jit
@@ -206,7 +208,7 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
         mbarrier.init(v_bars.index(i), count=1)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row0 + start_m * BLOCK_M, 0], q_bar, q_s)
+    _tma_load(q_desc, [row0 + start_m * BLOCK_M, 0], q_bar, q_s)
     _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, 0, row0, blk0, BLOCK_N, LEVEL)
     _load_v(v_desc, vc_desc, v_s, vc_s, v_bars, 0, row0, blk0, BLOCK_N, LEVEL)
     if n > 1:
@@ -360,3 +362,44 @@ def gluon_attention(q, k, v, scale: float, causal: bool, level: int, pipe: int, 
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=level, PIPE=pipe, LAZY=lazy,
         num_warps=warps)
     return o
+
+
+def compile_offline(BM: int, BN: int, D: int, warps: int, causal: bool, level: int, pipe: int = 0, lazy: bool = False,
+                    dtype: torch.dtype = torch.float16, arch: int = 90):
+    """Compile `_gl_floor_kernel` for ``sm_{arch}a`` without a GPU (Triton's frontend, LLVM and the wheel's
+    ptxas), specialised as `gluon_attention` launches it on contiguous tensors; returns the compiled kernel
+    (``.asm["ptx"]``, ``.asm["cubin"]``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    BH, S = 2, 1024  # any shape of the kernel's form: S is a runtime argument
+    q = torch.empty(BH * S, D, dtype=dtype)
+    kc = torch.empty(BH * S // BN * 16, D, dtype=dtype)
+    vc = torch.empty(BH * S // BN * 32, BN, dtype=dtype)
+    args = dict(q_desc=_desc(q, [BM, D]), k_desc=_desc(q, [BN, D]), v_desc=_desc(q, [BN, D]), kc_desc=_desc(kc, [16, D]),
+                vc_desc=_desc(vc, [32, BN]), KA=torch.empty(BH * S // BN), O=q,
+                Flags=torch.empty(BH * S, dtype=torch.int32), S_CTX=S, qk2=0.1, tol1=0.1, tol3=0.1, vcmax=1.0)
+    consts = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=level, PIPE=pipe, LAZY=lazy,
+                  num_warps=warps)
+    fn = _gl_floor_kernel
+    sig = {k: mangle_type(v) for k, v in args.items()} | {k: "constexpr" for k in consts}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+
+
+if __name__ == "__main__":
+    import argparse
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kernel_resources import ptxas_info
+
+    ap = argparse.ArgumentParser(description="Compile the Gluon floor for sm_90a offline; print ptxas's resources.")
+    ap.add_argument("configs", nargs="+", metavar="BM,BN,D,WARPS,CAUSAL,LEVEL,PIPE[,LAZY]")
+    for spec in ap.parse_args().configs:
+        bm, bn, d, w, causal, level, pipe, *lazy = map(int, spec.split(","))
+        c = compile_offline(bm, bn, d, w, bool(causal), level, pipe, bool(lazy and lazy[0]))
+        print(spec, "shared", c.metadata.shared, ptxas_info(c.asm["ptx"]))

@@ -90,6 +90,26 @@ def test_gemm_compiles_for_sm90(kernel):
     _compile_in_subprocess(_GEMM_COMPILE.format(kernel=kernel))
 
 
+_GLUON_FLOOR = r"""
+import efta_gluon_floor as g
+# the checked sequential kernel at D = 128 (causal) and the unchecked pipelined one at D = 64: explicit
+# asynchronous wgmma (a wait that keeps one group in flight) and no spills at 64-key blocks
+for spec in ((128, 64, 128, 8, True, 3, 0), (64, 64, 64, 4, False, 0, 1)):
+    c = g.compile_offline(*spec)
+    info = kr.ptxas_info(c.asm["ptx"])
+    assert "wgmma.mma_async" in c.asm["ptx"] and info["spill_stores"] == 0, (spec, info)
+assert "wgmma.wait_group.sync.aligned 1" in c.asm["ptx"], "the pipelined schedule waits for GEMM I only"
+name, compiled = "Gluon floor", c
+"""
+
+
+def test_gluon_floor_compiles_for_sm90():
+    """`scripts/efta_gluon_floor.py` (the attention floor in Gluon, a study run only on Hopper GPUs) keeps
+    compiling with the installed Triton, its pipelined schedule keeping GEMM II in flight."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    _compile_in_subprocess(_GLUON_FLOOR)
+
+
 _VERIFY_BUFFERS = r"""
 import re
 slots = {}
