@@ -378,8 +378,8 @@ def compile_offline(BM: int, BN: int, D: int, warps: int, causal: bool, level: i
     q = torch.empty(BH * S, D, dtype=dtype)
     kc = torch.empty(BH * S // BN * 16, D, dtype=dtype)
     vc = torch.empty(BH * S // BN * 32, BN, dtype=dtype)
-    args = dict(q_desc=_desc(q, [BM, D]), k_desc=_desc(q, [BN, D]), v_desc=_desc(q, [BN, D]), kc_desc=_desc(kc, [16, D]),
-                vc_desc=_desc(vc, [32, BN]), KA=torch.empty(BH * S // BN), O=q,
+    args = dict(q_desc=_desc(q, [BM, D]), k_desc=_desc(q, [BN, D]), v_desc=_desc(q, [BN, D]),
+                kc_desc=_desc(kc, [16, D]), vc_desc=_desc(vc, [32, BN]), KA=torch.empty(BH * S // BN), O=q,
                 Flags=torch.empty(BH * S, dtype=torch.int32), S_CTX=S, qk2=0.1, tol1=0.1, tol3=0.1, vcmax=1.0)
     consts = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=level, PIPE=pipe, LAZY=lazy,
                   num_warps=warps)
