@@ -111,6 +111,12 @@ _FLAGS: dict[tuple[torch.device, bool], torch.Tensor] = {}
 _CALL_ID = [0]
 
 
+def capturing(device: torch.device | None = None) -> bool:
+    """Whether the current CUDA stream is capturing a graph (False for a non-CUDA ``device``): launches
+    recorded for replay, scratch buffers and tuning differ inside a capture."""
+    return (device is None or device.type == "cuda") and torch.cuda.is_current_stream_capturing()
+
+
 def call_flag(device: torch.device, self_reset: bool = False) -> tuple[torch.Tensor, int]:
     """Per-device int32 cell + an id for this kernel call, for "once per call" non-finite handling.
 
@@ -126,8 +132,7 @@ def call_flag(device: torch.device, self_reset: bool = False) -> tuple[torch.Ten
       between calls, and no memset (a memset node per checked Linear call costs 0.9-1.1 µs per call
       of a 16-call graph on an H200, docs/vabft.md).
     """
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    key = (device, capturing and self_reset)
+    key = (device, capturing(device) and self_reset)
     flag = _FLAGS.get(key)
     if flag is None:
         # both cells at once, on the device's first call (an eager one, normally): a cell first made

@@ -21,7 +21,7 @@ import torch
 from ..contract import COUNTER_SHAPE, new_counters
 from ..gemm_checksums import GROUP_COLS, WeightChecksums, xvar_in_use
 from ..options import options
-from ..tl_common import call_flag, on_tensor_device
+from ..tl_common import call_flag, capturing, on_tensor_device
 from ..tl_common import cdiv as _cdiv
 from . import calls as C
 from .common import SITE
@@ -167,7 +167,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
         prep_key = (m, *x2d.stride(), x2d.data_ptr() % 16 == 0, weight.data_ptr(), *weight.stride(),
                     bias.data_ptr() if bias is not None else None, counters.data_ptr(), *counters.stride(),
                     emax, emax_var, csigma, correct, mode, options(),
-                    dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+                    capturing(dev))
         prepared = wc.launches.get(prep_key)
         if prepared is not None:
             if kept is not None:
@@ -221,7 +221,7 @@ def _checked_gemm(x2d, weight, bias, weight_is_kn, wc, emax, emax_table, csigma,
                                              flag=flag))]
     elif form.kind == CUBLAS:
         flag, call_id = call_flag(dev)
-        nc = operand[0].shape[0] * operand[0].shape[1]
+        nc = C.checksum_rows(operand)
         plan = checksum_plan(m, k, nc, dev)
         P = C._product_buffer(m, n, plan, nc, dev)
         launches = [(4, *C._product_call(L, P, operand, plan, xvar)),
@@ -313,7 +313,7 @@ def siblings_forward(x2d: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     key = ("siblings", m, *x2d.stride(), x2d.data_ptr() % 16 == 0,
            tuple((w.data_ptr(), id(wc)) for w, wc in zip(weights, wcs)),
            tuple(c.data_ptr() for c in counters), counters[0].stride(), emax, csigma, correct, options(),
-           dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+           capturing(dev))
     cache = wcs[0].launches
     prepared = cache.get(key)
     if prepared is not None:

@@ -20,12 +20,13 @@ import triton
 from ..contract import derive_seed
 from ..gemm_checksums import GROUP_COLS, WeightChecksums, group_checksums, scale_variance_terms
 from ..launch import DirectLauncher
+from ..tl_common import capturing
 from ..tl_common import cdiv as _cdiv
 from .checksum_tiles import CHECKSUM_SLICES, checksum_cols, checksum_split
 from .common import SITE
 from .configs import GROUP_M, VERIFY_BLOCK
 from .decode import grouped_gemm_kernel
-from .forms import INTERP, SPLIT_MAX_TILES, grouped_split, split_plan, triton_allocation, verify_split
+from .forms import INTERP, SPLIT_MAX_TILES, check_warps, grouped_split, split_plan, triton_allocation, verify_split
 from .groups import _group_verify_kernel
 from .persistent import _persistent_kernel
 from .product_check import _checksum_kernel, _product_check_kernel
@@ -135,7 +136,7 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     from its graph's pool (such memory must not be kept past the graph)."""
     if INTERP:
         return torch.empty(size, dtype=torch.int8, device="cpu")
-    if torch.cuda.is_current_stream_capturing():
+    if capturing():
         return torch.empty(size, dtype=torch.int8, device="cuda")
     key = (torch.cuda.current_device(), stream, size)
     buf = _SCRATCH.get(key)
@@ -438,6 +439,12 @@ def _persistent_call(cfg, L: _Launch, bias: torch.Tensor | None, P: torch.Tensor
         XVAR=fused is not None and fused.xvar, num_warps=warps, num_stages=stages)
 
 
+def checksum_rows(operand: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """S·T_g: the rows of `group_operand`'s slices (S, T_g, K) read as one weight, the checksum columns of the
+    cuBLAS form's checksum programs."""
+    return operand[0].shape[0] * operand[0].shape[1]
+
+
 def _product_call(L: _Launch, P: torch.Tensor, operand: tuple[torch.Tensor, torch.Tensor], plan: tuple,
                   xvar: bool) -> tuple:
     """The cuBLAS form's product and checksum programs into its `_product_buffer` ``P``: ``(grid, args, kwargs)``
@@ -446,9 +453,8 @@ def _product_call(L: _Launch, P: torch.Tensor, operand: tuple[torch.Tensor, torc
     x2d = L.x
     m, k = x2d.shape
     n = L.y.shape[1]
-    wc = operand[0]
-    wcf = wc.view(wc.shape[0] * wc.shape[1], wc.shape[2])
-    nc = wcf.shape[0]
+    nc = checksum_rows(operand)
+    wcf = operand[0].view(nc, k)
     bm, cn, bk, warps, stages, splits, per = plan
     grid = (_cdiv(m, bm) * _cdiv(nc, cn) * splits,)
     meta = dict(BLOCK_M=bm, CN=cn, BLOCK_K=bk, EVEN_K=k % bk == 0, DOT_F32=INTERP or x2d.dtype == torch.float32,
@@ -480,7 +486,7 @@ def _check_call(L: _Launch, bias: torch.Tensor | None, P: torch.Tensor, flag: to
     ), dict(
         BLOCK_R=br, BLOCK_G=bg, REPAIR_K=VERIFY_BLOCK[2], SLICES=wc.shape[0], HAS_BIAS=bias is not None,
         CORRECT=ver.correct, DEBUG=ver.debug is not None, DOT_F32=dot_f32, INJ=inj is not None,
-        VERIFY_OUTPUT=verify_output, XVAR=bool(xvar), num_warps=4 if br * bg * GROUP_COLS <= 4096 else 8,
+        VERIFY_OUTPUT=verify_output, XVAR=bool(xvar), num_warps=check_warps(blocks),
         num_stages=1,
     )
 

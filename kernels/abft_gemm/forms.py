@@ -29,7 +29,7 @@ import torch
 
 from ..gemm_checksums import GROUP_COLS
 from ..options import options
-from ..tl_common import cdiv, runs_interpreted, sm_count
+from ..tl_common import capturing, cdiv, runs_interpreted, sm_count
 from .checksum_tiles import CHECKSUM_SLICES, checksum_cols
 from .configs import (
     CONFIG_INJECT,
@@ -78,6 +78,7 @@ CHECK_ROWS_SHORT = 16
 CHECK_ROWS_LONG = 64
 CHECK_SHORT_MAX = 256
 CHECK_TILE_ELEMS = 8192
+CHECK_WARPS_4_MAX = 4096  # tiles of y32 up to this many elements take 4 warps, larger ones 8 (`check_warps`)
 CHECK_PROGRAMS_PER_SM = 2
 # Its checksum programs (`checksum_plan`), beside cuBLAS's product on a side stream: (BLOCK_M, BLOCK_K, warps,
 # stages) and K splits of at least CHECKSUM_SIDE_MIN_BLOCKS blocks, up to CHECKSUM_SIDE_PER_SM programs per SM.
@@ -126,11 +127,6 @@ def hopper(dev: torch.device) -> bool:
     if cap is None:
         cap = _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)[0]
     return cap >= 9
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph."""
-    return torch.cuda.is_current_stream_capturing()
 
 
 def host_bound(m: int, n: int, k: int) -> bool:
@@ -304,6 +300,13 @@ def check_blocks(m: int, n: int, device: torch.device) -> tuple[int, int]:
     while 2 * bg * br * GROUP_COLS <= CHECK_TILE_ELEMS and bg < tg and rb * cdiv(tg, 2 * bg) >= want:
         bg *= 2
     return br, bg
+
+
+def check_warps(blocks: tuple[int, int]) -> int:
+    """Warps of the cuBLAS form's check for `check_blocks`' (BLOCK_R, BLOCK_G): 4 up to CHECK_WARPS_4_MAX elements
+    of y32 per program, else 8."""
+    br, bg = blocks
+    return 4 if br * bg * GROUP_COLS <= CHECK_WARPS_4_MAX else 8
 
 
 def checksum_plan(m: int, k: int, nc: int, device: torch.device) -> tuple[int, int, int, int, int, int, int]:

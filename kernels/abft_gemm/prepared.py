@@ -20,7 +20,7 @@ import torch
 from ..gemm_checksums import autocast_dtype, tensor_version
 from ..launch import DirectLauncher, record_launches, replay_launches
 from ..options import options
-from ..tl_common import call_flag
+from ..tl_common import call_flag, capturing
 from .calls import _CALL_ID_AT, _ensure_scratch_allocator, _launcher
 
 PREPARED_PER_WEIGHT = 64  # prepared call signatures kept per weight (`PreparedCall`)
@@ -90,7 +90,7 @@ def module_key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             id(weight), weight.data_ptr(), tensor_version(weight),
             None if bias is None else (id(bias), bias.data_ptr(), tensor_version(bias)),
             counters.data_ptr(), settings, options(), torch.is_grad_enabled(), autocast_dtype(dev.type),
-            dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+            capturing(dev))
 
 
 def _no_fast_path() -> None:

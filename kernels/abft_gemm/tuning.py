@@ -17,7 +17,7 @@ import torch
 from ..contract import new_counters
 from ..gemm_checksums import GROUP_COLS, GROUP_CONSTS, xvar_in_use
 from ..options import options
-from ..tl_common import call_flag, gpu_time
+from ..tl_common import call_flag, capturing, gpu_time
 from ..tl_common import cdiv as _cdiv
 from . import forms
 from .calls import (
@@ -111,7 +111,7 @@ def pick_config(L: _Launch, *, bias, detect, verify_output, dot_f32, decode: boo
         _TUNE_CACHE[key] = cfg
         return cfg
     dev = L.x.device
-    if torch.cuda.is_current_stream_capturing():
+    if capturing():
         return cands[0]  # a capture cannot time candidates: the first, not cached (an eager call tunes)
     y_scratch = torch.empty_like(L.y)
     Ls = dataclasses.replace(L, y=y_scratch)

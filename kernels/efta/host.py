@@ -31,7 +31,7 @@ from ..contract import (
 )
 from ..launch import DirectLauncher, record_launches, replay_launches
 from ..options import Options, options
-from ..tl_common import call_flag, on_tensor_device, runs_interpreted
+from ..tl_common import call_flag, capturing, on_tensor_device, runs_interpreted
 from ..tl_common import cdiv as _cdiv
 from .checksums import vc_rows
 from .configs import (
@@ -180,7 +180,7 @@ def _replay_key(q, k, v, scale, causal, bias, attn_mask, window, detect, correct
     dev = q.device
     return (_tsig(q), _tsig(k), _tsig(v), _tsig(counters), _tsig(bias), _tsig(attn_mask), scale, bool(causal),
             window, bool(detect), bool(correct), stored, opts,
-            dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+            capturing(dev))
 
 
 class _Replay:
