@@ -90,6 +90,7 @@ class Floor(NamedTuple):
     gluon: bool = False  # `efta_gluon_floor`: explicit asynchronous MMAs and TMA rings (levels 0 and 3 lean)
     pipe: int = 0  # ... 1: GEMM II of block j-1 in flight across block j's softmax; 2: and GEMM I of block j+1
     lazy: bool = False  # ... O rescaled only when the running max grew by more than 2^8
+    one_clamp: bool = False  # ... fp16: step 4 with one clamp (the exponent at -25 before exp2)
 
 
 LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u": Floor(2, unified=True),
@@ -101,7 +102,8 @@ LEVELS = {"floor0": Floor(0), "floor1": Floor(1), "floor2": Floor(2), "floor2u":
           "gfloor0": Floor(0, gluon=True), "glean3": Floor(3, lean=True, gluon=True),
           "gfloor0p": Floor(0, gluon=True, pipe=1), "glean3p": Floor(3, lean=True, gluon=True, pipe=1),
           "gfloor0d": Floor(0, gluon=True, pipe=2), "glean3d": Floor(3, lean=True, gluon=True, pipe=2),
-          "gfloor0z": Floor(0, gluon=True, lazy=True), "glean3z": Floor(3, lean=True, gluon=True, lazy=True)}
+          "gfloor0z": Floor(0, gluon=True, lazy=True), "glean3z": Floor(3, lean=True, gluon=True, lazy=True),
+          "glean3c": Floor(3, lean=True, gluon=True, one_clamp=True)}
 # the library's kernel: (checks on, K and V through tensor descriptors `Options.efta_tma`, forced configs
 # tuned over here (None: the library's autotuner)); ``efta_wide``: key blocks of 128 in the clean launch
 LIBRARY = {"ours_off": (False, False, None), "efta_correct": (True, False, None), "ours_off_tma": (False, True, None),
@@ -356,7 +358,7 @@ def floor_attention(q, k, v, scale, causal, variant: Floor, cfg, tabs, flags):
             raise RuntimeError("the Gluon floor needs a Hopper GPU (no interpreter)")
         from efta_gluon_floor import gluon_attention
         return gluon_attention(q, k, v, scale, causal, variant.level, variant.pipe, cfg, kc, ka, vc32, vcmax, flags,
-                               variant.lazy)
+                               variant.lazy, variant.one_clamp)
     # thresholds of single-slice checksum operands: Kc1 / Vc1 rounded to the input dtype
     u = 2.0 ** -8 if q.dtype == torch.bfloat16 else 2.0 ** -11
     if variant.tma:

@@ -17,6 +17,8 @@ GEMM II's checksum ``Oc = P·[Vc1 | 1 | 0…]`` whose ones column is l; detect o
 * lazy (``gfloor0z`` / ``glean3z``, sequential): the running max moves only when a block's max exceeds it by
   more than 2^8 (so P ≤ 256), and O with its checksum columns is rescaled only when some row of the program
   moved (FlashAttention-4's conditional rescaling, with one vote per program);
+* one clamp (``glean3c``, fp16; bf16 runs as ``glean3``): step 4 clamps the exponent at −25 before exp2
+  instead of clamping the exponent and P apart, and forms the product in chains of 4 keys;
 * deep (``gfloor0d`` / ``glean3d``, PIPE = 2): GEMM I of block j+1 is issued as soon as block j's scores
   are in, so that during block j's softmax the tensor cores hold GEMM II of block j−1 and GEMM I of block
   j+1 (two key blocks of MMA work against one block's CUDA-core work; one more score accumulator live).
@@ -47,6 +49,9 @@ _P_MIN = gl.constexpr(2.0 ** -14)
 # lazy rescaling: the running max moves only when a block's max exceeds it by more than this (base-2 units),
 # so P ≤ 2^8 and most key blocks skip O's rescale
 _LAZY_GROWTH = gl.constexpr(8.0)
+# one clamp (fp16): y at −25 before exp2. P = 2^−25 rounds to fp16's 0 as any smaller P does, so GEMM II's P is
+# unchanged, and step 4 needs no second clamp on P; products of 4 such P stay normal fp32 (2^−100)
+_Y_MIN_ONE = gl.constexpr(-25.0)
 
 
 @gluon.jit
@@ -110,7 +115,7 @@ def _gemm1(q_s, k_s, kc_s, bars, j, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
 
 @gluon.jit
 def _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, start_n, qk2, DIAG: gl.constexpr, LEVEL: gl.constexpr,
-             LAZY: gl.constexpr, s_layout: gl.constexpr, c16_layout: gl.constexpr):
+             LAZY: gl.constexpr, s_layout: gl.constexpr, c16_layout: gl.constexpr, ONE_CLAMP: gl.constexpr = False):
     """One key block's softmax and checks: P (BLOCK_M, BLOCK_N) fp32 against the new running max m_new
     (base-2 units), α = 2^(m_i − m_new), and the worst margins of step 1 (|Sc1 − Σ_l S[:, l·16 + r]| over
     its bound) and step 4 (|log2 Π_l P − Σ_l y| over its bound), (BLOCK_M, 16) each."""
@@ -128,8 +133,17 @@ def _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, start_n, qk2, DIAG: 
     if LAZY:
         m_new = gl.where(m_new > m_i + _LAZY_GROWTH, m_new, m_i)
     y = gl.fma(s, qk2, -m_new[:, None])
+    if ONE_CLAMP:  # fp16: P from the clamped exponent, the product in chains of 4 (one lg2 each)
+        y = gl.maximum(y, _Y_MIN_ONE)
     p = _ex2(y)
-    if LEVEL >= 2:  # step 4: the product identity per group of 16-strided keys
+    if LEVEL >= 2 and ONE_CLAMP:
+        CH: gl.constexpr = (G + 3) // 4
+        pc = gl.reduce(gl.reshape(p, [BLOCK_M, CH, G // CH, 16]), 2, _mul)
+        xs = gl.sum(gl.reshape(y, [BLOCK_M, G, 16]), axis=1)
+        lp = gl.convert_layout(gl.sum(_lg2(pc), axis=1), xs.type.layout)
+        e4 = gl.convert_layout(gl.abs(lp - xs) - 1e-4 * gl.abs(xs), c16_layout)
+        worst4 = gl.maximum(worst4, e4)
+    elif LEVEL >= 2:  # step 4: the product identity per group of 16-strided keys
         lp = _lg2(gl.reduce(gl.reshape(gl.maximum(p, _P_MIN), [BLOCK_M, G, 16]), 1, _mul))
         xs = gl.sum(gl.reshape(gl.maximum(y, _Y_MIN), [BLOCK_M, G, 16]), axis=1)
         e4 = gl.convert_layout(gl.abs(lp - xs) - 1e-4 * gl.abs(xs), c16_layout)
@@ -141,15 +155,15 @@ def _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, start_n, qk2, DIAG: 
 @gluon.jit
 def _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, j, diag_from, offs_m, qk2, BLOCK_N: gl.constexpr,
                 CAUSAL: gl.constexpr, LEVEL: gl.constexpr, s_layout: gl.constexpr, c16_layout: gl.constexpr,
-                LAZY: gl.constexpr = False):
+                LAZY: gl.constexpr = False, ONE_CLAMP: gl.constexpr = False):
     """`_softmax` of key block j, with the causal mask from block `diag_from` on."""
     kabs = gl.load(KA + blk0 + j)
     if CAUSAL and j >= diag_from:
         p, m_new, alpha, worst1, worst4 = _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, j * BLOCK_N, qk2,
-                                                   True, LEVEL, LAZY, s_layout, c16_layout)
+                                                   True, LEVEL, LAZY, s_layout, c16_layout, ONE_CLAMP)
     else:
         p, m_new, alpha, worst1, worst4 = _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, j * BLOCK_N, qk2,
-                                                   False, LEVEL, LAZY, s_layout, c16_layout)
+                                                   False, LEVEL, LAZY, s_layout, c16_layout, ONE_CLAMP)
     return p, m_new, alpha, worst1, worst4
 
 
@@ -172,7 +186,8 @@ def _gemm2(p, v_s, vc_s, bars, j, acc, oc, dtype: gl.constexpr, LEVEL: gl.conste
 @gluon.jit
 def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_CTX, qk2, tol1, tol3, vcmax,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, CAUSAL: gl.constexpr,
-                     LEVEL: gl.constexpr, PIPE: gl.constexpr, LAZY: gl.constexpr, num_warps: gl.constexpr):
+                     LEVEL: gl.constexpr, PIPE: gl.constexpr, LAZY: gl.constexpr, ONE_CLAMP: gl.constexpr,
+                     num_warps: gl.constexpr):
     """One program: BLOCK_M query rows of one (batch, head); grid (S / BLOCK_M, B·H). LEVEL 0 or 3 (lean)."""
     # wgmma accumulators of (BLOCK_M, n) tiles, 64 rows per warp group
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -235,7 +250,8 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
         s_tok, sc_tok = _gemm1(q_s, k_s, kc_s, k_bars, gl.minimum(1, n - 1), BLOCK_M, BLOCK_N, LEVEL, s_layout,
                                c16_layout)
         p, m_i, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, 0, diag_from, offs_m,
-                                                    qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout)
+                                                    qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout,
+                                                    ONE_CLAMP=ONE_CLAMP)
         if LEVEL < 3:
             l_i = gl.sum(p, axis=1)
         for j in range(1, n):
@@ -248,7 +264,8 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
             s_tok, sc_tok = _gemm1(q_s, k_s, kc_s, k_bars, gl.minimum(j + 1, n - 1), BLOCK_M, BLOCK_N, LEVEL,
                                    s_layout, c16_layout)
             p, m_new, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, j, diag_from,
-                                                          offs_m, qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout)
+                                                          offs_m, qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout,
+                                                    ONE_CLAMP=ONE_CLAMP)
             acc, oc, p_op = warpgroup_mma_wait(NG, deps=(o_tok, oc, p_op))
             if j + 1 < n:
                 _load_v(v_desc, vc_desc, v_s, vc_s, v_bars, j + 1, row0, blk0, BLOCK_N, LEVEL)
@@ -265,7 +282,8 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
         if n > 2:
             _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, 2, row0, blk0, BLOCK_N, LEVEL)
         p, m_i, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, 0, diag_from, offs_m,
-                                                    qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout)
+                                                    qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout,
+                                                    ONE_CLAMP=ONE_CLAMP)
         if LEVEL < 3:
             l_i = gl.sum(p, axis=1)
         for j in range(1, n):
@@ -276,7 +294,8 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
             if j + 2 < n:
                 _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, j + 2, row0, blk0, BLOCK_N, LEVEL)
             p, m_new, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, j, diag_from,
-                                                          offs_m, qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout)
+                                                          offs_m, qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout,
+                                                    ONE_CLAMP=ONE_CLAMP)
             acc, oc, p_op = warpgroup_mma_wait(0, deps=(o_tok, oc, p_op))
             if j + 1 < n:
                 _load_v(v_desc, vc_desc, v_s, vc_s, v_bars, j + 1, row0, blk0, BLOCK_N, LEVEL)
@@ -295,7 +314,7 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
                 _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, j + 2, row0, blk0, BLOCK_N, LEVEL)
             p, m_new, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, j, diag_from,
                                                           offs_m, qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout,
-                                                          LAZY)
+                                                          LAZY, ONE_CLAMP)
             if LAZY:  # O and its checksums are rescaled only when some row's max moved (one vote per program)
                 if gl.max((alpha < 1.0).to(gl.int32), axis=0) > 0:
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -347,7 +366,7 @@ def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 
 def gluon_attention(q, k, v, scale: float, causal: bool, level: int, pipe: int, cfg, kc, ka, vc32, vcmax, flags,
-                    lazy: bool = False):
+                    lazy: bool = False, one_clamp: bool = False):
     """q, k, v (B·H, S, D) contiguous fp16/bf16, S a multiple of the config's blocks; cfg (BLOCK_M, BLOCK_N,
     num_warps, ·); kc, ka, vc32 from `bench_efta_floor.tables` at BLOCK_N; flags (B·H·S,) int32. Returns O
     (B·H, S, D)."""
@@ -360,12 +379,12 @@ def gluon_attention(q, k, v, scale: float, causal: bool, level: int, pipe: int, 
         _desc(q2, [BM, D]), _desc(k2, [BN, D]), _desc(v2, [BN, D]), _desc(kc.reshape(-1, D), [16, D]),
         _desc(vc32.reshape(-1, BN), [32, BN]), ka, o, flags, S, scale * LOG2E, 4 * u, 64 * u, vcmax,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=level, PIPE=pipe, LAZY=lazy,
-        num_warps=warps)
+        ONE_CLAMP=one_clamp and q.dtype == torch.float16, num_warps=warps)
     return o
 
 
 def compile_offline(BM: int, BN: int, D: int, warps: int, causal: bool, level: int, pipe: int = 0, lazy: bool = False,
-                    dtype: torch.dtype = torch.float16, arch: int = 90):
+                    dtype: torch.dtype = torch.float16, arch: int = 90, one_clamp: bool = False):
     """Compile `_gl_floor_kernel` for ``sm_{arch}a`` without a GPU (Triton's frontend, LLVM and the wheel's
     ptxas), specialised as `gluon_attention` launches it on contiguous tensors; returns the compiled kernel
     (``.asm["ptx"]``, ``.asm["cubin"]``)."""
@@ -382,7 +401,7 @@ def compile_offline(BM: int, BN: int, D: int, warps: int, causal: bool, level: i
                 kc_desc=_desc(kc, [16, D]), vc_desc=_desc(vc, [32, BN]), KA=torch.empty(BH * S // BN), O=q,
                 Flags=torch.empty(BH * S, dtype=torch.int32), S_CTX=S, qk2=0.1, tol1=0.1, tol3=0.1, vcmax=1.0)
     consts = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=level, PIPE=pipe, LAZY=lazy,
-                  num_warps=warps)
+                  ONE_CLAMP=one_clamp, num_warps=warps)
     fn = _gl_floor_kernel
     sig = {k: mangle_type(v) for k, v in args.items()} | {k: "constexpr" for k in consts}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
@@ -395,11 +414,19 @@ if __name__ == "__main__":
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from kernel_resources import ptxas_info
+    from kernel_resources import loop_census, ptxas_info
 
     ap = argparse.ArgumentParser(description="Compile the Gluon floor for sm_90a offline; print ptxas's resources.")
-    ap.add_argument("configs", nargs="+", metavar="BM,BN,D,WARPS,CAUSAL,LEVEL,PIPE[,LAZY]")
-    for spec in ap.parse_args().configs:
-        bm, bn, d, w, causal, level, pipe, *lazy = map(int, spec.split(","))
-        c = compile_offline(bm, bn, d, w, bool(causal), level, pipe, bool(lazy and lazy[0]))
+    ap.add_argument("configs", nargs="+", metavar="BM,BN,D,WARPS,CAUSAL,LEVEL,PIPE[,LAZY[,ONE_CLAMP]]")
+    ap.add_argument("--loops", action="store_true", help="also the opcode counts of the key loop (SASS)")
+    args = ap.parse_args()
+    for spec in args.configs:
+        bm, bn, d, w, causal, level, pipe, *flags = map(int, spec.split(","))
+        flags += [0] * (2 - len(flags))
+        c = compile_offline(bm, bn, d, w, bool(causal), level, pipe, bool(flags[0]), one_clamp=bool(flags[1]))
         print(spec, "shared", c.metadata.shared, ptxas_info(c.asm["ptx"]))
+        if args.loops:  # the loop with the most tensor-core instructions and the fewest stores: the key loop
+            loops = [lp for lp in loop_census(c.asm["cubin"]) if not lp[1]["STG"]]
+            size, ops, short = max(loops, key=lambda lp: (lp[1]["HGMMA"], -lp[0]))
+            print(f"    key loop: {size} instructions, shortest path {short}:",
+                  ", ".join(f"{k} {v}" for k, v in ops.most_common(12)))
