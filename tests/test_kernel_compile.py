@@ -92,10 +92,11 @@ def test_gemm_compiles_for_sm90(kernel):
 
 _GLUON_FLOOR = r"""
 import efta_gluon_floor as g
-# the checked sequential kernel at D = 128 (causal) and the unchecked pipelined one at D = 64: explicit
-# asynchronous wgmma (a wait that keeps one group in flight) and no spills at 64-key blocks
-for spec in ((128, 64, 128, 8, True, 3, 0), (64, 64, 64, 4, False, 0, 1)):
-    c = g.compile_offline(*spec)
+# the checked sequential kernel at D = 128 (causal) and with one clamp at D = 64, and the unchecked pipelined
+# one at D = 64: explicit asynchronous wgmma (the pipelined wait keeps one group in flight), no spills
+for spec, one_clamp in (((128, 64, 128, 8, True, 3, 0), False), ((64, 128, 64, 4, False, 3, 0), True),
+                        ((64, 64, 64, 4, False, 0, 1), False)):
+    c = g.compile_offline(*spec, one_clamp=one_clamp)
     info = kr.ptxas_info(c.asm["ptx"])
     assert "wgmma.mma_async" in c.asm["ptx"] and info["spill_stores"] == 0, (spec, info)
 assert "wgmma.wait_group.sync.aligned 1" in c.asm["ptx"], "the pipelined schedule waits for GEMM I only"
