@@ -100,13 +100,19 @@ for spec, one_clamp in (((128, 64, 128, 8, True, 3, 0), False), ((64, 128, 64, 4
     info = kr.ptxas_info(c.asm["ptx"])
     assert "wgmma.mma_async" in c.asm["ptx"] and info["spill_stores"] == 0, (spec, info)
 assert "wgmma.wait_group.sync.aligned 1" in c.asm["ptx"], "the pipelined schedule waits for GEMM I only"
-name, compiled = "Gluon floor", c
+import bench_gemm_gluon as gg
+# the checked GEMM's floor with its epilogue check: the product's and the checksum's MMAs per K step
+c = gg.compile_offline((128, 256, 64, 3, 8), 2)
+info = kr.ptxas_info(c.asm["ptx"])
+assert c.asm["ptx"].count("wgmma.mma_async") >= 2 and info["spill_stores"] == 0, info
+name, compiled = "Gluon floors", c
 """
 
 
 def test_gluon_floor_compiles_for_sm90():
-    """`scripts/efta_gluon_floor.py` (the attention floor in Gluon, a study run only on Hopper GPUs) keeps
-    compiling with the installed Triton, its pipelined schedule keeping GEMM II in flight."""
+    """`scripts/efta_gluon_floor.py` and `scripts/bench_gemm_gluon.py` (the attention and checked-GEMM floors
+    in Gluon, studies run only on Hopper GPUs) keep compiling with the installed Triton, the attention's
+    pipelined schedule keeping GEMM II in flight."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     _compile_in_subprocess(_GLUON_FLOOR)
 
