@@ -8,13 +8,14 @@ Scripts import it as a top-level module (``from _common import ...``): a script 
 
 from __future__ import annotations
 
+import csv
 import platform
 
 import torch
 
 from ft_transformers.longbench.runtime import load_model, versions
 
-__all__ = ["device_label", "environment", "fixed_length", "load_model", "versions"]
+__all__ = ["device_label", "environment", "fixed_length", "load_model", "versions", "write_rows"]
 
 
 def device_label(device: torch.device | str | None = None) -> str:
@@ -27,6 +28,15 @@ def device_label(device: torch.device | str | None = None) -> str:
         return (f"{torch.cuda.get_device_name(device)} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
                 f"{p.total_memory / 2**30:.0f} GiB)")
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    """``rows`` (dicts of the same keys) as a CSV at ``path``, columns in the first row's order."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print("wrote", path)
 
 
 def environment(device: torch.device | str | None = None) -> str:

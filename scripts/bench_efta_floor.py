@@ -62,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from _common import write_rows  # noqa: E402
 from _timing import interleaved  # noqa: E402
 from ft_transformers.kernels.efta.common import _mul  # noqa: E402
 
@@ -585,12 +586,7 @@ def main() -> int:
                       f"V fault {r['flagged_v_fault']})  {r['config']} {'WS' if r['warp_specialized'] is True else ''} "
                       f"{r['error']}",
                       flush=True)
-    path = os.path.join(args.out, "bench_efta_floor.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    print("wrote", path)
+    write_rows(os.path.join(args.out, "bench_efta_floor.csv"), rows)
     if not args.dry_run:
         print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     return 0

@@ -26,7 +26,6 @@ made by PyTorch outside the timing.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -38,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_rows  # noqa: E402
 
 # the TMA load's name: `async_copy_global_to_shared` in Triton 3.6 (the GPU image's), `async_load` from 3.7 on
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -281,12 +281,7 @@ def main() -> int:
         ap.error("needs a Hopper GPU (or --compile for the offline resources)")
     rows = run(args)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_gemm_gluon.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    print("wrote", path)
+    write_rows(os.path.join(args.out, "bench_gemm_gluon.csv"), rows)
     return 0
 
 
