@@ -402,15 +402,20 @@ def test_kv_cache_entry_turned_nonfinite_is_corrected(backend, dtype):
     `common._locate`): the output is the clean one, not a recomputation from the same entry."""
     top = 30 if dtype == torch.float32 else 14
     seen = set()
+    k, v = _kv(1, 2, 70, 32, dtype, seed=3)
     for seed in range(80):
-        clean, out, c, pos, changed, kvc = _flip_case(backend, dtype, top, seed, stored=True)
+        # the seed's flip on a copy of the cache first (the plan places it alike), the calls only for a case
+        plan = FaultPlan(FaultSpec(site="attn.kv_cache", bit=top, count=1, seed=seed))
+        kf, vf = k.clone(), v.clone()
+        flip_kv_cache(plan, kf, vf, None)
+        pos = plan.sites["attn.kv_cache"].positions[0].tolist()
         half = "k" if pos[3] < 32 else "v"
-        if changed != 1 or half in seen:
-            continue
-        k, v = _kv(1, 2, 70, 32, dtype, seed=3)
         entry = (k if half == "k" else v)[pos[0], pos[1], pos[2], pos[3] % 32].float()
-        if not 1.0 <= entry.abs() < 2.0:  # the flip left it finite: not this test's case
+        changed = int((kf != k).sum() + (vf != v).sum())
+        if changed != 1 or half in seen or not 1.0 <= entry.abs() < 2.0:  # a finite result: not this case
             continue
+        clean, out, c, pos_call, changed_call, kvc = _flip_case(backend, dtype, top, seed, stored=True)
+        assert (pos_call, changed_call) == (pos, 1), (pos_call, pos, changed_call)
         seen.add(half)
         assert kvc.stored_calls == 1 and c["nonfinite_input"] == 0, (half, c)
         assert c["detected"] >= 1 and c["corrected"] == c["detected"], (half, c)
