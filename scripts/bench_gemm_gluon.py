@@ -33,14 +33,15 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import write_rows  # noqa: E402
+from _gluon import compile_offline as _compile  # noqa: E402
+from _gluon import descriptor as _desc  # noqa: E402
+from _gluon import tma_load as _tma_load  # noqa: E402
+from ft_transformers.kernels.tl_common import cdiv  # noqa: E402
 
-# the TMA load's name: `async_copy_global_to_shared` in Triton 3.6 (the GPU image's), `async_load` from 3.7 on
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 GROUP = 64  # columns per check group
 CROWS = 16  # checksum rows per tile (2 slices × BLOCK_N / 64 groups, padded)
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps): 64 rows per warp group
@@ -130,13 +131,6 @@ def _gemm_kernel(x_desc, w_desc, c_desc, Y, XABS, WABS, Bad, M, N, K, tau,
     gl.store(Y + om[:, None].to(gl.int64) * N + on[None, :], acc.to(dtype), mask=(om < M)[:, None])
 
 
-_GL = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-
-
-def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, _GL[t.dtype]))
-
-
 def checksum_operand(w: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Wc (N / block_n · 16, K) in w's dtype, tile t's rows 2g, 2g + 1 the hi and lo slices of its group g's
     weight sum, and WABS (N / 64,) fp32 max_k Σ_{c∈g} |W[c, k]| (the bound's weight factor)."""
@@ -159,23 +153,15 @@ def gluon_linear(x, w, wc, xabs, wabs, bad, level: int, cfg) -> torch.Tensor:
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     tau = 2.0 * (K + GROUP) * 2.0 ** -24
-    _gemm_kernel[(triton_cdiv(M, bm), N // bn)](
+    _gemm_kernel[(cdiv(M, bm), N // bn)](
         _desc(x, [bm, bk]), _desc(w, [bn, bk]), _desc(wc, [CROWS, bk]), y, xabs, wabs, bad, M, N, K, tau,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, LEVEL=level, num_warps=warps)
     return y
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
 def compile_offline(cfg, level: int, dtype: torch.dtype = torch.float16, arch: int = 90):
-    """`_gemm_kernel` compiled for sm_{arch}a without a GPU (specialised as `gluon_linear` launches it)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
+    """`_gemm_kernel` compiled for sm_{arch}a without a GPU (`_gluon.compile_offline`), specialised as
+    `gluon_linear` launches it."""
     bm, bn, bk, stages, warps = cfg
     M, N, K = 512, 2 * bn, 512
     x, w = torch.empty(M, K, dtype=dtype), torch.empty(N, K, dtype=dtype)
@@ -184,10 +170,7 @@ def compile_offline(cfg, level: int, dtype: torch.dtype = torch.float16, arch: i
                 Y=torch.empty(M, N, dtype=dtype), XABS=torch.empty(M), WABS=torch.empty(N // GROUP),
                 Bad=torch.empty(1, dtype=torch.int32), M=M, N=N, K=K, tau=0.1)
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, LEVEL=level, num_warps=warps)
-    fn = _gemm_kernel
-    sig = {k: mangle_type(v) for k, v in args.items()} | {k: "constexpr" for k in consts}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    return _compile(_gemm_kernel, args, consts, arch)
 
 
 # M × N × K: Qwen2-0.5B's layers at a 4k prefill, two squares, Qwen2-7B's at 4k

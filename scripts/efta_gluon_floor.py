@@ -35,15 +35,20 @@ operands as `bench_efta_floor.tables` makes them: Kc1 (blocks·16, D), the lean 
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gluon import compile_offline as _compile  # noqa: E402
+from _gluon import descriptor as _desc  # noqa: E402
+from _gluon import tma_load as _tma_load  # noqa: E402
 
 LOG2E = 1.4426950408889634
-# the TMA load's name: `async_copy_global_to_shared` in Triton 3.6 (the GPU image's), `async_load` from 3.7 on
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _Y_MIN = gl.constexpr(-14.0)
 _P_MIN = gl.constexpr(2.0 ** -14)
 # lazy rescaling: the running max moves only when a block's max exceeds it by more than this (base-2 units),
@@ -73,29 +78,25 @@ def _lg2(x):
 
 
 @gluon.jit
-def _load_k(k_desc, kc_desc, k_s, kc_s, bars, j, row0, blk0, BLOCK_N: gl.constexpr, LEVEL: gl.constexpr):
-    """Request key block j (and its Kc1 rows) into slot j % 2 of the K ring."""
+def _load_block(desc, c_desc, t_s, c_s, bars, j, row0, blk0, BLOCK_N: gl.constexpr, CHECKED: gl.constexpr):
+    """Request key (or value) block j into slot j % 2 of its ring, with CHECKED its checksum rows too (the
+    checksum descriptor's block: Kc1's 16 rows, or the V-checksum operand's 32)."""
     slot = j % 2
     bar = bars.index(slot)
-    if LEVEL >= 1:
-        mbarrier.expect(bar, k_desc.block_type.nbytes + kc_desc.block_type.nbytes)
-        _tma_load(kc_desc, [(blk0 + j) * 16, 0], bar, kc_s.index(slot))
+    if CHECKED:
+        mbarrier.expect(bar, desc.block_type.nbytes + c_desc.block_type.nbytes)
+        _tma_load(c_desc, [(blk0 + j) * c_desc.block_type.shape[0], 0], bar, c_s.index(slot))
     else:
-        mbarrier.expect(bar, k_desc.block_type.nbytes)
-    _tma_load(k_desc, [row0 + j * BLOCK_N, 0], bar, k_s.index(slot))
+        mbarrier.expect(bar, desc.block_type.nbytes)
+    _tma_load(desc, [row0 + j * BLOCK_N, 0], bar, t_s.index(slot))
 
 
 @gluon.jit
-def _load_v(v_desc, vc_desc, v_s, vc_s, bars, j, row0, blk0, BLOCK_N: gl.constexpr, LEVEL: gl.constexpr):
-    """Request value block j (and its V-checksum rows) into slot j % 2 of the V ring."""
-    slot = j % 2
-    bar = bars.index(slot)
-    if LEVEL >= 3:
-        mbarrier.expect(bar, v_desc.block_type.nbytes + vc_desc.block_type.nbytes)
-        _tma_load(vc_desc, [(blk0 + j) * 32, 0], bar, vc_s.index(slot))
-    else:
-        mbarrier.expect(bar, v_desc.block_type.nbytes)
-    _tma_load(v_desc, [row0 + j * BLOCK_N, 0], bar, v_s.index(slot))
+def _rescale(acc, oc, alpha, o_layout: gl.constexpr, c32_layout: gl.constexpr):
+    """O (BLOCK_M, BLOCK_D) and its checksum columns (BLOCK_M, 32) rescaled by α (BLOCK_M,)."""
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    oc = oc * gl.convert_layout(alpha, gl.SliceLayout(1, c32_layout))[:, None]
+    return acc, oc
 
 
 @gluon.jit
@@ -136,18 +137,16 @@ def _softmax(s, sc, m_i, worst1, worst4, qn1, kabs, offs_m, start_n, qk2, DIAG: 
     if ONE_CLAMP:  # fp16: P from the clamped exponent, the product in chains of 4 (one lg2 each)
         y = gl.maximum(y, _Y_MIN_ONE)
     p = _ex2(y)
-    if LEVEL >= 2 and ONE_CLAMP:
-        CH: gl.constexpr = (G + 3) // 4
-        pc = gl.reduce(gl.reshape(p, [BLOCK_M, CH, G // CH, 16]), 2, _mul)
-        xs = gl.sum(gl.reshape(y, [BLOCK_M, G, 16]), axis=1)
-        lp = gl.convert_layout(gl.sum(_lg2(pc), axis=1), xs.type.layout)
-        e4 = gl.convert_layout(gl.abs(lp - xs) - 1e-4 * gl.abs(xs), c16_layout)
-        worst4 = gl.maximum(worst4, e4)
-    elif LEVEL >= 2:  # step 4: the product identity per group of 16-strided keys
-        lp = _lg2(gl.reduce(gl.reshape(gl.maximum(p, _P_MIN), [BLOCK_M, G, 16]), 1, _mul))
-        xs = gl.sum(gl.reshape(gl.maximum(y, _Y_MIN), [BLOCK_M, G, 16]), axis=1)
-        e4 = gl.convert_layout(gl.abs(lp - xs) - 1e-4 * gl.abs(xs), c16_layout)
-        worst4 = gl.maximum(worst4, e4)
+    if LEVEL >= 2:  # step 4: the product identity per group of 16-strided keys
+        if ONE_CLAMP:
+            CH: gl.constexpr = (G + 3) // 4
+            pc = gl.reduce(gl.reshape(p, [BLOCK_M, CH, G // CH, 16]), 2, _mul)
+            xs = gl.sum(gl.reshape(y, [BLOCK_M, G, 16]), axis=1)
+            lp = gl.convert_layout(gl.sum(_lg2(pc), axis=1), xs.type.layout)
+        else:
+            lp = _lg2(gl.reduce(gl.reshape(gl.maximum(p, _P_MIN), [BLOCK_M, G, 16]), 1, _mul))
+            xs = gl.sum(gl.reshape(gl.maximum(y, _Y_MIN), [BLOCK_M, G, 16]), axis=1)
+        worst4 = gl.maximum(worst4, gl.convert_layout(gl.abs(lp - xs) - 1e-4 * gl.abs(xs), c16_layout))
     alpha = _ex2(m_i - m_new)
     return p, m_new, alpha, worst1, worst4
 
@@ -224,11 +223,11 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     _tma_load(q_desc, [row0 + start_m * BLOCK_M, 0], q_bar, q_s)
-    _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, 0, row0, blk0, BLOCK_N, LEVEL)
-    _load_v(v_desc, vc_desc, v_s, vc_s, v_bars, 0, row0, blk0, BLOCK_N, LEVEL)
+    _load_block(k_desc, kc_desc, k_s, kc_s, k_bars, 0, row0, blk0, BLOCK_N, LEVEL >= 1)
+    _load_block(v_desc, vc_desc, v_s, vc_s, v_bars, 0, row0, blk0, BLOCK_N, LEVEL >= 3)
     if n > 1:
-        _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, 1, row0, blk0, BLOCK_N, LEVEL)
-        _load_v(v_desc, vc_desc, v_s, vc_s, v_bars, 1, row0, blk0, BLOCK_N, LEVEL)
+        _load_block(k_desc, kc_desc, k_s, kc_s, k_bars, 1, row0, blk0, BLOCK_N, LEVEL >= 1)
+        _load_block(v_desc, vc_desc, v_s, vc_s, v_bars, 1, row0, blk0, BLOCK_N, LEVEL >= 3)
     mbarrier.wait(q_bar, 0)
 
     offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
@@ -246,7 +245,7 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
         s_tok, sc = _gemm1(q_s, k_s, kc_s, k_bars, 0, BLOCK_M, BLOCK_N, LEVEL, s_layout, c16_layout)
         s, sc = warpgroup_mma_wait(0, deps=(s_tok, sc))
         if n > 2:
-            _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, 2, row0, blk0, BLOCK_N, LEVEL)
+            _load_block(k_desc, kc_desc, k_s, kc_s, k_bars, 2, row0, blk0, BLOCK_N, LEVEL >= 1)
         s_tok, sc_tok = _gemm1(q_s, k_s, kc_s, k_bars, gl.minimum(1, n - 1), BLOCK_M, BLOCK_N, LEVEL, s_layout,
                                c16_layout)
         p, m_i, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, 0, diag_from, offs_m,
@@ -259,18 +258,17 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
             o_tok, oc, p_op = _gemm2(p, v_s, vc_s, v_bars, j - 1, acc, oc, dtype, LEVEL, o_layout, c32_layout)
             s, sc, p_op = warpgroup_mma_wait(NG, deps=(s_tok, sc_tok, p_op))
             if j + 2 < n:
-                _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, j + 2, row0, blk0, BLOCK_N, LEVEL)
+                _load_block(k_desc, kc_desc, k_s, kc_s, k_bars, j + 2, row0, blk0, BLOCK_N, LEVEL >= 1)
             # GEMM I of block j+1 (block n-1 again on the last pass: one MMA more per program, no branch)
             s_tok, sc_tok = _gemm1(q_s, k_s, kc_s, k_bars, gl.minimum(j + 1, n - 1), BLOCK_M, BLOCK_N, LEVEL,
                                    s_layout, c16_layout)
             p, m_new, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, j, diag_from,
                                                           offs_m, qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout,
-                                                    ONE_CLAMP=ONE_CLAMP)
+                                                          ONE_CLAMP=ONE_CLAMP)
             acc, oc, p_op = warpgroup_mma_wait(NG, deps=(o_tok, oc, p_op))
             if j + 1 < n:
-                _load_v(v_desc, vc_desc, v_s, vc_s, v_bars, j + 1, row0, blk0, BLOCK_N, LEVEL)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            oc = oc * gl.convert_layout(alpha, gl.SliceLayout(1, c32_layout))[:, None]
+                _load_block(v_desc, vc_desc, v_s, vc_s, v_bars, j + 1, row0, blk0, BLOCK_N, LEVEL >= 3)
+            acc, oc = _rescale(acc, oc, alpha, o_layout, c32_layout)
             if LEVEL < 3:
                 l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
@@ -280,7 +278,7 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
         s_tok, sc = _gemm1(q_s, k_s, kc_s, k_bars, 0, BLOCK_M, BLOCK_N, LEVEL, s_layout, c16_layout)
         s, sc = warpgroup_mma_wait(0, deps=(s_tok, sc))
         if n > 2:
-            _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, 2, row0, blk0, BLOCK_N, LEVEL)
+            _load_block(k_desc, kc_desc, k_s, kc_s, k_bars, 2, row0, blk0, BLOCK_N, LEVEL >= 1)
         p, m_i, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, 0, diag_from, offs_m,
                                                     qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout,
                                                     ONE_CLAMP=ONE_CLAMP)
@@ -292,15 +290,14 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
             # block j's scores: wait while GEMM II of block j-1 stays in flight
             s, sc, p_op = warpgroup_mma_wait(NG, deps=(s_tok, sc, p_op))
             if j + 2 < n:
-                _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, j + 2, row0, blk0, BLOCK_N, LEVEL)
+                _load_block(k_desc, kc_desc, k_s, kc_s, k_bars, j + 2, row0, blk0, BLOCK_N, LEVEL >= 1)
             p, m_new, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, j, diag_from,
                                                           offs_m, qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout,
-                                                    ONE_CLAMP=ONE_CLAMP)
+                                                          ONE_CLAMP=ONE_CLAMP)
             acc, oc, p_op = warpgroup_mma_wait(0, deps=(o_tok, oc, p_op))
             if j + 1 < n:
-                _load_v(v_desc, vc_desc, v_s, vc_s, v_bars, j + 1, row0, blk0, BLOCK_N, LEVEL)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            oc = oc * gl.convert_layout(alpha, gl.SliceLayout(1, c32_layout))[:, None]
+                _load_block(v_desc, vc_desc, v_s, vc_s, v_bars, j + 1, row0, blk0, BLOCK_N, LEVEL >= 3)
+            acc, oc = _rescale(acc, oc, alpha, o_layout, c32_layout)
             if LEVEL < 3:
                 l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
@@ -311,23 +308,21 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
             s_tok, sc = _gemm1(q_s, k_s, kc_s, k_bars, j, BLOCK_M, BLOCK_N, LEVEL, s_layout, c16_layout)
             s, sc = warpgroup_mma_wait(0, deps=(s_tok, sc))
             if j + 2 < n:
-                _load_k(k_desc, kc_desc, k_s, kc_s, k_bars, j + 2, row0, blk0, BLOCK_N, LEVEL)
+                _load_block(k_desc, kc_desc, k_s, kc_s, k_bars, j + 2, row0, blk0, BLOCK_N, LEVEL >= 1)
             p, m_new, alpha, worst1, worst4 = _softmax_at(s, sc, m_i, worst1, worst4, qn1, KA, blk0, j, diag_from,
                                                           offs_m, qk2, BLOCK_N, CAUSAL, LEVEL, s_layout, c16_layout,
                                                           LAZY, ONE_CLAMP)
             if LAZY:  # O and its checksums are rescaled only when some row's max moved (one vote per program)
                 if gl.max((alpha < 1.0).to(gl.int32), axis=0) > 0:
-                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                    oc = oc * gl.convert_layout(alpha, gl.SliceLayout(1, c32_layout))[:, None]
+                    acc, oc = _rescale(acc, oc, alpha, o_layout, c32_layout)
             else:
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                oc = oc * gl.convert_layout(alpha, gl.SliceLayout(1, c32_layout))[:, None]
+                acc, oc = _rescale(acc, oc, alpha, o_layout, c32_layout)
             if LEVEL < 3:
                 l_i = l_i * alpha + gl.sum(p, axis=1)
             o_tok, oc, p_op = _gemm2(p, v_s, vc_s, v_bars, j, acc, oc, dtype, LEVEL, o_layout, c32_layout)
             acc, oc, p_op = warpgroup_mma_wait(0, deps=(o_tok, oc, p_op))
             if j + 2 < n:
-                _load_v(v_desc, vc_desc, v_s, vc_s, v_bars, j + 2, row0, blk0, BLOCK_N, LEVEL)
+                _load_block(v_desc, vc_desc, v_s, vc_s, v_bars, j + 2, row0, blk0, BLOCK_N, LEVEL >= 3)
             m_i = m_new
 
     mbarrier.invalidate(q_bar)
@@ -358,13 +353,6 @@ def _gl_floor_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, KA, O, Flags, S_C
     gl.store(Flags + row0 + fm, flag)
 
 
-_GL_DTYPE = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-
-
-def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPE[t.dtype]))
-
-
 def gluon_attention(q, k, v, scale: float, causal: bool, level: int, pipe: int, cfg, kc, ka, vc32, vcmax, flags,
                     lazy: bool = False, one_clamp: bool = False):
     """q, k, v (B·H, S, D) contiguous fp16/bf16, S a multiple of the config's blocks; cfg (BLOCK_M, BLOCK_N,
@@ -385,14 +373,8 @@ def gluon_attention(q, k, v, scale: float, causal: bool, level: int, pipe: int, 
 
 def compile_offline(BM: int, BN: int, D: int, warps: int, causal: bool, level: int, pipe: int = 0, lazy: bool = False,
                     dtype: torch.dtype = torch.float16, arch: int = 90, one_clamp: bool = False):
-    """Compile `_gl_floor_kernel` for ``sm_{arch}a`` without a GPU (Triton's frontend, LLVM and the wheel's
-    ptxas), specialised as `gluon_attention` launches it on contiguous tensors; returns the compiled kernel
-    (``.asm["ptx"]``, ``.asm["cubin"]``)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
+    """`_gl_floor_kernel` compiled for ``sm_{arch}a`` without a GPU (`_gluon.compile_offline`), specialised as
+    `gluon_attention` launches it on contiguous tensors."""
     BH, S = 2, 1024  # any shape of the kernel's form: S is a runtime argument
     q = torch.empty(BH * S, D, dtype=dtype)
     kc = torch.empty(BH * S // BN * 16, D, dtype=dtype)
@@ -402,18 +384,12 @@ def compile_offline(BM: int, BN: int, D: int, warps: int, causal: bool, level: i
                 Flags=torch.empty(BH * S, dtype=torch.int32), S_CTX=S, qk2=0.1, tol1=0.1, tol3=0.1, vcmax=1.0)
     consts = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, CAUSAL=causal, LEVEL=level, PIPE=pipe, LAZY=lazy,
                   ONE_CLAMP=one_clamp, num_warps=warps)
-    fn = _gl_floor_kernel
-    sig = {k: mangle_type(v) for k, v in args.items()} | {k: "constexpr" for k in consts}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    return _compile(_gl_floor_kernel, args, consts, arch)
 
 
 if __name__ == "__main__":
     import argparse
-    import os
-    import sys
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from kernel_resources import loop_census, ptxas_info
 
     ap = argparse.ArgumentParser(description="Compile the Gluon floor for sm_90a offline; print ptxas's resources.")
