@@ -13,10 +13,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["compile_offline", "descriptor", "tma_load"]
+__all__ = ["compile_offline", "descriptor", "tma_load", "tma_store"]
 
-# the TMA load's name: `async_copy_global_to_shared` in Triton 3.6 (the GPU image's), `async_load` from 3.7 on
+# the TMA copies' names: `async_copy_global_to_shared` / `async_copy_shared_to_global` in Triton 3.6 (the GPU
+# image's), `async_load` / `async_store` from 3.7 on
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _GL = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 

@@ -4,7 +4,14 @@
 A floor study for the checked GEMM's next step (``docs/vabft.md``, "The cuBLAS form in the library": the
 check in the product's epilogue at cuBLAS speed), not the library's kernel. `_gemm_kernel` computes
 y = x·Wᵀ (x (M, K), W (N, K), fp16/bf16, fp32 accumulation) with a STAGES-deep TMA ring under mbarriers
-and asynchronous wgmma (one MMA group kept in flight), one (BLOCK_M, BLOCK_N) tile per program, and adds:
+and asynchronous wgmma (one MMA group kept in flight) in one of two forms (``FORMS``):
+
+* ``tile`` — one program per (BLOCK_M, BLOCK_N) tile, y stored from the accumulator's registers;
+* ``persistent`` — one program per SM walking its tiles as one flat sequence of K steps (the ring holds the
+  next tile's first steps while a tile's epilogue runs), y stored through shared memory by TMA (cuBLAS's
+  epilogue);
+
+and at three levels:
 
 * ``LEVEL`` 0 — nothing (the plain GEMM: compare with cuBLAS);
 * ``LEVEL`` 1 — the checksum dot: x·Wcᵀ for the tile's column groups of 64, Wc holding each group's
@@ -17,7 +24,8 @@ and asynchronous wgmma (one MMA group kept in flight), one (BLOCK_M, BLOCK_N) ti
 
 The library's thresholds (e_max, the variance terms), its location and repair and its injection sites are
 left out: each level is a lower bound for a kernel that carries them. Checksum operands and x's row sums are
-made by PyTorch outside the timing.
+made by PyTorch, descriptors and y once per layer, all outside the timing; times are taken under CUDA graphs
+(the issue's figure) and as eager launches.
 
     python scripts/bench_gemm_gluon.py --out /tmp/gemm_gluon          # Hopper GPU
     python scripts/bench_gemm_gluon.py --compile 128,256,64,3,8        # offline: sm_90a resources
@@ -33,29 +41,36 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import write_rows  # noqa: E402
 from _gluon import compile_offline as _compile  # noqa: E402
 from _gluon import descriptor as _desc  # noqa: E402
 from _gluon import tma_load as _tma_load  # noqa: E402
+from _gluon import tma_store as _tma_store  # noqa: E402
 from ft_transformers.kernels.tl_common import cdiv  # noqa: E402
 
 GROUP = 64  # columns per check group
 CROWS = 16  # checksum rows per tile (2 slices × BLOCK_N / 64 groups, padded)
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps): 64 rows per warp group
-CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
+CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+           (64, 64, 64, 6, 4), (64, 64, 128, 4, 4)]
 
 
 @gluon.jit
 def _load(x_desc, w_desc, c_desc, x_s, w_s, c_s, bars, ki, m0, n0, tile_n, BLOCK_K: gl.constexpr,
-          STAGES: gl.constexpr, LEVEL: gl.constexpr):
-    """Request K step ``ki``'s tiles of x, W (and Wc) into slot ki % STAGES."""
-    slot = ki % STAGES
+          STAGES: gl.constexpr, LEVEL: gl.constexpr, slot):
+    """Request K step ``ki``'s tiles of x, W (W' at level 3; and Wc at levels 1, 2) into ``slot``."""
     bar = bars.index(slot)
     nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
-    if LEVEL >= 1:
+    if (LEVEL == 1) or (LEVEL == 2):
         mbarrier.expect(bar, nbytes + c_desc.block_type.nbytes)
         _tma_load(c_desc, [tile_n * 16, ki * BLOCK_K], bar, c_s.index(slot))
     else:
@@ -65,12 +80,46 @@ def _load(x_desc, w_desc, c_desc, x_s, w_s, c_s, bars, ki, m0, n0, tile_n, BLOCK
 
 
 @gluon.jit
-def _gemm_kernel(x_desc, w_desc, c_desc, Y, XABS, WABS, Bad, M, N, K, tau,
+def _check(acc, cacc, XABS, WABS, Bad, m0, pid_n, M, tau, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+           num_warps: gl.constexpr):
+    """The epilogue check of one (BLOCK_M, BLOCK_N) tile: acc its fp32 product, cacc (BLOCK_M, 16) x·Wcᵀ (the
+    hi and lo slices of each of its G = BLOCK_N / 64 groups' checksums, zero padded); failing (row, group)
+    pairs are added to Bad with one atomic."""
+    G: gl.constexpr = BLOCK_N // 64
+    gs = gl.sum(gl.reshape(acc, [BLOCK_M, G, 64]), axis=2)  # (BLOCK_M, G)
+    cs = gl.sum(gl.reshape(cacc, [BLOCK_M, 8, 2]), axis=2)  # hi + lo per group (first G of 8)
+    cs = gl.convert_layout(cs, gl.BlockedLayout([1, 8], [32, 1], [num_warps, 1], [1, 0]))
+    gs = gl.convert_layout(gs, gl.BlockedLayout([1, G], [32, 1], [num_warps, 1], [1, 0]))
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gs.type.layout))
+    grp = pid_n * G + gl.arange(0, G, layout=gl.SliceLayout(0, gs.type.layout))
+    xa = gl.load(XABS + rows, mask=rows < M, other=0.0)
+    wa = gl.load(WABS + grp)
+    # the tile's G groups are cs's first G entries, the rest zero padding: folding 8 into (8 / G, G) and
+    # summing the first axis leaves group g at g
+    c_g = gl.sum(gl.reshape(cs, [BLOCK_M, 8 // G, G]), axis=1) if G < 8 else cs
+    c_g = gl.convert_layout(c_g, gs.type.layout)
+    bad = (gl.abs(gs - c_g) > tau * xa[:, None] * wa[None, :]) & (rows < M)[:, None]
+    gl.atomic_add(Bad, gl.sum(gl.sum(bad.to(gl.int32), axis=1), axis=0))
+
+
+@gluon.jit
+def _keep(cacc, CS, m0, pid_n, M, stride, BLOCK_M: gl.constexpr):
+    """Level 1's use of the checksum product, so that it is not compiled away: cacc (BLOCK_M, 16) into CS
+    (M, T·16) fp32 (row ``stride`` = T·16), as a consumer that verifies y would read it."""
+    r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, cacc.type.layout))
+    c = gl.arange(0, 16, layout=gl.SliceLayout(0, cacc.type.layout))
+    gl.store(CS + r[:, None].to(gl.int64) * stride + pid_n * 16 + c[None, :], cacc,
+             mask=(r < M)[:, None])
+
+
+@gluon.jit
+def _gemm_kernel(x_desc, w_desc, c_desc, Y, CS, XABS, WABS, Bad, M, N, K, tau,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                  LEVEL: gl.constexpr, num_warps: gl.constexpr):
-    """One program: the (BLOCK_M, BLOCK_N) tile (pid_m, pid_n) of y (M, N) (row-major, x's dtype). Wc
-    (N / BLOCK_N · 16, K): tile t's rows 2g, 2g + 1 are group g's hi and lo slices; XABS (M,) Σ_k |x[r, k]|,
-    WABS (N / 64,) max_k Σ_{c∈g} |W[c, k]| fp32; Bad (1,) int32: failing (row, group) pairs."""
+    """Form "tile": one program per (BLOCK_M, BLOCK_N) tile (pid_m, pid_n) of y (M, N) (row-major, x's
+    dtype), stored from the accumulator's registers. Wc (N / BLOCK_N · 16, K): tile t's rows 2g, 2g + 1 are
+    group g's hi and lo slices; XABS (M,) Σ_k |x[r, k]|, WABS (N / 64,) max_k Σ_{c∈g} |W[c, k]| fp32; Bad (1,)
+    int32: failing (row, group) pairs."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     c_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -90,45 +139,135 @@ def _gemm_kernel(x_desc, w_desc, c_desc, Y, XABS, WABS, Bad, M, N, K, tau,
         mbarrier.init(bars.index(i), count=1)
     for i in gl.static_range(STAGES - 1):
         if i < num_k:
-            _load(x_desc, w_desc, c_desc, x_s, w_s, c_s, bars, i, m0, n0, pid_n, BLOCK_K, STAGES, LEVEL)
+            _load(x_desc, w_desc, c_desc, x_s, w_s, c_s, bars, i, m0, n0, pid_n, BLOCK_K, STAGES, LEVEL, i)
 
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
     cacc = gl.zeros([BLOCK_M, 16], gl.float32, c_layout)
-    NG: gl.constexpr = 2 if LEVEL >= 1 else 1  # wgmma groups per K step
+    SEP: gl.constexpr = (LEVEL == 1) or (LEVEL == 2)  # the checksum as a second MMA
+    NG: gl.constexpr = 2 if SEP else 1  # wgmma groups per K step
     for ki in range(num_k):
         slot = ki % STAGES
         mbarrier.wait(bars.index(slot), (ki // STAGES) & 1)
         acc = warpgroup_mma(x_s.index(slot), w_s.index(slot).permute((1, 0)), acc, is_async=True)
-        if LEVEL >= 1:
+        if SEP:
             cacc = warpgroup_mma(x_s.index(slot), c_s.index(slot).permute((1, 0)), cacc, is_async=True)
         # this step's MMAs stay in flight; the previous step's are done, so its slot takes step ki + STAGES - 1
         acc, cacc = warpgroup_mma_wait(NG, deps=(acc, cacc))
         if ki + STAGES - 1 < num_k:
-            _load(x_desc, w_desc, c_desc, x_s, w_s, c_s, bars, ki + STAGES - 1, m0, n0, pid_n, BLOCK_K, STAGES, LEVEL)
+            _load(x_desc, w_desc, c_desc, x_s, w_s, c_s, bars, ki + STAGES - 1, m0, n0, pid_n, BLOCK_K, STAGES, LEVEL,
+                  (ki + STAGES - 1) % STAGES)
     acc, cacc = warpgroup_mma_wait(0, deps=(acc, cacc))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    if LEVEL >= 2:  # the epilogue check, per row and group of 64 columns
-        G: gl.constexpr = BLOCK_N // 64
-        gs = gl.sum(gl.reshape(acc, [BLOCK_M, G, 64]), axis=2)  # (BLOCK_M, G)
-        cs = gl.sum(gl.reshape(cacc, [BLOCK_M, 8, 2]), axis=2)  # hi + lo per group (first G of 8)
-        cs = gl.convert_layout(cs, gl.BlockedLayout([1, 8], [32, 1], [num_warps, 1], [1, 0]))
-        gs = gl.convert_layout(gs, gl.BlockedLayout([1, G], [32, 1], [num_warps, 1], [1, 0]))
-        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gs.type.layout))
-        grp = pid_n * G + gl.arange(0, G, layout=gl.SliceLayout(0, gs.type.layout))
-        xa = gl.load(XABS + rows, mask=rows < M, other=0.0)
-        wa = gl.load(WABS + grp)
-        # the tile's G groups are cs's first G entries, the rest zero padding: folding 8 into (8 / G, G) and
-        # summing the first axis leaves group g at g
-        c_g = gl.sum(gl.reshape(cs, [BLOCK_M, 8 // G, G]), axis=1) if G < 8 else cs
-        c_g = gl.convert_layout(c_g, gs.type.layout)
-        bad = (gl.abs(gs - c_g) > tau * xa[:, None] * wa[None, :]) & (rows < M)[:, None]
-        gl.atomic_add(Bad, gl.sum(gl.sum(bad.to(gl.int32), axis=1), axis=0))
-
     om = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    on = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-    gl.store(Y + om[:, None].to(gl.int64) * N + on[None, :], acc.to(dtype), mask=(om < M)[:, None])
+    col = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    if LEVEL == 1:
+        _keep(cacc, CS, m0, pid_n, M, N // BLOCK_N * 16, BLOCK_M)
+    if LEVEL == 2:
+        _check(acc, cacc, XABS, WABS, Bad, m0, pid_n, M, tau, BLOCK_M, BLOCK_N, num_warps)
+    if LEVEL == 3:
+        # W' tile: chunk g of 64 columns = group g's 60 weight rows, then −hi_g, −lo_g and two zero rows, so
+        # a chunk's sum is the group's residual Σ_{c∈g} y[r, c] − x_r·w1_g (the check without a second MMA)
+        G: gl.constexpr = BLOCK_N // 64
+        res = gl.sum(gl.reshape(acc, [BLOCK_M, G, 64]), axis=2)  # (BLOCK_M, G)
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, res.type.layout))
+        grp = pid_n * G + gl.arange(0, G, layout=gl.SliceLayout(0, res.type.layout))
+        xa = gl.load(XABS + rows, mask=rows < M, other=0.0)
+        wa = gl.load(WABS + grp)  # zero for groups past N
+        bad = (gl.abs(res) > tau * xa[:, None] * wa[None, :]) & (rows < M)[:, None]
+        gl.atomic_add(Bad, gl.sum(gl.sum(bad.to(gl.int32), axis=1), axis=0))
+        on = pid_n * (G * 60) + (col // 64) * 60 + col % 64
+        keep = ((col % 64) < 60) & (on < N)
+        gl.store(Y + om[:, None].to(gl.int64) * N + on[None, :], acc.to(dtype),
+                 mask=(om < M)[:, None] & keep[None, :])
+    else:
+        on = n0 + col
+        gl.store(Y + om[:, None].to(gl.int64) * N + on[None, :], acc.to(dtype), mask=(om < M)[:, None])
+
+
+@gluon.jit
+def _tile_of(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """Tile index t → (pid_m, pid_n), GROUP_M row blocks at a time so that consecutive tiles share W's
+    columns and x's rows in L2."""
+    width = GROUP_M * num_pid_n
+    first_m = (t // width) * GROUP_M
+    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (t % width) % size_m, (t % width) // size_m
+
+
+@gluon.jit
+def _load_step(x_desc, w_desc, c_desc, x_s, w_s, c_s, bars, s, num_k, num_pid_m, num_pid_n,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+               LEVEL: gl.constexpr, GROUP_M: gl.constexpr):
+    """The persistent program's flat step s (its (s // num_k)-th tile, K step s % num_k) into slot s % STAGES."""
+    pid_m, pid_n = _tile_of(gl.program_id(0) + (s // num_k) * gl.num_programs(0), num_pid_m, num_pid_n, GROUP_M)
+    _load(x_desc, w_desc, c_desc, x_s, w_s, c_s, bars, s % num_k, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_n, BLOCK_K,
+          STAGES, LEVEL, s % STAGES)
+
+
+@gluon.jit
+def _persistent_kernel(x_desc, w_desc, c_desc, y_desc, CS, XABS, WABS, Bad, M, N, K, tau,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                       STAGES: gl.constexpr, LEVEL: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+    """Form "persistent": one program per SM walks tiles pid, pid + P, … as one flat sequence of K steps, so
+    the TMA ring already holds the next tile's first STAGES − 1 steps while a tile's epilogue runs; y goes out
+    through shared memory with one TMA store per tile (cuBLAS's epilogue). Operands as `_gemm_kernel`'s, y
+    through its descriptor."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    c_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, 16, 16])
+    dtype: gl.constexpr = x_desc.dtype
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = N // BLOCK_N
+    num_k = gl.cdiv(K, BLOCK_K)
+    my_tiles = gl.cdiv(num_pid_m * num_pid_n - gl.program_id(0), gl.num_programs(0))
+    total = my_tiles * num_k
+
+    x_s = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_s = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    c_s = gl.allocate_shared_memory(dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
+    y_s = gl.allocate_shared_memory(dtype, y_desc.block_type.shape, y_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES - 1):
+        if i < total:
+            _load_step(x_desc, w_desc, c_desc, x_s, w_s, c_s, bars, i, num_k, num_pid_m, num_pid_n, BLOCK_M,
+                       BLOCK_N, BLOCK_K, STAGES, LEVEL, GROUP_M)
+
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    cacc = gl.zeros([BLOCK_M, 16], gl.float32, c_layout)
+    SEP: gl.constexpr = (LEVEL == 1) or (LEVEL == 2)
+    NG: gl.constexpr = 2 if SEP else 1
+    for s in range(total):
+        slot = s % STAGES
+        ki = s % num_k
+        mbarrier.wait(bars.index(slot), (s // STAGES) & 1)
+        acc = warpgroup_mma(x_s.index(slot), w_s.index(slot).permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
+        if SEP:
+            cacc = warpgroup_mma(x_s.index(slot), c_s.index(slot).permute((1, 0)), cacc, use_acc=ki > 0,
+                                 is_async=True)
+        acc, cacc = warpgroup_mma_wait(NG, deps=(acc, cacc))
+        if s + STAGES - 1 < total:
+            _load_step(x_desc, w_desc, c_desc, x_s, w_s, c_s, bars, s + STAGES - 1, num_k, num_pid_m, num_pid_n,
+                       BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEVEL, GROUP_M)
+        if ki == num_k - 1:  # the tile's last step: its epilogue, with the next tile's loads in flight
+            acc, cacc = warpgroup_mma_wait(0, deps=(acc, cacc))
+            pid_m, pid_n = _tile_of(gl.program_id(0) + (s // num_k) * gl.num_programs(0), num_pid_m, num_pid_n,
+                                    GROUP_M)
+            if LEVEL == 1:
+                _keep(cacc, CS, pid_m * BLOCK_M, pid_n, M, N // BLOCK_N * 16, BLOCK_M)
+            if LEVEL == 2:
+                _check(acc, cacc, XABS, WABS, Bad, pid_m * BLOCK_M, pid_n, M, tau, BLOCK_M, BLOCK_N, num_warps)
+            tma.store_wait(0)  # the previous tile's store has left y_s
+            y_s.store(acc.to(dtype))
+            fence_async_shared()
+            _tma_store(y_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], y_s)
+    tma.store_wait(0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
 
 
 def checksum_operand(w: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,46 +285,119 @@ def checksum_operand(w: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch
     return wc.view(-1, K), wabs.contiguous()
 
 
-def gluon_linear(x, w, wc, xabs, wabs, bad, level: int, cfg) -> torch.Tensor:
-    """x (M, K), w (N, K) contiguous fp16/bf16, N a multiple of the config's BLOCK_N, K of 8; returns y (M, N)."""
+def merged_operand(w: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Level 3's W' (T · block_n, K), T = ⌈N / (block_n / 64 · 60)⌉, in w's dtype: tile t's 64-row chunk g
+    holds the weight rows of group g (60 output columns, zero past N), then −hi and −lo of the group's
+    weight sum and two zero rows; and WABS (T · block_n / 64,) fp32 max_k Σ_{c∈g} |W[c, k]| (zero past N)."""
+    N, K = w.shape
+    n_groups = cdiv(N, 60)
+    per = block_n // 64
+    T = cdiv(n_groups, per)
+    wp = torch.zeros(T * per * 60, K, dtype=torch.float32, device=w.device)
+    wp[:N] = w.float()
+    wg = wp.view(T * per, 60, K)
+    w1 = wg.sum(1)
+    hi = w1.to(w.dtype)
+    lo = (w1 - hi.float()).to(w.dtype)
+    wm = torch.zeros(T * per, 64, K, dtype=w.dtype, device=w.device)
+    wm[:, :60] = wg.to(w.dtype)
+    wm[:, 60], wm[:, 61] = -hi, -lo
+    return wm.view(T * block_n, K), wg.abs().sum(1).amax(1).contiguous()
+
+
+FORMS = ("tile", "persistent")
+LEVELS = {"tile": (0, 1, 2, 3), "persistent": (0, 1, 2)}
+
+
+def prepare(x, w, xabs, bad, level: int, cfg, form: str, sms: int, fault: bool = False):
+    """A zero-argument launch of y = x·Wᵀ at ``level`` in ``form`` with its operands, descriptors and output
+    made once (a model's layer would keep them): x (M, K), w (N, K) contiguous fp16/bf16, N a multiple of the
+    config's BLOCK_N below level 3, K of 8; the launch returns y (M, N). ``sms``: the persistent form's
+    program count. ``fault``: W[5, 7] += 1 after the checksums are made (a fault in the product)."""
     bm, bn, bk, stages, warps = cfg
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     tau = 2.0 * (K + GROUP) * 2.0 ** -24
-    _gemm_kernel[(cdiv(M, bm), N // bn)](
-        _desc(x, [bm, bk]), _desc(w, [bn, bk]), _desc(wc, [CROWS, bk]), y, xabs, wabs, bad, M, N, K, tau,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, LEVEL=level, num_warps=warps)
-    return y
+    if level == 3:
+        wop, wabs = merged_operand(w, bn)
+        wc = torch.zeros(CROWS, K, dtype=w.dtype, device=w.device)  # unread
+        tiles = wop.shape[0] // bn
+    else:
+        wc, wabs = checksum_operand(w, bn)
+        wop, tiles = w, N // bn
+    if fault:
+        wop = wop.clone()
+        wop[5, 7] += 1.0
+    cs = torch.empty(M, tiles * 16, device=x.device)
+    xd, wd, cd = _desc(x, [bm, bk]), _desc(wop, [bn, bk]), _desc(wc, [CROWS, bk])
+    consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, LEVEL=level, num_warps=warps)
+    if form == "tile":
+        def launch():
+            _gemm_kernel[(cdiv(M, bm), tiles)](xd, wd, cd, y, cs, xabs, wabs, bad, M, N, K, tau, **consts)
+            return y
+    else:
+        yd = _desc(y, [bm, bn])
+        grid = (min(sms, cdiv(M, bm) * tiles),)
+
+        def launch():
+            _persistent_kernel[grid](xd, wd, cd, yd, cs, xabs, wabs, bad, M, N, K, tau, GROUP_M=8, **consts)
+            return y
+    return launch
 
 
-def compile_offline(cfg, level: int, dtype: torch.dtype = torch.float16, arch: int = 90):
-    """`_gemm_kernel` compiled for sm_{arch}a without a GPU (`_gluon.compile_offline`), specialised as
-    `gluon_linear` launches it."""
+def compile_offline(cfg, level: int, dtype: torch.dtype = torch.float16, arch: int = 90, form: str = "tile"):
+    """The ``form``'s kernel compiled for sm_{arch}a without a GPU (`_gluon.compile_offline`), specialised as
+    `prepare` launches it."""
     bm, bn, bk, stages, warps = cfg
     M, N, K = 512, 2 * bn, 512
     x, w = torch.empty(M, K, dtype=dtype), torch.empty(N, K, dtype=dtype)
     wc = torch.empty(N // bn * CROWS, K, dtype=dtype)
-    args = dict(x_desc=_desc(x, [bm, bk]), w_desc=_desc(w, [bn, bk]), c_desc=_desc(wc, [CROWS, bk]),
-                Y=torch.empty(M, N, dtype=dtype), XABS=torch.empty(M), WABS=torch.empty(N // GROUP),
-                Bad=torch.empty(1, dtype=torch.int32), M=M, N=N, K=K, tau=0.1)
+    y = torch.empty(M, N, dtype=dtype)
+    args = dict(x_desc=_desc(x, [bm, bk]), w_desc=_desc(w, [bn, bk]), c_desc=_desc(wc, [CROWS, bk]))
+    args |= dict(Y=y) if form == "tile" else dict(y_desc=_desc(y, [bm, bn]))
+    args |= dict(CS=torch.empty(M, N // bn * 16))
+    args |= dict(XABS=torch.empty(M), WABS=torch.empty(N // GROUP), Bad=torch.empty(1, dtype=torch.int32), M=M,
+                 N=N, K=K, tau=0.1)
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, LEVEL=level, num_warps=warps)
-    return _compile(_gemm_kernel, args, consts, arch)
+    if form == "tile":
+        return _compile(_gemm_kernel, args, consts, arch)
+    return _compile(_persistent_kernel, args, dict(consts, GROUP_M=8), arch)
 
 
-# M × N × K: Qwen2-0.5B's layers at a 4k prefill, two squares, Qwen2-7B's at 4k
-SHAPES = [(4096, 1152, 896), (4096, 896, 896), (4096, 9728, 896), (4096, 896, 4864), (2048, 2048, 2048),
-          (4096, 4096, 4096), (4096, 4608, 3584), (4096, 37888, 3584), (4096, 3584, 18944)]
+# N × K: Qwen2-0.5B's layers (qkv, o, gate+up, down), Qwen2-7B's
+LAYERS = [(1152, 896), (896, 896), (9728, 896), (896, 4864), (4608, 3584), (3584, 3584), (37888, 3584),
+          (3584, 18944)]
+# M × N × K: the layers at a 4k prefill and two squares ("prefill"); at M = 128 and 512 ("short")
+SHAPE_SETS = {"prefill": [(4096, n, k) for n, k in LAYERS] + [(2048, 2048, 2048), (4096, 4096, 4096)],
+              "short": [(m, n, k) for m in (128, 512) for n, k in LAYERS]}
+
+
+def library_linear(x: torch.Tensor, w: torch.Tensor):
+    """The library's checked GEMM as a protected layer runs it (`checked_linear._triton`: cached weight
+    checksums, the calibrated e_max, detect and correct, the form it picks for the shape), as a zero-argument
+    call on x (M, K) and w (N, K)."""
+    from ft_transformers.kernels import abft_gemm
+
+    from ft_transformers.checked_linear import _triton
+    from ft_transformers.counters import new_counters
+
+    owner, cnt = torch.nn.Module(), new_counters(x.device)
+    N, K = w.shape
+    return lambda: _triton(abft_gemm.linear_forward, x, w, None, K, N, False, None, 2.5, True, True, None, cnt, owner,
+                           None)
 
 
 def run(args) -> list[dict]:
     import torch.nn.functional as F
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
 
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    forms = args.forms.split(",")
     rows = []
     for dt in args.dtypes.split(","):
         dtype = getattr(torch, dt)
-        for M, N, K in SHAPES:
+        for M, N, K in [s for name in args.shapes.split(",") for s in SHAPE_SETS[name]]:
             g = torch.Generator(device="cuda").manual_seed(M + N + K)
             x = torch.randn(M, K, device="cuda", dtype=dtype, generator=g)
             w = (torch.randn(N, K, device="cuda", dtype=dtype, generator=g) / K ** 0.5).to(dtype)
@@ -194,54 +406,96 @@ def run(args) -> list[dict]:
             fns = {"cublas": lambda x=x, w=w: F.linear(x, w)}
             row0 = dict(dtype=dt, M=M, N=N, K=K)
             out = []
-            for level in (0, 1, 2):
-                best = None
-                for cfg in CONFIGS:
-                    if N % cfg[1]:
+            if args.library:
+                fns["library"] = library_linear(x, w)
+                y_lib = fns["library"]()
+                out.append(dict(row0, variant="library", config="", flagged_clean=-1, flagged_fault=-1,
+                                max_abs_err=(y_lib.float() - ref.float()).abs().max().item()))
+            for form in forms:
+                for level in [lv for lv in LEVELS[form] if str(lv) in args.levels.split(",")]:
+                    best = None
+                    for cfg in CONFIGS:
+                        if level < 3 and N % cfg[1]:
+                            continue
+                        bad = torch.zeros(1, dtype=torch.int32, device="cuda")
+                        try:
+                            fn = prepare(x, w, xabs, bad, level, cfg, form, sms)
+                            t = do_bench_cudagraph(fn, rep=10)
+                        except Exception as exc:  # noqa: BLE001 - out of resources: the next config
+                            print(f"  {form} {cfg} level {level}: {type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0][:100]}")
+                            continue
+                        if best is None or t < best[0]:
+                            best = (t, cfg, fn, bad)
+                    if best is None:
                         continue
-                    wc, wabs = checksum_operand(w, cfg[1])
-                    bad = torch.zeros(1, dtype=torch.int32, device="cuda")
-                    try:
-                        fn = (lambda x=x, w=w, xabs=xabs, cfg=cfg, wc=wc, wabs=wabs, bad=bad, level=level:
-                              gluon_linear(x, w, wc, xabs, wabs, bad, level, cfg))
-                        t = do_bench(fn, warmup=10, rep=50)
-                    except Exception as exc:  # noqa: BLE001 - out of resources: the next config
-                        print(f"  {cfg} level {level}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
-                        continue
-                    if best is None or t < best[0]:
-                        best = (t, cfg, fn, wc, wabs, bad)
-                if best is None:
-                    continue
-                _, cfg, fn, wc, wabs, bad = best
-                y = fn()
-                err = (y.float() - ref.float()).abs().max().item()
-                bad.zero_()
-                fn()
-                clean_bad = int(bad.item())
-                caught = -1
-                if level == 2:  # one weight changed after its checksum was made stands for a fault in the product
-                    w2 = w.clone()
-                    w2[5, 7] += 1.0
+                    _, cfg, fn, bad = best
+                    err = (fn().float() - ref.float()).abs().max().item()
                     bad.zero_()
-                    gluon_linear(x, w2, wc, xabs, wabs, bad, level, cfg)
-                    caught = int(bad.item())
-                fns[f"gluon{level}"] = fn
-                out.append(dict(row0, variant=f"gluon{level}", config=",".join(map(str, cfg)), max_abs_err=err,
-                                flagged_clean=clean_bad, flagged_fault=caught))
-            times = {n: [] for n in fns}
+                    fn()
+                    clean_bad = int(bad.item())
+                    caught = -1
+                    if level >= 2:
+                        bad.zero_()
+                        prepare(x, w, xabs, bad, level, cfg, form, sms, fault=True)()
+                        caught = int(bad.item())
+                    name = f"{form}{level}"
+                    fns[name] = fn
+                    out.append(dict(row0, variant=name, config=",".join(map(str, cfg)), max_abs_err=err,
+                                    flagged_clean=clean_bad, flagged_fault=caught))
+            graph = {n: [] for n in fns}
+            eager = {n: [] for n in fns}
             for _ in range(args.rounds):  # interleaved rounds, each variant's median over them
                 for n, f in fns.items():
-                    times[n].append(do_bench(f, warmup=10, rep=50))
-            tc = statistics.median(times["cublas"])
+                    graph[n].append(do_bench_cudagraph(f, rep=20))
+                    eager[n].append(do_bench(f, warmup=10, rep=30))
+            tg, te = statistics.median(graph["cublas"]), statistics.median(eager["cublas"])
             base = dict(row0, variant="cublas", config="", max_abs_err=0.0, flagged_clean=0, flagged_fault=-1)
             for r in [base, *out]:
-                t = statistics.median(times[r["variant"]])
-                r.update(us=t * 1e3, x_cublas_throughput=tc / t)
+                g_us, e_us = statistics.median(graph[r["variant"]]), statistics.median(eager[r["variant"]])
+                r.update(graph_us=g_us * 1e3, x_cublas_graph=tg / g_us, eager_us=e_us * 1e3, x_cublas_eager=te / e_us)
                 rows.append(r)
-                print(f"{dt} {M}x{N}x{K} {r['variant']:7s} {r['us']:9.1f} us  {r['x_cublas_throughput']:.3f}x cuBLAS  "
-                      f"{r['config']:16s} err {r['max_abs_err']:.1e} clean flags {r['flagged_clean']} "
-                      f"fault flags {r['flagged_fault']}", flush=True)
+                print(f"{dt} {M}x{N}x{K} {r['variant']:11s} graph {r['graph_us']:8.1f} us {r['x_cublas_graph']:.3f}x  "
+                      f"eager {r['eager_us']:8.1f} us {r['x_cublas_eager']:.3f}x  {r['config']:16s} "
+                      f"err {r['max_abs_err']:.1e} clean flags {r['flagged_clean']} fault flags {r['flagged_fault']}",
+                      flush=True)
     return rows
+
+
+def plot(csv_path: str, png_path: str) -> None:
+    """Bars of each variant's throughput over cuBLAS's under CUDA graphs per shape, one panel per dtype."""
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(csv_path, newline="") as fh:
+        every = [r for r in csv.DictReader(fh) if r["variant"] != "cublas"]
+    if not every:
+        raise SystemExit(f"{csv_path}: no variant rows to plot")
+    dtypes = list(dict.fromkeys(r["dtype"] for r in every))
+    fig, axes = plt.subplots(len(dtypes), 1, figsize=(13, 3.8 * len(dtypes)), squeeze=False)
+    for ax, dt in zip(axes[:, 0], dtypes, strict=True):
+        rows = [r for r in every if r["dtype"] == dt]
+        shapes = list(dict.fromkeys((r["M"], r["N"], r["K"]) for r in rows))
+        names = list(dict.fromkeys(r["variant"] for r in rows))
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            val = {(r["M"], r["N"], r["K"]): float(r["x_cublas_graph"]) for r in rows if r["variant"] == name}
+            ax.bar([j + (i - len(names) / 2) * width for j in range(len(shapes))],
+                   [val.get(sh, float("nan")) for sh in shapes], width, label=name)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(0.9, color="k", lw=0.6, ls="--")
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels(["×".join(sh) for sh in shapes], fontsize=7, rotation=30, ha="right")
+        ax.set_ylabel("throughput / cuBLAS (graphs)")
+        ax.set_title(f"{os.path.basename(csv_path)}, {dt} (M×N×K)", fontsize=9)
+        ax.legend(fontsize=7, ncol=len(names))
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    print("wrote", png_path)
 
 
 def main() -> int:
@@ -249,16 +503,26 @@ def main() -> int:
     ap.add_argument("--out", default="bench_gemm_gluon")
     ap.add_argument("--dtypes", default="float16")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shapes", default="prefill,short", help=f"comma-separated of {sorted(SHAPE_SETS)}")
+    ap.add_argument("--forms", default=",".join(FORMS), help=f"comma-separated of {FORMS}")
+    ap.add_argument("--levels", default="0,1,2,3", help="comma-separated levels to run (the persistent form has 0-2)")
+    ap.add_argument("--library", action="store_true", help="also time the library's checked GEMM (`library`)")
     ap.add_argument("--compile", nargs="*", metavar="BM,BN,BK,STAGES,WARPS",
                     help="compile each config at levels 0-2 for sm_90a offline and print ptxas's resources")
+    ap.add_argument("--plot-from", default=None, metavar="CSV", help="only plot a CSV this script wrote (to --out)")
     args = ap.parse_args()
+    if args.plot_from:
+        os.makedirs(args.out, exist_ok=True)
+        plot(args.plot_from, os.path.join(args.out, "bench_gemm_gluon.png"))
+        return 0
     if args.compile is not None:
         from kernel_resources import ptxas_info
         for spec in args.compile or [",".join(map(str, c)) for c in CONFIGS]:
             cfg = tuple(int(v) for v in spec.split(","))
-            for level in (0, 1, 2):
-                c = compile_offline(cfg, level)
-                print(spec, "level", level, "shared", c.metadata.shared, ptxas_info(c.asm["ptx"]))
+            for form in args.forms.split(","):
+                for level in (0, 1, 2):
+                    c = compile_offline(cfg, level, form=form)
+                    print(spec, form, "level", level, "shared", c.metadata.shared, ptxas_info(c.asm["ptx"]))
         return 0
     if not torch.cuda.is_available():
         ap.error("needs a Hopper GPU (or --compile for the offline resources)")

@@ -101,10 +101,14 @@ for spec, one_clamp in (((128, 64, 128, 8, True, 3, 0), False), ((64, 128, 64, 4
     assert "wgmma.mma_async" in c.asm["ptx"] and info["spill_stores"] == 0, (spec, info)
 assert "wgmma.wait_group.sync.aligned 1" in c.asm["ptx"], "the pipelined schedule waits for GEMM I only"
 import bench_gemm_gluon as gg
-# the checked GEMM's floor with its epilogue check: the product's and the checksum's MMAs per K step
-c = gg.compile_offline((128, 256, 64, 3, 8), 2)
-info = kr.ptxas_info(c.asm["ptx"])
-assert c.asm["ptx"].count("wgmma.mma_async") >= 2 and info["spill_stores"] == 0, info
+# the checked GEMM's floor: with its checksum as a second MMA per K step (level 2), and merged into the
+# product's MMA (level 3: no second MMA), both without spills
+two = gg.compile_offline((128, 256, 64, 3, 8), 2)
+c = gg.compile_offline((128, 256, 64, 3, 8), 3)
+n2, n3 = (k.asm["ptx"].count("wgmma.mma_async") for k in (two, c))
+assert n3 < n2, (n2, n3)
+for k in (two, c):
+    assert kr.ptxas_info(k.asm["ptx"])["spill_stores"] == 0
 name, compiled = "Gluon floors", c
 """
 
