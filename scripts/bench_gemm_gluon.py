@@ -1,34 +1,44 @@
 #!/usr/bin/env python
-"""What a column-group check costs in the product's own epilogue: a Gluon GEMM, checked at three levels.
+"""What a column-group check costs in the product's own kernel: a Gluon GEMM, checked at four levels.
 
-A floor study for the checked GEMM's next step (``docs/vabft.md``, "The cuBLAS form in the library": the
-check in the product's epilogue at cuBLAS speed), not the library's kernel. `_gemm_kernel` computes
-y = x·Wᵀ (x (M, K), W (N, K), fp16/bf16, fp32 accumulation) with a STAGES-deep TMA ring under mbarriers
-and asynchronous wgmma (one MMA group kept in flight) in one of two forms (``FORMS``):
+A floor study for the checked GEMM's next step (``docs/vabft.md``, "The check inside a Hopper GEMM"), not
+the library's kernel. It computes y = x·Wᵀ (x (M, K), W (N, K), fp16/bf16, fp32 accumulation) with a
+STAGES-deep TMA ring under mbarriers and asynchronous wgmma (one MMA group kept in flight) in one of two
+forms (``FORMS``):
 
-* ``tile`` — one program per (BLOCK_M, BLOCK_N) tile, y stored from the accumulator's registers;
-* ``persistent`` — one program per SM walking its tiles as one flat sequence of K steps (the ring holds the
-  next tile's first steps while a tile's epilogue runs), y stored through shared memory by TMA (cuBLAS's
-  epilogue);
+* ``tile`` (`_gemm_kernel`) — one program per (BLOCK_M, BLOCK_N) tile, y stored from the accumulator's
+  registers;
+* ``persistent`` (`_persistent_kernel`, levels 0–2) — one program per SM walking its tiles as one flat
+  sequence of K steps (the ring holds the next tile's first steps while a tile's epilogue runs), y stored
+  through shared memory by TMA (cuBLAS's epilogue);
 
-and at three levels:
+and at four levels:
 
 * ``LEVEL`` 0 — nothing (the plain GEMM: compare with cuBLAS);
-* ``LEVEL`` 1 — the checksum dot: x·Wcᵀ for the tile's column groups of 64, Wc holding each group's
-  weight sum w1_g = Σ_{c∈g} W[c, :] as two slices (hi + lo in x's dtype, exact to about fp32), read as
-  16 more weight rows per tile (one more wgmma of 16 columns per K step);
+* ``LEVEL`` 1 — the checksum as a second MMA: x·Wcᵀ for the tile's column groups of 64, Wc holding each
+  group's weight sum w1_g = Σ_{c∈g} W[c, :] as two slices (hi + lo in x's dtype, exact to about fp32), read
+  as 16 more weight rows per tile (one more wgmma of 16 columns per K step), its (BLOCK_M, 16) result
+  stored for a consumer to verify;
 * ``LEVEL`` 2 — and the check in the epilogue: each row's group sums of the fp32 accumulator against
   the checksum, |Σ_{c∈g} y[r, c] − x_r·w1_g| ≤ τ·Σ_k |x[r, k]|·max_k Σ_{c∈g} |W[c, k]|, τ = 2·(K + 64)·2^−24 (a
   simplified bound with the shape of V-ABFT's: one FMA per row and group; x's absolute row sums come in
-  precomputed), failing (row, group) pairs counted with one atomic per program.
+  precomputed), failing (row, group) pairs counted with one atomic per program;
+* ``LEVEL`` 3 — the checksum merged into the product's MMA (``tile`` form): W' (`merged_operand`) gives
+  every 64 rows of a tile 60 weight rows (a group of 60 output columns) followed by −hi and −lo of their
+  sum and two zero rows, so one wgmma of BLOCK_N columns yields the group's outputs and, summed over the
+  64-column chunk, its residual Σ_{c∈g} y[r, c] − x_r·w1_g directly; the same bound, a tile stores
+  BLOCK_N / 64 · 60 columns of y. W' costs 64/60 of W's memory and MMA work.
 
 The library's thresholds (e_max, the variance terms), its location and repair and its injection sites are
-left out: each level is a lower bound for a kernel that carries them. Checksum operands and x's row sums are
-made by PyTorch, descriptors and y once per layer, all outside the timing; times are taken under CUDA graphs
-(the issue's figure) and as eager launches.
+left out: each level is a lower bound for a kernel that carries them, and the simplified bound is looser
+than the library's (at K = 18,944 it misses the bench's one changed weight). Checksum operands and x's row
+sums are made by PyTorch, descriptors and y once per layer, all outside the timing; times are taken under
+CUDA graphs (the issue's figure) and as eager launches; ``--library`` times the library's checked GEMM in the
+same rounds.
 
-    python scripts/bench_gemm_gluon.py --out /tmp/gemm_gluon          # Hopper GPU
-    python scripts/bench_gemm_gluon.py --compile 128,256,64,3,8        # offline: sm_90a resources
+    python scripts/bench_gemm_gluon.py --out /tmp/gemm_gluon --library      # Hopper GPU
+    python scripts/bench_gemm_gluon.py --compile 128,256,64,3,8              # offline: sm_90a resources
+    python scripts/bench_gemm_gluon.py --plot-from /tmp/gemm_gluon/bench_gemm_gluon.csv --out /tmp/gemm_gluon
 """
 
 from __future__ import annotations
@@ -60,8 +70,9 @@ from ft_transformers.kernels.tl_common import cdiv  # noqa: E402
 GROUP = 64  # columns per check group
 CROWS = 16  # checksum rows per tile (2 slices × BLOCK_N / 64 groups, padded)
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps): 64 rows per warp group
-CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
-           (64, 64, 64, 6, 4), (64, 64, 128, 4, 4)]
+# (128, 128, 64, 3, ·): 96 KiB of ring, two programs per SM, one's epilogue under the other's MMAs
+CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (128, 128, 64, 3, 8),
+           (128, 128, 64, 3, 4), (64, 128, 64, 4, 4), (64, 64, 64, 6, 4), (64, 64, 128, 4, 4)]
 
 
 @gluon.jit
@@ -115,11 +126,12 @@ def _keep(cacc, CS, m0, pid_n, M, stride, BLOCK_M: gl.constexpr):
 @gluon.jit
 def _gemm_kernel(x_desc, w_desc, c_desc, Y, CS, XABS, WABS, Bad, M, N, K, tau,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                 LEVEL: gl.constexpr, num_warps: gl.constexpr):
+                 LEVEL: gl.constexpr, EVEN_M: gl.constexpr, num_warps: gl.constexpr):
     """Form "tile": one program per (BLOCK_M, BLOCK_N) tile (pid_m, pid_n) of y (M, N) (row-major, x's
     dtype), stored from the accumulator's registers. Wc (N / BLOCK_N · 16, K): tile t's rows 2g, 2g + 1 are
     group g's hi and lo slices; XABS (M,) Σ_k |x[r, k]|, WABS (N / 64,) max_k Σ_{c∈g} |W[c, k]| fp32; Bad (1,)
-    int32: failing (row, group) pairs."""
+    int32: failing (row, group) pairs. EVEN_M: BLOCK_M divides M (y's stores need no row mask, hence no
+    branch per store)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     c_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -180,10 +192,11 @@ def _gemm_kernel(x_desc, w_desc, c_desc, Y, CS, XABS, WABS, Bad, M, N, K, tau,
         on = pid_n * (G * 60) + (col // 64) * 60 + col % 64
         keep = ((col % 64) < 60) & (on < N)
         gl.store(Y + om[:, None].to(gl.int64) * N + on[None, :], acc.to(dtype),
-                 mask=(om < M)[:, None] & keep[None, :])
+                 mask=((om < M) | EVEN_M)[:, None] & keep[None, :])
+    elif EVEN_M:
+        gl.store(Y + om[:, None].to(gl.int64) * N + (n0 + col)[None, :], acc.to(dtype))
     else:
-        on = n0 + col
-        gl.store(Y + om[:, None].to(gl.int64) * N + on[None, :], acc.to(dtype), mask=(om < M)[:, None])
+        gl.store(Y + om[:, None].to(gl.int64) * N + (n0 + col)[None, :], acc.to(dtype), mask=(om < M)[:, None])
 
 
 @gluon.jit
@@ -334,7 +347,8 @@ def prepare(x, w, xabs, bad, level: int, cfg, form: str, sms: int, fault: bool =
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, LEVEL=level, num_warps=warps)
     if form == "tile":
         def launch():
-            _gemm_kernel[(cdiv(M, bm), tiles)](xd, wd, cd, y, cs, xabs, wabs, bad, M, N, K, tau, **consts)
+            _gemm_kernel[(cdiv(M, bm), tiles)](xd, wd, cd, y, cs, xabs, wabs, bad, M, N, K, tau, EVEN_M=M % bm == 0,
+                                               **consts)
             return y
     else:
         yd = _desc(y, [bm, bn])
@@ -361,7 +375,7 @@ def compile_offline(cfg, level: int, dtype: torch.dtype = torch.float16, arch: i
                  N=N, K=K, tau=0.1)
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, LEVEL=level, num_warps=warps)
     if form == "tile":
-        return _compile(_gemm_kernel, args, consts, arch)
+        return _compile(_gemm_kernel, args, dict(consts, EVEN_M=M % bm == 0), arch)
     return _compile(_persistent_kernel, args, dict(consts, GROUP_M=8), arch)
 
 
