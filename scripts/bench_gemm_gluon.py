@@ -20,21 +20,20 @@ and at four levels:
   as 16 more weight rows per tile (one more wgmma of 16 columns per K step), its (BLOCK_M, 16) result
   stored for a consumer to verify;
 * ``LEVEL`` 2 — and the check in the epilogue: each row's group sums of the fp32 accumulator against
-  the checksum, |Σ_{c∈g} y[r, c] − x_r·w1_g| ≤ τ·Σ_k |x[r, k]|·max_k Σ_{c∈g} |W[c, k]|, τ = 2·(K + 64)·2^−24 (a
-  simplified bound with the shape of V-ABFT's: one FMA per row and group; x's absolute row sums come in
-  precomputed), failing (row, group) pairs counted with one atomic per program;
+  the checksum, |Σ_{c∈g} y[r, c] − x_r·w1_g| ≤ T[r, g], T the library's SPEC §5 threshold (`_threshold`:
+  x's row mean and variance estimate, the group's constants, the accumulator-side e_max and e_var of
+  `vabft.gemm_emax`, c_σ = 2.5), failing (row, group) pairs counted with one atomic per program;
 * ``LEVEL`` 3 — the checksum merged into the product's MMA (``tile`` form): W' (`merged_operand`) gives
   every 64 rows of a tile 60 weight rows (a group of 60 output columns) followed by −hi and −lo of their
   sum and two zero rows, so one wgmma of BLOCK_N columns yields the group's outputs and, summed over the
-  64-column chunk, its residual Σ_{c∈g} y[r, c] − x_r·w1_g directly; the same bound, a tile stores
+  64-column chunk, its residual Σ_{c∈g} y[r, c] − x_r·w1_g directly; the same threshold, a tile stores
   BLOCK_N / 64 · 60 columns of y. W' costs 64/60 of W's memory and MMA work.
 
-The library's thresholds (e_max, the variance terms), its location and repair and its injection sites are
-left out: each level is a lower bound for a kernel that carries them, and the simplified bound is looser
-than the library's (at K = 18,944 it misses the bench's one changed weight). Checksum operands and x's row
-sums are made by PyTorch, descriptors and y once per layer, all outside the timing; times are taken under
-CUDA graphs (the issue's figure) and as eager launches; ``--library`` times the library's checked GEMM in the
-same rounds.
+The library's location and repair and its injection sites are left out: each level is a lower bound for a
+kernel that carries them. Checksum operands, threshold constants and x's row statistics are made by
+PyTorch, descriptors and y once per layer, all outside the timing (in a model x's statistics would come
+from a pass over x or its producer); times are taken under CUDA graphs (the issue's figure) and as eager
+launches; ``--library`` times the library's checked GEMM in the same rounds.
 
     python scripts/bench_gemm_gluon.py --out /tmp/gemm_gluon --library      # Hopper GPU
     python scripts/bench_gemm_gluon.py --compile 128,256,64,3,8              # offline: sm_90a resources
@@ -65,9 +64,18 @@ from _gluon import compile_offline as _compile  # noqa: E402
 from _gluon import descriptor as _desc  # noqa: E402
 from _gluon import tma_load as _tma_load  # noqa: E402
 from _gluon import tma_store as _tma_store  # noqa: E402
+from ft_transformers.kernels.gemm_checksums import (  # noqa: E402
+    group_checksums,
+    row_stats,
+    scale_variance_terms,
+    xvar_in_use,
+)
 from ft_transformers.kernels.tl_common import cdiv  # noqa: E402
 
-GROUP = 64  # columns per check group
+from ft_transformers.vabft import gemm_emax  # noqa: E402
+
+GROUP = 64  # columns per check group (levels 1, 2)
+CSIGMA = 2.5  # the threshold's c_σ, the library's default
 CROWS = 16  # checksum rows per tile (2 slices × BLOCK_N / 64 groups, padded)
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps): 64 rows per warp group
 # (128, 128, 64, 3, ·): 96 KiB of ring, two programs per SM, one's epilogue under the other's MMAs
@@ -91,7 +99,26 @@ def _load(x_desc, w_desc, c_desc, x_s, w_s, c_s, bars, ki, m0, n0, tile_n, BLOCK
 
 
 @gluon.jit
-def _check(acc, cacc, XABS, WABS, Bad, m0, pid_n, M, tau, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _threshold(XS, GC, rows, grp, M, emax, csig):
+    """SPEC §5's threshold of every (row, group) as the library's epilogues compute it
+    (`gemm_checksums.group_threshold`): XS (M, 2) x's row mean and variance estimate, GC (T_g, 8) the groups'
+    constants with the variance terms scaled to e_var (`scale_variance_terms`); rows (R,), grp (G,) in
+    slices of one 2-D layout. Returns (R, G) fp32."""
+    r_ok = rows < M
+    mu = gl.load(XS + rows * 2, mask=r_ok, other=0.0)[:, None]
+    var = gl.load(XS + rows * 2 + 1, mask=r_ok, other=0.0)[:, None]
+    c1 = gl.load(GC + grp * 8 + 1)[None, :]
+    c2 = gl.load(GC + grp * 8 + 2)[None, :]
+    c3 = gl.load(GC + grp * 8 + 3)[None, :]
+    c4 = gl.load(GC + grp * 8 + 4)[None, :]
+    c5 = gl.load(GC + grp * 8 + 5)[None, :]
+    c6 = gl.load(GC + grp * 8 + 6)[None, :]
+    return emax * (c1 * gl.abs(mu) + csig * gl.sqrt(mu * mu * c2 + var * c3) + csig * c4 * gl.sqrt(var) + c5
+                   + csig * c6)
+
+
+@gluon.jit
+def _check(acc, cacc, XS, GC, Bad, m0, pid_n, M, emax, csig, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
            num_warps: gl.constexpr):
     """The epilogue check of one (BLOCK_M, BLOCK_N) tile: acc its fp32 product, cacc (BLOCK_M, 16) x·Wcᵀ (the
     hi and lo slices of each of its G = BLOCK_N / 64 groups' checksums, zero padded); failing (row, group)
@@ -103,13 +130,11 @@ def _check(acc, cacc, XABS, WABS, Bad, m0, pid_n, M, tau, BLOCK_M: gl.constexpr,
     gs = gl.convert_layout(gs, gl.BlockedLayout([1, G], [32, 1], [num_warps, 1], [1, 0]))
     rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gs.type.layout))
     grp = pid_n * G + gl.arange(0, G, layout=gl.SliceLayout(0, gs.type.layout))
-    xa = gl.load(XABS + rows, mask=rows < M, other=0.0)
-    wa = gl.load(WABS + grp)
     # the tile's G groups are cs's first G entries, the rest zero padding: folding 8 into (8 / G, G) and
     # summing the first axis leaves group g at g
     c_g = gl.sum(gl.reshape(cs, [BLOCK_M, 8 // G, G]), axis=1) if G < 8 else cs
     c_g = gl.convert_layout(c_g, gs.type.layout)
-    bad = (gl.abs(gs - c_g) > tau * xa[:, None] * wa[None, :]) & (rows < M)[:, None]
+    bad = ~(gl.abs(gs - c_g) <= _threshold(XS, GC, rows, grp, M, emax, csig)) & (rows < M)[:, None]
     gl.atomic_add(Bad, gl.sum(gl.sum(bad.to(gl.int32), axis=1), axis=0))
 
 
@@ -124,12 +149,12 @@ def _keep(cacc, CS, m0, pid_n, M, stride, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _gemm_kernel(x_desc, w_desc, c_desc, Y, CS, XABS, WABS, Bad, M, N, K, tau,
+def _gemm_kernel(x_desc, w_desc, c_desc, Y, CS, XS, GC, Bad, M, N, K, emax, csig,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                  LEVEL: gl.constexpr, EVEN_M: gl.constexpr, num_warps: gl.constexpr):
     """Form "tile": one program per (BLOCK_M, BLOCK_N) tile (pid_m, pid_n) of y (M, N) (row-major, x's
     dtype), stored from the accumulator's registers. Wc (N / BLOCK_N · 16, K): tile t's rows 2g, 2g + 1 are
-    group g's hi and lo slices; XABS (M,) Σ_k |x[r, k]|, WABS (N / 64,) max_k Σ_{c∈g} |W[c, k]| fp32; Bad (1,)
+    group g's hi and lo slices; XS (M, 2), GC (T_g, 8) and emax, csig the threshold's (`_threshold`); Bad (1,)
     int32: failing (row, group) pairs. EVEN_M: BLOCK_M divides M (y's stores need no row mask, hence no
     branch per store)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -177,7 +202,7 @@ def _gemm_kernel(x_desc, w_desc, c_desc, Y, CS, XABS, WABS, Bad, M, N, K, tau,
     if LEVEL == 1:
         _keep(cacc, CS, m0, pid_n, M, N // BLOCK_N * 16, BLOCK_M)
     if LEVEL == 2:
-        _check(acc, cacc, XABS, WABS, Bad, m0, pid_n, M, tau, BLOCK_M, BLOCK_N, num_warps)
+        _check(acc, cacc, XS, GC, Bad, m0, pid_n, M, emax, csig, BLOCK_M, BLOCK_N, num_warps)
     if LEVEL == 3:
         # W' tile: chunk g of 64 columns = group g's 60 weight rows, then −hi_g, −lo_g and two zero rows, so
         # a chunk's sum is the group's residual Σ_{c∈g} y[r, c] − x_r·w1_g (the check without a second MMA)
@@ -185,9 +210,7 @@ def _gemm_kernel(x_desc, w_desc, c_desc, Y, CS, XABS, WABS, Bad, M, N, K, tau,
         res = gl.sum(gl.reshape(acc, [BLOCK_M, G, 64]), axis=2)  # (BLOCK_M, G)
         rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, res.type.layout))
         grp = pid_n * G + gl.arange(0, G, layout=gl.SliceLayout(0, res.type.layout))
-        xa = gl.load(XABS + rows, mask=rows < M, other=0.0)
-        wa = gl.load(WABS + grp)  # zero for groups past N
-        bad = (gl.abs(res) > tau * xa[:, None] * wa[None, :]) & (rows < M)[:, None]
+        bad = ~(gl.abs(res) <= _threshold(XS, GC, rows, grp, M, emax, csig)) & (rows < M)[:, None]
         gl.atomic_add(Bad, gl.sum(gl.sum(bad.to(gl.int32), axis=1), axis=0))
         on = pid_n * (G * 60) + (col // 64) * 60 + col % 64
         keep = ((col % 64) < 60) & (on < N)
@@ -220,7 +243,7 @@ def _load_step(x_desc, w_desc, c_desc, x_s, w_s, c_s, bars, s, num_k, num_pid_m,
 
 
 @gluon.jit
-def _persistent_kernel(x_desc, w_desc, c_desc, y_desc, CS, XABS, WABS, Bad, M, N, K, tau,
+def _persistent_kernel(x_desc, w_desc, c_desc, y_desc, CS, XS, GC, Bad, M, N, K, emax, csig,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                        STAGES: gl.constexpr, LEVEL: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     """Form "persistent": one program per SM walks tiles pid, pid + P, … as one flat sequence of K steps, so
@@ -273,7 +296,7 @@ def _persistent_kernel(x_desc, w_desc, c_desc, y_desc, CS, XABS, WABS, Bad, M, N
             if LEVEL == 1:
                 _keep(cacc, CS, pid_m * BLOCK_M, pid_n, M, N // BLOCK_N * 16, BLOCK_M)
             if LEVEL == 2:
-                _check(acc, cacc, XABS, WABS, Bad, pid_m * BLOCK_M, pid_n, M, tau, BLOCK_M, BLOCK_N, num_warps)
+                _check(acc, cacc, XS, GC, Bad, pid_m * BLOCK_M, pid_n, M, emax, csig, BLOCK_M, BLOCK_N, num_warps)
             tma.store_wait(0)  # the previous tile's store has left y_s
             y_s.store(acc.to(dtype))
             fence_async_shared()
@@ -283,9 +306,15 @@ def _persistent_kernel(x_desc, w_desc, c_desc, y_desc, CS, XABS, WABS, Bad, M, N
         mbarrier.invalidate(bars.index(i))
 
 
-def checksum_operand(w: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_constants(w_groups: torch.Tensor, var_scale: float) -> torch.Tensor:
+    """The threshold constants (T, 8) of a weight whose rows are its check groups of 64 (N = T·64, zero rows
+    allowed: `gemm_checksums.group_checksums`, variance terms scaled by e_var / e_max)."""
+    return scale_variance_terms(group_checksums(w_groups, None)[1], var_scale).contiguous()
+
+
+def checksum_operand(w: torch.Tensor, block_n: int, var_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Wc (N / block_n · 16, K) in w's dtype, tile t's rows 2g, 2g + 1 the hi and lo slices of its group g's
-    weight sum, and WABS (N / 64,) fp32 max_k Σ_{c∈g} |W[c, k]| (the bound's weight factor)."""
+    weight sum, and the groups' threshold constants (N / 64, 8) fp32."""
     N, K = w.shape
     w1 = w.float().view(N // GROUP, GROUP, K).sum(1)  # (T_g, K)
     hi = w1.to(w.dtype)
@@ -294,14 +323,15 @@ def checksum_operand(w: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch
     wc = torch.zeros(N // block_n, CROWS, K, dtype=w.dtype, device=w.device)
     wc[:, 0:2 * per:2] = hi.view(N // block_n, per, K)
     wc[:, 1:2 * per:2] = lo.view(N // block_n, per, K)
-    wabs = w.float().abs().view(N // GROUP, GROUP, K).sum(1).amax(1)
-    return wc.view(-1, K), wabs.contiguous()
+    return wc.view(-1, K), _group_constants(w, var_scale)
 
 
-def merged_operand(w: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def merged_operand(w: torch.Tensor, block_n: int, var_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Level 3's W' (T · block_n, K), T = ⌈N / (block_n / 64 · 60)⌉, in w's dtype: tile t's 64-row chunk g
     holds the weight rows of group g (60 output columns, zero past N), then −hi and −lo of the group's
-    weight sum and two zero rows; and WABS (T · block_n / 64,) fp32 max_k Σ_{c∈g} |W[c, k]| (zero past N)."""
+    weight sum and two zero rows; and the groups' threshold constants (T · block_n / 64, 8) fp32, taken over
+    each chunk's 60 rows and 4 zero rows (the same mean terms as over the 60 rows, variance terms no
+    smaller: a threshold no tighter than the group's own)."""
     N, K = w.shape
     n_groups = cdiv(N, 60)
     per = block_n // 64
@@ -314,30 +344,34 @@ def merged_operand(w: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.T
     lo = (w1 - hi.float()).to(w.dtype)
     wm = torch.zeros(T * per, 64, K, dtype=w.dtype, device=w.device)
     wm[:, :60] = wg.to(w.dtype)
+    consts = _group_constants(wm.view(-1, K), var_scale)  # before the check rows go in
     wm[:, 60], wm[:, 61] = -hi, -lo
-    return wm.view(T * block_n, K), wg.abs().sum(1).amax(1).contiguous()
+    return wm.view(T * block_n, K), consts
 
 
 FORMS = ("tile", "persistent")
 LEVELS = {"tile": (0, 1, 2, 3), "persistent": (0, 1, 2)}
 
 
-def prepare(x, w, xabs, bad, level: int, cfg, form: str, sms: int, fault: bool = False):
-    """A zero-argument launch of y = x·Wᵀ at ``level`` in ``form`` with its operands, descriptors and output
-    made once (a model's layer would keep them): x (M, K), w (N, K) contiguous fp16/bf16, N a multiple of the
-    config's BLOCK_N below level 3, K of 8; the launch returns y (M, N). ``sms``: the persistent form's
-    program count. ``fault``: W[5, 7] += 1 after the checksums are made (a fault in the product)."""
+def prepare(x, w, bad, level: int, cfg, form: str, sms: int, fault: bool = False):
+    """A zero-argument launch of y = x·Wᵀ at ``level`` in ``form`` with its operands, x's row statistics,
+    descriptors and output made once (a model's layer would keep what depends on W): x (M, K), w (N, K)
+    contiguous fp16/bf16, N a multiple of the config's BLOCK_N below level 3, K of 8; the launch returns
+    y (M, N). The check takes the library's accumulator-side e_max and e_var for (dtype, K) and c_σ = 2.5.
+    ``sms``: the persistent form's program count. ``fault``: W[5, 7] += 1 after the checksums are made (a
+    fault in the product)."""
     bm, bn, bk, stages, warps = cfg
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    tau = 2.0 * (K + GROUP) * 2.0 ** -24
+    emax, evar = gemm_emax(x.dtype, x.device, "accumulator", K)
+    xs = torch.stack(row_stats(x, xvar=xvar_in_use(x.device.type, x.dtype, "accumulator")), 1).contiguous()
     if level == 3:
-        wop, wabs = merged_operand(w, bn)
+        wop, gc = merged_operand(w, bn, evar / emax)
         wc = torch.zeros(CROWS, K, dtype=w.dtype, device=w.device)  # unread
         tiles = wop.shape[0] // bn
     else:
-        wc, wabs = checksum_operand(w, bn)
+        wc, gc = checksum_operand(w, bn, evar / emax)
         wop, tiles = w, N // bn
     if fault:
         wop = wop.clone()
@@ -347,15 +381,15 @@ def prepare(x, w, xabs, bad, level: int, cfg, form: str, sms: int, fault: bool =
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, LEVEL=level, num_warps=warps)
     if form == "tile":
         def launch():
-            _gemm_kernel[(cdiv(M, bm), tiles)](xd, wd, cd, y, cs, xabs, wabs, bad, M, N, K, tau, EVEN_M=M % bm == 0,
-                                               **consts)
+            _gemm_kernel[(cdiv(M, bm), tiles)](xd, wd, cd, y, cs, xs, gc, bad, M, N, K, emax, CSIGMA,
+                                               EVEN_M=M % bm == 0, **consts)
             return y
     else:
         yd = _desc(y, [bm, bn])
         grid = (min(sms, cdiv(M, bm) * tiles),)
 
         def launch():
-            _persistent_kernel[grid](xd, wd, cd, yd, cs, xabs, wabs, bad, M, N, K, tau, GROUP_M=8, **consts)
+            _persistent_kernel[grid](xd, wd, cd, yd, cs, xs, gc, bad, M, N, K, emax, CSIGMA, GROUP_M=8, **consts)
             return y
     return launch
 
@@ -371,8 +405,8 @@ def compile_offline(cfg, level: int, dtype: torch.dtype = torch.float16, arch: i
     args = dict(x_desc=_desc(x, [bm, bk]), w_desc=_desc(w, [bn, bk]), c_desc=_desc(wc, [CROWS, bk]))
     args |= dict(Y=y) if form == "tile" else dict(y_desc=_desc(y, [bm, bn]))
     args |= dict(CS=torch.empty(M, N // bn * 16))
-    args |= dict(XABS=torch.empty(M), WABS=torch.empty(N // GROUP), Bad=torch.empty(1, dtype=torch.int32), M=M,
-                 N=N, K=K, tau=0.1)
+    args |= dict(XS=torch.empty(M, 2), GC=torch.empty(N // GROUP, 8), Bad=torch.empty(1, dtype=torch.int32), M=M,
+                 N=N, K=K, emax=1e-6, csig=CSIGMA)
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, LEVEL=level, num_warps=warps)
     if form == "tile":
         return _compile(_gemm_kernel, args, dict(consts, EVEN_M=M % bm == 0), arch)
@@ -415,7 +449,6 @@ def run(args) -> list[dict]:
             g = torch.Generator(device="cuda").manual_seed(M + N + K)
             x = torch.randn(M, K, device="cuda", dtype=dtype, generator=g)
             w = (torch.randn(N, K, device="cuda", dtype=dtype, generator=g) / K ** 0.5).to(dtype)
-            xabs = x.float().abs().sum(1).contiguous()
             ref = F.linear(x, w)
             fns = {"cublas": lambda x=x, w=w: F.linear(x, w)}
             row0 = dict(dtype=dt, M=M, N=N, K=K)
@@ -433,7 +466,7 @@ def run(args) -> list[dict]:
                             continue
                         bad = torch.zeros(1, dtype=torch.int32, device="cuda")
                         try:
-                            fn = prepare(x, w, xabs, bad, level, cfg, form, sms)
+                            fn = prepare(x, w, bad, level, cfg, form, sms)
                             t = do_bench_cudagraph(fn, rep=10)
                         except Exception as exc:  # noqa: BLE001 - out of resources: the next config
                             print(f"  {form} {cfg} level {level}: {type(exc).__name__}: "
@@ -451,7 +484,7 @@ def run(args) -> list[dict]:
                     caught = -1
                     if level >= 2:
                         bad.zero_()
-                        prepare(x, w, xabs, bad, level, cfg, form, sms, fault=True)()
+                        prepare(x, w, bad, level, cfg, form, sms, fault=True)()
                         caught = int(bad.item())
                     name = f"{form}{level}"
                     fns[name] = fn
@@ -522,7 +555,7 @@ def main() -> int:
     ap.add_argument("--levels", default="0,1,2,3", help="comma-separated levels to run (the persistent form has 0-2)")
     ap.add_argument("--library", action="store_true", help="also time the library's checked GEMM (`library`)")
     ap.add_argument("--compile", nargs="*", metavar="BM,BN,BK,STAGES,WARPS",
-                    help="compile each config at levels 0-2 for sm_90a offline and print ptxas's resources")
+                    help="compile each config at every level of each form for sm_90a offline; print ptxas's resources")
     ap.add_argument("--plot-from", default=None, metavar="CSV", help="only plot a CSV this script wrote (to --out)")
     args = ap.parse_args()
     if args.plot_from:
@@ -534,7 +567,7 @@ def main() -> int:
         for spec in args.compile or [",".join(map(str, c)) for c in CONFIGS]:
             cfg = tuple(int(v) for v in spec.split(","))
             for form in args.forms.split(","):
-                for level in (0, 1, 2):
+                for level in LEVELS[form]:
                     c = compile_offline(cfg, level, form=form)
                     print(spec, form, "level", level, "shared", c.metadata.shared, ptxas_info(c.asm["ptx"]))
         return 0

@@ -794,3 +794,23 @@ def test_gpu_tracked_generate():
     assert not ftt.fault_report(model).events
     assert torch.equal(out.sequences, sdpa.sequences)
     assert any(vars(layer).get("_ftt_kv") is not None and layer._ftt_kv.stored_calls == 6 for layer in cache.layers)
+
+
+def test_backend_agreement_script(tmp_path):
+    """`scripts/efta_backend_agreement.py` runs the same flips through the kernel and the reference path: two
+    high exponent flips of a stored bf16 entry are detected by both, and the JSON holds both verdicts."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "efta_backend_agreement.py"
+    out = tmp_path / "agree.json"
+    res = subprocess.run([sys.executable, str(script), "--shape", "1,2,1,16,64,16", "--bits", "13-14", "--n", "2",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "detected: reference 2, kernel 2 of 2; same verdict in 2" in res.stdout, res.stdout
+    trials = json.loads(out.read_text())["trials"]
+    assert len(trials) == 2 and all(13 <= t["bit"] <= 14 for t in trials)
+    assert all(t[be]["where"] for t in trials for be in ("reference", "triton"))  # the flip landed in k or v
