@@ -353,29 +353,37 @@ FORMS = ("tile", "persistent")
 LEVELS = {"tile": (0, 1, 2, 3), "persistent": (0, 1, 2)}
 
 
-def prepare(x, w, bad, level: int, cfg, form: str, sms: int, fault: bool = False):
+def weight_side(w: torch.Tensor, level: int, block_n: int, fault: bool = False) -> tuple:
+    """What a layer keeps per weight for ``level`` at tile width ``block_n``: (the product's operand (W, or W'
+    at level 3), Wc, the groups' threshold constants, tiles along N, e_max). The check takes the library's
+    accumulator-side e_max and e_var for (dtype, K). ``fault``: the operand's [5, 7] += 1 after the checksums
+    are made (a fault in the product)."""
+    N, K = w.shape
+    emax, evar = gemm_emax(w.dtype, w.device, "accumulator", K)
+    if level == 3:
+        wop, gc = merged_operand(w, block_n, evar / emax)
+        wc = torch.zeros(CROWS, K, dtype=w.dtype, device=w.device)  # unread
+    else:
+        wc, gc = checksum_operand(w, block_n, evar / emax)
+        wop = w
+    if fault:
+        wop = wop.clone()
+        wop[5, 7] += 1.0
+    return wop, wc, gc, wop.shape[0] // block_n, emax
+
+
+def prepare(x, w, bad, level: int, cfg, form: str, sms: int, fault: bool = False, wside: tuple | None = None):
     """A zero-argument launch of y = x·Wᵀ at ``level`` in ``form`` with its operands, x's row statistics,
-    descriptors and output made once (a model's layer would keep what depends on W): x (M, K), w (N, K)
-    contiguous fp16/bf16, N a multiple of the config's BLOCK_N below level 3, K of 8; the launch returns
-    y (M, N). The check takes the library's accumulator-side e_max and e_var for (dtype, K) and c_σ = 2.5.
-    ``sms``: the persistent form's program count. ``fault``: W[5, 7] += 1 after the checksums are made (a
-    fault in the product)."""
+    descriptors and output made once (a model's layer would keep what depends on W: `weight_side`, or
+    ``wside`` when given): x (M, K), w (N, K) contiguous fp16/bf16, N a multiple of the config's BLOCK_N
+    below level 3, K of 8; the launch returns y (M, N); c_σ = 2.5. ``sms``: the persistent form's program
+    count."""
     bm, bn, bk, stages, warps = cfg
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    emax, evar = gemm_emax(x.dtype, x.device, "accumulator", K)
+    wop, wc, gc, tiles, emax = wside if wside is not None else weight_side(w, level, bn, fault)
     xs = torch.stack(row_stats(x, xvar=xvar_in_use(x.device.type, x.dtype, "accumulator")), 1).contiguous()
-    if level == 3:
-        wop, gc = merged_operand(w, bn, evar / emax)
-        wc = torch.zeros(CROWS, K, dtype=w.dtype, device=w.device)  # unread
-        tiles = wop.shape[0] // bn
-    else:
-        wc, gc = checksum_operand(w, bn, evar / emax)
-        wop, tiles = w, N // bn
-    if fault:
-        wop = wop.clone()
-        wop[5, 7] += 1.0
     cs = torch.empty(M, tiles * 16, device=x.device)
     xd, wd, cd = _desc(x, [bm, bk]), _desc(wop, [bn, bk]), _desc(wc, [CROWS, bk])
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, LEVEL=level, num_warps=warps)
@@ -392,6 +400,36 @@ def prepare(x, w, bad, level: int, cfg, form: str, sms: int, fault: bool = False
             _persistent_kernel[grid](xd, wd, cd, yd, cs, xs, gc, bad, M, N, K, emax, CSIGMA, GROUP_M=8, **consts)
             return y
     return launch
+
+
+# SPEC §5.1's input distributions, drawn in turn by the clean calls
+DISTRIBUTIONS = ("N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)")
+
+
+def _draw(dist: str, shape: tuple[int, int], g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """One x of ``dist`` (`DISTRIBUTIONS`; TN: N(0,1) truncated to [−1, 1]) on the generator's device."""
+    dev = g.device
+    if dist == "N(1e-6,1)":
+        t = torch.randn(shape, generator=g, device=dev) + 1e-6
+    elif dist == "N(1,1)":
+        t = torch.randn(shape, generator=g, device=dev) + 1.0
+    elif dist == "U(-1,1)":
+        t = torch.rand(shape, generator=g, device=dev) * 2 - 1
+    else:
+        t = torch.nn.init.trunc_normal_(torch.empty(shape, device=dev), 0.0, 1.0, -1.0, 1.0, generator=g)
+    return t.to(dtype)
+
+
+def clean_flags(w: torch.Tensor, M: int, level: int, cfg, form: str, sms: int, calls: int, seed: int) -> int:
+    """Failing (row, group) pairs over ``calls`` launches on fresh clean inputs x (M, K), the distributions in
+    turn, the weight side made once: the threshold's false positives (should be 0)."""
+    bad = torch.zeros(1, dtype=torch.int32, device=w.device)
+    wside = weight_side(w, level, cfg[1])
+    g = torch.Generator(device=w.device).manual_seed(seed)
+    for i in range(calls):
+        x = _draw(DISTRIBUTIONS[i % len(DISTRIBUTIONS)], (M, w.shape[1]), g, w.dtype)
+        prepare(x, w, bad, level, cfg, form, sms, wside=wside)()
+    return int(bad.item())
 
 
 def compile_offline(cfg, level: int, dtype: torch.dtype = torch.float16, arch: int = 90, form: str = "tile"):
@@ -456,8 +494,8 @@ def run(args) -> list[dict]:
             if args.library:
                 fns["library"] = library_linear(x, w)
                 y_lib = fns["library"]()
-                out.append(dict(row0, variant="library", config="", flagged_clean=-1, flagged_fault=-1,
-                                max_abs_err=(y_lib.float() - ref.float()).abs().max().item()))
+                out.append(dict(row0, variant="library", config="", flagged_clean=-1, flagged_fault=-1, clean_calls=0,
+                                flagged_clean_calls=-1, max_abs_err=(y_lib.float() - ref.float()).abs().max().item()))
             for form in forms:
                 for level in [lv for lv in LEVELS[form] if str(lv) in args.levels.split(",")]:
                     best = None
@@ -482,14 +520,18 @@ def run(args) -> list[dict]:
                     fn()
                     clean_bad = int(bad.item())
                     caught = -1
+                    sweep = -1
                     if level >= 2:
                         bad.zero_()
                         prepare(x, w, bad, level, cfg, form, sms, fault=True)()
                         caught = int(bad.item())
+                        if args.clean_calls:
+                            sweep = clean_flags(w, M, level, cfg, form, sms, args.clean_calls, M + N + K)
                     name = f"{form}{level}"
                     fns[name] = fn
                     out.append(dict(row0, variant=name, config=",".join(map(str, cfg)), max_abs_err=err,
-                                    flagged_clean=clean_bad, flagged_fault=caught))
+                                    flagged_clean=clean_bad, flagged_fault=caught, clean_calls=args.clean_calls,
+                                    flagged_clean_calls=sweep))
             graph = {n: [] for n in fns}
             eager = {n: [] for n in fns}
             for _ in range(args.rounds):  # interleaved rounds, each variant's median over them
@@ -497,14 +539,16 @@ def run(args) -> list[dict]:
                     graph[n].append(do_bench_cudagraph(f, rep=20))
                     eager[n].append(do_bench(f, warmup=10, rep=30))
             tg, te = statistics.median(graph["cublas"]), statistics.median(eager["cublas"])
-            base = dict(row0, variant="cublas", config="", max_abs_err=0.0, flagged_clean=0, flagged_fault=-1)
+            base = dict(row0, variant="cublas", config="", max_abs_err=0.0, flagged_clean=0, flagged_fault=-1,
+                        clean_calls=0, flagged_clean_calls=-1)
             for r in [base, *out]:
                 g_us, e_us = statistics.median(graph[r["variant"]]), statistics.median(eager[r["variant"]])
                 r.update(graph_us=g_us * 1e3, x_cublas_graph=tg / g_us, eager_us=e_us * 1e3, x_cublas_eager=te / e_us)
                 rows.append(r)
                 print(f"{dt} {M}x{N}x{K} {r['variant']:11s} graph {r['graph_us']:8.1f} us {r['x_cublas_graph']:.3f}x  "
                       f"eager {r['eager_us']:8.1f} us {r['x_cublas_eager']:.3f}x  {r['config']:16s} "
-                      f"err {r['max_abs_err']:.1e} clean flags {r['flagged_clean']} fault flags {r['flagged_fault']}",
+                      f"err {r['max_abs_err']:.1e} clean flags {r['flagged_clean']} fault flags {r['flagged_fault']} "
+                      f"flags in {r['clean_calls']} clean calls {r['flagged_clean_calls']}",
                       flush=True)
     return rows
 
@@ -554,6 +598,8 @@ def main() -> int:
     ap.add_argument("--forms", default=",".join(FORMS), help=f"comma-separated of {FORMS}")
     ap.add_argument("--levels", default="0,1,2,3", help="comma-separated levels to run (the persistent form has 0-2)")
     ap.add_argument("--library", action="store_true", help="also time the library's checked GEMM (`library`)")
+    ap.add_argument("--clean-calls", type=int, default=0,
+                    help="checked levels: also count flags over this many launches on fresh clean inputs per shape")
     ap.add_argument("--compile", nargs="*", metavar="BM,BN,BK,STAGES,WARPS",
                     help="compile each config at every level of each form for sm_90a offline; print ptxas's resources")
     ap.add_argument("--plot-from", default=None, metavar="CSV", help="only plot a CSV this script wrote (to --out)")
