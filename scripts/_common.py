@@ -15,7 +15,7 @@ import torch
 
 from ft_transformers.longbench.runtime import load_model, versions
 
-__all__ = ["device_label", "environment", "fixed_length", "load_model", "versions", "write_rows"]
+__all__ = ["device_label", "environment", "fixed_length", "load_model", "grouped_bars", "versions", "write_rows"]
 
 
 def device_label(device: torch.device | str | None = None) -> str:
@@ -37,6 +37,17 @@ def write_rows(path: str, rows: list[dict]) -> None:
         w.writeheader()
         w.writerows(rows)
     print("wrote", path)
+
+
+def grouped_bars(ax, keys: list, series: dict[str, dict]) -> None:
+    """One group of bars per key on the matplotlib axes ``ax``, a bar per series (name → {key: value}; NaN
+    where a series lacks the key), a line at 1 and an x tick per group (the caller labels them)."""
+    width = 0.8 / max(len(series), 1)
+    for i, (name, val) in enumerate(series.items()):
+        ax.bar([j + (i - len(series) / 2) * width for j in range(len(keys))],
+               [val.get(k, float("nan")) for k in keys], width, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(keys)))
 
 
 def environment(device: torch.device | str | None = None) -> str:

@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from _common import write_rows  # noqa: E402
+from _common import grouped_bars, write_rows  # noqa: E402
 from _timing import interleaved  # noqa: E402
 from ft_transformers.kernels.efta.common import _mul  # noqa: E402
 
@@ -511,14 +511,8 @@ def plot(csv_paths: list[str], png_path: str) -> None:
             raise SystemExit(f"{path}: no timed rows to plot (a --dry-run CSV has no times)")
         shapes = list(dict.fromkeys((r["B"], r["H"], r["S"], r["D"], r["causal"]) for r in rows))
         names = list(dict.fromkeys(r["variant"] for r in rows))
-        width = 0.8 / max(len(names), 1)
-        for i, name in enumerate(names):
-            val = {(r["B"], r["H"], r["S"], r["D"], r["causal"]): float(r[col]) for r in rows
-                   if r["variant"] == name}
-            ax.bar([j + (i - len(names) / 2) * width for j in range(len(shapes))],
-                   [val.get(sh, float("nan")) for sh in shapes], width, label=name)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks(range(len(shapes)))
+        grouped_bars(ax, shapes, {name: {(r["B"], r["H"], r["S"], r["D"], r["causal"]): float(r[col]) for r in rows
+                                         if r["variant"] == name} for name in names})
         ax.set_xticklabels([f"{b}x{h}x{s}, D={d}{', causal' if c == 'True' else ''}" for b, h, s, d, c in shapes],
                            fontsize=8, rotation=20, ha="right")
         ax.set_ylabel(f"time / {basis}")

@@ -50,9 +50,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import write_rows  # noqa: E402
+from _common import grouped_bars, write_rows  # noqa: E402
 from _gluon import compile_offline as _compile  # noqa: E402
 from _gluon import descriptor as _desc  # noqa: E402
+from calibrate_emax import sample_matrix  # noqa: E402
 from ft_transformers.kernels.gemm_checksums import (  # noqa: E402
     group_checksums,
     row_stats,
@@ -138,7 +139,7 @@ def weight_side(w: torch.Tensor, level: int, block_n: int, fault: bool = False) 
     return wop, wc, gc, wop.shape[0] // block_n, emax
 
 
-def prepare(x, w, bad, level: int, cfg, form: str, sms: int, fault: bool = False, wside: tuple | None = None):
+def prepare(x, w, bad, level: int, cfg, form: str, sms: int, wside: tuple | None = None):
     """A zero-argument launch of y = x·Wᵀ at ``level`` in ``form`` with its operands, x's row statistics,
     descriptors and output made once (a model's layer would keep what depends on W: `weight_side`, or
     ``wside`` when given): x (M, K), w (N, K) contiguous fp16/bf16, N a multiple of the config's BLOCK_N
@@ -148,7 +149,7 @@ def prepare(x, w, bad, level: int, cfg, form: str, sms: int, fault: bool = False
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    wop, wc, gc, tiles, emax = wside if wside is not None else weight_side(w, level, bn, fault)
+    wop, wc, gc, tiles, emax = wside if wside is not None else weight_side(w, level, bn)
     xs = torch.stack(row_stats(x, xvar=xvar_in_use(x.device.type, x.dtype, "accumulator")), 1).contiguous()
     cs = torch.empty(M, tiles * 16, device=x.device)
     xd, wd, cd = _desc(x, [bm, bk]), _desc(wop, [bn, bk]), _desc(wc, [CROWS, bk])
@@ -168,22 +169,8 @@ def prepare(x, w, bad, level: int, cfg, form: str, sms: int, fault: bool = False
     return launch
 
 
-# SPEC §5.1's input distributions, drawn in turn by the clean calls
+# SPEC §5.1's input distributions (`calibrate_emax.sample_matrix`), drawn in turn by the clean calls
 DISTRIBUTIONS = ("N(1e-6,1)", "N(1,1)", "U(-1,1)", "TN(0,1)")
-
-
-def _draw(dist: str, shape: tuple[int, int], g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    """One x of ``dist`` (`DISTRIBUTIONS`; TN: N(0,1) truncated to [−1, 1]) on the generator's device."""
-    dev = g.device
-    if dist == "N(1e-6,1)":
-        t = torch.randn(shape, generator=g, device=dev) + 1e-6
-    elif dist == "N(1,1)":
-        t = torch.randn(shape, generator=g, device=dev) + 1.0
-    elif dist == "U(-1,1)":
-        t = torch.rand(shape, generator=g, device=dev) * 2 - 1
-    else:
-        t = torch.nn.init.trunc_normal_(torch.empty(shape, device=dev), 0.0, 1.0, -1.0, 1.0, generator=g)
-    return t.to(dtype)
 
 
 def clean_flags(w: torch.Tensor, M: int, level: int, cfg, form: str, sms: int, calls: int, seed: int) -> int:
@@ -193,7 +180,7 @@ def clean_flags(w: torch.Tensor, M: int, level: int, cfg, form: str, sms: int, c
     wside = weight_side(w, level, cfg[1])
     g = torch.Generator(device=w.device).manual_seed(seed)
     for i in range(calls):
-        x = _draw(DISTRIBUTIONS[i % len(DISTRIBUTIONS)], (M, w.shape[1]), g, w.dtype)
+        x = sample_matrix(DISTRIBUTIONS[i % len(DISTRIBUTIONS)], (M, w.shape[1]), g).to(w.dtype)
         prepare(x, w, bad, level, cfg, form, sms, wside=wside)()
     return int(bad.item())
 
@@ -289,7 +276,7 @@ def run(args) -> list[dict]:
                     sweep = -1
                     if level >= 2:
                         bad.zero_()
-                        prepare(x, w, bad, level, cfg, form, sms, fault=True)()
+                        prepare(x, w, bad, level, cfg, form, sms, wside=weight_side(w, level, cfg[1], fault=True))()
                         caught = int(bad.item())
                         if args.clean_calls:
                             sweep = clean_flags(w, M, level, cfg, form, sms, args.clean_calls, M + N + K)
@@ -338,14 +325,9 @@ def plot(csv_path: str, png_path: str) -> None:
         rows = [r for r in every if r["dtype"] == dt]
         shapes = list(dict.fromkeys((r["M"], r["N"], r["K"]) for r in rows))
         names = list(dict.fromkeys(r["variant"] for r in rows))
-        width = 0.8 / len(names)
-        for i, name in enumerate(names):
-            val = {(r["M"], r["N"], r["K"]): float(r["x_cublas_graph"]) for r in rows if r["variant"] == name}
-            ax.bar([j + (i - len(names) / 2) * width for j in range(len(shapes))],
-                   [val.get(sh, float("nan")) for sh in shapes], width, label=name)
-        ax.axhline(1.0, color="k", lw=0.8)
+        grouped_bars(ax, shapes, {name: {(r["M"], r["N"], r["K"]): float(r["x_cublas_graph"]) for r in rows
+                                         if r["variant"] == name} for name in names})
         ax.axhline(0.9, color="k", lw=0.6, ls="--")
-        ax.set_xticks(range(len(shapes)))
         ax.set_xticklabels(["×".join(sh) for sh in shapes], fontsize=7, rotation=30, ha="right")
         ax.set_ylabel("throughput / cuBLAS (graphs)")
         ax.set_title(f"{os.path.basename(csv_path)}, {dt} (M×N×K)", fontsize=9)
